@@ -1,0 +1,1 @@
+//! rucx CUDA services: runtime-loaded driver and NVML, pointer classification, GPU-direct report

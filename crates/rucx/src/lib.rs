@@ -1,0 +1,1 @@
+//! rucx: a communication framework for clusters with heterogeneous GPUs

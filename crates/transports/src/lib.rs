@@ -1,0 +1,1 @@
+//! the list of every rucx transport component, for contexts to discover

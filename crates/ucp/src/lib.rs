@@ -1,0 +1,1 @@
+//! rucx protocols: contexts, workers, endpoints, tag matching, planner

@@ -1,0 +1,421 @@
+//! Configuration: every option is declared once, in a table of [`OptionSpec`]s owned by the crate
+//! that uses it, and read from `RUCX_<NAME>` environment variables or set in code.
+//!
+//! Values are validated when they are set, so a malformed variable is reported up front with the
+//! variable's name and the accepted forms, never later in the middle of a transfer.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::tls::{self, TlsSelection};
+use crate::units::{self, MemUnits};
+
+/// Prefix of every environment variable rucx reads.
+pub const ENV_PREFIX: &str = "RUCX_";
+
+/// What kind of value an option holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptKind {
+    /// `y`/`n`, `yes`/`no`, `true`/`false`, `on`/`off`, `1`/`0`.
+    Bool,
+    /// `yes`, `no` or `try`.
+    Ternary,
+    /// A memory size ([`units::parse_memunits`]).
+    MemUnits,
+    /// A duration ([`units::parse_time`]).
+    Time,
+    /// A non-negative integer.
+    Uint,
+    /// Free text.
+    Str,
+    /// Comma-separated list of words.
+    List,
+    /// A transport selection ([`tls::TlsSelection`]).
+    Tls,
+    /// One word out of a fixed set.
+    Enum(&'static [&'static str]),
+}
+
+impl OptKind {
+    /// Accepted forms, for messages and `rucx-info -c`.
+    pub fn accepted(&self) -> String {
+        match self {
+            OptKind::Bool => "y, n, yes, no, true, false, on, off, 1, 0".into(),
+            OptKind::Ternary => "yes, no, try".into(),
+            OptKind::MemUnits => units::MEMUNITS_FORMS.into(),
+            OptKind::Time => units::TIME_FORMS.into(),
+            OptKind::Uint => "a non-negative integer".into(),
+            OptKind::Str => "any text".into(),
+            OptKind::List => "comma-separated words".into(),
+            OptKind::Tls => tls::accepted_forms(),
+            OptKind::Enum(words) => words.join(", "),
+        }
+    }
+
+    fn short_name(&self) -> &'static str {
+        match self {
+            OptKind::Bool => "bool",
+            OptKind::Ternary => "ternary",
+            OptKind::MemUnits => "memunits",
+            OptKind::Time => "time",
+            OptKind::Uint => "uint",
+            OptKind::Str => "string",
+            OptKind::List => "list",
+            OptKind::Tls => "tls",
+            OptKind::Enum(_) => "enum",
+        }
+    }
+}
+
+impl fmt::Display for OptKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.short_name())
+    }
+}
+
+/// Declaration of one option.
+#[derive(Clone, Copy, Debug)]
+pub struct OptionSpec {
+    /// Name without the `RUCX_` prefix, upper case (e.g. `RNDV_THRESH`).
+    pub name: &'static str,
+    /// Value kind.
+    pub kind: OptKind,
+    /// Default value, in the same syntax a user would write.
+    pub default: &'static str,
+    /// One or two sentences for `rucx-info -c`.
+    pub help: &'static str,
+}
+
+/// A yes/no/try switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ternary {
+    /// Required: failing to provide it is an error.
+    Yes,
+    /// Disabled.
+    No,
+    /// Use it when it works.
+    Try,
+}
+
+/// A parsed, validated value.
+#[derive(Clone, Debug, PartialEq)]
+enum Value {
+    Bool(bool),
+    Ternary(Ternary),
+    Mem(MemUnits),
+    Time(Duration),
+    Uint(u64),
+    Str(String),
+    List(Vec<String>),
+    Tls(TlsSelection),
+}
+
+fn parse_bool(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "y" | "yes" | "true" | "on" | "1" => Some(true),
+        "n" | "no" | "false" | "off" | "0" => Some(false),
+        _ => None,
+    }
+}
+
+fn parse_value(kind: OptKind, raw: &str) -> std::result::Result<Value, String> {
+    Ok(match kind {
+        OptKind::Bool => Value::Bool(parse_bool(raw).ok_or("not a boolean")?),
+        OptKind::Ternary => Value::Ternary(match raw.trim().to_ascii_lowercase().as_str() {
+            "try" | "auto" => Ternary::Try,
+            other => match parse_bool(other) {
+                Some(true) => Ternary::Yes,
+                Some(false) => Ternary::No,
+                None => return Err("not yes, no or try".into()),
+            },
+        }),
+        OptKind::MemUnits => Value::Mem(units::parse_memunits(raw)?),
+        OptKind::Time => Value::Time(units::parse_time(raw)?),
+        OptKind::Uint => Value::Uint(
+            raw.trim()
+                .parse()
+                .map_err(|_| "not a non-negative integer".to_string())?,
+        ),
+        OptKind::Str => Value::Str(raw.to_string()),
+        OptKind::List => Value::List(
+            raw.split(',')
+                .map(str::trim)
+                .filter(|w| !w.is_empty())
+                .map(str::to_string)
+                .collect(),
+        ),
+        OptKind::Tls => Value::Tls(TlsSelection::parse(raw)?),
+        OptKind::Enum(words) => {
+            let w = raw.trim().to_ascii_lowercase();
+            if !words.contains(&w.as_str()) {
+                return Err(format!("{w:?} is not one of the choices"));
+            }
+            Value::Str(w)
+        }
+    })
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    spec: OptionSpec,
+    raw: String,
+    value: Value,
+    from_env: bool,
+}
+
+/// A set of validated option values.
+#[derive(Clone, Debug)]
+pub struct Config {
+    entries: BTreeMap<&'static str, Entry>,
+}
+
+impl Config {
+    /// Every declared option at its default. Fails only if a default does not parse (a bug in
+    /// the table) or a name is declared twice.
+    pub fn new(tables: &[&'static [OptionSpec]]) -> Result<Config> {
+        let mut entries = BTreeMap::new();
+        for spec in tables.iter().flat_map(|t| t.iter()) {
+            let value = parse_value(spec.kind, spec.default).map_err(|reason| {
+                Error::Internal(format!(
+                    "default {:?} of option {}{} does not parse: {reason}",
+                    spec.default, ENV_PREFIX, spec.name
+                ))
+            })?;
+            let prev = entries.insert(
+                spec.name,
+                Entry {
+                    spec: *spec,
+                    raw: spec.default.to_string(),
+                    value,
+                    from_env: false,
+                },
+            );
+            if prev.is_some() {
+                return Err(Error::Internal(format!(
+                    "option {}{} is declared twice",
+                    ENV_PREFIX, spec.name
+                )));
+            }
+        }
+        Ok(Config { entries })
+    }
+
+    /// Defaults, then every `RUCX_*` variable of the process environment.
+    pub fn from_env(tables: &[&'static [OptionSpec]]) -> Result<Config> {
+        Self::from_vars(tables, std::env::vars())
+    }
+
+    /// Defaults, then the `RUCX_*` entries of `vars` (other names are ignored). An unknown
+    /// `RUCX_` name is logged as a warning, since it is most likely a typo.
+    pub fn from_vars<I, K, V>(tables: &[&'static [OptionSpec]], vars: I) -> Result<Config>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut cfg = Self::new(tables)?;
+        for (k, v) in vars {
+            let Some(name) = k.as_ref().strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            if cfg.entries.contains_key(name) {
+                cfg.set(name, v.as_ref())?;
+                if let Some(e) = cfg.entries.get_mut(name) {
+                    e.from_env = true;
+                }
+            } else {
+                tracing::warn!(
+                    "{}{} is not a rucx option (run `rucx-info -c` for the list); ignored",
+                    ENV_PREFIX,
+                    name
+                );
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// Set an option in code, validated like an environment variable. `name` may carry the
+    /// `RUCX_` prefix or not.
+    pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
+        let name = name.strip_prefix(ENV_PREFIX).unwrap_or(name);
+        let entry = self.entries.get_mut(name).ok_or_else(|| {
+            Error::InvalidParam(format!(
+                "{ENV_PREFIX}{name} is not a rucx option (run `rucx-info -c` for the list)"
+            ))
+        })?;
+        let parsed = parse_value(entry.spec.kind, value).map_err(|reason| Error::Config {
+            var: format!("{ENV_PREFIX}{name}"),
+            value: value.to_string(),
+            reason,
+            accepted: entry.spec.kind.accepted(),
+        })?;
+        entry.raw = value.to_string();
+        entry.value = parsed;
+        entry.from_env = false;
+        Ok(())
+    }
+
+    fn get(&self, name: &str) -> &Value {
+        match self.entries.get(name) {
+            Some(e) => &e.value,
+            // A lookup of an undeclared name is a programming error in rucx itself.
+            None => panic!("rucx bug: option {ENV_PREFIX}{name} is not declared in any table"),
+        }
+    }
+
+    /// True when the option is declared in this configuration.
+    pub fn has(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// The value as the user wrote it (or the default).
+    pub fn raw(&self, name: &str) -> &str {
+        self.get(name);
+        &self.entries[name].raw
+    }
+
+    /// A boolean option.
+    pub fn bool(&self, name: &str) -> bool {
+        match self.get(name) {
+            Value::Bool(b) => *b,
+            v => panic!("rucx bug: {name} is not a bool option: {v:?}"),
+        }
+    }
+
+    /// A yes/no/try option.
+    pub fn ternary(&self, name: &str) -> Ternary {
+        match self.get(name) {
+            Value::Ternary(t) => *t,
+            v => panic!("rucx bug: {name} is not a ternary option: {v:?}"),
+        }
+    }
+
+    /// A memory-size option.
+    pub fn mem_units(&self, name: &str) -> MemUnits {
+        match self.get(name) {
+            Value::Mem(m) => *m,
+            v => panic!("rucx bug: {name} is not a memunits option: {v:?}"),
+        }
+    }
+
+    /// A duration option.
+    pub fn time(&self, name: &str) -> Duration {
+        match self.get(name) {
+            Value::Time(t) => *t,
+            v => panic!("rucx bug: {name} is not a time option: {v:?}"),
+        }
+    }
+
+    /// An integer option.
+    pub fn uint(&self, name: &str) -> u64 {
+        match self.get(name) {
+            Value::Uint(u) => *u,
+            v => panic!("rucx bug: {name} is not a uint option: {v:?}"),
+        }
+    }
+
+    /// A text or enum option.
+    pub fn string(&self, name: &str) -> &str {
+        match self.get(name) {
+            Value::Str(s) => s,
+            v => panic!("rucx bug: {name} is not a string option: {v:?}"),
+        }
+    }
+
+    /// A list option.
+    pub fn list(&self, name: &str) -> &[String] {
+        match self.get(name) {
+            Value::List(l) => l,
+            v => panic!("rucx bug: {name} is not a list option: {v:?}"),
+        }
+    }
+
+    /// A transport-selection option.
+    pub fn tls(&self, name: &str) -> &TlsSelection {
+        match self.get(name) {
+            Value::Tls(t) => t,
+            v => panic!("rucx bug: {name} is not a tls option: {v:?}"),
+        }
+    }
+
+    /// Every option with its current raw value and whether it came from the environment.
+    pub fn options(&self) -> impl Iterator<Item = (&OptionSpec, &str, bool)> {
+        self.entries
+            .values()
+            .map(|e| (&e.spec, e.raw.as_str(), e.from_env))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static TABLE: &[OptionSpec] = &[
+        OptionSpec {
+            name: "TLS",
+            kind: OptKind::Tls,
+            default: "all",
+            help: "transports",
+        },
+        OptionSpec {
+            name: "RNDV_THRESH",
+            kind: OptKind::MemUnits,
+            default: "auto",
+            help: "rendezvous threshold",
+        },
+        OptionSpec {
+            name: "GDR",
+            kind: OptKind::Ternary,
+            default: "try",
+            help: "gpu direct",
+        },
+        OptionSpec {
+            name: "SCHEME",
+            kind: OptKind::Enum(&["auto", "get", "put"]),
+            default: "auto",
+            help: "scheme",
+        },
+    ];
+
+    #[test]
+    fn defaults_and_env() {
+        let c = Config::from_vars(
+            &[TABLE],
+            [("RUCX_RNDV_THRESH", "8K"), ("HOME", "/root"), ("RUCX_GDR", "no")],
+        )
+        .unwrap();
+        assert_eq!(c.mem_units("RNDV_THRESH"), MemUnits::Bytes(8192));
+        assert_eq!(c.ternary("GDR"), Ternary::No);
+        assert_eq!(c.string("SCHEME"), "auto");
+        assert!(c.options().any(|(s, raw, env)| s.name == "GDR" && raw == "no" && env));
+    }
+
+    #[test]
+    fn malformed_values_name_the_variable_and_forms() {
+        let e = Config::from_vars(&[TABLE], [("RUCX_RNDV_THRESH", "12Q")]).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("RUCX_RNDV_THRESH") && s.contains("12Q") && s.contains("inf"), "{s}");
+        let e = Config::from_vars(&[TABLE], [("RUCX_TLS", "bogus")]).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("RUCX_TLS") && s.contains("bogus") && s.contains("sm"), "{s}");
+        let e = Config::from_vars(&[TABLE], [("RUCX_SCHEME", "sideways")]).unwrap_err();
+        assert!(e.to_string().contains("get, put"));
+    }
+
+    #[test]
+    fn in_code_override_is_validated() {
+        let mut c = Config::new(&[TABLE]).unwrap();
+        c.set("RUCX_SCHEME", "put").unwrap();
+        assert_eq!(c.string("SCHEME"), "put");
+        assert!(c.set("SCHEME", "x").is_err());
+        assert!(c.set("NOPE", "1").is_err());
+        assert_eq!(c.string("SCHEME"), "put");
+    }
+
+    #[test]
+    fn duplicate_declaration_is_rejected() {
+        assert!(Config::new(&[TABLE, TABLE]).is_err());
+    }
+}

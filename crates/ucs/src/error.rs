@@ -1,0 +1,312 @@
+//! Typed errors shared by every layer.
+//!
+//! Every message says what failed, on which resource, and what the user can change.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::memtype::MemoryType;
+
+/// Result alias used across rucx.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why a memory domain refused to register a buffer.
+///
+/// The planner decides whether to demote a domain from this kind, so a transport must map its
+/// native failure (errno, CUDA result) to the closest kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RegErrorKind {
+    /// The domain cannot translate the address (`EFAULT`, "Bad address"): typical for device
+    /// memory on a NIC without GPU-direct support.
+    BadAddress,
+    /// A mapping aperture (BAR1, a registration budget) is full. Evicting cached registrations
+    /// may help once.
+    ApertureExhausted,
+    /// The memory cannot be exported to other processes (e.g. a stream-ordered pool allocation
+    /// through legacy CUDA IPC handles).
+    NotExportable,
+    /// The kernel or driver ran out of memory or locked-memory quota (`ENOMEM`).
+    NoMemory,
+    /// The domain does not handle this memory type at all.
+    UnsupportedMemoryType,
+    /// Anything else the driver reported.
+    Other,
+}
+
+impl RegErrorKind {
+    /// Short description used in messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            RegErrorKind::BadAddress => "address not translatable by this domain (Bad address)",
+            RegErrorKind::ApertureExhausted => "mapping aperture exhausted",
+            RegErrorKind::NotExportable => "memory cannot be exported",
+            RegErrorKind::NoMemory => "out of memory or locked-memory quota",
+            RegErrorKind::UnsupportedMemoryType => "memory type not supported by this domain",
+            RegErrorKind::Other => "driver error",
+        }
+    }
+
+    /// Whether evicting unused cached registrations and retrying once can help.
+    pub fn may_recover_by_eviction(self) -> bool {
+        matches!(
+            self,
+            RegErrorKind::ApertureExhausted | RegErrorKind::NoMemory
+        )
+    }
+}
+
+/// A failed memory registration, with everything needed to act on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegError {
+    /// The memory domain that refused (e.g. `posix`, `cuda_ipc`, `mlx5_0`).
+    pub domain: String,
+    /// Memory type of the buffer.
+    pub mem_type: MemoryType,
+    /// GPU ordinal owning the buffer, when it is GPU memory.
+    pub device: Option<u32>,
+    /// Start address of the buffer.
+    pub addr: usize,
+    /// Length of the buffer in bytes.
+    pub len: usize,
+    /// Classified cause.
+    pub kind: RegErrorKind,
+    /// What the driver or the fault injector said.
+    pub detail: String,
+    /// Which knob to turn to skip or fix this (may be empty).
+    pub hint: String,
+}
+
+impl fmt::Display for RegError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cannot register {} bytes at {:#x} ({} memory",
+            self.len, self.addr, self.mem_type
+        )?;
+        if let Some(d) = self.device {
+            write!(f, " on GPU {d}")?;
+        }
+        write!(f, ") with memory domain {}: {}", self.domain, self.kind.describe())?;
+        if !self.detail.is_empty() {
+            write!(f, ": {}", self.detail)?;
+        }
+        if !self.hint.is_empty() {
+            write!(f, "; {}", self.hint)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for RegError {}
+
+/// The one error type of rucx.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A caller passed something unusable.
+    #[error("invalid parameter: {0}")]
+    InvalidParam(String),
+
+    /// A configuration value (environment variable or in-code override) did not parse.
+    #[error("invalid value {value:?} for {var}: {reason}; accepted: {accepted}")]
+    Config {
+        /// Full variable name, e.g. `RUCX_TLS`.
+        var: String,
+        /// The value as given.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+        /// The forms that are accepted.
+        accepted: String,
+    },
+
+    /// The operation or combination is not supported by this resource.
+    #[error("{what} is not supported: {why}")]
+    Unsupported {
+        /// What was asked for.
+        what: String,
+        /// Why it cannot be done.
+        why: String,
+    },
+
+    /// A component or device cannot be used on this host.
+    #[error("{component} is unavailable: {reason}")]
+    Unavailable {
+        /// Component or device name.
+        component: String,
+        /// Why (missing library, no device, driver too old, ...).
+        reason: String,
+    },
+
+    /// A transient shortage (send ring full, no credits); progress and retry.
+    #[error("no resources right now ({0}); progress the worker and retry")]
+    NoResource(String),
+
+    /// A memory registration failed; the planner may demote the domain.
+    #[error(transparent)]
+    Registration(#[from] Box<RegError>),
+
+    /// A packed remote key did not validate.
+    #[error("invalid remote key for domain {domain}: {reason}")]
+    InvalidRkey {
+        /// Domain that tried to unpack it.
+        domain: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A remote access fell outside the remote region.
+    #[error("remote access {addr:#x}+{len} is outside the registered remote region {base:#x}+{region_len}")]
+    OutOfBounds {
+        /// Requested remote address.
+        addr: u64,
+        /// Requested length.
+        len: u64,
+        /// Region base.
+        base: u64,
+        /// Region length.
+        region_len: u64,
+    },
+
+    /// A packed worker, interface or endpoint address did not validate.
+    #[error("invalid address: {0}")]
+    InvalidAddress(String),
+
+    /// A message was larger than the buffer posted for it; nothing was written past the buffer.
+    #[error("message truncated: {incoming} bytes arrived for a {capacity}-byte receive buffer")]
+    Truncated {
+        /// Bytes the sender sent.
+        incoming: usize,
+        /// Bytes the receiver offered.
+        capacity: usize,
+    },
+
+    /// The connection to a peer broke.
+    #[error("endpoint to {peer} failed: {reason}")]
+    EndpointFailure {
+        /// Peer description (address, rank).
+        peer: String,
+        /// What happened.
+        reason: String,
+    },
+
+    /// An operation did not finish in time.
+    #[error("timed out after {after:?}: {what}")]
+    Timeout {
+        /// How long we waited.
+        after: Duration,
+        /// What we waited for.
+        what: String,
+    },
+
+    /// The request was canceled by the user.
+    #[error("operation canceled")]
+    Canceled,
+
+    /// Memory could not be allocated.
+    #[error("out of memory: {0}")]
+    NoMemory(String),
+
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What we were doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A device (GPU, NIC) reported an error.
+    #[error("{device}: {reason}")]
+    Device {
+        /// Which device, e.g. `GPU 0 (0000:19:00.0)`.
+        device: String,
+        /// Driver message and code.
+        reason: String,
+    },
+
+    /// A broken internal invariant; please report it.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// Build an [`Error::Io`] from the last OS error.
+    pub fn last_os(context: impl Into<String>) -> Self {
+        Error::Io {
+            context: context.into(),
+            source: std::io::Error::last_os_error(),
+        }
+    }
+
+    /// Build an [`Error::Io`] with context.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// Build a registration error.
+    pub fn registration(e: RegError) -> Self {
+        Error::Registration(Box::new(e))
+    }
+
+    /// The registration failure inside, if this is one.
+    pub fn as_registration(&self) -> Option<&RegError> {
+        match self {
+            Error::Registration(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// True for transient errors where progress-and-retry is the right reaction.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::NoResource(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_message_names_everything() {
+        let e = Error::registration(RegError {
+            domain: "mlx5_0".into(),
+            mem_type: MemoryType::Cuda,
+            device: Some(1),
+            addr: 0x7f72_4fa0_0000,
+            len: 4096,
+            kind: RegErrorKind::BadAddress,
+            detail: "ibv_reg_mr: EFAULT".into(),
+            hint: "set RUCX_IB_GPU_DIRECT_RDMA=no to skip".into(),
+        });
+        let s = e.to_string();
+        for want in ["4096 bytes", "0x7f724fa00000", "cuda memory on GPU 1", "mlx5_0", "Bad address", "RUCX_IB_GPU_DIRECT_RDMA=no"] {
+            assert!(s.contains(want), "{s:?} lacks {want:?}");
+        }
+        assert!(e.as_registration().is_some());
+        assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn eviction_policy() {
+        assert!(RegErrorKind::ApertureExhausted.may_recover_by_eviction());
+        assert!(!RegErrorKind::BadAddress.may_recover_by_eviction());
+        assert!(!RegErrorKind::NotExportable.may_recover_by_eviction());
+    }
+
+    #[test]
+    fn config_message() {
+        let e = Error::Config {
+            var: "RUCX_TLS".into(),
+            value: "bogus".into(),
+            reason: "unknown transport or alias \"bogus\"".into(),
+            accepted: "all, sm, self, posix, tcp, cuda, ib, ^name".into(),
+        };
+        let s = e.to_string();
+        assert!(s.contains("RUCX_TLS") && s.contains("bogus") && s.contains("accepted"));
+    }
+}

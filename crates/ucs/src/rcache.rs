@@ -1,0 +1,1 @@
+//! Registration cache (to be written).

@@ -1,0 +1,1 @@
+//! rucx cuda_copy transport: host<->device copies on streams, pinned staging pool

@@ -1,0 +1,1 @@
+//! rucx cuda_ipc transport: device<->device across processes on one host

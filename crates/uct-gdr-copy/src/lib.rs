@@ -1,0 +1,1 @@
+//! rucx gdr_copy transport: CPU-mapped GPU memory through gdrcopy

@@ -1,0 +1,1 @@
+//! rucx posix transport: shared memory between processes on one host

@@ -1,0 +1,1 @@
+//! rucx self transport: loopback inside one process

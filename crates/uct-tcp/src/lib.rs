@@ -1,0 +1,1 @@
+//! rucx tcp transport and sockaddr connection manager

@@ -1,0 +1,336 @@
+//! Fault injection: a wrapper around any memory domain that fails registrations the way a real
+//! driver would, so that every demotion path can run on machines where the real failure cannot
+//! be caused (no GPU, no NIC).
+//!
+//! Rules come from `RUCX_FAULT_INJECT` (or [`FaultRules::parse`]): rules separated by `;`, each a
+//! comma-separated list of `key=value`:
+//!
+//! - `md=NAME` (required): the domain to wrap (`posix`, `self`, `cuda_ipc`, ...);
+//! - `mem=TYPE`: only buffers of this memory type (default: every type);
+//! - `after=N`: let the first N registrations succeed, fail every later one;
+//! - `budget=SIZE`: fail a registration that would take the live registered bytes past SIZE
+//!   (models a BAR1 aperture; released bytes count again);
+//! - `kind=bad_address|aperture|not_exportable|no_memory`: the error kind to return (default:
+//!   `aperture` for budget rules, `bad_address` otherwise).
+//!
+//! Example: `RUCX_FAULT_INJECT="md=posix,mem=host,budget=256M"`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rucx_ucs::units::parse_memunits;
+use rucx_ucs::{Config, Error, MemUnits, MemoryType, RegError, RegErrorKind, Result};
+
+use crate::attr::MdAttr;
+use crate::iface::{Iface, IfaceParams};
+use crate::md::{MemHandle, MemRegion, MemoryDomain, RemoteKey, TlResource};
+
+/// Name of the option (without the `RUCX_` prefix).
+pub const OPTION: &str = "FAULT_INJECT";
+
+const ACCEPTED: &str = "rules separated by ';', each `md=NAME[,mem=TYPE][,after=N][,budget=SIZE][,kind=bad_address|aperture|not_exportable|no_memory]`, or empty";
+
+/// One injection rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FaultRule {
+    /// Domain name to wrap.
+    pub md: String,
+    /// Memory type filter.
+    pub mem: Option<MemoryType>,
+    /// Successes allowed before failing.
+    pub after: Option<u64>,
+    /// Live-bytes budget.
+    pub budget: Option<u64>,
+    /// Error kind to return.
+    pub kind: RegErrorKind,
+}
+
+/// A parsed set of rules.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FaultRules {
+    rules: Vec<FaultRule>,
+}
+
+fn cfg_err(value: &str, reason: String) -> Error {
+    Error::Config {
+        var: format!("RUCX_{OPTION}"),
+        value: value.to_string(),
+        reason,
+        accepted: ACCEPTED.to_string(),
+    }
+}
+
+impl FaultRules {
+    /// Parse rules; an empty string means none.
+    pub fn parse(text: &str) -> Result<FaultRules> {
+        let mut rules = Vec::new();
+        for rule_text in text.split(';').map(str::trim).filter(|r| !r.is_empty()) {
+            let mut md = None;
+            let mut mem = None;
+            let mut after = None;
+            let mut budget = None;
+            let mut kind = None;
+            for kv in rule_text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let (k, v) = kv
+                    .split_once('=')
+                    .ok_or_else(|| cfg_err(text, format!("{kv:?} is not key=value")))?;
+                let v = v.trim();
+                match k.trim() {
+                    "md" => md = Some(v.to_string()),
+                    "mem" => {
+                        mem = Some(v.parse::<MemoryType>().map_err(|e| cfg_err(text, e.to_string()))?)
+                    }
+                    "after" => {
+                        after = Some(v.parse::<u64>().map_err(|_| {
+                            cfg_err(text, format!("after={v:?} is not a non-negative integer"))
+                        })?)
+                    }
+                    "budget" => {
+                        budget = Some(match parse_memunits(v).map_err(|e| cfg_err(text, e))? {
+                            MemUnits::Bytes(b) => b,
+                            other => {
+                                return Err(cfg_err(text, format!("budget={other} is not a byte count")));
+                            }
+                        })
+                    }
+                    "kind" => {
+                        kind = Some(match v {
+                            "bad_address" => RegErrorKind::BadAddress,
+                            "aperture" => RegErrorKind::ApertureExhausted,
+                            "not_exportable" => RegErrorKind::NotExportable,
+                            "no_memory" => RegErrorKind::NoMemory,
+                            other => return Err(cfg_err(text, format!("unknown kind {other:?}"))),
+                        })
+                    }
+                    other => return Err(cfg_err(text, format!("unknown key {other:?}"))),
+                }
+            }
+            let md = md.ok_or_else(|| cfg_err(text, format!("rule {rule_text:?} has no md=")))?;
+            if after.is_none() && budget.is_none() {
+                return Err(cfg_err(
+                    text,
+                    format!("rule {rule_text:?} needs after=N or budget=SIZE"),
+                ));
+            }
+            let kind = kind.unwrap_or(if budget.is_some() {
+                RegErrorKind::ApertureExhausted
+            } else {
+                RegErrorKind::BadAddress
+            });
+            rules.push(FaultRule {
+                md,
+                mem,
+                after,
+                budget,
+                kind,
+            });
+        }
+        Ok(FaultRules { rules })
+    }
+
+    /// Rules from the `RUCX_FAULT_INJECT` option, if the configuration declares it.
+    pub fn from_config(config: &Config) -> Result<FaultRules> {
+        if config.has(OPTION) {
+            Self::parse(config.string(OPTION))
+        } else {
+            Ok(FaultRules::default())
+        }
+    }
+
+    /// True when no rule is set.
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+
+    /// Wrap `md` when a rule names it, else return it unchanged.
+    pub fn wrap(&self, md: Arc<dyn MemoryDomain>) -> Arc<dyn MemoryDomain> {
+        let rules: Vec<_> = self
+            .rules
+            .iter()
+            .filter(|r| r.md == md.name())
+            .cloned()
+            .collect();
+        if rules.is_empty() {
+            md
+        } else {
+            tracing::info!("fault injection active on memory domain {}: {rules:?}", md.name());
+            Arc::new(FaultInjectingMd::new(md, rules))
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RuleState {
+    rule: FaultRule,
+    successes: AtomicU64,
+    live_bytes: Arc<AtomicU64>,
+}
+
+/// Releases budgeted bytes when the registration goes away.
+#[derive(Debug)]
+struct BudgetGuard {
+    bytes: u64,
+    live: Arc<AtomicU64>,
+}
+
+impl Drop for BudgetGuard {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// A memory domain that fails registrations according to rules, delegating everything else.
+#[derive(Debug)]
+pub struct FaultInjectingMd {
+    inner: Arc<dyn MemoryDomain>,
+    rules: Vec<RuleState>,
+    /// Serializes budget check-and-add.
+    lock: Mutex<()>,
+    injected: AtomicU64,
+}
+
+impl FaultInjectingMd {
+    /// Wrap `inner` with `rules` (rules naming other domains are ignored).
+    pub fn new(inner: Arc<dyn MemoryDomain>, rules: Vec<FaultRule>) -> Self {
+        let rules = rules
+            .into_iter()
+            .filter(|r| r.md == inner.name())
+            .map(|rule| RuleState {
+                rule,
+                successes: AtomicU64::new(0),
+                live_bytes: Arc::new(AtomicU64::new(0)),
+            })
+            .collect();
+        FaultInjectingMd {
+            inner,
+            rules,
+            lock: Mutex::new(()),
+            injected: AtomicU64::new(0),
+        }
+    }
+
+    /// How many registrations were failed on purpose so far.
+    pub fn injected(&self) -> u64 {
+        self.injected.load(Ordering::Relaxed)
+    }
+
+    fn fail(&self, region: &MemRegion, rule: &FaultRule, detail: String) -> Error {
+        self.injected.fetch_add(1, Ordering::Relaxed);
+        Error::registration(RegError {
+            domain: self.inner.name().to_string(),
+            mem_type: region.mem_type,
+            device: region.device,
+            addr: region.addr,
+            len: region.len,
+            kind: rule.kind,
+            detail: format!("injected by RUCX_{OPTION}: {detail}"),
+            hint: format!("unset RUCX_{OPTION} to stop injecting"),
+        })
+    }
+}
+
+impl MemoryDomain for FaultInjectingMd {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn attr(&self) -> &MdAttr {
+        self.inner.attr()
+    }
+
+    fn tl_resources(&self) -> Vec<TlResource> {
+        self.inner.tl_resources()
+    }
+
+    fn open_iface(&self, tl: &TlResource, params: &IfaceParams) -> Result<Box<dyn Iface>> {
+        self.inner.open_iface(tl, params)
+    }
+
+    unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guards: Vec<BudgetGuard> = Vec::new();
+        for st in &self.rules {
+            if st.rule.mem.is_some_and(|m| m != region.mem_type) {
+                continue;
+            }
+            if let Some(after) = st.rule.after {
+                if st.successes.load(Ordering::Acquire) >= after {
+                    return Err(self.fail(
+                        &region,
+                        &st.rule,
+                        format!("{after} registrations allowed, this is a later one"),
+                    ));
+                }
+            }
+            if let Some(budget) = st.rule.budget {
+                let live = st.live_bytes.load(Ordering::Acquire);
+                if live.saturating_add(region.len as u64) > budget {
+                    return Err(self.fail(
+                        &region,
+                        &st.rule,
+                        format!(
+                            "{live} bytes registered + {} requested exceeds the {budget}-byte budget",
+                            region.len
+                        ),
+                    ));
+                }
+            }
+        }
+        // SAFETY: the caller upholds mem_reg's contract for `region`; we pass it on unchanged.
+        let memh = unsafe { self.inner.mem_reg(region)? };
+        for st in &self.rules {
+            if st.rule.mem.is_some_and(|m| m != region.mem_type) {
+                continue;
+            }
+            st.successes.fetch_add(1, Ordering::AcqRel);
+            if st.rule.budget.is_some() {
+                st.live_bytes.fetch_add(region.len as u64, Ordering::AcqRel);
+                guards.push(BudgetGuard {
+                    bytes: region.len as u64,
+                    live: st.live_bytes.clone(),
+                });
+            }
+        }
+        Ok(if guards.is_empty() {
+            memh
+        } else {
+            memh.with_guard(Arc::new(guards))
+        })
+    }
+
+    fn mkey_pack(&self, memh: &MemHandle) -> Result<Vec<u8>> {
+        self.inner.mkey_pack(memh)
+    }
+
+    fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey> {
+        self.inner.rkey_unpack(packed)
+    }
+
+    fn detect_mem_type(&self, addr: usize, len: usize) -> Result<Option<MemRegion>> {
+        self.inner.detect_mem_type(addr, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_rules() {
+        let r = FaultRules::parse("md=posix,mem=host,after=3; md=cuda_ipc,budget=256M,kind=not_exportable").unwrap();
+        assert_eq!(r.rules.len(), 2);
+        assert_eq!(r.rules[0].after, Some(3));
+        assert_eq!(r.rules[0].kind, RegErrorKind::BadAddress);
+        assert_eq!(r.rules[1].budget, Some(256 << 20));
+        assert_eq!(r.rules[1].kind, RegErrorKind::NotExportable);
+        assert!(FaultRules::parse("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn malformed_rules_name_the_variable() {
+        for bad in ["md=posix", "after=3", "md=x,after=q", "md=x,budget=inf", "md=x,after=1,kind=zap", "md=x,after=1,mem=vram", "md=x,foo=1", "junk"] {
+            let e = FaultRules::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("RUCX_FAULT_INJECT"), "{bad}: {e}");
+        }
+    }
+}

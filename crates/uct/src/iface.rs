@@ -1,0 +1,202 @@
+//! Interfaces and endpoints: the data path.
+//!
+//! Progress is pull-based: [`Iface::progress`] hands every event (an arrived active message, a
+//! finished zero-copy operation, a failed endpoint) to a sink the caller passes in. Nothing runs
+//! behind the caller's back, so the caller's state needs no locking.
+
+use std::fmt;
+
+use rucx_ucs::{Config, Error, Result};
+
+use crate::attr::IfaceAttr;
+use crate::md::{MemHandle, RemoteKey};
+
+/// Active-message ids are small integers; each layer above UCT owns a range.
+pub type AmId = u8;
+
+/// How many distinct active-message ids an interface supports.
+pub const AM_ID_MAX: usize = 64;
+
+/// Parameters for opening an interface.
+#[derive(Debug)]
+pub struct IfaceParams<'a> {
+    /// Configuration (transport options are read from here).
+    pub config: &'a Config,
+}
+
+/// Parameters for creating an endpoint.
+#[derive(Clone, Debug, Default)]
+pub struct EpParams {
+    /// Peer device address (from the peer's [`Iface::device_address`]).
+    pub dev_addr: Vec<u8>,
+    /// Peer interface address (connect-to-iface).
+    pub iface_addr: Vec<u8>,
+    /// Caller's identifier for this endpoint, echoed in [`Event::EpError`].
+    pub user_id: u64,
+}
+
+/// A piece of a zero-copy operation: a registered local buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct Iov<'a> {
+    /// Start address; must lie inside `memh`.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Registration covering the buffer.
+    pub memh: &'a MemHandle,
+}
+
+impl<'a> Iov<'a> {
+    /// An iov covering the whole registered region.
+    pub fn whole(memh: &'a MemHandle) -> Self {
+        Iov {
+            addr: memh.region().addr,
+            len: memh.region().len,
+            memh,
+        }
+    }
+
+    /// Validate every entry against its handle and the interface limit; returns the total length.
+    pub fn check_all(iov: &[Iov<'_>], max_iov: usize) -> Result<usize> {
+        if iov.len() > max_iov {
+            return Err(Error::InvalidParam(format!(
+                "{} iov entries given, the transport takes at most {max_iov}",
+                iov.len()
+            )));
+        }
+        let mut total = 0usize;
+        for v in iov {
+            v.memh.check(v.addr, v.len)?;
+            total += v.len;
+        }
+        Ok(total)
+    }
+}
+
+/// Outcome of posting an operation that may complete later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpStatus {
+    /// Completed now; no [`Event::Completion`] will follow.
+    Done,
+    /// Will complete later with an [`Event::Completion`] carrying the token.
+    InProgress,
+}
+
+/// Something that happened on an interface, delivered by [`Iface::progress`].
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// An active message arrived; `data` is valid only during the callback.
+    Am {
+        /// Message id.
+        id: AmId,
+        /// Header and payload as the sender laid them out.
+        data: &'a [u8],
+    },
+    /// A zero-copy operation or flush posted with `token` finished.
+    Completion {
+        /// The token given when posting.
+        token: u64,
+        /// Success or the reason for failure.
+        result: Result<()>,
+    },
+    /// An endpoint can no longer be used (peer gone, connection broken).
+    EpError {
+        /// The endpoint's [`EpParams::user_id`].
+        user_id: u64,
+        /// What happened.
+        error: Error,
+    },
+}
+
+/// One transport on one device, owned by a worker and progressed by it.
+pub trait Iface: Send + fmt::Debug {
+    /// Attributes.
+    fn attr(&self) -> &IfaceAttr;
+
+    /// Packed device address (identifies the host or device).
+    fn device_address(&self) -> Vec<u8>;
+
+    /// Packed interface address (what connect-to-iface endpoints need).
+    fn iface_address(&self) -> Vec<u8>;
+
+    /// Whether a peer with these addresses can be reached from here.
+    fn is_reachable(&self, dev_addr: &[u8], iface_addr: &[u8]) -> bool;
+
+    /// Create an endpoint to a peer interface.
+    fn create_ep(&mut self, params: &EpParams) -> Result<Box<dyn Endpoint>>;
+
+    /// Make progress: deliver arrived messages and completions to `sink`. Returns how many
+    /// events were delivered.
+    fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize;
+}
+
+/// A connection to one peer interface.
+///
+/// Sends that return [`Error::NoResource`] did nothing: progress the interface and retry.
+pub trait Endpoint: Send + fmt::Debug {
+    /// Active message with an 8-byte header and a small payload; the receiver sees the header's
+    /// little-endian bytes followed by the payload.
+    fn am_short(&mut self, id: AmId, header: u64, payload: &[u8]) -> Result<()>;
+
+    /// Active message packed by `pack` into a transport buffer of `am_max_bcopy` bytes; `pack`
+    /// returns how many bytes it wrote. Returns that length.
+    fn am_bcopy(&mut self, id: AmId, pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize>;
+
+    /// Active message whose payload is sent from registered memory; the receiver sees `header`
+    /// followed by the iov contents.
+    fn am_zcopy(&mut self, id: AmId, header: &[u8], iov: &[Iov<'_>], token: u64)
+    -> Result<OpStatus>;
+
+    /// Write a small buffer to remote memory.
+    fn put_short(&mut self, data: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()>;
+
+    /// Write registered local memory to remote memory.
+    fn put_zcopy(
+        &mut self,
+        iov: &[Iov<'_>],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        token: u64,
+    ) -> Result<OpStatus>;
+
+    /// Read remote memory into registered local memory.
+    fn get_zcopy(
+        &mut self,
+        iov: &[Iov<'_>],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        token: u64,
+    ) -> Result<OpStatus>;
+
+    /// Complete every operation posted so far on this endpoint, remotely too.
+    fn flush(&mut self, token: u64) -> Result<OpStatus>;
+
+    /// Order: operations posted after the fence start after those before it.
+    fn fence(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Helper for `am_bcopy` callers that already have the bytes: copy `data` into the buffer.
+///
+/// Returns `data.len()` even when it does not fit (then nothing is copied), so the transport
+/// sees a length larger than its buffer and fails the send with an error instead of truncating.
+pub fn pack_bytes(data: &[u8]) -> impl FnMut(&mut [u8]) -> usize + '_ {
+    move |buf: &mut [u8]| {
+        if let Some(dst) = buf.get_mut(..data.len()) {
+            dst.copy_from_slice(data);
+        }
+        data.len()
+    }
+}
+
+/// Check the length a bcopy pack callback returned against the buffer it was given.
+pub fn check_packed(written: usize, capacity: usize, tl: &str) -> Result<usize> {
+    if written > capacity {
+        Err(Error::InvalidParam(format!(
+            "am_bcopy message of {written} bytes exceeds {tl}'s limit of {capacity} bytes"
+        )))
+    } else {
+        Ok(written)
+    }
+}

@@ -1,0 +1,48 @@
+//! rucx-uct: the transport API.
+//!
+//! A [`Component`] probes the host and opens [`MemoryDomain`]s; a domain registers memory
+//! ([`MemHandle`]), packs and unpacks remote keys ([`RemoteKey`]) and opens [`Iface`]s, one per
+//! transport and device; an interface creates [`Endpoint`]s to peers and delivers [`Event`]s
+//! when progressed. Everything a protocol layer needs to choose among transports is in the
+//! attributes ([`MdAttr`], [`IfaceAttr`]).
+//!
+//! Also here: the [`Registry`] of compiled-in components, the common envelope for packed keys
+//! ([`rkey`]), a fault-injection wrapper for any domain ([`fault`]), and a conformance suite that
+//! every transport runs ([`conformance`]).
+//!
+//! Depends only on `rucx-ucs`.
+
+pub mod attr;
+pub mod component;
+pub mod conformance;
+pub mod fault;
+pub mod iface;
+pub mod md;
+pub mod rkey;
+
+pub use attr::{DeviceType, IfaceAttr, IfaceCaps, IfaceLimits, LinearCost, MdAttr, MemTypeFlags, PerfModel};
+pub use component::{Availability, Component, Discovery, Registry};
+pub use iface::{AmId, Endpoint, EpParams, Event, Iface, IfaceParams, Iov, OpStatus};
+pub use md::{MemHandle, MemRegion, MemoryDomain, RemoteKey, TlResource};
+
+use rucx_ucs::{OptKind, OptionSpec};
+
+/// Options of the transport layer.
+pub static CONFIG: &[OptionSpec] = &[
+    OptionSpec {
+        name: "TLS",
+        kind: OptKind::Tls,
+        default: "all",
+        help: "Transports to use: a comma-separated list of names (self, posix, tcp, cuda_copy, \
+               cuda_ipc, gdr_copy, rc_verbs) or aliases (sm, cuda, ib, all); a leading ^ excludes \
+               the listed ones.",
+    },
+    OptionSpec {
+        name: fault::OPTION,
+        kind: OptKind::Str,
+        default: "",
+        help: "Fail memory registrations on purpose, for testing demotion: rules separated by ';', \
+               each md=NAME[,mem=TYPE][,after=N][,budget=SIZE][,kind=bad_address|aperture|\
+               not_exportable|no_memory].",
+    },
+];

@@ -1,0 +1,240 @@
+//! Memory domains, memory handles and remote keys.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use rucx_ucs::{Error, MemoryType, Result};
+
+use crate::attr::MdAttr;
+use crate::iface::{Iface, IfaceParams};
+
+/// A buffer in this process's address space. Device memory is described by address too; it is
+/// never dereferenced by the CPU unless the owning domain says it can (`ACCESS` on host).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemRegion {
+    /// Start address.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Memory type, as classified by the caller.
+    pub mem_type: MemoryType,
+    /// Owning GPU ordinal for GPU memory.
+    pub device: Option<u32>,
+}
+
+impl MemRegion {
+    /// A host buffer.
+    pub fn host(addr: usize, len: usize) -> Self {
+        MemRegion {
+            addr,
+            len,
+            mem_type: MemoryType::Host,
+            device: None,
+        }
+    }
+
+    /// A host region covering a slice.
+    pub fn of_slice(s: &[u8]) -> Self {
+        Self::host(s.as_ptr() as usize, s.len())
+    }
+
+    /// One past the last byte.
+    pub fn end(&self) -> usize {
+        self.addr + self.len
+    }
+
+    /// True when `[addr, addr+len)` lies inside this region.
+    pub fn contains(&self, addr: usize, len: usize) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|e| e <= self.end())
+    }
+}
+
+/// A registration of a [`MemRegion`] with one memory domain.
+///
+/// Cloning is cheap; the registration is released when the last clone is dropped (the
+/// domain-specific part implements `Drop`). Operations in flight hold a clone, so a buffer is
+/// never unregistered under a transfer.
+#[derive(Clone)]
+pub struct MemHandle {
+    region: MemRegion,
+    domain: Arc<str>,
+    inner: Arc<dyn Any + Send + Sync>,
+    guard: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl MemHandle {
+    /// Wrap a domain-specific registration object.
+    pub fn new(region: MemRegion, domain: &str, inner: Arc<dyn Any + Send + Sync>) -> Self {
+        MemHandle {
+            region,
+            domain: domain.into(),
+            inner,
+            guard: None,
+        }
+    }
+
+    /// Attach an object that is dropped with the last clone of this handle (used by wrappers
+    /// such as the fault injector to account for live registrations).
+    pub fn with_guard(mut self, guard: Arc<dyn Any + Send + Sync>) -> Self {
+        self.guard = Some(guard);
+        self
+    }
+
+    /// The registered region.
+    pub fn region(&self) -> &MemRegion {
+        &self.region
+    }
+
+    /// Name of the domain that made this handle.
+    pub fn domain(&self) -> &str {
+        &self.domain
+    }
+
+    /// The domain-specific part, if it is a `T`.
+    pub fn inner<T: Any>(&self) -> Option<&T> {
+        self.inner.downcast_ref::<T>()
+    }
+
+    /// Check that `[addr, addr+len)` is inside the handle; the error names the domain.
+    pub fn check(&self, addr: usize, len: usize) -> Result<()> {
+        if self.region.contains(addr, len) {
+            Ok(())
+        } else {
+            Err(Error::InvalidParam(format!(
+                "buffer {addr:#x}+{len} is not inside the region {:#x}+{} registered with {}",
+                self.region.addr, self.region.len, self.domain
+            )))
+        }
+    }
+}
+
+impl fmt::Debug for MemHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemHandle")
+            .field("domain", &self.domain)
+            .field("region", &self.region)
+            .finish()
+    }
+}
+
+/// An unpacked remote key: permission to access a peer's registered region.
+#[derive(Clone)]
+pub struct RemoteKey {
+    domain: Arc<str>,
+    base: u64,
+    len: u64,
+    inner: Arc<dyn Any + Send + Sync>,
+}
+
+impl RemoteKey {
+    /// Wrap a domain-specific remote key covering `[base, base+len)` in the peer.
+    pub fn new(domain: &str, base: u64, len: u64, inner: Arc<dyn Any + Send + Sync>) -> Self {
+        RemoteKey {
+            domain: domain.into(),
+            base,
+            len,
+            inner,
+        }
+    }
+
+    /// Domain that unpacked it.
+    pub fn domain(&self) -> &str {
+        &self.domain
+    }
+
+    /// Remote region start.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Remote region length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for an empty remote region.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The domain-specific part, if it is a `T`.
+    pub fn inner<T: Any>(&self) -> Option<&T> {
+        self.inner.downcast_ref::<T>()
+    }
+
+    /// Check that a remote access stays inside the region.
+    pub fn check(&self, addr: u64, len: u64) -> Result<()> {
+        let ok = addr >= self.base
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= self.base.saturating_add(self.len));
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::OutOfBounds {
+                addr,
+                len,
+                base: self.base,
+                region_len: self.len,
+            })
+        }
+    }
+}
+
+impl fmt::Debug for RemoteKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteKey")
+            .field("domain", &self.domain)
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// A transport resource of a domain: one transport on one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlResource {
+    /// Transport name.
+    pub tl_name: String,
+    /// Device name.
+    pub dev_name: String,
+}
+
+/// A memory domain: registers memory and opens interfaces for its transports.
+pub trait MemoryDomain: Send + Sync + fmt::Debug {
+    /// Domain name, unique within the process (`self`, `posix`, `tcp`, `cuda_cpy`, `mlx5_0`).
+    fn name(&self) -> &str;
+
+    /// Attributes, fixed once the domain is open.
+    fn attr(&self) -> &MdAttr;
+
+    /// Transports and devices this domain offers.
+    fn tl_resources(&self) -> Vec<TlResource>;
+
+    /// Open an interface for one of [`tl_resources`](Self::tl_resources).
+    fn open_iface(&self, tl: &TlResource, params: &IfaceParams) -> Result<Box<dyn Iface>>;
+
+    /// Register a buffer for zero-copy operations and remote access.
+    ///
+    /// A failure is an [`Error::Registration`] whose kind classifies the cause.
+    ///
+    /// # Safety
+    /// `region` must describe memory that stays allocated (and, for host memory, valid for reads
+    /// and writes by this domain's transports) for as long as any clone of the returned handle,
+    /// or any remote key made from it, is alive.
+    unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle>;
+
+    /// Pack a remote key for `memh` so a peer can access it. Errors when the domain has no
+    /// remote access.
+    fn mkey_pack(&self, memh: &MemHandle) -> Result<Vec<u8>>;
+
+    /// Unpack a peer's remote key, validating every field; garbage is an error, never a crash.
+    fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey>;
+
+    /// Classify a pointer, when the domain has `DETECT` for some type. `Ok(None)` means "not
+    /// mine".
+    fn detect_mem_type(&self, _addr: usize, _len: usize) -> Result<Option<MemRegion>> {
+        Ok(None)
+    }
+}
