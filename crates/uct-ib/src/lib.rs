@@ -1,0 +1,1 @@
+//! rucx ib component (in progress).
