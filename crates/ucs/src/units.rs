@@ -40,8 +40,7 @@ pub const MEMUNITS_FORMS: &str =
     "a byte count with an optional suffix b, K, M, G, T (powers of 1024), or inf, or auto";
 
 /// Accepted time forms, for error messages.
-pub const TIME_FORMS: &str =
-    "a number with a unit: ns, us, ms, s, m (minutes), or inf";
+pub const TIME_FORMS: &str = "a number with a unit: ns, us, ms, s, m (minutes), or inf";
 
 /// Parse `8K`, `4M`, `1g`, `4096`, `inf`, `auto`.
 pub fn parse_memunits(s: &str) -> Result<MemUnits, String> {
@@ -75,9 +74,14 @@ pub fn parse_memunits(s: &str) -> Result<MemUnits, String> {
 
 /// Format a byte count compactly (`4K`, `1536`, `2M`).
 pub fn format_bytes(b: u64) -> String {
-    const SUFFIXES: [(u64, &str); 4] = [(1 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")];
+    const SUFFIXES: [(u64, &str); 4] = [
+        (1 << 40, "T"),
+        (1 << 30, "G"),
+        (1 << 20, "M"),
+        (1 << 10, "K"),
+    ];
     for (m, s) in SUFFIXES {
-        if b >= m && b % m == 0 {
+        if b >= m && b.is_multiple_of(m) {
             return format!("{}{s}", b / m);
         }
     }

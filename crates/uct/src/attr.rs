@@ -277,7 +277,10 @@ mod tests {
         assert_eq!(a.reg_mem_types(), MemoryTypes::HOST);
         assert_eq!(a.types_with(MemTypeFlags::DETECT), MemoryTypes::CUDA);
         assert_eq!(a.flags(MemoryType::CudaManaged), MemTypeFlags::empty());
-        assert_eq!((MemTypeFlags::REG | MemTypeFlags::CACHE).to_string(), "reg|cache");
+        assert_eq!(
+            (MemTypeFlags::REG | MemTypeFlags::CACHE).to_string(),
+            "reg|cache"
+        );
     }
 
     #[test]
@@ -289,6 +292,15 @@ mod tests {
         };
         assert!(p.time_ns(1 << 20) > p.time_ns(8));
         assert!((p.time_ns(0) - 1010.0).abs() < 1e-9);
-        assert!((LinearCost { overhead_ns: 5.0, per_byte_ns: 0.5 }.at(10) - 10.0).abs() < 1e-9);
+        assert!(
+            (LinearCost {
+                overhead_ns: 5.0,
+                per_byte_ns: 0.5
+            }
+            .at(10)
+                - 10.0)
+                .abs()
+                < 1e-9
+        );
     }
 }

@@ -91,7 +91,9 @@ impl Registry {
                     for md in mds {
                         match c.open_md(&md, config) {
                             Ok(m) => d.domains.push(faults.wrap(m)),
-                            Err(e) => d.unavailable.push((format!("{}/{md}", c.name()), e.to_string())),
+                            Err(e) => d
+                                .unavailable
+                                .push((format!("{}/{md}", c.name()), e.to_string())),
                         }
                     }
                 }

@@ -70,7 +70,11 @@ impl FaultRules {
             let mut after = None;
             let mut budget = None;
             let mut kind = None;
-            for kv in rule_text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            for kv in rule_text
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+            {
                 let (k, v) = kv
                     .split_once('=')
                     .ok_or_else(|| cfg_err(text, format!("{kv:?} is not key=value")))?;
@@ -78,7 +82,10 @@ impl FaultRules {
                 match k.trim() {
                     "md" => md = Some(v.to_string()),
                     "mem" => {
-                        mem = Some(v.parse::<MemoryType>().map_err(|e| cfg_err(text, e.to_string()))?)
+                        mem = Some(
+                            v.parse::<MemoryType>()
+                                .map_err(|e| cfg_err(text, e.to_string()))?,
+                        )
                     }
                     "after" => {
                         after = Some(v.parse::<u64>().map_err(|_| {
@@ -89,7 +96,10 @@ impl FaultRules {
                         budget = Some(match parse_memunits(v).map_err(|e| cfg_err(text, e))? {
                             MemUnits::Bytes(b) => b,
                             other => {
-                                return Err(cfg_err(text, format!("budget={other} is not a byte count")));
+                                return Err(cfg_err(
+                                    text,
+                                    format!("budget={other} is not a byte count"),
+                                ));
                             }
                         })
                     }
@@ -153,7 +163,10 @@ impl FaultRules {
         if rules.is_empty() {
             md
         } else {
-            tracing::info!("fault injection active on memory domain {}: {rules:?}", md.name());
+            tracing::info!(
+                "fault injection active on memory domain {}: {rules:?}",
+                md.name()
+            );
             Arc::new(FaultInjectingMd::new(md, rules))
         }
     }
@@ -253,14 +266,14 @@ impl MemoryDomain for FaultInjectingMd {
             if st.rule.mem.is_some_and(|m| m != region.mem_type) {
                 continue;
             }
-            if let Some(after) = st.rule.after {
-                if st.successes.load(Ordering::Acquire) >= after {
-                    return Err(self.fail(
-                        &region,
-                        &st.rule,
-                        format!("{after} registrations allowed, this is a later one"),
-                    ));
-                }
+            if let Some(after) = st.rule.after
+                && st.successes.load(Ordering::Acquire) >= after
+            {
+                return Err(self.fail(
+                    &region,
+                    &st.rule,
+                    format!("{after} registrations allowed, this is a later one"),
+                ));
             }
             if let Some(budget) = st.rule.budget {
                 let live = st.live_bytes.load(Ordering::Acquire);
@@ -317,7 +330,10 @@ mod tests {
 
     #[test]
     fn parse_rules() {
-        let r = FaultRules::parse("md=posix,mem=host,after=3; md=cuda_ipc,budget=256M,kind=not_exportable").unwrap();
+        let r = FaultRules::parse(
+            "md=posix,mem=host,after=3; md=cuda_ipc,budget=256M,kind=not_exportable",
+        )
+        .unwrap();
         assert_eq!(r.rules.len(), 2);
         assert_eq!(r.rules[0].after, Some(3));
         assert_eq!(r.rules[0].kind, RegErrorKind::BadAddress);
@@ -328,7 +344,16 @@ mod tests {
 
     #[test]
     fn malformed_rules_name_the_variable() {
-        for bad in ["md=posix", "after=3", "md=x,after=q", "md=x,budget=inf", "md=x,after=1,kind=zap", "md=x,after=1,mem=vram", "md=x,foo=1", "junk"] {
+        for bad in [
+            "md=posix",
+            "after=3",
+            "md=x,after=q",
+            "md=x,budget=inf",
+            "md=x,after=1,kind=zap",
+            "md=x,after=1,mem=vram",
+            "md=x,foo=1",
+            "junk",
+        ] {
             let e = FaultRules::parse(bad).unwrap_err().to_string();
             assert!(e.contains("RUCX_FAULT_INJECT"), "{bad}: {e}");
         }

@@ -127,6 +127,9 @@ pub trait Iface: Send + fmt::Debug {
 
     /// Make progress: deliver arrived messages and completions to `sink`. Returns how many
     /// events were delivered.
+    ///
+    /// The sink may post operations on any endpoint (of this or another interface), e.g. to
+    /// reply to a message: implementations must not hold internal locks while calling it.
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize;
 }
 
@@ -144,8 +147,13 @@ pub trait Endpoint: Send + fmt::Debug {
 
     /// Active message whose payload is sent from registered memory; the receiver sees `header`
     /// followed by the iov contents.
-    fn am_zcopy(&mut self, id: AmId, header: &[u8], iov: &[Iov<'_>], token: u64)
-    -> Result<OpStatus>;
+    fn am_zcopy(
+        &mut self,
+        id: AmId,
+        header: &[u8],
+        iov: &[Iov<'_>],
+        token: u64,
+    ) -> Result<OpStatus>;
 
     /// Write a small buffer to remote memory.
     fn put_short(&mut self, data: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()>;

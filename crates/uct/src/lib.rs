@@ -20,7 +20,9 @@ pub mod iface;
 pub mod md;
 pub mod rkey;
 
-pub use attr::{DeviceType, IfaceAttr, IfaceCaps, IfaceLimits, LinearCost, MdAttr, MemTypeFlags, PerfModel};
+pub use attr::{
+    DeviceType, IfaceAttr, IfaceCaps, IfaceLimits, LinearCost, MdAttr, MemTypeFlags, PerfModel,
+};
 pub use component::{Availability, Component, Discovery, Registry};
 pub use iface::{AmId, Endpoint, EpParams, Event, Iface, IfaceParams, Iov, OpStatus};
 pub use md::{MemHandle, MemRegion, MemoryDomain, RemoteKey, TlResource};

@@ -42,14 +42,20 @@ pub fn unpack<'a>(name: &str, what: &str, blob: &'a [u8]) -> Result<&'a [u8]> {
         reason: format!("{what}: {reason}"),
     };
     if blob.len() < 12 {
-        return Err(bad(format!("{} bytes is shorter than any valid blob", blob.len())));
+        return Err(bad(format!(
+            "{} bytes is shorter than any valid blob",
+            blob.len()
+        )));
     }
     let magic = u16::from_le_bytes([blob[0], blob[1]]);
     if magic != MAGIC {
         return Err(bad(format!("bad magic {magic:#06x}")));
     }
     if blob[2] != VERSION {
-        return Err(bad(format!("version {} (this build speaks {VERSION})", blob[2])));
+        return Err(bad(format!(
+            "version {} (this build speaks {VERSION})",
+            blob[2]
+        )));
     }
     let nlen = blob[3] as usize;
     let rest = &blob[4..];
