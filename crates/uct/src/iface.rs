@@ -183,6 +183,31 @@ pub trait Endpoint: Send + fmt::Debug {
     fn fence(&mut self) -> Result<()> {
         Ok(())
     }
+
+    /// Packed address of this endpoint, for transports that connect endpoint to endpoint
+    /// ([`IfaceCaps::CONNECT_TO_EP`](crate::IfaceCaps::CONNECT_TO_EP), e.g. `rc_verbs`).
+    ///
+    /// Wire-up for such transports: each side creates an endpoint with an empty
+    /// [`EpParams::iface_addr`] (it is not connected yet), sends the peer its
+    /// [`Iface::device_address`] and this address out of band, and calls
+    /// [`connect_to_ep`](Self::connect_to_ep) with the peer's pair. Transports that connect to
+    /// interfaces keep the default, which returns [`Error::Unsupported`].
+    fn ep_address(&self) -> Result<Vec<u8>> {
+        Err(Error::Unsupported {
+            what: "ep_address".into(),
+            why: "this transport connects to interface addresses, not endpoint addresses".into(),
+        })
+    }
+
+    /// Connect an endpoint created without an interface address to the peer endpoint whose
+    /// device address and [`ep_address`](Self::ep_address) are given. Every field is validated;
+    /// garbage is an error, never a crash.
+    fn connect_to_ep(&mut self, _dev_addr: &[u8], _ep_addr: &[u8]) -> Result<()> {
+        Err(Error::Unsupported {
+            what: "connect_to_ep".into(),
+            why: "this transport connects to interface addresses, not endpoint addresses".into(),
+        })
+    }
 }
 
 /// Helper for `am_bcopy` callers that already have the bytes: copy `data` into the buffer.
@@ -206,5 +231,46 @@ pub fn check_packed(written: usize, capacity: usize, tl: &str) -> Result<usize> 
         )))
     } else {
         Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An endpoint that implements only the required methods.
+    #[derive(Debug)]
+    struct Minimal;
+
+    impl Endpoint for Minimal {
+        fn am_short(&mut self, _: AmId, _: u64, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+        fn am_bcopy(&mut self, _: AmId, _: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
+            Ok(0)
+        }
+        fn am_zcopy(&mut self, _: AmId, _: &[u8], _: &[Iov<'_>], _: u64) -> Result<OpStatus> {
+            Ok(OpStatus::Done)
+        }
+        fn put_short(&mut self, _: &[u8], _: u64, _: &RemoteKey) -> Result<()> {
+            Ok(())
+        }
+        fn put_zcopy(&mut self, _: &[Iov<'_>], _: u64, _: &RemoteKey, _: u64) -> Result<OpStatus> {
+            Ok(OpStatus::Done)
+        }
+        fn get_zcopy(&mut self, _: &[Iov<'_>], _: u64, _: &RemoteKey, _: u64) -> Result<OpStatus> {
+            Ok(OpStatus::Done)
+        }
+        fn flush(&mut self, _: u64) -> Result<OpStatus> {
+            Ok(OpStatus::Done)
+        }
+    }
+
+    #[test]
+    fn connect_to_ep_is_unsupported_by_default() {
+        let mut ep = Minimal;
+        assert!(matches!(ep.ep_address(), Err(Error::Unsupported { .. })));
+        let e = ep.connect_to_ep(&[1, 2], &[3]).unwrap_err();
+        assert!(e.to_string().contains("connect_to_ep"), "{e}");
     }
 }
