@@ -383,23 +383,36 @@ mod tests {
     fn defaults_and_env() {
         let c = Config::from_vars(
             &[TABLE],
-            [("RUCX_RNDV_THRESH", "8K"), ("HOME", "/root"), ("RUCX_GDR", "no")],
+            [
+                ("RUCX_RNDV_THRESH", "8K"),
+                ("HOME", "/root"),
+                ("RUCX_GDR", "no"),
+            ],
         )
         .unwrap();
         assert_eq!(c.mem_units("RNDV_THRESH"), MemUnits::Bytes(8192));
         assert_eq!(c.ternary("GDR"), Ternary::No);
         assert_eq!(c.string("SCHEME"), "auto");
-        assert!(c.options().any(|(s, raw, env)| s.name == "GDR" && raw == "no" && env));
+        assert!(
+            c.options()
+                .any(|(s, raw, env)| s.name == "GDR" && raw == "no" && env)
+        );
     }
 
     #[test]
     fn malformed_values_name_the_variable_and_forms() {
         let e = Config::from_vars(&[TABLE], [("RUCX_RNDV_THRESH", "12Q")]).unwrap_err();
         let s = e.to_string();
-        assert!(s.contains("RUCX_RNDV_THRESH") && s.contains("12Q") && s.contains("inf"), "{s}");
+        assert!(
+            s.contains("RUCX_RNDV_THRESH") && s.contains("12Q") && s.contains("inf"),
+            "{s}"
+        );
         let e = Config::from_vars(&[TABLE], [("RUCX_TLS", "bogus")]).unwrap_err();
         let s = e.to_string();
-        assert!(s.contains("RUCX_TLS") && s.contains("bogus") && s.contains("sm"), "{s}");
+        assert!(
+            s.contains("RUCX_TLS") && s.contains("bogus") && s.contains("sm"),
+            "{s}"
+        );
         let e = Config::from_vars(&[TABLE], [("RUCX_SCHEME", "sideways")]).unwrap_err();
         assert!(e.to_string().contains("get, put"));
     }

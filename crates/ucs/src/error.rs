@@ -86,7 +86,12 @@ impl fmt::Display for RegError {
         if let Some(d) = self.device {
             write!(f, " on GPU {d}")?;
         }
-        write!(f, ") with memory domain {}: {}", self.domain, self.kind.describe())?;
+        write!(
+            f,
+            ") with memory domain {}: {}",
+            self.domain,
+            self.kind.describe()
+        )?;
         if !self.detail.is_empty() {
             write!(f, ": {}", self.detail)?;
         }
@@ -156,7 +161,9 @@ pub enum Error {
     },
 
     /// A remote access fell outside the remote region.
-    #[error("remote access {addr:#x}+{len} is outside the registered remote region {base:#x}+{region_len}")]
+    #[error(
+        "remote access {addr:#x}+{len} is outside the registered remote region {base:#x}+{region_len}"
+    )]
     OutOfBounds {
         /// Requested remote address.
         addr: u64,
@@ -284,7 +291,14 @@ mod tests {
             hint: "set RUCX_IB_GPU_DIRECT_RDMA=no to skip".into(),
         });
         let s = e.to_string();
-        for want in ["4096 bytes", "0x7f724fa00000", "cuda memory on GPU 1", "mlx5_0", "Bad address", "RUCX_IB_GPU_DIRECT_RDMA=no"] {
+        for want in [
+            "4096 bytes",
+            "0x7f724fa00000",
+            "cuda memory on GPU 1",
+            "mlx5_0",
+            "Bad address",
+            "RUCX_IB_GPU_DIRECT_RDMA=no",
+        ] {
             assert!(s.contains(want), "{s:?} lacks {want:?}");
         }
         assert!(e.as_registration().is_some());

@@ -7,19 +7,28 @@
 //! - [`units`]: memory units (`8K`, `4M`, `inf`, `auto`) and time units (`10us`, `2s`);
 //! - [`tls`]: transport selection lists with aliases and negation (`RUCX_TLS`);
 //! - [`log`]: logging through `tracing`, level from `RUCX_LOG_LEVEL`;
-//! - [`rcache`]: a registration cache (interval map, reference counts, merging, LRU eviction).
+//! - [`interval`]: an ordered map of non-overlapping half-open intervals;
+//! - [`rcache`]: a registration cache (interval map, reference counts, merging, LRU eviction);
+//! - [`memtype_cache`]: address range -> memory type and owning GPU;
+//! - [`stats`]: small sets of named counters.
 //!
 //! This crate depends on no other rucx crate.
 
 pub mod config;
 pub mod error;
+pub mod interval;
 pub mod log;
 pub mod memtype;
+pub mod memtype_cache;
 pub mod rcache;
+pub mod stats;
 pub mod tls;
 pub mod units;
 
 pub use config::{Config, OptKind, OptionSpec, Ternary};
 pub use error::{Error, RegError, RegErrorKind, Result};
+pub use interval::IntervalMap;
 pub use memtype::{MemoryType, MemoryTypes};
+pub use memtype_cache::{MemInfo, MemtypeCache};
+pub use rcache::{Rcache, RcacheConfig, RcacheGuard};
 pub use units::MemUnits;
