@@ -1,1 +1,128 @@
-fn main() {}
+//! `cargo xtask <task>`: project chores in Rust, so they run the same everywhere.
+//!
+//! - `info [rucx-info args]`: build and run `rucx-info` (e.g. `cargo xtask info -d`).
+//! - `demo [args]`: build and run the end-to-end two-process example.
+//! - `gpu-pack`: build the release test binaries and tools and copy them into `.device/` for
+//!   the GPU machine.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace root")
+        .to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(mut c: Command) -> Result<(), String> {
+    let st = c.status().map_err(|e| format!("running {c:?}: {e}"))?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(format!("{c:?} failed: {st}"))
+    }
+}
+
+fn info(args: &[String]) -> Result<(), String> {
+    let mut c = cargo();
+    c.args(["run", "--quiet", "--release", "-p", "rucx-info", "--"])
+        .args(args);
+    run(c)
+}
+
+fn demo(args: &[String]) -> Result<(), String> {
+    let mut c = cargo();
+    c.args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "rucx",
+        "--example",
+        "exchange",
+        "--",
+    ])
+    .args(args);
+    run(c)
+}
+
+/// Build release test executables and tools, strip them, copy them into `.device/`.
+fn gpu_pack(packages: &[String]) -> Result<(), String> {
+    let dest = root().join(".device");
+    std::fs::create_dir_all(&dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+    let mut c = cargo();
+    c.args(["test", "--release", "--no-run", "--message-format=json"]);
+    if packages.is_empty() {
+        c.arg("--workspace");
+    }
+    for p in packages {
+        c.args(["-p", p]);
+    }
+    let out = c
+        .output()
+        .map_err(|e| format!("cargo test --no-run: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "building test executables failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let mut copied = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        // Minimal extraction of "executable":"..." without a JSON dependency.
+        let Some(pos) = line.find("\"executable\":\"") else {
+            continue;
+        };
+        let rest = &line[pos + 14..];
+        let Some(end) = rest.find('"') else { continue };
+        let exe = PathBuf::from(&rest[..end]);
+        let name = exe.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        // Drop the hash suffix so the names are stable: rucx_cuda-0123abcd -> rucx_cuda.
+        let stable = name.rsplit_once('-').map_or(name, |(a, _)| a);
+        let target = dest.join(stable);
+        std::fs::copy(&exe, &target).map_err(|e| format!("copying {}: {e}", exe.display()))?;
+        copied.push(target);
+    }
+    let mut c = cargo();
+    c.args(["build", "--release", "-p", "rucx-info"]);
+    run(c)?;
+    let info = root().join("target/release/rucx-info");
+    let target = dest.join("rucx-info");
+    std::fs::copy(&info, &target).map_err(|e| format!("copying rucx-info: {e}"))?;
+    copied.push(target);
+    for f in &copied {
+        let _ = Command::new("strip").arg(f).status();
+        println!("{}", f.display());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((task, rest)) = args.split_first() else {
+        eprintln!("usage: cargo xtask <info|demo|gpu-pack> [args]");
+        return ExitCode::from(2);
+    };
+    let res = match task.as_str() {
+        "info" => info(rest),
+        "demo" => demo(rest),
+        "gpu-pack" => gpu_pack(rest),
+        other => Err(format!(
+            "unknown task {other:?}; known: info, demo, gpu-pack"
+        )),
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -16,6 +16,16 @@ pub fn init() {
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
             .with_target(false)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init();
     });
 }
+
+/// Options of the services layer (read directly by [`init`], declared here so that
+/// `rucx-info -c` lists them and typos are caught).
+pub static CONFIG: &[crate::config::OptionSpec] = &[crate::config::OptionSpec {
+    name: "LOG_LEVEL",
+    kind: crate::config::OptKind::Str,
+    default: "warn",
+    help: "Logging level: error, warn, info, debug, trace, or a tracing filter directive.",
+}];

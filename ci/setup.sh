@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install the system packages rucx needs to build and test, when they are missing.
+# Debian/Ubuntu only; on other systems it prints what is needed and exits non-zero.
+set -euo pipefail
+
+need=()
+command -v cargo >/dev/null || { echo "rucx needs a Rust toolchain (cargo, rustc >= 1.90): see https://rustup.rs" >&2; exit 1; }
+command -v ip >/dev/null || need+=(iproute2)
+command -v cc >/dev/null || need+=(gcc)
+for pkg in ${RUCX_EXTRA_PACKAGES:-}; do need+=("$pkg"); done
+
+if [ ${#need[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    echo "ci/setup.sh: installing ${need[*]}" >&2
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "ci/setup.sh: please install: ${need[*]}" >&2
+    exit 1
+  fi
+fi
