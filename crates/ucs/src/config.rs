@@ -351,6 +351,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     static TABLE: &[OptionSpec] = &[
         OptionSpec {
@@ -430,5 +431,289 @@ mod tests {
     #[test]
     fn duplicate_declaration_is_rejected() {
         assert!(Config::new(&[TABLE, TABLE]).is_err());
+    }
+
+    #[test]
+    fn malformed_values_report_kind_specific_forms() {
+        let e = Config::from_vars(&[TABLE], [("RUCX_RNDV_THRESH", "12Q")]).unwrap_err();
+        match &e {
+            Error::Config {
+                var,
+                value,
+                reason,
+                accepted,
+            } => {
+                assert_eq!(var, "RUCX_RNDV_THRESH");
+                assert_eq!(value, "12Q");
+                assert!(reason.contains("\"q\""), "names the bad suffix: {reason}");
+                assert_eq!(accepted, units::MEMUNITS_FORMS);
+            }
+            other => panic!("expected Error::Config, got {other:?}"),
+        }
+        let s = e.to_string();
+        for want in ["K, M, G", "inf", "auto"] {
+            assert!(s.contains(want), "{s:?} lacks {want:?}");
+        }
+        // The same through an in-code override, with or without the prefix.
+        let mut c = Config::new(&[TABLE, KINDS]).unwrap();
+        for name in ["RNDV_THRESH", "RUCX_RNDV_THRESH"] {
+            let e = c.set(name, "4X").unwrap_err();
+            assert!(e.to_string().contains("RUCX_RNDV_THRESH"), "{e}");
+        }
+        let e = c.set("K_TIME", "10 parsecs").unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("RUCX_K_TIME") && s.contains("ns, us, ms"), "{s}");
+        // An unknown RUCX_ name in the environment is not an error (only a warning).
+        assert!(Config::from_vars(&[TABLE], [("RUCX_NOT_AN_OPTION", "1")]).is_ok());
+    }
+
+    /// One option of every kind.
+    static KINDS: &[OptionSpec] = &[
+        OptionSpec {
+            name: "K_BOOL",
+            kind: OptKind::Bool,
+            default: "n",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_TERNARY",
+            kind: OptKind::Ternary,
+            default: "try",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_MEM",
+            kind: OptKind::MemUnits,
+            default: "8K",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_TIME",
+            kind: OptKind::Time,
+            default: "1s",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_UINT",
+            kind: OptKind::Uint,
+            default: "3",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_STR",
+            kind: OptKind::Str,
+            default: "",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_LIST",
+            kind: OptKind::List,
+            default: "a,b",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_TLS",
+            kind: OptKind::Tls,
+            default: "all",
+            help: "",
+        },
+        OptionSpec {
+            name: "K_ENUM",
+            kind: OptKind::Enum(&["first", "second", "third"]),
+            default: "first",
+            help: "",
+        },
+    ];
+
+    /// A valid text for one option and a check of the typed value it must produce.
+    #[derive(Clone, Debug)]
+    enum Valid {
+        Bool(String, bool),
+        Ternary(String, Ternary),
+        Mem(String, MemUnits),
+        Time(String, Duration),
+        Uint(String, u64),
+        Str(String),
+        List(String, Vec<String>),
+        Tls(String, Vec<&'static str>, bool),
+        Enum(String, &'static str),
+    }
+
+    fn any_case(word: &'static str) -> impl Strategy<Value = String> {
+        prop::collection::vec(any::<bool>(), word.len()).prop_map(move |up| {
+            word.chars()
+                .zip(up)
+                .map(|(c, u)| if u { c.to_ascii_uppercase() } else { c })
+                .collect()
+        })
+    }
+
+    fn valid() -> impl Strategy<Value = Valid> {
+        let bool_words = prop::sample::select(vec![
+            ("y", true),
+            ("yes", true),
+            ("true", true),
+            ("on", true),
+            ("1", true),
+            ("n", false),
+            ("no", false),
+            ("false", false),
+            ("off", false),
+            ("0", false),
+        ]);
+        let ternary_words = prop::sample::select(vec![
+            ("yes", Ternary::Yes),
+            ("y", Ternary::Yes),
+            ("on", Ternary::Yes),
+            ("no", Ternary::No),
+            ("off", Ternary::No),
+            ("try", Ternary::Try),
+            ("auto", Ternary::Try),
+        ]);
+        let mem = prop_oneof![
+            any::<u64>().prop_map(|b| (units::format_bytes(b), MemUnits::Bytes(b))),
+            (
+                0u64..1 << 20,
+                prop::sample::select(vec![("K", 10), ("m", 20), ("G", 30)])
+            )
+                .prop_map(|(n, (s, sh))| (format!("{n}{s}"), MemUnits::Bytes(n << sh))),
+            Just(("inf".to_string(), MemUnits::Infinite)),
+            Just(("auto".to_string(), MemUnits::Auto)),
+        ];
+        let tls = (1u32..(1 << tls::TRANSPORTS.len()), any::<bool>()).prop_map(|(mask, neg)| {
+            let chosen: Vec<&'static str> = tls::TRANSPORTS
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| mask & (1 << i) != 0)
+                .map(|(_, t)| *t)
+                .collect();
+            let text = format!("{}{}", if neg { "^" } else { "" }, chosen.join(","));
+            Valid::Tls(text, chosen, neg)
+        });
+        prop_oneof![
+            (bool_words, any::<bool>()).prop_flat_map(|((w, b), pad)| any_case(w)
+                .prop_map(move |w| Valid::Bool(if pad { format!(" {w} ") } else { w }, b))),
+            ternary_words
+                .prop_flat_map(|(w, t)| any_case(w).prop_map(move |w| Valid::Ternary(w, t))),
+            mem.prop_map(|(s, m)| Valid::Mem(s, m)),
+            any::<u64>().prop_map(|ns| {
+                let d = Duration::from_nanos(ns);
+                Valid::Time(units::format_time(d), d)
+            }),
+            any::<u64>().prop_map(|n| Valid::Uint(n.to_string(), n)),
+            ".{0,20}".prop_map(Valid::Str),
+            prop::collection::vec("[a-z0-9_]{1,8}", 0..5)
+                .prop_map(|words| { Valid::List(words.join(" , "), words) }),
+            tls,
+            prop::sample::select(vec!["first", "second", "third"])
+                .prop_flat_map(|w| any_case(w).prop_map(move |c| Valid::Enum(c, w))),
+        ]
+    }
+
+    fn name_of(v: &Valid) -> &'static str {
+        match v {
+            Valid::Bool(..) => "K_BOOL",
+            Valid::Ternary(..) => "K_TERNARY",
+            Valid::Mem(..) => "K_MEM",
+            Valid::Time(..) => "K_TIME",
+            Valid::Uint(..) => "K_UINT",
+            Valid::Str(..) => "K_STR",
+            Valid::List(..) => "K_LIST",
+            Valid::Tls(..) => "K_TLS",
+            Valid::Enum(..) => "K_ENUM",
+        }
+    }
+
+    /// Names whose kind rejects the garbage below (free text and lists accept anything).
+    const STRICT: &[&str] = &[
+        "K_BOOL",
+        "K_TERNARY",
+        "K_MEM",
+        "K_TIME",
+        "K_UINT",
+        "K_TLS",
+        "K_ENUM",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn valid_values_round_trip_through_set(v in valid(), env in any::<bool>()) {
+            let name = name_of(&v);
+            let text = match &v {
+                Valid::Bool(t, _) | Valid::Ternary(t, _) | Valid::Mem(t, _)
+                | Valid::Time(t, _) | Valid::Uint(t, _) | Valid::Str(t)
+                | Valid::List(t, _) | Valid::Tls(t, ..) | Valid::Enum(t, _) => t.clone(),
+            };
+            let c = if env {
+                Config::from_vars(&[KINDS], [(format!("RUCX_{name}"), text.clone())]).unwrap()
+            } else {
+                let mut c = Config::new(&[KINDS]).unwrap();
+                c.set(name, &text).unwrap();
+                c
+            };
+            prop_assert_eq!(c.raw(name), text.as_str());
+            prop_assert!(c.options().any(|(s, raw, from_env)| s.name == name && raw == text && from_env == env));
+            match v {
+                Valid::Bool(_, b) => prop_assert_eq!(c.bool(name), b),
+                Valid::Ternary(_, t) => prop_assert_eq!(c.ternary(name), t),
+                Valid::Mem(_, m) => prop_assert_eq!(c.mem_units(name), m),
+                Valid::Time(_, d) => prop_assert_eq!(c.time(name), d),
+                Valid::Uint(_, n) => prop_assert_eq!(c.uint(name), n),
+                Valid::Str(s) => prop_assert_eq!(c.string(name), s.as_str()),
+                Valid::List(_, words) => prop_assert_eq!(c.list(name), words.as_slice()),
+                Valid::Tls(_, chosen, neg) => {
+                    for tl in tls::TRANSPORTS {
+                        prop_assert_eq!(c.tls(name).allows(tl), chosen.contains(tl) != neg);
+                    }
+                }
+                Valid::Enum(_, w) => prop_assert_eq!(c.string(name), w),
+            }
+        }
+
+        #[test]
+        fn garbage_names_the_variable_and_keeps_the_old_value(
+            idx in 0..STRICT.len(),
+            garbage in "[#@!%&*?~][a-z0-9 ]{0,8}",
+            prefixed in any::<bool>(),
+        ) {
+            let name = STRICT[idx];
+            let mut c = Config::new(&[KINDS]).unwrap();
+            let before = c.raw(name).to_string();
+            let arg = if prefixed { format!("RUCX_{name}") } else { name.to_string() };
+            let e = c.set(&arg, &garbage).unwrap_err();
+            let kind = KINDS.iter().find(|s| s.name == name).unwrap().kind;
+            match &e {
+                Error::Config { var, value, accepted, .. } => {
+                    prop_assert_eq!(var, &format!("RUCX_{name}"));
+                    prop_assert_eq!(value, &garbage);
+                    prop_assert_eq!(accepted, &kind.accepted());
+                }
+                other => prop_assert!(false, "expected Error::Config, got {:?}", other),
+            }
+            let msg = e.to_string();
+            prop_assert!(msg.contains(&format!("RUCX_{name}")) && msg.contains("accepted"), "{}", msg);
+            prop_assert_eq!(c.raw(name), before.as_str(), "a rejected value must not stick");
+            // The same value from the environment fails the same way.
+            let from_env = Config::from_vars(&[KINDS], [(format!("RUCX_{name}"), garbage.clone())]);
+            let is_config_err = matches!(from_env, Err(Error::Config { .. }));
+            prop_assert!(is_config_err);
+        }
+
+        #[test]
+        fn set_never_panics(idx in 0..KINDS.len(), value in "\\PC{0,24}") {
+            let mut c = Config::new(&[KINDS]).unwrap();
+            let name = KINDS[idx].name;
+            let before = c.raw(name).to_string();
+            match c.set(name, &value) {
+                Ok(()) => prop_assert_eq!(c.raw(name), value.as_str()),
+                Err(e) => {
+                    let is_config_err = matches!(e, Error::Config { .. });
+                    prop_assert!(is_config_err);
+                    prop_assert_eq!(c.raw(name), before.as_str());
+                }
+            }
+        }
     }
 }

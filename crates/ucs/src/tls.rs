@@ -155,5 +155,33 @@ mod tests {
         fn parser_never_panics(s in ".{0,40}") {
             let _ = TlsSelection::parse(&s);
         }
+
+        /// Aliases and names mix freely, in any case and with spaces; the selection is the
+        /// union of their expansions.
+        #[test]
+        fn aliases_and_names_mix(
+            picks in prop::collection::vec((0..ALIASES.len() + TRANSPORTS.len(), any::<bool>()), 1..6),
+            neg in any::<bool>(),
+        ) {
+            let mut words = Vec::new();
+            let mut want: BTreeSet<&str> = BTreeSet::new();
+            for (i, upper) in picks {
+                let w = if i < ALIASES.len() {
+                    want.extend(ALIASES[i].1.iter().copied());
+                    ALIASES[i].0
+                } else {
+                    want.insert(TRANSPORTS[i - ALIASES.len()]);
+                    TRANSPORTS[i - ALIASES.len()]
+                };
+                words.push(if upper { w.to_ascii_uppercase() } else { w.to_string() });
+            }
+            let text = format!("{}{}", if neg { "^" } else { "" }, words.join(" , "));
+            let sel = TlsSelection::parse(&text).unwrap();
+            prop_assert_eq!(sel.as_str(), text.as_str());
+            for tl in TRANSPORTS {
+                prop_assert_eq!(sel.allows(tl), want.contains(tl) != neg, "{} in {:?}", tl, text);
+            }
+            prop_assert!(!sel.is_all());
+        }
     }
 }
