@@ -17,7 +17,7 @@ pub fn registry() -> Registry {
 
 /// The option tables of the services layer, the transport layer and every component.
 pub fn config_tables() -> Vec<&'static [OptionSpec]> {
-    vec![rucx_ucs::log::CONFIG, rucx_uct::CONFIG]
+    vec![rucx_ucs::log::CONFIG, rucx_ucs::rcache::CONFIG, rucx_uct::CONFIG]
 }
 
 #[cfg(test)]
