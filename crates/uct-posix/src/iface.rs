@@ -1,0 +1,617 @@
+//! The posix interface (owner of a receive ring) and its endpoints (senders into a peer's ring).
+
+use std::fs::File;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapRaw;
+use rucx_ucs::{Error, MemoryType, Result};
+use rucx_uct::iface::{AM_ID_MAX, check_packed};
+use rucx_uct::{
+    AmId, DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov,
+    OpStatus, PerfModel, RemoteKey,
+};
+
+use crate::addr::{DeviceAddr, IfaceAddr, RkeyData};
+use crate::ring::{Geometry, Ring, SegIdentity, StallWatch};
+use crate::sys::{self, CmaDir, ProcWatch, SegmentBacking};
+use crate::{DEVICE, NAME, Settings};
+
+/// Largest user header of `am_zcopy` (bounded by half a cell for tiny cells).
+const AM_MAX_HDR: usize = 128;
+/// Largest `put_short`.
+const PUT_MAX_SHORT: usize = 4096;
+/// Most iov entries per zero-copy operation.
+const MAX_IOV: usize = 64;
+/// Messages delivered per progress call at most.
+const PROGRESS_BUDGET: usize = 64;
+/// Progress calls between liveness-check opportunities.
+const PROGRESS_CHECK_EVERY: u32 = 32;
+/// Sends between liveness-check opportunities.
+const SEND_CHECK_EVERY: u32 = 1024;
+
+/// State an endpoint shares with the interface that created it, so that the interface can
+/// report the endpoint's failure from `progress`.
+#[derive(Debug)]
+struct EpShared {
+    user_id: u64,
+    peer: IfaceAddr,
+    ring: Ring,
+    watch: ProcWatch,
+    failure: OnceLock<String>,
+    reported: AtomicBool,
+}
+
+impl EpShared {
+    fn peer_name(&self) -> String {
+        format!("posix interface of pid {}", self.peer.pid)
+    }
+
+    fn error(&self) -> Option<Error> {
+        self.failure.get().map(|reason| Error::EndpointFailure {
+            peer: self.peer_name(),
+            reason: reason.clone(),
+        })
+    }
+
+    /// Record a failure (the first reason wins) and return the endpoint error.
+    fn fail(&self, reason: String) -> Error {
+        let _ = self.failure.set(reason);
+        self.error()
+            .unwrap_or_else(|| Error::Internal("failure not recorded".into()))
+    }
+
+    /// Look at the peer now; records and returns the failure when it is gone.
+    fn check_peer(&self) -> Option<Error> {
+        if let Some(e) = self.error() {
+            return Some(e);
+        }
+        if self.watch.exited() {
+            return Some(self.fail(format!("process {} exited", self.peer.pid)));
+        }
+        if self.ring.is_closed() {
+            return Some(self.fail("the peer closed its interface".into()));
+        }
+        None
+    }
+}
+
+fn perf_model() -> PerfModel {
+    PerfModel {
+        latency_ns: 150.0,
+        overhead_ns: 30.0,
+        bandwidth: 6.0e9,
+    }
+}
+
+fn iface_attr(geo: Geometry, cma: bool) -> IfaceAttr {
+    let cap = geo.capacity();
+    let am_max_hdr = AM_MAX_HDR.min(cap / 2);
+    let mut caps = IfaceCaps::AM_SHORT
+        | IfaceCaps::AM_BCOPY
+        | IfaceCaps::AM_ZCOPY
+        | IfaceCaps::CONNECT_TO_IFACE
+        | IfaceCaps::ERRHANDLE_PEER_FAILURE;
+    if cma {
+        caps |= IfaceCaps::PUT_SHORT | IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY;
+    }
+    let rma = |n: usize| if cma { n } else { 0 };
+    let example_dev = DeviceAddr {
+        boot_id: [0; 16],
+        pid_ns: 0,
+    };
+    let example_iface = IfaceAddr {
+        pid: 1,
+        fd: 0,
+        seg_id: 0,
+        token: 0,
+        geo,
+    };
+    IfaceAttr {
+        tl_name: NAME.into(),
+        dev_name: DEVICE.into(),
+        dev_type: DeviceType::IntraNode,
+        sys_device: None,
+        caps,
+        limits: IfaceLimits {
+            am_max_short: cap - 8,
+            am_max_bcopy: cap,
+            am_max_zcopy: cap - am_max_hdr,
+            am_max_hdr,
+            put_max_short: rma(PUT_MAX_SHORT),
+            put_max_zcopy: rma(isize::MAX as usize),
+            get_max_zcopy: rma(isize::MAX as usize),
+            max_iov: MAX_IOV,
+        },
+        perf: perf_model(),
+        priority: 0,
+        device_addr_len: example_dev.pack().len(),
+        iface_addr_len: example_iface.pack().len(),
+        ep_addr_len: 0,
+        max_eps: None,
+    }
+}
+
+/// A posix interface: owns a receive segment and delivers what arrives in it.
+#[derive(Debug)]
+pub struct PosixIface {
+    attr: IfaceAttr,
+    // Keeps the segment's descriptor (whose number is in the address) open.
+    _file: File,
+    ring: Ring,
+    tail: u64,
+    addr: IfaceAddr,
+    dev: DeviceAddr,
+    backing: SegmentBacking,
+    cma: bool,
+    eps: Vec<Weak<EpShared>>,
+    stall: StallWatch,
+    calls: u32,
+    last_check: Instant,
+    peer_check: Duration,
+}
+
+impl PosixIface {
+    /// Create the receive segment and the interface.
+    pub fn open(settings: &Settings, backing: SegmentBacking, cma: bool) -> Result<PosixIface> {
+        let geo = settings.geometry().validate("posix interface")?;
+        let file = sys::create_shared_file(backing, geo.segment_size() as u64)?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| {
+            Error::io(
+                format!(
+                    "posix: mapping a {}-byte receive segment",
+                    geo.segment_size()
+                ),
+                e,
+            )
+        })?;
+        let fd =
+            u32::try_from(sys::raw_fd(&file)).map_err(|_| Error::Internal("negative fd".into()))?;
+        let id = SegIdentity {
+            owner_pid: sys::my_pid(),
+            seg_id: sys::random_u64(),
+            token: sys::process_token(),
+        };
+        let ring = Ring::init(map, geo, id)?;
+        let (boot_id, pid_ns) = sys::host_identity();
+        Ok(PosixIface {
+            attr: iface_attr(geo, cma),
+            _file: file,
+            ring,
+            tail: 0,
+            addr: IfaceAddr {
+                pid: id.owner_pid,
+                fd,
+                seg_id: id.seg_id,
+                token: id.token,
+                geo,
+            },
+            dev: DeviceAddr { boot_id, pid_ns },
+            backing,
+            cma,
+            eps: Vec::new(),
+            stall: StallWatch::default(),
+            calls: 0,
+            last_check: Instant::now(),
+            peer_check: settings.peer_check,
+        })
+    }
+
+    /// How the receive segment was created.
+    pub fn backing(&self) -> SegmentBacking {
+        self.backing
+    }
+
+    /// The unpacked interface address.
+    pub fn address(&self) -> IfaceAddr {
+        self.addr
+    }
+
+    fn maintenance(&mut self, idle: bool, sink: &mut dyn FnMut(Event<'_>)) -> usize {
+        if idle {
+            self.stall.check(&self.ring, &mut self.tail);
+        }
+        let mut n = 0;
+        self.eps.retain(|w| {
+            let Some(ep) = w.upgrade() else { return false };
+            let err = ep.check_peer();
+            if let Some(error) = err
+                && !ep.reported.swap(true, Ordering::AcqRel)
+            {
+                sink(Event::EpError {
+                    user_id: ep.user_id,
+                    error,
+                });
+                n += 1;
+            }
+            true
+        });
+        n
+    }
+}
+
+impl Drop for PosixIface {
+    fn drop(&mut self) {
+        // Senders that still map the segment see this and fail instead of filling a ring that
+        // nobody reads.
+        self.ring.close();
+    }
+}
+
+fn connect_error(a: &IfaceAddr, e: io::Error) -> Error {
+    let path = format!("/proc/{}/fd/{}", a.pid, a.fd);
+    match e.kind() {
+        io::ErrorKind::NotFound => Error::EndpointFailure {
+            peer: format!("posix interface of pid {}", a.pid),
+            reason: format!("cannot open its segment at {path}: the process or interface is gone"),
+        },
+        io::ErrorKind::PermissionDenied => Error::io(
+            format!(
+                "posix: opening the peer segment {path} (the peer must run as the same user and \
+                 allow ptrace-read access)"
+            ),
+            e,
+        ),
+        _ => Error::io(format!("posix: opening the peer segment {path}"), e),
+    }
+}
+
+impl Iface for PosixIface {
+    fn attr(&self) -> &IfaceAttr {
+        &self.attr
+    }
+
+    fn device_address(&self) -> Vec<u8> {
+        self.dev.pack()
+    }
+
+    fn iface_address(&self) -> Vec<u8> {
+        self.addr.pack()
+    }
+
+    fn is_reachable(&self, dev_addr: &[u8], iface_addr: &[u8]) -> bool {
+        let same_host = DeviceAddr::unpack(dev_addr).is_ok_and(|d| d == self.dev);
+        same_host
+            && IfaceAddr::unpack(iface_addr)
+                .is_ok_and(|a| std::path::Path::new(&format!("/proc/{}", a.pid)).exists())
+    }
+
+    fn create_ep(&mut self, params: &EpParams) -> Result<Box<dyn Endpoint>> {
+        let dev = DeviceAddr::unpack(&params.dev_addr)?;
+        if dev != self.dev {
+            return Err(Error::Unsupported {
+                what: "a posix endpoint to this peer".into(),
+                why: "the peer runs on another host or in another pid namespace".into(),
+            });
+        }
+        let a = IfaceAddr::unpack(&params.iface_addr)?;
+        // Watch the process first: if the segment below opens and matches, the watched process
+        // is the owner (a reused pid would not have the segment).
+        let watch = ProcWatch::new(a.pid);
+        let file = sys::open_peer_fd(a.pid, a.fd).map_err(|e| connect_error(&a, e))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io(format!("posix: inspecting the segment of pid {}", a.pid), e))?;
+        if !meta.is_file() || meta.len() != a.geo.segment_size() as u64 {
+            return Err(Error::InvalidAddress(format!(
+                "posix: descriptor {} of pid {} is not a segment of {} bytes (stale address?)",
+                a.fd,
+                a.pid,
+                a.geo.segment_size()
+            )));
+        }
+        let map = MmapRaw::map_raw(&file)
+            .map_err(|e| Error::io(format!("posix: mapping the segment of pid {}", a.pid), e))?;
+        let ring = Ring::attach(
+            map,
+            a.geo,
+            SegIdentity {
+                owner_pid: a.pid,
+                seg_id: a.seg_id,
+                token: a.token,
+            },
+        )?;
+        let shared = Arc::new(EpShared {
+            user_id: params.user_id,
+            peer: a,
+            ring,
+            watch,
+            failure: OnceLock::new(),
+            reported: AtomicBool::new(false),
+        });
+        if let Some(e) = shared.check_peer() {
+            return Err(e);
+        }
+        self.eps.push(Arc::downgrade(&shared));
+        Ok(Box::new(PosixEndpoint {
+            shared,
+            limits: self.attr.limits,
+            cma: self.cma,
+            sends: 0,
+            last_check: Instant::now(),
+            peer_check: self.peer_check,
+        }))
+    }
+
+    fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
+        let mut n = self
+            .ring
+            .receive(&mut self.tail, PROGRESS_BUDGET, &mut |id, data| {
+                sink(Event::Am { id, data })
+            });
+        self.calls = self.calls.wrapping_add(1);
+        if self.calls.is_multiple_of(PROGRESS_CHECK_EVERY)
+            && self.last_check.elapsed() >= self.peer_check
+        {
+            self.last_check = Instant::now();
+            n += self.maintenance(n == 0, sink);
+        }
+        n
+    }
+}
+
+/// A posix endpoint: sends into one peer interface's ring and reaches its memory through
+/// cross-memory attach.
+#[derive(Debug)]
+pub struct PosixEndpoint {
+    shared: Arc<EpShared>,
+    limits: IfaceLimits,
+    cma: bool,
+    sends: u32,
+    last_check: Instant,
+    peer_check: Duration,
+}
+
+impl PosixEndpoint {
+    fn ensure_ok(&self) -> Result<()> {
+        match self.shared.error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Check the peer if the last check is older than the interval.
+    fn check_peer_bounded(&mut self) -> Result<()> {
+        if self.last_check.elapsed() >= self.peer_check {
+            self.last_check = Instant::now();
+            if let Some(e) = self.shared.check_peer() {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn send<F>(&mut self, fill: F) -> Result<usize>
+    where
+        F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,
+    {
+        self.ensure_ok()?;
+        self.sends = self.sends.wrapping_add(1);
+        if self.sends.is_multiple_of(SEND_CHECK_EVERY) {
+            self.check_peer_bounded()?;
+        }
+        match self.shared.ring.send(fill)? {
+            Some(n) => Ok(n),
+            None => {
+                self.check_peer_bounded()?;
+                Err(Error::NoResource(format!(
+                    "receive ring of the posix interface of pid {} is full ({} cells)",
+                    self.shared.peer.pid, self.shared.peer.geo.cell_count
+                )))
+            }
+        }
+    }
+
+    fn check_id(id: AmId) -> Result<()> {
+        if usize::from(id) >= AM_ID_MAX {
+            return Err(Error::InvalidParam(format!(
+                "active message id {id} is out of range (0..{AM_ID_MAX})"
+            )));
+        }
+        Ok(())
+    }
+
+    fn rkey_of<'a>(&self, rkey: &'a RemoteKey) -> Result<&'a RkeyData> {
+        if !self.cma {
+            return Err(Error::Unsupported {
+                what: "posix put/get".into(),
+                why: "cross-memory attach is not permitted here (see RUCX_POSIX_ALLOW_PTRACER and \
+                      /proc/sys/kernel/yama/ptrace_scope)"
+                    .into(),
+            });
+        }
+        let k = rkey.inner::<RkeyData>().ok_or_else(|| {
+            Error::InvalidParam(format!(
+                "remote key of domain {} used on a posix endpoint",
+                rkey.domain()
+            ))
+        })?;
+        let peer = &self.shared.peer;
+        if k.pid != peer.pid || k.token != peer.token {
+            return Err(Error::InvalidParam(format!(
+                "remote key of pid {} used on the endpoint to pid {}",
+                k.pid, peer.pid
+            )));
+        }
+        Ok(k)
+    }
+
+    fn cma(
+        &mut self,
+        dir: CmaDir,
+        pieces: &[(usize, usize)],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<()> {
+        let k = self.rkey_of(rkey)?;
+        let total: usize = pieces.iter().map(|p| p.1).sum();
+        rkey.check(remote_addr, total as u64)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let pid = k.pid;
+        // SAFETY: every local piece is either a borrowed slice (put_short) or lies inside a
+        // memory handle of host memory (checked by `iov_pieces`), which `mem_reg`'s contract
+        // keeps valid for reads and writes while the handle lives; the caller's borrow covers
+        // this synchronous call.
+        let r = unsafe { sys::cma(pid, dir, pieces, remote_addr) };
+        r.map_err(|e| {
+            let op = match dir {
+                CmaDir::Write => "process_vm_writev",
+                CmaDir::Read => "process_vm_readv",
+            };
+            match e.raw_os_error() {
+                Some(libc::ESRCH) => self.shared.fail(format!("process {pid} exited ({op}: {e})")),
+                Some(libc::EPERM) => Error::io(
+                    format!(
+                        "posix: {op} to pid {pid} not permitted (check \
+                         /proc/sys/kernel/yama/ptrace_scope and RUCX_POSIX_ALLOW_PTRACER in the peer)"
+                    ),
+                    e,
+                ),
+                Some(libc::EFAULT) => Error::io(
+                    format!(
+                        "posix: {op} of {total} bytes at {remote_addr:#x} in pid {pid}: the remote \
+                         region is not mapped any more"
+                    ),
+                    e,
+                ),
+                _ => Error::io(format!("posix: {op} of {total} bytes with pid {pid}"), e),
+            }
+        })
+    }
+
+    fn iov_pieces(&self, iov: &[Iov<'_>]) -> Result<Vec<(usize, usize)>> {
+        Iov::check_all(iov, self.limits.max_iov)?;
+        iov.iter()
+            .map(|v| {
+                if v.memh.region().mem_type != MemoryType::Host {
+                    return Err(Error::Unsupported {
+                        what: format!("posix transfer of {} memory", v.memh.region().mem_type),
+                        why: "posix moves host memory only".into(),
+                    });
+                }
+                Ok((v.addr, v.len))
+            })
+            .collect()
+    }
+}
+
+impl Endpoint for PosixEndpoint {
+    fn am_short(&mut self, id: AmId, header: u64, payload: &[u8]) -> Result<()> {
+        Self::check_id(id)?;
+        if payload.len() > self.limits.am_max_short {
+            return Err(Error::InvalidParam(format!(
+                "am_short payload of {} bytes exceeds posix's limit of {} bytes",
+                payload.len(),
+                self.limits.am_max_short
+            )));
+        }
+        self.send(|buf| {
+            buf[..8].copy_from_slice(&header.to_le_bytes());
+            buf[8..8 + payload.len()].copy_from_slice(payload);
+            Ok((id, 8 + payload.len()))
+        })?;
+        Ok(())
+    }
+
+    fn am_bcopy(&mut self, id: AmId, pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
+        Self::check_id(id)?;
+        let cap = self.limits.am_max_bcopy;
+        self.send(|buf| {
+            let n = check_packed(pack(&mut buf[..cap]), cap, NAME)?;
+            Ok((id, n))
+        })
+    }
+
+    fn am_zcopy(
+        &mut self,
+        id: AmId,
+        header: &[u8],
+        iov: &[Iov<'_>],
+        _token: u64,
+    ) -> Result<OpStatus> {
+        Self::check_id(id)?;
+        if header.len() > self.limits.am_max_hdr {
+            return Err(Error::InvalidParam(format!(
+                "am_zcopy header of {} bytes exceeds posix's limit of {} bytes",
+                header.len(),
+                self.limits.am_max_hdr
+            )));
+        }
+        let pieces = self.iov_pieces(iov)?;
+        let total: usize = pieces.iter().map(|p| p.1).sum();
+        if total > self.limits.am_max_zcopy {
+            return Err(Error::InvalidParam(format!(
+                "am_zcopy payload of {total} bytes exceeds posix's limit of {} bytes",
+                self.limits.am_max_zcopy
+            )));
+        }
+        self.send(|buf| {
+            buf[..header.len()].copy_from_slice(header);
+            let mut at = header.len();
+            for &(addr, len) in &pieces {
+                // SAFETY: `addr..addr+len` lies inside a memory handle of host memory (checked by
+                // `iov_pieces`), which `mem_reg`'s contract keeps valid for reads while the handle
+                // lives; the iov borrows the handle for this call. The destination is the claimed
+                // cell, which does not overlap user memory.
+                let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                buf[at..at + len].copy_from_slice(src);
+                at += len;
+            }
+            Ok((id, at))
+        })?;
+        Ok(OpStatus::Done)
+    }
+
+    fn put_short(&mut self, data: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()> {
+        self.ensure_ok()?;
+        if data.len() > self.limits.put_max_short {
+            return Err(Error::InvalidParam(format!(
+                "put_short of {} bytes exceeds posix's limit of {} bytes",
+                data.len(),
+                self.limits.put_max_short
+            )));
+        }
+        self.cma(
+            CmaDir::Write,
+            &[(data.as_ptr() as usize, data.len())],
+            remote_addr,
+            rkey,
+        )
+    }
+
+    fn put_zcopy(
+        &mut self,
+        iov: &[Iov<'_>],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        _token: u64,
+    ) -> Result<OpStatus> {
+        self.ensure_ok()?;
+        let pieces = self.iov_pieces(iov)?;
+        self.cma(CmaDir::Write, &pieces, remote_addr, rkey)?;
+        Ok(OpStatus::Done)
+    }
+
+    fn get_zcopy(
+        &mut self,
+        iov: &[Iov<'_>],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        _token: u64,
+    ) -> Result<OpStatus> {
+        self.ensure_ok()?;
+        let pieces = self.iov_pieces(iov)?;
+        self.cma(CmaDir::Read, &pieces, remote_addr, rkey)?;
+        Ok(OpStatus::Done)
+    }
+
+    fn flush(&mut self, _token: u64) -> Result<OpStatus> {
+        // Messages are in the peer's ring and transfers finished when they returned.
+        self.ensure_ok()?;
+        Ok(OpStatus::Done)
+    }
+}

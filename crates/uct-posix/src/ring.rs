@@ -1,0 +1,661 @@
+//! The receive segment and its multi-producer single-consumer ring of fixed-size cells.
+//!
+//! # Layout (all integers little endian, native atomics)
+//!
+//! ```text
+//! offset   0  magic      u64   "RUCXPSX1"
+//!          8  version    u32
+//!         12  cell_size  u32   bytes per cell, header included, multiple of 64
+//!         16  cell_count u32   power of two
+//!         20  owner_pid  u32
+//!         24  seg_id     u64   random, also in the interface address
+//!         32  token      u64   owner's process token, also in the interface address
+//!         40  closed     u32   (atomic) 1 once the owner closed the interface
+//!         64  head       u64   (atomic, own cache line) next position producers claim
+//!        128  cells[cell_count]
+//! cell:    0  seq        u64   (atomic) state of the cell, see below
+//!          8  meta       u64   (atomic) length | am id << 32 | flags << 40
+//!         16  writer     u32   (atomic) pid of the producer that claimed the cell
+//!         32  data       cell_size - 32 bytes
+//! ```
+//!
+//! # Protocol
+//!
+//! Bounded-queue sequencing per cell: cell `i` starts with `seq = i`. A producer reads
+//! `pos = head`; the cell `pos % count` is free for it when `seq == pos`; it claims the position
+//! with a compare-and-swap of `head` from `pos` to `pos + 1`, writes its pid, the data and the
+//! meta word, and publishes with `seq = pos + 1` (release). A cell with `seq < pos` still holds an
+//! unconsumed message from the previous lap: the ring is full and the producer returns
+//! `NoResource` (it never waits and never overwrites). The consumer keeps its own `tail`; the
+//! cell at `tail` is ready when `seq == tail + 1` (acquire); after handing the data out it frees
+//! the cell for the next lap with `seq = tail + count` (release).
+//!
+//! A producer that dies between its claim and its publish would stall the ring; the consumer
+//! notices a cell claimed for over [`STALL_LIMIT`] whose writer is dead and skips it. The only
+//! window left is the two instructions between the claim and the writer's pid store.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapRaw;
+use rucx_ucs::{Error, Result};
+use rucx_uct::AmId;
+use rucx_uct::iface::AM_ID_MAX;
+
+use crate::sys;
+
+/// Segment magic.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"RUCXPSX1");
+/// Layout version.
+pub const VERSION: u32 = 1;
+/// Bytes before the first cell.
+pub const HEADER_SIZE: usize = 128;
+/// Bytes of a cell before its data.
+pub const CELL_HEADER: usize = 32;
+/// Smallest cell.
+pub const MIN_CELL_SIZE: u32 = 128;
+/// Largest cell.
+pub const MAX_CELL_SIZE: u32 = 1 << 20;
+/// Fewest cells.
+pub const MIN_CELLS: u32 = 2;
+/// Most cells.
+pub const MAX_CELLS: u32 = 1 << 16;
+/// How long a claimed but unpublished cell may stall the ring before the consumer checks its
+/// writer.
+pub const STALL_LIMIT: Duration = Duration::from_millis(500);
+
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = 8;
+const OFF_CELL_SIZE: usize = 12;
+const OFF_CELL_COUNT: usize = 16;
+const OFF_OWNER: usize = 20;
+const OFF_SEG_ID: usize = 24;
+const OFF_TOKEN: usize = 32;
+const OFF_CLOSED: usize = 40;
+const OFF_HEAD: usize = 64;
+
+const C_SEQ: usize = 0;
+const C_META: usize = 8;
+const C_WRITER: usize = 16;
+
+/// Flag in a cell's meta word: the cell carries no message (its producer gave up).
+const FLAG_NOP: u64 = 1;
+
+/// Shape of a ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Cells in the ring (power of two).
+    pub cell_count: u32,
+    /// Bytes per cell including its header (multiple of 64).
+    pub cell_size: u32,
+}
+
+impl Geometry {
+    /// Check the bounds; `what` names the source in errors.
+    pub fn validate(self, what: &str) -> Result<Geometry> {
+        let Geometry {
+            cell_count,
+            cell_size,
+        } = self;
+        if !(MIN_CELLS..=MAX_CELLS).contains(&cell_count) || !cell_count.is_power_of_two() {
+            return Err(Error::InvalidParam(format!(
+                "{what}: {cell_count} cells; must be a power of two in {MIN_CELLS}..={MAX_CELLS}"
+            )));
+        }
+        if !(MIN_CELL_SIZE..=MAX_CELL_SIZE).contains(&cell_size) || !cell_size.is_multiple_of(64) {
+            return Err(Error::InvalidParam(format!(
+                "{what}: cell size {cell_size}; must be a multiple of 64 in {MIN_CELL_SIZE}..={MAX_CELL_SIZE}"
+            )));
+        }
+        Ok(self)
+    }
+
+    /// Total segment size in bytes.
+    pub fn segment_size(self) -> usize {
+        HEADER_SIZE + self.cell_count as usize * self.cell_size as usize
+    }
+
+    /// Data bytes per cell.
+    pub fn capacity(self) -> usize {
+        self.cell_size as usize - CELL_HEADER
+    }
+}
+
+/// Identity written into a segment header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegIdentity {
+    /// Owner process.
+    pub owner_pid: u32,
+    /// Random segment id.
+    pub seg_id: u64,
+    /// Owner's process token.
+    pub token: u64,
+}
+
+/// A mapped segment: the ring plus its header. Both the owner (consumer) and every sender
+/// (producer) hold one; the roles are told apart by the methods they call.
+#[derive(Debug)]
+pub struct Ring {
+    map: MmapRaw,
+    geo: Geometry,
+    mask: u64,
+}
+
+impl Ring {
+    /// Initialize a fresh mapping as an empty ring. The mapping must be exactly
+    /// `geo.segment_size()` bytes, zero-filled, and not yet visible to anybody else.
+    pub fn init(map: MmapRaw, geo: Geometry, id: SegIdentity) -> Result<Ring> {
+        let geo = geo.validate("posix ring")?;
+        if map.len() != geo.segment_size() {
+            return Err(Error::Internal(format!(
+                "segment mapping is {} bytes, expected {}",
+                map.len(),
+                geo.segment_size()
+            )));
+        }
+        let ring = Ring {
+            map,
+            geo,
+            mask: u64::from(geo.cell_count) - 1,
+        };
+        ring.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+        ring.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+        ring.u32_at(OFF_CELL_SIZE)
+            .store(geo.cell_size, Ordering::Relaxed);
+        ring.u32_at(OFF_CELL_COUNT)
+            .store(geo.cell_count, Ordering::Relaxed);
+        ring.u32_at(OFF_OWNER)
+            .store(id.owner_pid, Ordering::Relaxed);
+        ring.u64_at(OFF_SEG_ID).store(id.seg_id, Ordering::Relaxed);
+        ring.u64_at(OFF_TOKEN).store(id.token, Ordering::Relaxed);
+        ring.u32_at(OFF_CLOSED).store(0, Ordering::Relaxed);
+        ring.u64_at(OFF_HEAD).store(0, Ordering::Relaxed);
+        for i in 0..geo.cell_count {
+            let c = ring.cell_off(u64::from(i));
+            ring.u64_at(c + C_SEQ)
+                .store(u64::from(i), Ordering::Relaxed);
+            ring.u64_at(c + C_META).store(0, Ordering::Relaxed);
+            ring.u32_at(c + C_WRITER).store(0, Ordering::Relaxed);
+        }
+        // Publish the initialized header to whoever maps the segment later.
+        std::sync::atomic::fence(Ordering::Release);
+        Ok(ring)
+    }
+
+    /// Attach to a peer's segment, validating its header against what its address said.
+    pub fn attach(map: MmapRaw, geo: Geometry, id: SegIdentity) -> Result<Ring> {
+        let geo = geo.validate("posix peer segment")?;
+        if map.len() != geo.segment_size() {
+            return Err(Error::InvalidAddress(format!(
+                "posix: peer segment of pid {} is {} bytes, its address says {}",
+                id.owner_pid,
+                map.len(),
+                geo.segment_size()
+            )));
+        }
+        let ring = Ring {
+            map,
+            geo,
+            mask: u64::from(geo.cell_count) - 1,
+        };
+        std::sync::atomic::fence(Ordering::Acquire);
+        let found = (
+            ring.u64_at(OFF_MAGIC).load(Ordering::Relaxed),
+            ring.u32_at(OFF_VERSION).load(Ordering::Relaxed),
+            ring.u32_at(OFF_CELL_SIZE).load(Ordering::Relaxed),
+            ring.u32_at(OFF_CELL_COUNT).load(Ordering::Relaxed),
+            ring.u32_at(OFF_OWNER).load(Ordering::Relaxed),
+            ring.u64_at(OFF_SEG_ID).load(Ordering::Relaxed),
+            ring.u64_at(OFF_TOKEN).load(Ordering::Relaxed),
+        );
+        let want = (
+            MAGIC,
+            VERSION,
+            geo.cell_size,
+            geo.cell_count,
+            id.owner_pid,
+            id.seg_id,
+            id.token,
+        );
+        if found != want {
+            return Err(Error::InvalidAddress(format!(
+                "posix: the segment found at pid {} does not match its address (stale address, \
+                 reused pid, or a different rucx version)",
+                id.owner_pid
+            )));
+        }
+        Ok(ring)
+    }
+
+    /// Shape of the ring.
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    fn cell_off(&self, pos: u64) -> usize {
+        HEADER_SIZE + (pos & self.mask) as usize * self.geo.cell_size as usize
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
+        // SAFETY: every caller passes an 8-aligned offset inside the mapping (header fields and
+        // cell words at fixed offsets; the mapping is page aligned and its size was checked
+        // against the geometry). The mapping lives as long as `self`, and every access to these
+        // words, in any process, is atomic.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
+        // SAFETY: as in `u64_at`, for 4-aligned 32-bit words.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
+    }
+
+    /// True once the owner closed its interface.
+    pub fn is_closed(&self) -> bool {
+        self.u32_at(OFF_CLOSED).load(Ordering::Acquire) != 0
+    }
+
+    /// Mark the ring closed (owner side, when the interface goes away).
+    pub fn close(&self) {
+        self.u32_at(OFF_CLOSED).store(1, Ordering::Release);
+    }
+
+    /// Producer: claim a cell, let `fill` write the message into its data area, and publish it.
+    ///
+    /// `fill` returns the message length and id, or an error; on error (or a panic in `fill`)
+    /// the cell is published as empty so the ring keeps flowing. Returns `Ok(None)` when the
+    /// ring is full (nothing was written).
+    pub fn send<F>(&self, fill: F) -> Result<Option<usize>>
+    where
+        F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,
+    {
+        let head = self.u64_at(OFF_HEAD);
+        let mut pos = head.load(Ordering::Relaxed);
+        loop {
+            let off = self.cell_off(pos);
+            let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
+            let diff = seq.wrapping_sub(pos) as i64;
+            if diff == 0 {
+                match head.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
+                {
+                    Ok(_) => return self.fill_claimed(pos, off, fill).map(Some),
+                    Err(now) => pos = now,
+                }
+            } else if diff < 0 {
+                return Ok(None);
+            } else {
+                pos = head.load(Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn fill_claimed<F>(&self, pos: u64, off: usize, fill: F) -> Result<usize>
+    where
+        F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,
+    {
+        self.u32_at(off + C_WRITER)
+            .store(sys::my_pid(), Ordering::Relaxed);
+        let mut guard = Publish {
+            ring: self,
+            pos,
+            off,
+            meta: FLAG_NOP << 40,
+        };
+        let cap = self.geo.capacity();
+        // SAFETY: the claim above (a successful compare-and-swap of `head` while the cell's
+        // sequence equalled `pos`) gives this producer sole ownership of the cell's data area
+        // until it publishes; the consumer does not read it before `seq == pos + 1`, and other
+        // producers only touch cells whose sequence matches their own claim. The area lies
+        // inside the mapping, which outlives this borrow.
+        let data = unsafe {
+            std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off + CELL_HEADER), cap)
+        };
+        let (id, len) = fill(data)?;
+        if len > cap || usize::from(id) >= AM_ID_MAX {
+            return Err(Error::Internal(format!(
+                "posix: message of {len} bytes with id {id} does not fit a cell"
+            )));
+        }
+        guard.meta = len as u64 | (u64::from(id) << 32);
+        drop(guard);
+        Ok(len)
+    }
+
+    /// Consumer: deliver up to `max` ready messages to `f`, starting at `*tail`. Returns how many
+    /// messages were delivered. Only the segment's owner may call this, from one thread.
+    pub fn receive(&self, tail: &mut u64, max: usize, f: &mut dyn FnMut(AmId, &[u8])) -> usize {
+        let mut n = 0;
+        while n < max {
+            let off = self.cell_off(*tail);
+            let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
+            if seq != tail.wrapping_add(1) {
+                break;
+            }
+            let meta = self.u64_at(off + C_META).load(Ordering::Relaxed);
+            let len = (meta & 0xffff_ffff) as usize;
+            let id = ((meta >> 32) & 0xff) as u8;
+            let flags = meta >> 40;
+            if flags & FLAG_NOP == 0 {
+                if len <= self.geo.capacity() && usize::from(id) < AM_ID_MAX {
+                    // SAFETY: the acquire load saw the producer's release of `seq = tail + 1`,
+                    // so the cell's data is fully written and no producer touches the cell again
+                    // until we release it below; `len` was checked against the cell capacity.
+                    let data = unsafe {
+                        std::slice::from_raw_parts(
+                            self.map.as_mut_ptr().add(off + CELL_HEADER),
+                            len,
+                        )
+                    };
+                    f(id, data);
+                    n += 1;
+                } else {
+                    tracing::warn!(
+                        "posix: dropped a malformed message (id {id}, {len} bytes) from pid {}",
+                        self.u32_at(off + C_WRITER).load(Ordering::Relaxed)
+                    );
+                }
+            }
+            self.release(off, *tail);
+            *tail = tail.wrapping_add(1);
+        }
+        n
+    }
+
+    fn release(&self, off: usize, pos: u64) {
+        self.u32_at(off + C_WRITER).store(0, Ordering::Relaxed);
+        self.u64_at(off + C_SEQ).store(
+            pos.wrapping_add(u64::from(self.geo.cell_count)),
+            Ordering::Release,
+        );
+    }
+
+    /// Consumer: if the cell at `tail` is claimed but unpublished, the pid that claimed it
+    /// (0 when not recorded yet).
+    pub fn stalled_writer(&self, tail: u64) -> Option<u32> {
+        let off = self.cell_off(tail);
+        let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
+        let head = self.u64_at(OFF_HEAD).load(Ordering::Acquire);
+        (seq == tail && head.wrapping_sub(tail) as i64 > 0)
+            .then(|| self.u32_at(off + C_WRITER).load(Ordering::Relaxed))
+    }
+
+    /// Consumer: give up on the cell at `*tail`, whose writer died, and move past it.
+    pub fn skip_dead(&self, tail: &mut u64) {
+        let off = self.cell_off(*tail);
+        self.release(off, *tail);
+        *tail = tail.wrapping_add(1);
+    }
+}
+
+/// Publishes a claimed cell when dropped, also on an early return or a panic.
+struct Publish<'a> {
+    ring: &'a Ring,
+    pos: u64,
+    off: usize,
+    meta: u64,
+}
+
+impl Drop for Publish<'_> {
+    fn drop(&mut self) {
+        self.ring
+            .u64_at(self.off + C_META)
+            .store(self.meta, Ordering::Relaxed);
+        self.ring
+            .u64_at(self.off + C_SEQ)
+            .store(self.pos.wrapping_add(1), Ordering::Release);
+    }
+}
+
+/// Tracks how long the consumer has been stuck behind one claimed cell.
+#[derive(Debug, Default)]
+pub struct StallWatch {
+    since: Option<(u64, Instant)>,
+}
+
+impl StallWatch {
+    /// Look at the cell at `*tail` and skip it when its writer died after claiming it more than
+    /// [`STALL_LIMIT`] ago. Returns true when a cell was skipped.
+    pub fn check(&mut self, ring: &Ring, tail: &mut u64) -> bool {
+        match ring.stalled_writer(*tail) {
+            None => {
+                self.since = None;
+                false
+            }
+            Some(pid) => match self.since {
+                Some((t, at)) if t == *tail => {
+                    if at.elapsed() >= STALL_LIMIT && pid != 0 && !sys::pid_alive(pid) {
+                        tracing::warn!(
+                            "posix: skipping a message slot claimed by pid {pid}, which died \
+                             before filling it"
+                        );
+                        ring.skip_dead(tail);
+                        self.since = None;
+                        true
+                    } else {
+                        false
+                    }
+                }
+                _ => {
+                    self.since = Some((*tail, Instant::now()));
+                    false
+                }
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ring(cells: u32, cell_size: u32) -> Ring {
+        let geo = Geometry {
+            cell_count: cells,
+            cell_size,
+        };
+        let map = MmapRaw::map_raw(&anon(geo.segment_size())).unwrap();
+        Ring::init(
+            map,
+            geo,
+            SegIdentity {
+                owner_pid: sys::my_pid(),
+                seg_id: 7,
+                token: 9,
+            },
+        )
+        .unwrap()
+    }
+
+    fn anon(size: usize) -> std::fs::File {
+        sys::create_shared_file(sys::SegmentBacking::Memfd, size as u64).unwrap()
+    }
+
+    fn put(r: &Ring, id: AmId, data: &[u8]) -> Option<usize> {
+        r.send(|buf| {
+            buf[..data.len()].copy_from_slice(data);
+            Ok((id, data.len()))
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn full_ring_says_so_and_keeps_contents() {
+        let r = ring(4, 128);
+        for i in 0..4u8 {
+            assert_eq!(put(&r, 1, &[i; 10]), Some(10));
+        }
+        assert_eq!(put(&r, 1, &[99; 10]), None, "a full ring must refuse");
+        let mut tail = 0;
+        let mut got = Vec::new();
+        assert_eq!(
+            r.receive(&mut tail, usize::MAX, &mut |id, d| got
+                .push((id, d.to_vec()))),
+            4
+        );
+        assert_eq!(got, (0..4u8).map(|i| (1, vec![i; 10])).collect::<Vec<_>>());
+        assert_eq!(put(&r, 2, b"after"), Some(5));
+    }
+
+    #[test]
+    fn wraps_around_many_times_in_order() {
+        let r = ring(8, 128);
+        let mut tail = 0;
+        let mut next_send = 0u32;
+        let mut next_recv = 0u32;
+        while next_recv < 10_000 {
+            while next_send < 10_000 && put(&r, 3, &next_send.to_le_bytes()).is_some() {
+                next_send += 1;
+            }
+            r.receive(&mut tail, 3, &mut |id, d| {
+                assert_eq!(id, 3);
+                assert_eq!(u32::from_le_bytes(d.try_into().unwrap()), next_recv);
+                next_recv += 1;
+            });
+        }
+        assert_eq!(tail, 10_000);
+    }
+
+    #[test]
+    fn failed_fill_leaves_no_message_and_no_hole() {
+        let r = ring(4, 128);
+        let e = r.send(|_| Err(Error::InvalidParam("too big".into())));
+        assert!(e.is_err());
+        let e = r.send(|_| Ok((1, 100_000)));
+        assert!(e.is_err(), "length past the cell must be refused");
+        assert_eq!(put(&r, 5, b"x"), Some(1));
+        let mut tail = 0;
+        let mut got = Vec::new();
+        r.receive(&mut tail, usize::MAX, &mut |id, d| {
+            got.push((id, d.to_vec()))
+        });
+        assert_eq!(got, vec![(5, b"x".to_vec())]);
+        assert_eq!(tail, 3);
+    }
+
+    #[test]
+    fn panicking_fill_does_not_wedge() {
+        let r = ring(4, 128);
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = r.send(|_| panic!("pack callback failed"));
+        }));
+        assert!(res.is_err());
+        assert_eq!(put(&r, 1, b"ok"), Some(2));
+        let mut tail = 0;
+        assert_eq!(
+            r.receive(&mut tail, usize::MAX, &mut |_, d| assert_eq!(d, b"ok")),
+            1
+        );
+    }
+
+    #[test]
+    fn many_producers_each_in_order() {
+        let r = std::sync::Arc::new(ring(16, 128));
+        let per = 5_000u32;
+        let threads: Vec<_> = (0..3u8)
+            .map(|t| {
+                let r = r.clone();
+                std::thread::spawn(move || {
+                    for i in 0..per {
+                        let mut m = [0u8; 5];
+                        m[0] = t;
+                        m[1..].copy_from_slice(&i.to_le_bytes());
+                        while put(&r, 1, &m).is_none() {
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut next = [0u32; 3];
+        let mut tail = 0;
+        while next.iter().any(|&n| n < per) {
+            r.receive(&mut tail, 64, &mut |_, d| {
+                let t = d[0] as usize;
+                let i = u32::from_le_bytes(d[1..5].try_into().unwrap());
+                assert_eq!(i, next[t], "producer {t} out of order");
+                next[t] += 1;
+            });
+        }
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn attach_validates_identity() {
+        let geo = Geometry {
+            cell_count: 4,
+            cell_size: 128,
+        };
+        let f = anon(geo.segment_size());
+        let id = SegIdentity {
+            owner_pid: sys::my_pid(),
+            seg_id: 42,
+            token: 43,
+        };
+        let _owner = Ring::init(MmapRaw::map_raw(&f).unwrap(), geo, id).unwrap();
+        assert!(Ring::attach(MmapRaw::map_raw(&f).unwrap(), geo, id).is_ok());
+        let wrong = SegIdentity { seg_id: 41, ..id };
+        assert!(Ring::attach(MmapRaw::map_raw(&f).unwrap(), geo, wrong).is_err());
+        let other_geo = Geometry {
+            cell_count: 2,
+            cell_size: 256,
+        };
+        assert!(Ring::attach(MmapRaw::map_raw(&f).unwrap(), other_geo, id).is_err());
+    }
+
+    #[test]
+    fn geometry_bounds() {
+        for (c, s) in [
+            (3, 128),
+            (1, 128),
+            (4, 100),
+            (4, 64),
+            (1 << 17, 128),
+            (4, 2 << 20),
+        ] {
+            assert!(
+                Geometry {
+                    cell_count: c,
+                    cell_size: s
+                }
+                .validate("t")
+                .is_err(),
+                "{c} x {s}"
+            );
+        }
+        assert!(
+            Geometry {
+                cell_count: 256,
+                cell_size: 8192
+            }
+            .validate("t")
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn dead_writer_slot_is_skipped() {
+        let r = ring(4, 128);
+        // Simulate a producer that claimed position 0 and died: bump head, record a dead pid.
+        r.u64_at(OFF_HEAD).store(1, Ordering::Relaxed);
+        let off = r.cell_off(0);
+        r.u32_at(off + C_WRITER)
+            .store(u32::MAX - 1, Ordering::Relaxed);
+        assert_eq!(put(&r, 1, b"later"), Some(5));
+        let mut tail = 0;
+        assert_eq!(
+            r.receive(&mut tail, 8, &mut |_, _| {}),
+            0,
+            "stuck behind the claim"
+        );
+        let mut w = StallWatch::default();
+        assert!(!w.check(&r, &mut tail));
+        w.since = Some((0, Instant::now() - STALL_LIMIT));
+        assert!(w.check(&r, &mut tail));
+        let mut got = Vec::new();
+        assert_eq!(r.receive(&mut tail, 8, &mut |_, d| got.push(d.to_vec())), 1);
+        assert_eq!(got, vec![b"later".to_vec()]);
+    }
+}
