@@ -1,0 +1,1177 @@
+//! The CUDA driver API, loaded at run time.
+//!
+//! [`driver()`] loads `libcuda`, checks that the driver is recent enough and has every entry
+//! point rucx calls, runs `cuInit` once and caches the result. Every failure (no library, an old
+//! driver, no device) becomes [`Error::Unavailable`] with the precise reason; nothing here panics
+//! and nothing links against CUDA at build time.
+//!
+//! The raw bindings are re-exported as [`sys`](crate::sys) for transports that need calls this
+//! module does not wrap; [`check`] turns any `CUresult` into a typed [`Error::Device`].
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys;
+use cudarc::driver::sys::{CUresult, cudaError_enum as E};
+use rucx_ucs::{Error, RegErrorKind, Result};
+
+/// Oldest driver API version rucx accepts (11.3: stream-ordered pools and the pointer
+/// attributes that say whether memory can be exported through legacy IPC handles).
+pub const MIN_DRIVER_VERSION: i32 = 11030;
+
+/// Entry points (exact exported names) that must exist in `libcuda` for rucx to use it.
+///
+/// Checked before the first call, because the bindings abort the process on a missing symbol.
+pub const REQUIRED_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetName",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetPCIBusId",
+    "cuDeviceTotalMem_v2",
+    "cuDeviceCanAccessPeer",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
+    "cuCtxEnablePeerAccess",
+    "cuPointerGetAttributes",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemAllocManaged",
+    "cuMemAllocAsync",
+    "cuMemFreeAsync",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemcpy",
+    "cuMemcpyAsync",
+    "cuMemsetD8_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+];
+
+/// Entry point needed to export device memory as a dma-buf file descriptor (driver 11.7+).
+pub const DMABUF_SYMBOL: &str = "cuMemGetHandleForAddressRange";
+
+/// Component name used in [`Error::Unavailable`].
+pub const COMPONENT: &str = "cuda";
+
+/// The name of a CUDA result, e.g. `CUDA_ERROR_OUT_OF_MEMORY`. Needs no driver.
+pub fn result_name(r: CUresult) -> String {
+    format!("{r:?}")
+}
+
+/// The driver's one-line description of a result, when the driver is loaded.
+fn result_description(r: CUresult) -> Option<String> {
+    driver().ok()?;
+    let mut p: *const c_char = std::ptr::null();
+    // SAFETY: the driver is loaded (checked above, so the symbol exists); `p` is a valid
+    // out-pointer and the driver stores a pointer to a static NUL-terminated string in it.
+    let rc = unsafe { sys::cuGetErrorString(r, &mut p) };
+    if rc != E::CUDA_SUCCESS || p.is_null() {
+        return None;
+    }
+    // SAFETY: on success `p` points to a static NUL-terminated string owned by the driver.
+    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// How to name a device in messages: `GPU 0 (0000:19:00.0)` when its bus id is known.
+pub fn device_label(device: Option<u32>) -> String {
+    match device {
+        None => "CUDA driver".to_string(),
+        Some(d) => match driver().ok().and_then(|drv| drv.devices.get(d as usize)) {
+            Some(info) => format!("GPU {d} ({})", info.pci_bus_id),
+            None => format!("GPU {d}"),
+        },
+    }
+}
+
+/// Turn a `CUresult` into `Ok(())` or an [`Error::Device`] naming the call, the device and the
+/// CUDA error (name and description), e.g.
+/// `GPU 0 (0000:19:00.0): cuMemAlloc(1048576 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)`.
+pub fn check(r: CUresult, call: &str, device: Option<u32>) -> Result<()> {
+    if r == E::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(cuda_error(r, call, device))
+    }
+}
+
+/// The [`Error::Device`] for a failed call (see [`check`]); `r` should not be success.
+pub fn cuda_error(r: CUresult, call: &str, device: Option<u32>) -> Error {
+    let mut reason = format!("{call} failed: {}", result_name(r));
+    if let Some(desc) = result_description(r) {
+        reason.push_str(&format!(" ({desc})"));
+    }
+    Error::Device {
+        device: device_label(device),
+        reason,
+    }
+}
+
+/// The registration-failure kind closest to a CUDA result, for memory domains that map CUDA
+/// failures into [`rucx_ucs::RegError`]s.
+///
+/// `CUDA_ERROR_INVALID_VALUE` and `CUDA_ERROR_NOT_SUPPORTED` from an export call mean the memory
+/// cannot be exported (e.g. `cuIpcGetMemHandle` on stream-ordered pool memory).
+pub fn reg_error_kind(r: CUresult) -> RegErrorKind {
+    match r {
+        E::CUDA_ERROR_OUT_OF_MEMORY => RegErrorKind::NoMemory,
+        E::CUDA_ERROR_INVALID_VALUE | E::CUDA_ERROR_NOT_SUPPORTED => RegErrorKind::NotExportable,
+        E::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED | E::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED => {
+            RegErrorKind::Other
+        }
+        E::CUDA_ERROR_INVALID_DEVICE | E::CUDA_ERROR_NOT_PERMITTED => {
+            RegErrorKind::UnsupportedMemoryType
+        }
+        _ => RegErrorKind::Other,
+    }
+}
+
+/// What the driver reports about one device, read once at initialization.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    /// CUDA ordinal (as numbered under the current `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: u32,
+    /// Driver handle.
+    pub handle: sys::CUdevice,
+    /// Marketing name, e.g. `NVIDIA H200`.
+    pub name: String,
+    /// PCI bus id in the sysfs form `0000:19:00.0` (lower case).
+    pub pci_bus_id: String,
+    /// Device memory in bytes.
+    pub total_mem: u64,
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`.
+    pub gpu_direct_rdma: bool,
+    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
+    pub dma_buf: bool,
+    /// `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` (stream-ordered allocations).
+    pub memory_pools: bool,
+    /// `CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY`.
+    pub managed_memory: bool,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`.
+    pub host_register: bool,
+    /// `CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING`.
+    pub unified_addressing: bool,
+}
+
+/// A device's primary context, retained for the life of the process.
+#[derive(Debug)]
+pub struct PrimaryContext {
+    ordinal: u32,
+    device: sys::CUdevice,
+    raw: sys::CUcontext,
+}
+
+// SAFETY: a CUDA context handle is an opaque driver object that the driver API allows any host
+// thread to use (cuCtxSetCurrent binds it to the calling thread); rucx never frees it.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: see `Send`: every operation on the handle goes through the thread-safe driver API.
+unsafe impl Sync for PrimaryContext {}
+
+impl PrimaryContext {
+    /// CUDA ordinal of the device.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// Driver device handle.
+    pub fn cu_device(&self) -> sys::CUdevice {
+        self.device
+    }
+
+    /// Raw context handle, for calls through [`sys`](crate::sys).
+    pub fn raw(&self) -> sys::CUcontext {
+        self.raw
+    }
+
+    /// Make this context current on the calling thread (cheap; call before raw driver calls).
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: `raw` is a retained primary context that is never released.
+        let r = unsafe { sys::cuCtxSetCurrent(self.raw) };
+        check(r, "cuCtxSetCurrent", Some(self.ordinal))
+    }
+
+    /// Let kernels and copies in this context access memory of `peer`'s device directly.
+    /// Already-enabled access is not an error.
+    pub fn enable_peer_access(&self, peer: &PrimaryContext) -> Result<()> {
+        if peer.ordinal == self.ordinal {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both contexts are retained primary contexts; flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.raw, 0) };
+        if r == E::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check(
+            r,
+            &format!("cuCtxEnablePeerAccess(to GPU {})", peer.ordinal),
+            Some(self.ordinal),
+        )
+    }
+}
+
+/// The loaded and initialized CUDA driver.
+#[derive(Debug)]
+pub struct Driver {
+    version: i32,
+    devices: Vec<DeviceInfo>,
+    contexts: Vec<OnceLock<std::result::Result<PrimaryContext, String>>>,
+    dmabuf_symbol: bool,
+}
+
+static DRIVER: OnceLock<std::result::Result<Driver, String>> = OnceLock::new();
+
+/// The CUDA driver, loaded and initialized on the first call (thread-safe, cached).
+///
+/// Returns [`Error::Unavailable`] (component `cuda`) when `libcuda` cannot be loaded, lacks an
+/// entry point rucx calls, is older than [`MIN_DRIVER_VERSION`], `cuInit` fails, or there is
+/// no device. Never panics.
+pub fn driver() -> Result<&'static Driver> {
+    match DRIVER.get_or_init(Driver::load) {
+        Ok(d) => Ok(d),
+        Err(reason) => Err(Error::Unavailable {
+            component: COMPONENT.into(),
+            reason: reason.clone(),
+        }),
+    }
+}
+
+/// True when a driver is loaded and has at least one device (never panics).
+pub fn is_available() -> bool {
+    driver().is_ok()
+}
+
+fn version_string(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+impl Driver {
+    fn load() -> std::result::Result<Driver, String> {
+        // SAFETY: only tries `dlopen` on the candidate names of libcuda; no driver call.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(
+                "no CUDA driver found: libcuda.so could not be loaded (is the NVIDIA \
+                        driver installed and libcuda.so.1 on the loader path?)"
+                    .into(),
+            );
+        }
+        // SAFETY: `is_culib_present` just succeeded, so loading the library succeeds too.
+        let lib = unsafe { sys::culib() };
+        let missing: Vec<&str> = REQUIRED_SYMBOLS
+            .iter()
+            .copied()
+            // SAFETY: looking up a symbol by name has no side effect; the pointer is not used.
+            .filter(|s| unsafe { lib.get::<*const c_void>(s.as_bytes()) }.is_err())
+            .collect();
+        if !missing.is_empty() {
+            let mut version = String::new();
+            if !missing.contains(&"cuDriverGetVersion") {
+                let mut v: c_int = 0;
+                // SAFETY: the symbol exists (checked above); `v` is a valid out-pointer.
+                if unsafe { sys::cuDriverGetVersion(&mut v) } == E::CUDA_SUCCESS {
+                    version = format!(" (driver API {})", version_string(v));
+                }
+            }
+            return Err(format!(
+                "the CUDA driver{version} is too old: libcuda lacks {}; rucx needs driver API {} \
+                 or newer",
+                missing.join(", "),
+                version_string(MIN_DRIVER_VERSION)
+            ));
+        }
+        // SAFETY: looking up a symbol has no side effect.
+        let dmabuf_symbol = unsafe { lib.get::<*const c_void>(DMABUF_SYMBOL.as_bytes()) }.is_ok();
+
+        let mut version: c_int = 0;
+        // SAFETY: symbol present; `version` is a valid out-pointer.
+        let r = unsafe { sys::cuDriverGetVersion(&mut version) };
+        if r != E::CUDA_SUCCESS {
+            return Err(format!("cuDriverGetVersion failed: {}", result_name(r)));
+        }
+        if version < MIN_DRIVER_VERSION {
+            return Err(format!(
+                "the CUDA driver is too old: it supports driver API {}, rucx needs {} or newer",
+                version_string(version),
+                version_string(MIN_DRIVER_VERSION)
+            ));
+        }
+        // SAFETY: symbol present; cuInit takes flags 0 and is safe to call more than once.
+        let r = unsafe { sys::cuInit(0) };
+        match r {
+            E::CUDA_SUCCESS => {}
+            E::CUDA_ERROR_NO_DEVICE => {
+                return Err(format!(
+                    "no CUDA device: cuInit returned CUDA_ERROR_NO_DEVICE (driver API {}; check \
+                     CUDA_VISIBLE_DEVICES and /dev/nvidia*)",
+                    version_string(version)
+                ));
+            }
+            E::CUDA_ERROR_STUB_LIBRARY => {
+                return Err(
+                    "no CUDA driver found: the libcuda.so that was loaded is the toolkit's \
+                            stub library (cuInit: CUDA_ERROR_STUB_LIBRARY); install the NVIDIA \
+                            driver or put its libcuda.so.1 first on the loader path"
+                        .into(),
+                );
+            }
+            E::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH | E::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE => {
+                return Err(format!(
+                    "the CUDA user-mode driver does not match the kernel driver or this GPU: \
+                     cuInit returned {} (driver API {})",
+                    result_name(r),
+                    version_string(version)
+                ));
+            }
+            _ => {
+                return Err(format!(
+                    "cuInit failed: {} (driver API {})",
+                    result_name(r),
+                    version_string(version)
+                ));
+            }
+        }
+        let mut count: c_int = 0;
+        // SAFETY: initialized; `count` is a valid out-pointer.
+        let r = unsafe { sys::cuDeviceGetCount(&mut count) };
+        if r != E::CUDA_SUCCESS {
+            return Err(format!("cuDeviceGetCount failed: {}", result_name(r)));
+        }
+        if count <= 0 {
+            return Err(
+                "no CUDA device (cuDeviceGetCount returned 0; check CUDA_VISIBLE_DEVICES)".into(),
+            );
+        }
+        let mut devices = Vec::with_capacity(count as usize);
+        for ordinal in 0..count {
+            devices.push(query_device(ordinal).map_err(|e| e.to_string())?);
+        }
+        let contexts = (0..count).map(|_| OnceLock::new()).collect();
+        Ok(Driver {
+            version,
+            devices,
+            contexts,
+            dmabuf_symbol,
+        })
+    }
+
+    /// Driver API version as `major * 1000 + minor * 10` (e.g. 13000 for 13.0).
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// Driver API version as `major.minor`.
+    pub fn version_string(&self) -> String {
+        version_string(self.version)
+    }
+
+    /// Number of visible devices (at least 1).
+    pub fn device_count(&self) -> u32 {
+        self.devices.len() as u32
+    }
+
+    /// Every visible device.
+    pub fn devices(&self) -> &[DeviceInfo] {
+        &self.devices
+    }
+
+    /// One device by ordinal.
+    pub fn device(&self, ordinal: u32) -> Result<&DeviceInfo> {
+        self.devices.get(ordinal as usize).ok_or_else(|| {
+            Error::InvalidParam(format!(
+                "GPU {ordinal} does not exist: {} CUDA device(s) are visible",
+                self.devices.len()
+            ))
+        })
+    }
+
+    /// Whether the driver exports `cuMemGetHandleForAddressRange` (dma-buf export).
+    pub fn has_dmabuf_export(&self) -> bool {
+        self.dmabuf_symbol
+    }
+
+    /// Whether `libcuda` exports `name` (for optional entry points).
+    pub fn has_symbol(&self, name: &str) -> bool {
+        // SAFETY: the library is loaded (a `Driver` exists); looking up a symbol has no effect.
+        unsafe { sys::culib().get::<*const c_void>(name.as_bytes()) }.is_ok()
+    }
+
+    /// The primary context of device `ordinal`, retained on first use and kept for the life of
+    /// the process.
+    pub fn context(&'static self, ordinal: u32) -> Result<&'static PrimaryContext> {
+        let info = self.device(ordinal)?;
+        let slot = &self.contexts[ordinal as usize];
+        match slot.get_or_init(|| {
+            let mut raw: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: initialized driver, valid device handle, valid out-pointer.
+            let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut raw, info.handle) };
+            check(r, "cuDevicePrimaryCtxRetain", Some(ordinal))
+                .map(|()| PrimaryContext {
+                    ordinal,
+                    device: info.handle,
+                    raw,
+                })
+                .map_err(|e| e.to_string())
+        }) {
+            Ok(c) => Ok(c),
+            Err(reason) => Err(Error::Device {
+                device: device_label(Some(ordinal)),
+                reason: reason.clone(),
+            }),
+        }
+    }
+
+    /// Whether device `a` can access memory of device `b` directly (`cuDeviceCanAccessPeer`).
+    pub fn can_access_peer(&self, a: u32, b: u32) -> Result<bool> {
+        let da = self.device(a)?.handle;
+        let db = self.device(b)?.handle;
+        if a == b {
+            return Ok(true);
+        }
+        let mut can: c_int = 0;
+        // SAFETY: initialized driver, valid device handles, valid out-pointer.
+        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) };
+        check(r, &format!("cuDeviceCanAccessPeer(to GPU {b})"), Some(a))?;
+        Ok(can != 0)
+    }
+}
+
+fn device_attr(dev: sys::CUdevice, ordinal: u32, attr: sys::CUdevice_attribute) -> Result<i32> {
+    let mut v: c_int = 0;
+    // SAFETY: initialized driver, valid device handle, valid out-pointer.
+    let r = unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) };
+    check(r, &format!("cuDeviceGetAttribute({attr:?})"), Some(ordinal))?;
+    Ok(v)
+}
+
+fn query_device(ordinal: c_int) -> Result<DeviceInfo> {
+    use sys::CUdevice_attribute as A;
+    let ord = ordinal as u32;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: initialized driver, ordinal below the device count, valid out-pointer.
+    let r = unsafe { sys::cuDeviceGet(&mut dev, ordinal) };
+    check(r, "cuDeviceGet", Some(ord))?;
+
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: `buf` holds `len` bytes; the driver writes a NUL-terminated name into it.
+    let r = unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, dev) };
+    check(r, "cuDeviceGetName", Some(ord))?;
+    // SAFETY: the driver NUL-terminated `buf` on success (and it is zero-filled anyway).
+    let name = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+
+    let mut buf = [0 as c_char; 64];
+    // SAFETY: as above, for the PCI bus id string.
+    let r = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev) };
+    check(r, "cuDeviceGetPCIBusId", Some(ord))?;
+    // SAFETY: NUL-terminated by the driver, zero-filled before.
+    let bus = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+
+    let mut total: usize = 0;
+    // SAFETY: valid device handle and out-pointer.
+    let r = unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) };
+    check(r, "cuDeviceTotalMem", Some(ord))?;
+
+    // Attributes newer than the device's driver may be rejected: read those as "no".
+    let opt = |a| device_attr(dev, ord, a).map(|v| v != 0).unwrap_or(false);
+    Ok(DeviceInfo {
+        ordinal: ord,
+        handle: dev,
+        name,
+        pci_bus_id: crate::sysfs::normalize_bus_id(&bus).unwrap_or(bus),
+        total_mem: total as u64,
+        gpu_direct_rdma: opt(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED),
+        dma_buf: opt(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED),
+        memory_pools: opt(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED),
+        managed_memory: opt(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY),
+        host_register: opt(A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED),
+        unified_addressing: opt(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streams and events
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug)]
+struct StreamInner {
+    raw: sys::CUstream,
+    ctx: &'static PrimaryContext,
+}
+
+// SAFETY: a CUstream handle may be used from any thread of the process (the driver serializes
+// work submitted to one stream); we destroy it once, in `Drop`, when the last clone goes.
+unsafe impl Send for StreamInner {}
+// SAFETY: see `Send`.
+unsafe impl Sync for StreamInner {}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: the stream was created by `Stream::new` and this is its only destruction.
+        let r = unsafe { sys::cuStreamDestroy_v2(self.raw) };
+        if r != E::CUDA_SUCCESS {
+            tracing::warn!(
+                "{}",
+                cuda_error(r, "cuStreamDestroy", Some(self.ctx.ordinal))
+            );
+        }
+    }
+}
+
+/// A non-blocking CUDA stream (cheap to clone; destroyed when the last clone drops).
+#[derive(Clone, Debug)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+impl Stream {
+    /// Create a stream on `ctx`'s device that does not synchronize with the legacy default
+    /// stream.
+    pub fn new(ctx: &'static PrimaryContext) -> Result<Stream> {
+        ctx.bind()?;
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: context current, valid out-pointer, valid flag.
+        let r = unsafe {
+            sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        };
+        check(r, "cuStreamCreate", Some(ctx.ordinal))?;
+        Ok(Stream {
+            inner: Arc::new(StreamInner { raw, ctx }),
+        })
+    }
+
+    /// Raw handle for calls through [`sys`](crate::sys).
+    pub fn raw(&self) -> sys::CUstream {
+        self.inner.raw
+    }
+
+    /// The context the stream belongs to.
+    pub fn context(&self) -> &'static PrimaryContext {
+        self.inner.ctx
+    }
+
+    /// Wait until all work queued on the stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: live stream handle.
+        let r = unsafe { sys::cuStreamSynchronize(self.inner.raw) };
+        check(r, "cuStreamSynchronize", Some(self.inner.ctx.ordinal))
+    }
+}
+
+/// A CUDA event without timing, for polling completion of work on a stream.
+#[derive(Debug)]
+pub struct Event {
+    raw: sys::CUevent,
+    ctx: &'static PrimaryContext,
+}
+
+// SAFETY: CUevent handles may be recorded, queried and destroyed from any thread.
+unsafe impl Send for Event {}
+// SAFETY: see `Send`; `query` and `synchronize` are thread-safe driver calls.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Create an event on `ctx` (timing disabled, the cheapest kind to record and query).
+    pub fn new(ctx: &'static PrimaryContext) -> Result<Event> {
+        ctx.bind()?;
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: context current, valid out-pointer, valid flag.
+        let r = unsafe {
+            sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        };
+        check(r, "cuEventCreate", Some(ctx.ordinal))?;
+        Ok(Event { raw, ctx })
+    }
+
+    /// Raw handle.
+    pub fn raw(&self) -> sys::CUevent {
+        self.raw
+    }
+
+    /// Capture the work queued so far on `stream`.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: live event and stream handles.
+        let r = unsafe { sys::cuEventRecord(self.raw, stream.raw()) };
+        check(r, "cuEventRecord", Some(self.ctx.ordinal))
+    }
+
+    /// `true` once the recorded work has completed, `false` while it is pending.
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: live event handle.
+        let r = unsafe { sys::cuEventQuery(self.raw) };
+        match r {
+            E::CUDA_SUCCESS => Ok(true),
+            E::CUDA_ERROR_NOT_READY => Ok(false),
+            _ => Err(cuda_error(r, "cuEventQuery", Some(self.ctx.ordinal))),
+        }
+    }
+
+    /// Block until the recorded work has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: live event handle.
+        let r = unsafe { sys::cuEventSynchronize(self.raw) };
+        check(r, "cuEventSynchronize", Some(self.ctx.ordinal))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created in `Event::new`, destroyed only here.
+        let r = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        if r != E::CUDA_SUCCESS {
+            tracing::warn!(
+                "{}",
+                cuda_error(r, "cuEventDestroy", Some(self.ctx.ordinal))
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory
+// ---------------------------------------------------------------------------------------------
+
+fn nonzero(len: usize, what: &str) -> Result<()> {
+    if len == 0 {
+        Err(Error::InvalidParam(format!(
+            "cannot allocate 0 bytes of {what}"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
+fn range_check(what: &str, ptr: u64, cap: usize, offset: usize, len: usize) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|end| end > cap) {
+        return Err(Error::InvalidParam(format!(
+            "{len} bytes at offset {offset} do not fit in the {cap}-byte {what} at {ptr:#x}"
+        )));
+    }
+    Ok(())
+}
+
+/// Synchronous copy of `len` bytes between any two addresses the driver knows (unified
+/// addressing decides the direction), with `ctx` current.
+///
+/// # Safety
+/// `src..src+len` must be readable and `dst..dst+len` writable memory (host or device) that
+/// stays allocated for the call, and the two ranges must not overlap.
+pub unsafe fn memcpy(ctx: &PrimaryContext, dst: u64, src: u64, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    ctx.bind()?;
+    // SAFETY: forwarded to the caller's contract.
+    let r = unsafe { sys::cuMemcpy(dst, src, len) };
+    check(
+        r,
+        &format!("cuMemcpy({len} bytes, {src:#x} -> {dst:#x})"),
+        Some(ctx.ordinal),
+    )
+}
+
+/// Queue a copy of `len` bytes on `stream` (unified addressing decides the direction).
+///
+/// # Safety
+/// As [`memcpy`], and both ranges must stay allocated (and the destination untouched) until the
+/// stream has finished the copy. Pageable host memory makes the copy synchronous.
+pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: forwarded to the caller's contract; the stream handle is live.
+    let r = unsafe { sys::cuMemcpyAsync(dst, src, len, stream.raw()) };
+    check(
+        r,
+        &format!("cuMemcpyAsync({len} bytes, {src:#x} -> {dst:#x})"),
+        Some(stream.context().ordinal),
+    )
+}
+
+macro_rules! device_copy_methods {
+    () => {
+        /// Device address.
+        pub fn ptr(&self) -> u64 {
+            self.ptr
+        }
+
+        /// Size in bytes.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Always false (zero-byte allocations are refused).
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// CUDA ordinal of the owning device.
+        pub fn device(&self) -> u32 {
+            self.ctx.ordinal
+        }
+
+        /// Copy `data` into the allocation at `offset` (synchronous, bounds-checked).
+        pub fn copy_from_host(&self, offset: usize, data: &[u8]) -> Result<()> {
+            range_check(Self::WHAT, self.ptr, self.len, offset, data.len())?;
+            // SAFETY: the destination lies inside this live allocation (checked above) and the
+            // source is a borrowed slice.
+            unsafe {
+                memcpy(
+                    self.ctx,
+                    self.ptr + offset as u64,
+                    data.as_ptr() as u64,
+                    data.len(),
+                )
+            }
+        }
+
+        /// Copy from the allocation at `offset` into `out` (synchronous, bounds-checked).
+        pub fn copy_to_host(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+            range_check(Self::WHAT, self.ptr, self.len, offset, out.len())?;
+            // SAFETY: the source lies inside this live allocation and the destination is a
+            // mutably borrowed slice.
+            unsafe {
+                memcpy(
+                    self.ctx,
+                    out.as_mut_ptr() as u64,
+                    self.ptr + offset as u64,
+                    out.len(),
+                )
+            }
+        }
+
+        /// Set every byte to `value` (synchronous).
+        pub fn fill(&self, value: u8) -> Result<()> {
+            self.ctx.bind()?;
+            // SAFETY: the range is exactly this live allocation.
+            let r = unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.len) };
+            check(r, "cuMemsetD8", Some(self.ctx.ordinal))
+        }
+    };
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ptr: u64,
+    len: usize,
+    ctx: &'static PrimaryContext,
+}
+
+impl DeviceBuffer {
+    const WHAT: &'static str = "device allocation";
+
+    /// Allocate `len` bytes on `ctx`'s device.
+    pub fn new(ctx: &'static PrimaryContext, len: usize) -> Result<DeviceBuffer> {
+        nonzero(len, "device memory")?;
+        ctx.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: context current, valid out-pointer.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, len) };
+        check(r, &format!("cuMemAlloc({len} bytes)"), Some(ctx.ordinal))?;
+        Ok(DeviceBuffer { ptr, len, ctx })
+    }
+
+    device_copy_methods!();
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        crate::pointer::invalidate_global(self.ptr as usize, self.len);
+        let _ = self.ctx.bind();
+        // SAFETY: allocated by cuMemAlloc in `new`, freed only here.
+        let r = unsafe { sys::cuMemFree_v2(self.ptr) };
+        if r != E::CUDA_SUCCESS {
+            tracing::warn!("{}", cuda_error(r, "cuMemFree", Some(self.ctx.ordinal)));
+        }
+    }
+}
+
+/// Device memory from the device's default stream-ordered pool (`cuMemAllocAsync`).
+///
+/// Such memory cannot be exported through legacy IPC handles. Dropping it frees it on the same
+/// stream and waits for the stream.
+#[derive(Debug)]
+pub struct PoolBuffer {
+    ptr: u64,
+    len: usize,
+    ctx: &'static PrimaryContext,
+    stream: Stream,
+}
+
+impl PoolBuffer {
+    const WHAT: &'static str = "stream-ordered allocation";
+
+    /// Allocate `len` bytes in stream order on `stream` and wait until it is usable.
+    pub fn new(stream: &Stream, len: usize) -> Result<PoolBuffer> {
+        nonzero(len, "stream-ordered device memory")?;
+        let ctx = stream.context();
+        if !driver()?.device(ctx.ordinal)?.memory_pools {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "stream-ordered allocation on {}",
+                    device_label(Some(ctx.ordinal))
+                ),
+                why: "the device does not report CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED".into(),
+            });
+        }
+        ctx.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: context current, live stream, valid out-pointer.
+        let r = unsafe { sys::cuMemAllocAsync(&mut ptr, len, stream.raw()) };
+        check(
+            r,
+            &format!("cuMemAllocAsync({len} bytes)"),
+            Some(ctx.ordinal),
+        )?;
+        let buf = PoolBuffer {
+            ptr,
+            len,
+            ctx,
+            stream: stream.clone(),
+        };
+        stream.synchronize()?;
+        Ok(buf)
+    }
+
+    /// The stream the memory was allocated on (and will be freed on).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    device_copy_methods!();
+}
+
+impl Drop for PoolBuffer {
+    fn drop(&mut self) {
+        crate::pointer::invalidate_global(self.ptr as usize, self.len);
+        let _ = self.ctx.bind();
+        // SAFETY: allocated by cuMemAllocAsync on this stream, freed only here; the stream is
+        // kept alive by the clone we hold.
+        let r = unsafe { sys::cuMemFreeAsync(self.ptr, self.stream.raw()) };
+        if r != E::CUDA_SUCCESS {
+            tracing::warn!(
+                "{}",
+                cuda_error(r, "cuMemFreeAsync", Some(self.ctx.ordinal))
+            );
+        }
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+/// Managed (unified) memory from `cuMemAllocManaged`, attached globally, freed on drop.
+#[derive(Debug)]
+pub struct ManagedBuffer {
+    ptr: u64,
+    len: usize,
+    ctx: &'static PrimaryContext,
+}
+
+impl ManagedBuffer {
+    const WHAT: &'static str = "managed allocation";
+
+    /// Allocate `len` bytes of managed memory associated with `ctx`'s device.
+    pub fn new(ctx: &'static PrimaryContext, len: usize) -> Result<ManagedBuffer> {
+        nonzero(len, "managed memory")?;
+        ctx.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: context current, valid out-pointer, valid attach flag.
+        let r = unsafe {
+            sys::cuMemAllocManaged(
+                &mut ptr,
+                len,
+                sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
+            )
+        };
+        check(
+            r,
+            &format!("cuMemAllocManaged({len} bytes)"),
+            Some(ctx.ordinal),
+        )?;
+        Ok(ManagedBuffer { ptr, len, ctx })
+    }
+
+    device_copy_methods!();
+}
+
+impl Drop for ManagedBuffer {
+    fn drop(&mut self) {
+        crate::pointer::invalidate_global(self.ptr as usize, self.len);
+        let _ = self.ctx.bind();
+        // SAFETY: allocated by cuMemAllocManaged, freed only here.
+        let r = unsafe { sys::cuMemFree_v2(self.ptr) };
+        if r != E::CUDA_SUCCESS {
+            tracing::warn!("{}", cuda_error(r, "cuMemFree", Some(self.ctx.ordinal)));
+        }
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc` (portable to every context), zero-filled,
+/// freed on drop.
+#[derive(Debug)]
+pub struct PinnedHostBuffer {
+    ptr: *mut u8,
+    len: usize,
+    ctx: &'static PrimaryContext,
+}
+
+// SAFETY: the buffer owns its memory exclusively (like a `Box<[u8]>`); access goes through
+// `&self`/`&mut self` borrows.
+unsafe impl Send for PinnedHostBuffer {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for PinnedHostBuffer {}
+
+impl PinnedHostBuffer {
+    /// Allocate `len` bytes of pinned host memory, visible to every context
+    /// (`CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`).
+    pub fn new(ctx: &'static PrimaryContext, len: usize) -> Result<PinnedHostBuffer> {
+        nonzero(len, "pinned host memory")?;
+        ctx.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: context current, valid out-pointer, valid flags.
+        let r = unsafe { sys::cuMemHostAlloc(&mut p, len, flags) };
+        check(
+            r,
+            &format!("cuMemHostAlloc({len} bytes)"),
+            Some(ctx.ordinal),
+        )?;
+        // SAFETY: the driver returned `len` writable bytes at `p`.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0, len) };
+        Ok(PinnedHostBuffer {
+            ptr: p as *mut u8,
+            len,
+            ctx,
+        })
+    }
+
+    /// Host address (also usable as a device address under unified addressing).
+    pub fn ptr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false (zero-byte allocations are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is a live allocation of `len` initialized (zero-filled) bytes owned by
+        // `self`; the borrow ties the slice to `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as `as_slice`, with exclusive access through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedHostBuffer {
+    fn drop(&mut self) {
+        crate::pointer::invalidate_global(self.ptr as usize, self.len);
+        let _ = self.ctx.bind();
+        // SAFETY: allocated by cuMemHostAlloc, freed only here.
+        let r = unsafe { sys::cuMemFreeHost(self.ptr as *mut c_void) };
+        if r != E::CUDA_SUCCESS {
+            tracing::warn!("{}", cuda_error(r, "cuMemFreeHost", Some(self.ctx.ordinal)));
+        }
+    }
+}
+
+/// Existing host memory page-locked with `cuMemHostRegister` (portable), unregistered on drop.
+#[derive(Debug)]
+pub struct HostRegistration {
+    ptr: *mut u8,
+    len: usize,
+    ctx: &'static PrimaryContext,
+}
+
+// SAFETY: the registration is only a handle to a driver-side record; it does not alias data.
+unsafe impl Send for HostRegistration {}
+// SAFETY: see `Send`.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Page-lock `len` bytes at `ptr` for DMA by every context.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be mapped host memory that stays mapped until the registration is
+    /// dropped.
+    pub unsafe fn new(
+        ctx: &'static PrimaryContext,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<HostRegistration> {
+        if len == 0 {
+            return Err(Error::InvalidParam(
+                "cannot register 0 bytes of host memory".into(),
+            ));
+        }
+        ctx.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller guarantees the range is mapped for the registration's lifetime.
+        let r = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) };
+        check(
+            r,
+            &format!("cuMemHostRegister({len} bytes at {:#x})", ptr as usize),
+            Some(ctx.ordinal),
+        )?;
+        Ok(HostRegistration { ptr, len, ctx })
+    }
+
+    /// Registered address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Registered length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        crate::pointer::invalidate_global(self.ptr as usize, self.len);
+        let _ = self.ctx.bind();
+        // SAFETY: registered in `new`, unregistered only here.
+        let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+        if r != E::CUDA_SUCCESS {
+            tracing::warn!(
+                "{}",
+                cuda_error(r, "cuMemHostUnregister", Some(self.ctx.ordinal))
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_names_need_no_driver() {
+        assert_eq!(
+            result_name(E::CUDA_ERROR_OUT_OF_MEMORY),
+            "CUDA_ERROR_OUT_OF_MEMORY"
+        );
+        assert_eq!(
+            result_name(E::CUDA_ERROR_INVALID_VALUE),
+            "CUDA_ERROR_INVALID_VALUE"
+        );
+    }
+
+    #[test]
+    fn check_names_call_device_and_error() {
+        assert!(check(E::CUDA_SUCCESS, "cuMemAlloc", Some(0)).is_ok());
+        let e = check(E::CUDA_ERROR_OUT_OF_MEMORY, "cuMemAlloc(64 bytes)", Some(3)).unwrap_err();
+        let s = e.to_string();
+        assert!(matches!(e, Error::Device { .. }), "{e:?}");
+        for want in ["GPU 3", "cuMemAlloc(64 bytes)", "CUDA_ERROR_OUT_OF_MEMORY"] {
+            assert!(s.contains(want), "{s:?} lacks {want:?}");
+        }
+        let e = cuda_error(E::CUDA_ERROR_NOT_INITIALIZED, "cuInit", None).to_string();
+        assert!(
+            e.starts_with("CUDA driver: cuInit failed: CUDA_ERROR_NOT_INITIALIZED"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn reg_error_kinds() {
+        assert_eq!(
+            reg_error_kind(E::CUDA_ERROR_OUT_OF_MEMORY),
+            RegErrorKind::NoMemory
+        );
+        assert_eq!(
+            reg_error_kind(E::CUDA_ERROR_INVALID_VALUE),
+            RegErrorKind::NotExportable
+        );
+        assert_eq!(
+            reg_error_kind(E::CUDA_ERROR_LAUNCH_FAILED),
+            RegErrorKind::Other
+        );
+    }
+
+    #[test]
+    fn version_strings() {
+        assert_eq!(version_string(13000), "13.0");
+        assert_eq!(version_string(11030), "11.3");
+        assert_eq!(version_string(12090), "12.9");
+    }
+
+    #[test]
+    fn range_checks() {
+        assert!(range_check("x", 0x1000, 16, 0, 16).is_ok());
+        assert!(range_check("x", 0x1000, 16, 8, 8).is_ok());
+        let e = range_check("device allocation", 0x1000, 16, 8, 9)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("9 bytes at offset 8") && e.contains("16-byte device allocation"),
+            "{e}"
+        );
+        assert!(range_check("x", 0, 16, usize::MAX, 2).is_err());
+    }
+
+    /// On a host without libcuda the driver must be unavailable with a reason, never a panic;
+    /// with libcuda it either works or explains why not.
+    #[test]
+    fn driver_is_loaded_or_explains_why() {
+        // SAFETY: only probes dlopen.
+        let present = unsafe { sys::is_culib_present() };
+        match driver() {
+            Ok(d) => {
+                assert!(present);
+                assert!(d.device_count() >= 1);
+                assert!(d.version() >= MIN_DRIVER_VERSION);
+            }
+            Err(Error::Unavailable { component, reason }) => {
+                assert_eq!(component, COMPONENT);
+                if !present {
+                    assert!(reason.starts_with("no CUDA driver found"), "{reason}");
+                    assert!(reason.contains("libcuda"), "{reason}");
+                }
+                assert!(!is_available());
+                // Cached: the same answer again.
+                let again = driver().unwrap_err().to_string();
+                assert!(again.contains(&reason), "{again}");
+            }
+            Err(e) => panic!("unexpected error kind: {e:?}"),
+        }
+    }
+}
