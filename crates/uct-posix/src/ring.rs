@@ -21,18 +21,21 @@
 //!
 //! # Protocol
 //!
-//! Bounded-queue sequencing per cell: cell `i` starts with `seq = i`. A producer reads
-//! `pos = head`; the cell `pos % count` is free for it when `seq == pos`; it claims the position
-//! with a compare-and-swap of `head` from `pos` to `pos + 1`, writes its pid, the data and the
-//! meta word, and publishes with `seq = pos + 1` (release). A cell with `seq < pos` still holds an
-//! unconsumed message from the previous lap: the ring is full and the producer returns
-//! `NoResource` (it never waits and never overwrites). The consumer keeps its own `tail`; the
-//! cell at `tail` is ready when `seq == tail + 1` (acquire); after handing the data out it frees
-//! the cell for the next lap with `seq = tail + count` (release).
+//! Bounded-queue sequencing per cell, with the claim recorded in the cell. Cell `i` starts
+//! with `seq = i` and `writer = 0`. A producer reads `pos = head`; the cell `pos % count` is free
+//! for it when `seq == pos`. It claims the cell by a compare-and-swap of the cell's `writer`
+//! from 0 to its pid, checks `seq == pos` again (else it gives the claim back and retries), then
+//! advances `head` to `pos + 1`, writes the data and the meta word, and publishes with
+//! `seq = pos + 1` (release). A cell with `seq < pos` still holds an unconsumed message from the
+//! previous lap: the ring is full and the producer returns `NoResource` (it never waits and never
+//! overwrites). The consumer keeps its own `tail`; the cell at `tail` is ready when
+//! `seq == tail + 1` (acquire); after handing the data out it frees the cell for the next lap
+//! with `seq = tail + count` and then `writer = 0` (both release).
 //!
-//! A producer that dies between its claim and its publish would stall the ring; the consumer
-//! notices a cell claimed for over [`STALL_LIMIT`] whose writer is dead and skips it. The only
-//! window left is the two instructions between the claim and the writer's pid store.
+//! Because the claim itself names the producer, a producer that dies between claiming and
+//! publishing leaves its pid in the cell: the consumer notices a cell at `tail` claimed for over
+//! [`STALL_LIMIT`] by a dead process, moves `head` past it if the producer did not, and frees it.
+//! (Only a reused pid can hide such a death.)
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -77,6 +80,9 @@ const OFF_HEAD: usize = 64;
 const C_SEQ: usize = 0;
 const C_META: usize = 8;
 const C_WRITER: usize = 16;
+
+/// Claim attempts before a contended send gives up with "no resources".
+const CLAIM_ATTEMPTS: usize = 256;
 
 /// Flag in a cell's meta word: the cell carries no message (its producer gave up).
 const FLAG_NOP: u64 = 1;
@@ -139,6 +145,8 @@ pub struct Ring {
     map: MmapRaw,
     geo: Geometry,
     mask: u64,
+    // This process's pid, cached: it is stored in every claim.
+    my_pid: u32,
 }
 
 impl Ring {
@@ -157,6 +165,7 @@ impl Ring {
             map,
             geo,
             mask: u64::from(geo.cell_count) - 1,
+            my_pid: sys::my_pid(),
         };
         ring.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
         ring.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
@@ -197,6 +206,7 @@ impl Ring {
             map,
             geo,
             mask: u64::from(geo.cell_count) - 1,
+            my_pid: sys::my_pid(),
         };
         std::sync::atomic::fence(Ordering::Acquire);
         let found = (
@@ -265,37 +275,54 @@ impl Ring {
     ///
     /// `fill` returns the message length and id, or an error; on error (or a panic in `fill`)
     /// the cell is published as empty so the ring keeps flowing. Returns `Ok(None)` when the
-    /// ring is full (nothing was written).
+    /// ring is full or, for a moment, contended (nothing was written).
     pub fn send<F>(&self, fill: F) -> Result<Option<usize>>
     where
         F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,
     {
         let head = self.u64_at(OFF_HEAD);
-        let mut pos = head.load(Ordering::Relaxed);
-        loop {
+        for _ in 0..CLAIM_ATTEMPTS {
+            let pos = head.load(Ordering::Acquire);
             let off = self.cell_off(pos);
             let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
             let diff = seq.wrapping_sub(pos) as i64;
-            if diff == 0 {
-                match head.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
-                {
-                    Ok(_) => return self.fill_claimed(pos, off, fill).map(Some),
-                    Err(now) => pos = now,
-                }
-            } else if diff < 0 {
+            if diff < 0 {
                 return Ok(None);
-            } else {
-                pos = head.load(Ordering::Relaxed);
             }
+            if diff > 0 {
+                continue; // `head` moved on since we read it
+            }
+            let writer = self.u32_at(off + C_WRITER);
+            if writer
+                .compare_exchange(0, self.my_pid, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                std::hint::spin_loop();
+                continue; // another producer is claiming this cell
+            }
+            // Claimed. Still free for `pos`? Then nobody can have moved `head` past `pos`.
+            if self.u64_at(off + C_SEQ).load(Ordering::Acquire) != pos
+                || head
+                    .compare_exchange(
+                        pos,
+                        pos.wrapping_add(1),
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    )
+                    .is_err()
+            {
+                writer.store(0, Ordering::Release);
+                continue;
+            }
+            return self.fill_claimed(pos, off, fill).map(Some);
         }
+        Ok(None)
     }
 
     fn fill_claimed<F>(&self, pos: u64, off: usize, fill: F) -> Result<usize>
     where
         F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,
     {
-        self.u32_at(off + C_WRITER)
-            .store(sys::my_pid(), Ordering::Relaxed);
         let mut guard = Publish {
             ring: self,
             pos,
@@ -303,11 +330,11 @@ impl Ring {
             meta: FLAG_NOP << 40,
         };
         let cap = self.geo.capacity();
-        // SAFETY: the claim above (a successful compare-and-swap of `head` while the cell's
-        // sequence equalled `pos`) gives this producer sole ownership of the cell's data area
-        // until it publishes; the consumer does not read it before `seq == pos + 1`, and other
-        // producers only touch cells whose sequence matches their own claim. The area lies
-        // inside the mapping, which outlives this borrow.
+        // SAFETY: the claim (our pid swapped into the cell's `writer` while its sequence equalled
+        // `pos`, then `head` moved from `pos`) gives this producer sole ownership of the cell's
+        // data area until it publishes: the consumer does not read it before `seq == pos + 1`,
+        // and other producers cannot claim a cell whose `writer` is set. The area lies inside the
+        // mapping, which outlives this borrow.
         let data = unsafe {
             std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off + CELL_HEADER), cap)
         };
@@ -363,26 +390,31 @@ impl Ring {
     }
 
     fn release(&self, off: usize, pos: u64) {
-        self.u32_at(off + C_WRITER).store(0, Ordering::Relaxed);
         self.u64_at(off + C_SEQ).store(
             pos.wrapping_add(u64::from(self.geo.cell_count)),
             Ordering::Release,
         );
+        self.u32_at(off + C_WRITER).store(0, Ordering::Release);
     }
 
-    /// Consumer: if the cell at `tail` is claimed but unpublished, the pid that claimed it
-    /// (0 when not recorded yet).
+    /// Consumer: if the cell at `tail` is claimed but unpublished, the pid that claimed it.
     pub fn stalled_writer(&self, tail: u64) -> Option<u32> {
         let off = self.cell_off(tail);
         let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
-        let head = self.u64_at(OFF_HEAD).load(Ordering::Acquire);
-        (seq == tail && head.wrapping_sub(tail) as i64 > 0)
-            .then(|| self.u32_at(off + C_WRITER).load(Ordering::Relaxed))
+        let writer = self.u32_at(off + C_WRITER).load(Ordering::Acquire);
+        (seq == tail && writer != 0).then_some(writer)
     }
 
-    /// Consumer: give up on the cell at `*tail`, whose writer died, and move past it.
+    /// Consumer: give up on the cell at `*tail`, whose writer died after claiming it, and move
+    /// past it (moving `head` too when the writer died before doing so).
     pub fn skip_dead(&self, tail: &mut u64) {
         let off = self.cell_off(*tail);
+        let _ = self.u64_at(OFF_HEAD).compare_exchange(
+            *tail,
+            tail.wrapping_add(1),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
         self.release(off, *tail);
         *tail = tail.wrapping_add(1);
     }
@@ -424,7 +456,7 @@ impl StallWatch {
             }
             Some(pid) => match self.since {
                 Some((t, at)) if t == *tail => {
-                    if at.elapsed() >= STALL_LIMIT && pid != 0 && !sys::pid_alive(pid) {
+                    if at.elapsed() >= STALL_LIMIT && !sys::pid_alive(pid) {
                         tracing::warn!(
                             "posix: skipping a message slot claimed by pid {pid}, which died \
                              before filling it"
@@ -637,25 +669,51 @@ mod tests {
 
     #[test]
     fn dead_writer_slot_is_skipped() {
+        for head_moved in [false, true] {
+            let r = ring(4, 128);
+            // A producer claimed position 0 and died, before or after moving `head`.
+            let off = r.cell_off(0);
+            r.u32_at(off + C_WRITER)
+                .store(u32::MAX - 1, Ordering::Relaxed);
+            if head_moved {
+                r.u64_at(OFF_HEAD).store(1, Ordering::Relaxed);
+                assert_eq!(put(&r, 1, b"later"), Some(5));
+            } else {
+                assert_eq!(put(&r, 1, b"later"), None, "claimed cell must not be taken");
+            }
+            let mut tail = 0;
+            assert_eq!(
+                r.receive(&mut tail, 8, &mut |_, _| {}),
+                0,
+                "stuck behind the claim"
+            );
+            let mut w = StallWatch::default();
+            assert!(!w.check(&r, &mut tail));
+            w.since = Some((0, Instant::now() - STALL_LIMIT));
+            assert!(w.check(&r, &mut tail));
+            if !head_moved {
+                assert_eq!(put(&r, 1, b"later"), Some(5));
+            }
+            let mut got = Vec::new();
+            assert_eq!(r.receive(&mut tail, 8, &mut |_, d| got.push(d.to_vec())), 1);
+            assert_eq!(got, vec![b"later".to_vec()]);
+            // The skipped cell is usable again on the next lap.
+            for _ in 0..4 {
+                assert!(put(&r, 1, b"n").is_some());
+            }
+        }
+    }
+
+    #[test]
+    fn live_claim_is_not_skipped() {
         let r = ring(4, 128);
-        // Simulate a producer that claimed position 0 and died: bump head, record a dead pid.
-        r.u64_at(OFF_HEAD).store(1, Ordering::Relaxed);
         let off = r.cell_off(0);
         r.u32_at(off + C_WRITER)
-            .store(u32::MAX - 1, Ordering::Relaxed);
-        assert_eq!(put(&r, 1, b"later"), Some(5));
+            .store(sys::my_pid(), Ordering::Relaxed);
         let mut tail = 0;
-        assert_eq!(
-            r.receive(&mut tail, 8, &mut |_, _| {}),
-            0,
-            "stuck behind the claim"
-        );
         let mut w = StallWatch::default();
-        assert!(!w.check(&r, &mut tail));
         w.since = Some((0, Instant::now() - STALL_LIMIT));
-        assert!(w.check(&r, &mut tail));
-        let mut got = Vec::new();
-        assert_eq!(r.receive(&mut tail, 8, &mut |_, d| got.push(d.to_vec())), 1);
-        assert_eq!(got, vec![b"later".to_vec()]);
+        assert!(!w.check(&r, &mut tail));
+        assert_eq!(tail, 0);
     }
 }

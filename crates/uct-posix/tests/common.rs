@@ -44,3 +44,30 @@ pub fn shm_entries() -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// Hex-encode bytes.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Decode [`hex`].
+pub fn unhex(s: &str) -> Vec<u8> {
+    let s = s.trim();
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// Descriptors of this process that refer to posix segments.
+pub fn own_segment_fds() -> Vec<String> {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .map(|p| p.to_string_lossy().into_owned())
+                .filter(|p| p.contains("rucx-posix-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
