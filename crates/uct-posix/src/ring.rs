@@ -711,8 +711,9 @@ mod tests {
         r.u32_at(off + C_WRITER)
             .store(sys::my_pid(), Ordering::Relaxed);
         let mut tail = 0;
-        let mut w = StallWatch::default();
-        w.since = Some((0, Instant::now() - STALL_LIMIT));
+        let mut w = StallWatch {
+            since: Some((0, Instant::now() - STALL_LIMIT)),
+        };
         assert!(!w.check(&r, &mut tail));
         assert_eq!(tail, 0);
     }
