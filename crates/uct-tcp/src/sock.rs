@@ -1,0 +1,154 @@
+//! Socket set-up: non-blocking listen, connect and accept, and the per-connection options.
+
+use std::io;
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::fd::{AsFd, OwnedFd};
+
+use nix::errno::Errno;
+use nix::sys::socket::{
+    AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, getsockopt, setsockopt,
+    socket, sockopt,
+};
+use rucx_ucs::{Error, Result};
+
+use crate::TcpOptions;
+
+/// Listen on `ip` at a port from `range` (`(0, 0)`: ephemeral). Returns the listener
+/// (non-blocking) and its port.
+pub(crate) fn listen(ip: IpAddr, range: (u16, u16), what: &str) -> Result<(TcpListener, u16)> {
+    let ports: Box<dyn Iterator<Item = u16>> = if range == (0, 0) {
+        Box::new(std::iter::once(0))
+    } else {
+        Box::new(range.0..=range.1)
+    };
+    let mut last = None;
+    for port in ports {
+        match TcpListener::bind(SocketAddr::new(ip, port)) {
+            Ok(l) => {
+                l.set_nonblocking(true).map_err(|e| {
+                    Error::io(format!("{what}: making the listener non-blocking"), e)
+                })?;
+                let port = l
+                    .local_addr()
+                    .map_err(|e| Error::io(format!("{what}: reading the listening address"), e))?
+                    .port();
+                return Ok((l, port));
+            }
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => last = Some(e),
+            Err(e) => {
+                return Err(Error::io(
+                    format!("{what}: cannot listen on {ip} port {port}"),
+                    e,
+                ));
+            }
+        }
+    }
+    Err(Error::io(
+        format!(
+            "{what}: every port of {}-{} on {ip} is in use (widen RUCX_TCP_PORT_RANGE)",
+            range.0, range.1
+        ),
+        last.unwrap_or_else(|| io::ErrorKind::AddrInUse.into()),
+    ))
+}
+
+/// Start a non-blocking connect to `peer`, from `local` when given. Returns the socket; the
+/// connect finishes when it becomes writable ([`connect_result`]).
+pub(crate) fn connect_nb(
+    local: Option<IpAddr>,
+    peer: SocketAddr,
+    opts: &TcpOptions,
+) -> Result<OwnedFd> {
+    let family = match peer {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
+    };
+    let fd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| Error::io(format!("socket() for a connection to {peer}"), e.into()))?;
+    apply_options(&fd, opts)
+        .map_err(|e| Error::io(format!("setting socket options for {peer}"), e))?;
+    use std::os::fd::AsRawFd;
+    if let Some(ip) = local {
+        let a = SockaddrStorage::from(SocketAddr::new(ip, 0));
+        bind(fd.as_raw_fd(), &a)
+            .map_err(|e| Error::io(format!("binding to {ip} to connect to {peer}"), e.into()))?;
+    }
+    match connect(fd.as_raw_fd(), &SockaddrStorage::from(peer)) {
+        Ok(()) | Err(Errno::EINPROGRESS) | Err(Errno::EINTR) => Ok(fd),
+        Err(e) => Err(Error::EndpointFailure {
+            peer: peer.to_string(),
+            reason: format!("connect: {e}"),
+        }),
+    }
+}
+
+/// Whether a non-blocking connect finished: `Ok(())` connected, `Err` failed.
+pub(crate) fn connect_result<F: AsFd>(fd: &F) -> io::Result<()> {
+    let err = getsockopt(fd, sockopt::SocketError).map_err(io::Error::from)?;
+    if err == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(err))
+    }
+}
+
+/// Accept one connection if one is waiting; the socket is non-blocking with `opts` applied.
+pub(crate) fn accept_nb(
+    l: &TcpListener,
+    opts: &TcpOptions,
+) -> io::Result<Option<(OwnedFd, SocketAddr)>> {
+    match l.accept() {
+        Ok((s, peer)) => {
+            s.set_nonblocking(true)?;
+            let fd = OwnedFd::from(s);
+            apply_options(&fd, opts)?;
+            Ok(Some((fd, peer)))
+        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(None),
+        // The peer gave up before we accepted: nothing to do.
+        Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Socket options for every transport connection.
+pub(crate) fn apply_options<F: AsFd>(fd: &F, o: &TcpOptions) -> io::Result<()> {
+    let set = |r: nix::Result<()>| r.map_err(io::Error::from);
+    if o.nodelay {
+        set(setsockopt(fd, sockopt::TcpNoDelay, &true))?;
+    }
+    if o.keepalive {
+        set(setsockopt(fd, sockopt::KeepAlive, &true))?;
+        set(setsockopt(
+            fd,
+            sockopt::TcpKeepIdle,
+            &(o.keepidle.as_secs() as u32),
+        ))?;
+        set(setsockopt(
+            fd,
+            sockopt::TcpKeepInterval,
+            &(o.keepintvl.as_secs() as u32),
+        ))?;
+        set(setsockopt(fd, sockopt::TcpKeepCount, &o.keepcnt))?;
+    }
+    if !o.user_timeout.is_zero() {
+        set(setsockopt(
+            fd,
+            sockopt::TcpUserTimeout,
+            &(o.user_timeout.as_millis() as u32),
+        ))?;
+    }
+    if let Some(b) = o.sndbuf {
+        set(setsockopt(fd, sockopt::SndBuf, &b))?;
+    }
+    if let Some(b) = o.rcvbuf {
+        set(setsockopt(fd, sockopt::RcvBuf, &b))?;
+    }
+    Ok(())
+}
