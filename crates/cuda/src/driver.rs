@@ -698,6 +698,7 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> R
     if len == 0 {
         return Ok(());
     }
+    stream.context().bind()?;
     // SAFETY: forwarded to the caller's contract; the stream handle is live.
     let r = unsafe { sys::cuMemcpyAsync(dst, src, len, stream.raw()) };
     check(

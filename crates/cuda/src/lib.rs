@@ -29,7 +29,9 @@ pub use driver::{
     memcpy, memcpy_async, reg_error_kind, result_name,
 };
 pub use pointer::{PointerCache, PointerInfo, PtrKind, classify};
-pub use report::{GpuFacts, HostFacts, NicFacts, Report, Verdict, report};
+pub use report::{
+    GpuFacts, HostFacts, NicFacts, NvlinkPath, PathVerdict, PeerFacts, Report, Verdict, report,
+};
 
 use rucx_ucs::{OptKind, OptionSpec};
 

@@ -79,36 +79,48 @@ pub fn bar1(bus_id: &str) -> std::result::Result<Bar1, String> {
 /// NVML's maximum number of NVLink links per GPU.
 const MAX_LINKS: u32 = 18;
 
-/// Active NVLink links of the GPU at `bus_id`, grouped by the remote end's PCI bus id
-/// (normalized), or why unknown. An empty list means no active link.
-pub fn nvlinks(bus_id: &str) -> std::result::Result<Vec<(String, u32)>, String> {
+/// NVLink state of one GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NvlinkState {
+    /// Active links.
+    pub active: u32,
+    /// Active links grouped by the remote end's PCI bus id (normalized). With an NVSwitch in
+    /// between, the remote end is the switch, or unknown inside a VM.
+    pub remotes: Vec<(String, u32)>,
+}
+
+/// NVLink state of the GPU at `bus_id`, or why unknown.
+pub fn nvlinks(bus_id: &str) -> std::result::Result<NvlinkState, String> {
     let d = device(bus_id)?;
-    let mut out: Vec<(String, u32)> = Vec::new();
-    let mut answered = false;
+    let mut out = NvlinkState::default();
     for link in 0..MAX_LINKS {
         let l = d.link_wrapper_for(link);
-        match l.is_active() {
-            Ok(true) => {
-                answered = true;
-                let remote = l
-                    .remote_pci_info()
-                    .ok()
-                    .and_then(|p| normalize_bus_id(&p.bus_id))
-                    .unwrap_or_else(|| "unknown".into());
-                match out.iter_mut().find(|(b, _)| *b == remote) {
-                    Some((_, n)) => *n += 1,
-                    None => out.push((remote, 1)),
-                }
+        // Links past the GPU's count answer InvalidArg; a GPU without NVLink NotSupported.
+        if let Ok(true) = l.is_active() {
+            out.active += 1;
+            let remote = l
+                .remote_pci_info()
+                .ok()
+                .and_then(|p| normalize_bus_id(&p.bus_id))
+                .unwrap_or_else(|| "unknown".into());
+            match out.remotes.iter_mut().find(|(b, _)| *b == remote) {
+                Some((_, n)) => *n += 1,
+                None => out.remotes.push((remote, 1)),
             }
-            Ok(false) => answered = true,
-            // Links past the GPU's count answer InvalidArg; a GPU without NVLink NotSupported.
-            Err(_) => {}
         }
     }
-    if !answered {
-        return Ok(Vec::new());
-    }
     Ok(out)
+}
+
+/// Whether NVML says the GPUs at `a` and `b` can do peer-to-peer over NVLink (directly or
+/// through NVSwitches), or why unknown.
+pub fn nvlink_p2p(a: &str, b: &str) -> std::result::Result<bool, String> {
+    use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
+    let da = device(a)?;
+    let db = device(b)?;
+    da.p2p_status(&db, P2pCapabilitiesIndex::NvLink)
+        .map(|s| s == P2pStatus::Ok)
+        .map_err(|e| format!("nvmlDeviceGetP2PStatus failed: {e}"))
 }
 
 /// The kernel driver version NVML reports (e.g. `580.159.04`).
@@ -131,6 +143,7 @@ mod tests {
                 let e = bar1("0000:19:00.0").unwrap_err();
                 assert!(e.contains("NVML"), "{e}");
                 assert!(nvlinks("0000:19:00.0").is_err());
+                assert!(nvlink_p2p("0000:19:00.0", "0000:1a:00.0").is_err());
                 assert!(driver_version().is_err());
             }
             Err(e) => panic!("unexpected error {e:?}"),

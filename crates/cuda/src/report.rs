@@ -39,6 +39,35 @@ pub struct NicFacts {
     pub numa_node: Option<u32>,
 }
 
+/// How NVLink connects two GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NvlinkPath {
+    /// No NVLink between them.
+    None,
+    /// Links that end at the peer itself.
+    Direct {
+        /// Links between the two GPUs.
+        links: u32,
+    },
+    /// Through NVSwitches (NVML reports NVLink peer-to-peer, but no link ends at the peer).
+    Switched {
+        /// Active links of this GPU.
+        links: u32,
+    },
+}
+
+impl fmt::Display for NvlinkPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NvlinkPath::None => f.write_str("none"),
+            NvlinkPath::Direct { links } => write!(f, "{links} direct link(s)"),
+            NvlinkPath::Switched { links } => {
+                write!(f, "through NVSwitch ({links} active link(s) on this GPU)")
+            }
+        }
+    }
+}
+
 /// Another GPU as seen from one GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerFacts {
@@ -48,8 +77,32 @@ pub struct PeerFacts {
     pub pci_bus_id: String,
     /// `cuDeviceCanAccessPeer` (None: the query failed).
     pub can_access_peer: Option<bool>,
-    /// Active NVLink links to the peer (None: unknown, NVML not available).
-    pub nvlinks: Option<u32>,
+    /// NVLink between the two (None: unknown, NVML not available).
+    pub nvlink: Option<NvlinkPath>,
+}
+
+/// The NVLink path to `peer_bus` from a GPU whose links are `state`, given whether NVML
+/// reports NVLink peer-to-peer between the two (`p2p`).
+pub fn nvlink_path(
+    state: &crate::nvml::NvlinkState,
+    peer_bus: &str,
+    p2p: Option<bool>,
+) -> NvlinkPath {
+    let direct: u32 = state
+        .remotes
+        .iter()
+        .filter(|(b, _)| b == peer_bus)
+        .map(|(_, n)| *n)
+        .sum();
+    if direct > 0 {
+        NvlinkPath::Direct { links: direct }
+    } else if p2p == Some(true) && state.active > 0 {
+        NvlinkPath::Switched {
+            links: state.active,
+        }
+    } else {
+        NvlinkPath::None
+    }
 }
 
 /// Everything the report knows about one GPU.
@@ -77,6 +130,8 @@ pub struct GpuFacts {
     pub dmabuf_export_entry: bool,
     /// `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`.
     pub memory_pools: bool,
+    /// Active NVLink links (None: unknown).
+    pub nvlink_active: Option<u32>,
     /// Every other GPU.
     pub peers: Vec<PeerFacts>,
 }
@@ -422,9 +477,11 @@ pub fn gdrcopy_verdict(gpu: &GpuFacts, host: &HostFacts) -> PathVerdict {
 pub fn cuda_ipc_verdict(gpu: &GpuFacts, peer: &PeerFacts) -> PathVerdict {
     let mut b = Builder::new();
     match peer.can_access_peer {
-        Some(true) => match peer.nvlinks {
-            Some(n) if n > 0 => b.note(format!("peer access over NVLink ({n} active link(s))")),
-            Some(_) => b.note("peer access over PCIe (no active NVLink to this GPU)".into()),
+        Some(true) => match peer.nvlink {
+            Some(NvlinkPath::None) => {
+                b.note("peer access over PCIe (no NVLink to this GPU)".into())
+            }
+            Some(p) => b.note(format!("peer access over NVLink, {p}")),
             None => b.note("peer access (link type unknown: NVML not available)".into()),
         },
         Some(false) => b.worsen(
@@ -593,6 +650,7 @@ impl fmt::Display for Report {
                 }
             )?;
             writeln!(f, "#   MEMORY_POOLS_SUPPORTED: {}", yn(g.memory_pools))?;
+            writeln!(f, "#   NVLink active links: {}", opt(&g.nvlink_active))?;
             for n in &h.nics {
                 let class = sysfs::classify_path(
                     g.pci_path.as_ref(),
@@ -610,10 +668,10 @@ impl fmt::Display for Report {
                 };
                 writeln!(
                     f,
-                    "#   peer GPU {} ({}): peer access {access}, NVLink links {}",
+                    "#   peer GPU {} ({}): peer access {access}, NVLink {}",
                     p.ordinal,
                     p.pci_bus_id,
-                    opt(&p.nvlinks)
+                    opt(&p.nvlink)
                 )?;
             }
             for v in verdicts(g, h) {
@@ -678,11 +736,9 @@ pub fn gpu_facts(sys_root: &Path) -> Vec<GpuFacts> {
                     ordinal: p.ordinal,
                     pci_bus_id: p.pci_bus_id.clone(),
                     can_access_peer: drv.can_access_peer(d.ordinal, p.ordinal).ok(),
-                    nvlinks: links.as_ref().map(|l| {
-                        l.iter()
-                            .filter(|(b, _)| *b == p.pci_bus_id)
-                            .map(|(_, n)| *n)
-                            .sum()
+                    nvlink: links.as_ref().map(|l| {
+                        let p2p = crate::nvml::nvlink_p2p(&d.pci_bus_id, &p.pci_bus_id).ok();
+                        nvlink_path(l, &p.pci_bus_id, p2p)
                     }),
                 })
                 .collect();
@@ -698,6 +754,7 @@ pub fn gpu_facts(sys_root: &Path) -> Vec<GpuFacts> {
                 dma_buf: d.dma_buf,
                 dmabuf_export_entry: drv.has_dmabuf_export(),
                 memory_pools: d.memory_pools,
+                nvlink_active: links.as_ref().map(|l| l.active),
                 peers,
             }
         })
@@ -764,6 +821,7 @@ mod tests {
             dma_buf: true,
             dmabuf_export_entry: true,
             memory_pools: true,
+            nvlink_active: Some(0),
             peers: vec![],
         }
     }
@@ -1098,22 +1156,30 @@ mod tests {
             ordinal: 1,
             pci_bus_id: "0000:06:00.0".into(),
             can_access_peer: can,
-            nvlinks: nvl,
+            nvlink: nvl,
         };
+        let direct = Some(NvlinkPath::Direct { links: 4 });
+        let switched = Some(NvlinkPath::Switched { links: 18 });
+        let pcie = Some(NvlinkPath::None);
         let cases = [
             (
-                peer(Some(true), Some(18)),
+                peer(Some(true), direct),
                 Verdict::Supported,
-                "NVLink (18 active link(s))",
+                "over NVLink, 4 direct link(s)",
             ),
-            (peer(Some(true), Some(0)), Verdict::Supported, "over PCIe"),
+            (
+                peer(Some(true), switched),
+                Verdict::Supported,
+                "NVLink, through NVSwitch (18 active",
+            ),
+            (peer(Some(true), pcie), Verdict::Supported, "over PCIe"),
             (
                 peer(Some(true), None),
                 Verdict::Supported,
                 "link type unknown",
             ),
             (
-                peer(Some(false), Some(0)),
+                peer(Some(false), pcie),
                 Verdict::Limited,
                 "staged by the driver through host memory",
             ),
@@ -1146,7 +1212,7 @@ mod tests {
             ordinal: 1,
             pci_bus_id: "0000:06:00.0".into(),
             can_access_peer: Some(true),
-            nvlinks: Some(18),
+            nvlink: Some(NvlinkPath::Switched { links: 18 }),
         }];
         let h = host(
             &["module/nvidia_peermem"],
@@ -1177,6 +1243,48 @@ mod tests {
     }
 
     #[test]
+    fn nvlink_paths() {
+        use crate::nvml::NvlinkState;
+        let direct = NvlinkState {
+            active: 12,
+            remotes: vec![("0000:06:00.0".into(), 8), ("0000:07:00.0".into(), 4)],
+        };
+        assert_eq!(
+            nvlink_path(&direct, "0000:06:00.0", None),
+            NvlinkPath::Direct { links: 8 }
+        );
+        assert_eq!(
+            nvlink_path(&direct, "0000:07:00.0", Some(true)),
+            NvlinkPath::Direct { links: 4 }
+        );
+        assert_eq!(
+            nvlink_path(&direct, "0000:08:00.0", Some(false)),
+            NvlinkPath::None
+        );
+        // HGX: every link ends at an NVSwitch (or is unknown inside a VM).
+        let switched = NvlinkState {
+            active: 18,
+            remotes: vec![("unknown".into(), 18)],
+        };
+        assert_eq!(
+            nvlink_path(&switched, "0000:07:00.0", Some(true)),
+            NvlinkPath::Switched { links: 18 }
+        );
+        assert_eq!(
+            nvlink_path(&switched, "0000:07:00.0", None),
+            NvlinkPath::None
+        );
+        assert_eq!(
+            nvlink_path(&NvlinkState::default(), "0000:07:00.0", Some(true)),
+            NvlinkPath::None
+        );
+        assert_eq!(
+            NvlinkPath::Switched { links: 18 }.to_string(),
+            "through NVSwitch (18 active link(s) on this GPU)"
+        );
+    }
+
+    #[test]
     fn human_sizes() {
         assert_eq!(human_bytes(0), "0 B");
         assert_eq!(human_bytes(1023), "1023 B");
@@ -1193,7 +1301,7 @@ mod tests {
             ordinal: 1,
             pci_bus_id: "0000:85:00.0".into(),
             can_access_peer: Some(false),
-            nvlinks: Some(0),
+            nvlink: Some(NvlinkPath::None),
         }];
         let r = Report {
             host: host(
@@ -1216,7 +1324,8 @@ mod tests {
             "/sys/module/nv_peer_mem absent",
             "# RDMA NIC mlx5_0: PCI pci0000:00/",
             "path to mlx5_0: same PCIe switch",
-            "peer GPU 1 (0000:85:00.0): peer access no, NVLink links 0",
+            "peer GPU 1 (0000:85:00.0): peer access no, NVLink none",
+            "NVLink active links: 0",
             "GPU-direct RDMA to mlx5_0: limited",
             "staging through host memory will be used",
             "gdrcopy: unsupported",

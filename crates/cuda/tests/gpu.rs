@@ -1,0 +1,301 @@
+//! GPU tests: run only with `RUCX_GPU_TESTS=1` on a machine with a CUDA driver and a GPU.
+//!
+//! Elsewhere each test prints why it skipped and passes. On a GPU machine run with
+//! `RUCX_GPU_TESTS=1 <test binary> --test-threads=1 --nocapture`.
+
+use std::ffi::c_void;
+
+use rucx_cuda::pointer::{classify_uncached, global_cache};
+use rucx_cuda::{
+    DeviceBuffer, Event, HostRegistration, ManagedBuffer, PinnedHostBuffer, PoolBuffer,
+    PrimaryContext, PtrKind, Stream, classify, driver, memcpy_async, reg_error_kind, sys,
+};
+use rucx_ucs::{Error, RegErrorKind};
+
+/// The context of GPU `n`, or `None` (with a printed reason) when GPU tests are off.
+fn gpu(n: u32) -> Option<&'static PrimaryContext> {
+    if std::env::var("RUCX_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipped: set RUCX_GPU_TESTS=1 to run GPU tests");
+        return None;
+    }
+    let drv = match driver() {
+        Ok(d) => d,
+        Err(e) => panic!("RUCX_GPU_TESTS=1 but the CUDA driver is unavailable: {e}"),
+    };
+    if n >= drv.device_count() {
+        eprintln!("skipped: needs GPU {n}, {} visible", drv.device_count());
+        return None;
+    }
+    Some(drv.context(n).expect("primary context"))
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1] ^ seed)
+        .collect()
+}
+
+/// Try to export `ptr` through a legacy IPC handle.
+fn ipc_export(ctx: &PrimaryContext, ptr: u64) -> sys::CUresult {
+    ctx.bind().unwrap();
+    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+    // SAFETY: valid out-pointer; `ptr` is a live allocation of the test.
+    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }
+}
+
+/// Try to export `ptr..ptr+len` as a dma-buf; closes the fd. `Ok(())` or the CUDA result.
+fn dmabuf_export(ctx: &PrimaryContext, ptr: u64, len: usize) -> Result<(), sys::CUresult> {
+    let drv = driver().unwrap();
+    if !drv.has_dmabuf_export() {
+        return Err(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    ctx.bind().unwrap();
+    // The range must be a whole number of host pages.
+    let len = (len & !4095).max(4096);
+    let mut fd: i32 = -1;
+    // SAFETY: `fd` is a valid out-pointer for an int file descriptor; the range is a live
+    // allocation; flags 0.
+    let r = unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            &mut fd as *mut i32 as *mut c_void,
+            ptr,
+            len,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: the driver handed us this descriptor; we own and close it once.
+        unsafe { libc::close(fd) };
+        Ok(())
+    } else {
+        Err(r)
+    }
+}
+
+#[test]
+fn driver_and_devices() {
+    let Some(ctx) = gpu(0) else { return };
+    let drv = driver().unwrap();
+    println!(
+        "driver API {} ({} device(s))",
+        drv.version_string(),
+        drv.device_count()
+    );
+    for d in drv.devices() {
+        println!("  {d:?}");
+        assert!(!d.name.is_empty());
+        assert!(d.total_mem > 0);
+        assert_eq!(d.pci_bus_id.len(), 12, "{}", d.pci_bus_id);
+    }
+    ctx.bind().unwrap();
+    let e = drv.device(drv.device_count()).unwrap_err();
+    assert!(matches!(e, Error::InvalidParam(_)), "{e}");
+    // A failing call is a typed error naming call, device and CUDA error.
+    let e = DeviceBuffer::new(ctx, usize::MAX / 2)
+        .unwrap_err()
+        .to_string();
+    println!("huge alloc: {e}");
+    assert!(
+        e.contains("GPU 0 (") && e.contains("cuMemAlloc(") && e.contains("CUDA_ERROR_"),
+        "{e}"
+    );
+}
+
+#[test]
+fn classify_cumemalloc() {
+    let Some(ctx) = gpu(0) else { return };
+    let len = 1 << 20;
+    let buf = DeviceBuffer::new(ctx, len).unwrap();
+    let i = classify(buf.ptr() as usize + 4096, 100).unwrap();
+    println!("cuMemAlloc: {i}");
+    assert_eq!(i.kind, PtrKind::Cuda);
+    assert_eq!(i.device, Some(0));
+    assert_eq!(i.base, buf.ptr() as usize);
+    assert!(i.size >= len);
+    assert!(!i.from_pool);
+    assert!(i.ipc_exportable);
+    assert_ne!(i.buffer_id, 0);
+    assert_eq!(ipc_export(ctx, buf.ptr()), sys::CUresult::CUDA_SUCCESS);
+    let dm = dmabuf_export(ctx, buf.ptr(), len);
+    println!(
+        "  dma-buf export: {dm:?} (classified exportable: {})",
+        i.dmabuf_exportable
+    );
+    // Second time from the cache; a range past the end is refused.
+    assert_eq!(
+        global_cache().unwrap().lookup(buf.ptr() as usize, len),
+        Some(i)
+    );
+    let e = classify_uncached(buf.ptr() as usize + len - 8, 4096).unwrap_err();
+    println!("  past the end: {e}");
+    assert!(e.to_string().contains("runs past the end"));
+    // Data through the synchronous helpers.
+    let data = pattern(len, 1);
+    buf.copy_from_host(0, &data).unwrap();
+    let mut back = vec![0u8; len];
+    buf.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(back, data);
+    buf.fill(0xab).unwrap();
+    buf.copy_to_host(len - 3, &mut back[..3]).unwrap();
+    assert_eq!(&back[..3], &[0xab; 3]);
+    assert!(buf.copy_to_host(len - 2, &mut back[..3]).is_err());
+    // Freed: the cache entry goes.
+    let base = buf.ptr() as usize;
+    drop(buf);
+    assert_eq!(global_cache().unwrap().lookup(base, 1), None);
+}
+
+#[test]
+fn classify_stream_ordered_pool() {
+    let Some(ctx) = gpu(0) else { return };
+    let stream = Stream::new(ctx).unwrap();
+    let len = (1 << 20) + 1;
+    let buf = PoolBuffer::new(&stream, len).unwrap();
+    let i = classify(buf.ptr() as usize, len).unwrap();
+    println!("cuMemAllocAsync: {i}");
+    assert_eq!(i.kind, PtrKind::Cuda);
+    assert_eq!(i.device, Some(0));
+    assert!(i.from_pool, "pool memory must be recognized");
+    assert!(
+        !i.ipc_exportable,
+        "pool memory must not be legacy-IPC exportable"
+    );
+    let r = ipc_export(ctx, buf.ptr());
+    println!("  cuIpcGetMemHandle on pool memory: {r:?}");
+    assert_ne!(r, sys::CUresult::CUDA_SUCCESS);
+    assert_eq!(reg_error_kind(r), RegErrorKind::NotExportable);
+    println!("  dma-buf export: {:?}", dmabuf_export(ctx, buf.ptr(), len));
+    let data = pattern(len, 2);
+    buf.copy_from_host(0, &data).unwrap();
+    let mut back = vec![0u8; len];
+    buf.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(back, data);
+}
+
+#[test]
+fn classify_managed() {
+    let Some(ctx) = gpu(0) else { return };
+    let len = 64 << 10;
+    let buf = ManagedBuffer::new(ctx, len).unwrap();
+    let i = classify(buf.ptr() as usize, len).unwrap();
+    println!("cuMemAllocManaged: {i}");
+    assert_eq!(i.kind, PtrKind::CudaManaged);
+    assert_eq!(i.memory_type(), rucx_ucs::MemoryType::CudaManaged);
+    assert!(!i.ipc_exportable && !i.dmabuf_exportable);
+    let data = pattern(len, 3);
+    buf.copy_from_host(0, &data).unwrap();
+    let mut back = vec![0u8; len];
+    buf.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(back, data);
+}
+
+#[test]
+fn classify_pinned_registered_and_pageable() {
+    let Some(ctx) = gpu(0) else { return };
+    let pinned = PinnedHostBuffer::new(ctx, 1 << 16).unwrap();
+    let i = classify(pinned.ptr() as usize + 10, 10).unwrap();
+    println!("cuMemHostAlloc: {i}");
+    assert_eq!(i.kind, PtrKind::HostPinned);
+    assert_eq!(i.memory_type(), rucx_ucs::MemoryType::Host);
+    assert!(!i.ipc_exportable);
+
+    let mut v = vec![7u8; 1 << 20];
+    let i = classify(v.as_ptr() as usize, v.len()).unwrap();
+    println!("pageable: {i}");
+    assert_eq!(i.kind, PtrKind::HostPageable);
+    assert_eq!(i.device, None);
+    {
+        // SAFETY: `v` outlives the registration (dropped at the end of this block).
+        let reg = unsafe { HostRegistration::new(ctx, v.as_mut_ptr(), v.len()) }.unwrap();
+        let i = classify(v.as_ptr() as usize + 4096, 4096).unwrap();
+        println!("cuMemHostRegister: {i}");
+        assert_eq!(i.kind, PtrKind::HostPinned);
+        assert_eq!(reg.len(), v.len());
+    }
+    assert_eq!(
+        classify(v.as_ptr() as usize, 1).unwrap().kind,
+        PtrKind::HostPageable
+    );
+}
+
+#[test]
+fn async_copies_with_events() {
+    let Some(ctx) = gpu(0) else { return };
+    let stream = Stream::new(ctx).unwrap();
+    let ev = Event::new(ctx).unwrap();
+    for len in [1usize, 4097, 1 << 20, 64 << 20] {
+        let mut src = PinnedHostBuffer::new(ctx, len).unwrap();
+        let dst = PinnedHostBuffer::new(ctx, len).unwrap();
+        let dev = DeviceBuffer::new(ctx, len).unwrap();
+        let data = pattern(len, len as u8);
+        src.as_mut_slice().copy_from_slice(&data);
+        // SAFETY: all three buffers stay alive until the event says the copies are done.
+        unsafe {
+            memcpy_async(dev.ptr(), src.ptr(), len, &stream).unwrap();
+            memcpy_async(dst.ptr(), dev.ptr(), len, &stream).unwrap();
+        }
+        ev.record(&stream).unwrap();
+        let mut polls = 0u64;
+        while !ev.query().unwrap() {
+            polls += 1;
+            std::hint::spin_loop();
+        }
+        ev.synchronize().unwrap();
+        assert_eq!(dst.as_slice(), &data[..], "len {len}");
+        println!("async round trip {len} bytes ok ({polls} polls)");
+    }
+}
+
+#[test]
+fn second_gpu_and_peer_copy() {
+    let Some(c0) = gpu(0) else { return };
+    let Some(c1) = gpu(1) else { return };
+    let drv = driver().unwrap();
+    let len = 4 << 20;
+    let b1 = DeviceBuffer::new(c1, len).unwrap();
+    let i = classify(b1.ptr() as usize, len).unwrap();
+    println!("GPU 1 cuMemAlloc: {i}");
+    assert_eq!(i.device, Some(1));
+    let can = drv.can_access_peer(0, 1).unwrap();
+    println!("GPU 0 -> GPU 1 peer access: {can}");
+    if can {
+        c0.enable_peer_access(c1).unwrap();
+        c0.enable_peer_access(c1).unwrap(); // already enabled is fine
+    }
+    let b0 = DeviceBuffer::new(c0, len).unwrap();
+    let data = pattern(len, 9);
+    b0.copy_from_host(0, &data).unwrap();
+    let stream = Stream::new(c0).unwrap();
+    // SAFETY: both buffers outlive the synchronize below.
+    unsafe { memcpy_async(b1.ptr(), b0.ptr(), len, &stream).unwrap() };
+    stream.synchronize().unwrap();
+    let mut back = vec![0u8; len];
+    b1.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(back, data);
+}
+
+#[test]
+fn print_report() {
+    let Some(_) = gpu(0) else { return };
+    let r = rucx_cuda::report();
+    let s = r.render();
+    println!("{s}");
+    let drv = driver().unwrap();
+    assert_eq!(r.gpus.len() as u32, drv.device_count());
+    assert!(s.contains("# GPU 0: ") && s.contains("NVLink active links: "));
+    for g in &r.gpus {
+        match &g.bar1 {
+            Ok(b) => {
+                assert!(
+                    b.total > 0 && b.used + b.free <= b.total + (1 << 20),
+                    "{b:?}"
+                );
+            }
+            Err(why) => println!("BAR1 unknown on GPU {}: {why}", g.ordinal),
+        }
+        assert_eq!(g.peers.len() as u32, drv.device_count() - 1);
+        // Every GPU gets at least an RDMA, a gdrcopy and a cuda_ipc verdict.
+        assert!(r.verdicts(g.ordinal).len() >= 3);
+    }
+}
