@@ -5,7 +5,7 @@
 //! driver, no device) becomes [`Error::Unavailable`] with the precise reason; nothing here panics
 //! and nothing links against CUDA at build time.
 //!
-//! The raw bindings are re-exported as [`sys`](crate::sys) for transports that need calls this
+//! The raw bindings are re-exported as [`sys`] for transports that need calls this
 //! module does not wrap; [`check`] turns any `CUresult` into a typed [`Error::Device`].
 
 use std::ffi::{CStr, c_char, c_int, c_void};
@@ -194,7 +194,7 @@ impl PrimaryContext {
         self.device
     }
 
-    /// Raw context handle, for calls through [`sys`](crate::sys).
+    /// Raw context handle, for calls through [`sys`].
     pub fn raw(&self) -> sys::CUcontext {
         self.raw
     }
@@ -559,7 +559,7 @@ impl Stream {
         })
     }
 
-    /// Raw handle for calls through [`sys`](crate::sys).
+    /// Raw handle for calls through [`sys`].
     pub fn raw(&self) -> sys::CUstream {
         self.inner.raw
     }

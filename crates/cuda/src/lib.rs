@@ -6,9 +6,9 @@
 //!   ([`PrimaryContext`]), [`Stream`]s and [`Event`]s, device / stream-ordered-pool / managed /
 //!   pinned-host allocations, host registration, copies. [`sys`] re-exports the raw bindings
 //!   for everything else, and [`check`] turns a `CUresult` into a typed error.
-//! - [`pointer`]: what kind of memory a buffer is, which device owns it, its allocation, whether
+//! - [`pointer`](mod@pointer): what kind of memory a buffer is, which device owns it, its allocation, whether
 //!   it can be exported (legacy IPC, dma-buf), with a cache.
-//! - [`report`]: the per-GPU GPU-direct report (BAR1, GPUDirect RDMA, dma-buf, peer memory,
+//! - [`report`](mod@report): the per-GPU GPU-direct report (BAR1, GPUDirect RDMA, dma-buf, peer memory,
 //!   gdrcopy, NICs and PCI paths, NVLink/P2P) with a verdict and reasons per path.
 //!
 //! Building and starting need no CUDA installation.
