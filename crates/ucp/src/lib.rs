@@ -1,1 +1,36 @@
-//! rucx protocols: contexts, workers, endpoints, tag matching, planner
+//! rucx-ucp: the protocol layer users program against.
+//!
+//! - [`Context`]: discovered resources (filtered by `RUCX_TLS`) and the live registration table
+//!   (`reg_domains[mem_type]`) that runtime demotion edits;
+//! - [`Worker`]: interfaces and progress, its packed [`address`](Worker::address), endpoints
+//!   ([`EpId`]) created from a peer's address;
+//! - [`Scope`] and [`Request`]: non-blocking tag send/receive, put/get and flush on borrowed
+//!   buffers, polled, waited on, or `.await`ed;
+//! - tag matching with MPI semantics ([`matching`]), active messages
+//!   ([`Worker::am_send`], [`Worker::set_am_handler`]), remote memory access
+//!   ([`Worker::mem_map`], [`Worker::rkey_unpack`]);
+//! - protocols selected per size from the transports' attributes ([`proto`]): eager short,
+//!   copy-in single and multi-fragment, zero-copy, and rendezvous by read, by write or streamed.
+//!
+//! This crate sees only the `rucx-uct` traits and attributes; the list of components comes from
+//! the caller (`rucx-transports`).
+
+pub mod address;
+pub mod config;
+pub mod context;
+pub mod matching;
+pub mod proto;
+mod scope;
+pub mod wire;
+mod worker;
+
+pub use config::CONFIG;
+pub use context::{Context, Demotion};
+pub use matching::Tag;
+pub use scope::{Request, Scope};
+pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};
+
+/// Mask that matches only the exact tag.
+pub const TAG_MASK_FULL: Tag = u64::MAX;
+/// Mask that matches any tag.
+pub const TAG_MASK_ANY: Tag = 0;

@@ -1,0 +1,131 @@
+//! Worker addresses: what a peer needs to reach every interface of a worker.
+//!
+//! Packed inside the common envelope of `rucx_uct::rkey` (magic, version, length, checksum), so a
+//! garbage or truncated address is an error, never a panic.
+
+use rucx_ucs::{Error, Result};
+use rucx_uct::rkey::{self, Reader, put_lv};
+
+const ENVELOPE: &str = "ucp-worker-address";
+
+/// One interface of a worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IfaceEntry {
+    /// Transport name.
+    pub tl_name: String,
+    /// Device name.
+    pub dev_name: String,
+    /// Memory domain name (remote keys are matched by it).
+    pub md_name: String,
+    /// Packed device address.
+    pub dev_addr: Vec<u8>,
+    /// Packed interface address.
+    pub iface_addr: Vec<u8>,
+}
+
+/// A worker's address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerAddress {
+    /// Random identifier of the worker, carried in every message it sends.
+    pub uuid: u64,
+    /// Host name, for messages.
+    pub host: String,
+    /// Process id, for messages.
+    pub pid: u32,
+    /// Interfaces.
+    pub ifaces: Vec<IfaceEntry>,
+}
+
+impl WorkerAddress {
+    /// Pack into bytes.
+    pub fn pack(&self) -> Vec<u8> {
+        let mut p = Vec::new();
+        p.extend_from_slice(&self.uuid.to_le_bytes());
+        p.extend_from_slice(&self.pid.to_le_bytes());
+        put_lv(&mut p, self.host.as_bytes());
+        p.extend_from_slice(&(self.ifaces.len() as u16).to_le_bytes());
+        for e in &self.ifaces {
+            put_lv(&mut p, e.tl_name.as_bytes());
+            put_lv(&mut p, e.dev_name.as_bytes());
+            put_lv(&mut p, e.md_name.as_bytes());
+            put_lv(&mut p, &e.dev_addr);
+            put_lv(&mut p, &e.iface_addr);
+        }
+        rkey::pack(ENVELOPE, &p)
+    }
+
+    /// Unpack and validate.
+    pub fn unpack(bytes: &[u8]) -> Result<WorkerAddress> {
+        let payload = rkey::unpack(ENVELOPE, "worker address", bytes)
+            .map_err(|e| Error::InvalidAddress(format!("not a rucx worker address: {e}")))?;
+        let mut r = Reader::new(payload, "worker address");
+        let uuid = r.u64()?;
+        let pid = r.u32()?;
+        let host = text(r.lv()?)?;
+        let n = r.u16()? as usize;
+        let mut ifaces = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            ifaces.push(IfaceEntry {
+                tl_name: text(r.lv()?)?,
+                dev_name: text(r.lv()?)?,
+                md_name: text(r.lv()?)?,
+                dev_addr: r.lv()?.to_vec(),
+                iface_addr: r.lv()?.to_vec(),
+            });
+        }
+        r.finish()?;
+        Ok(WorkerAddress {
+            uuid,
+            host,
+            pid,
+            ifaces,
+        })
+    }
+
+    /// `host:pid` for messages.
+    pub fn describe(&self) -> String {
+        format!("{}:{}", self.host, self.pid)
+    }
+}
+
+fn text(b: &[u8]) -> Result<String> {
+    String::from_utf8(b.to_vec())
+        .map_err(|_| Error::InvalidAddress("worker address holds a name that is not UTF-8".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> WorkerAddress {
+        WorkerAddress {
+            uuid: 42,
+            host: "node1".into(),
+            pid: 7,
+            ifaces: vec![IfaceEntry {
+                tl_name: "posix".into(),
+                dev_name: "memory".into(),
+                md_name: "posix".into(),
+                dev_addr: vec![1, 2, 3],
+                iface_addr: vec![9; 12],
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let a = sample();
+        assert_eq!(WorkerAddress::unpack(&a.pack()).unwrap(), a);
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_and_truncation_are_errors(g in proptest::collection::vec(any::<u8>(), 0..200), cut in 1usize..40) {
+            let _ = WorkerAddress::unpack(&g);
+            let p = sample().pack();
+            let n = p.len().saturating_sub(cut);
+            prop_assert!(WorkerAddress::unpack(&p[..n]).is_err());
+        }
+    }
+}

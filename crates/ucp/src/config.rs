@@ -1,0 +1,54 @@
+//! Options of the protocol layer.
+
+use rucx_ucs::{OptKind, OptionSpec};
+
+/// Protocol-layer options (names without the `RUCX_` prefix).
+pub static CONFIG: &[OptionSpec] = &[
+    OptionSpec {
+        name: "RNDV_THRESH",
+        kind: OptKind::MemUnits,
+        default: "auto",
+        help: "Messages of at least this size use the rendezvous protocol; auto derives it from \
+               the transports' performance models.",
+    },
+    OptionSpec {
+        name: "ZCOPY_THRESH",
+        kind: OptKind::MemUnits,
+        default: "auto",
+        help: "Eager messages of at least this size are sent zero-copy from a registered buffer; \
+               auto derives it from the registration cost.",
+    },
+    OptionSpec {
+        name: "RNDV_SCHEME",
+        kind: OptKind::Enum(&["auto", "get_zcopy", "put_zcopy", "am"]),
+        default: "auto",
+        help: "Rendezvous data movement: the receiver reads (get_zcopy), the sender writes \
+               (put_zcopy), or the sender streams active messages (am, no registration needed).",
+    },
+    OptionSpec {
+        name: "RNDV_FRAG_SIZE",
+        kind: OptKind::MemUnits,
+        default: "4M",
+        help: "Largest single zero-copy operation of a rendezvous transfer.",
+    },
+    OptionSpec {
+        name: "PROTO_INFO",
+        kind: OptKind::Bool,
+        default: "n",
+        help: "Print the protocol selection table of every endpoint when it is created.",
+    },
+    OptionSpec {
+        name: "REG_SKIP",
+        kind: OptKind::List,
+        default: "",
+        help: "Memory domains not to use for registering a memory type, as md:memtype pairs \
+               (e.g. posix:host, cuda_ipc:cuda); the planner treats them as demoted from the \
+               start, without trying.",
+    },
+    OptionSpec {
+        name: "PEER_TIMEOUT",
+        kind: OptKind::Time,
+        default: "30s",
+        help: "How long a blocking wait may go without progress before it fails with a timeout.",
+    },
+];

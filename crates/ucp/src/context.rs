@@ -1,0 +1,288 @@
+//! The context: discovered resources, configuration, and the live registration table
+//! (`reg_domains[mem_type]`) that demotion edits.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rucx_ucs::rcache::{Rcache, RcacheConfig, RcacheGuard};
+use rucx_ucs::{Config, Error, MemoryType, OptionSpec, RegError, Result};
+use rucx_uct::{MemHandle, MemRegion, MemoryDomain, Registry};
+
+/// A domain taken out of `reg_domains[mem_type]` for a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Demotion {
+    /// Memory domain name.
+    pub md: String,
+    /// Memory type it no longer registers.
+    pub mem_type: MemoryType,
+    /// GPU ordinal it applies to (`None`: every device / host memory).
+    pub device: Option<u32>,
+    /// Why, in words.
+    pub reason: String,
+    /// What to set to skip the attempt next time.
+    pub knob: String,
+}
+
+impl fmt::Display for Demotion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} no longer registers {} memory",
+            self.md, self.mem_type
+        )?;
+        if let Some(d) = self.device {
+            write!(f, " of GPU {d}")?;
+        }
+        write!(f, ": {}", self.reason)
+    }
+}
+
+struct DomainSlot {
+    md: Arc<dyn MemoryDomain>,
+    rcache: Rcache<MemHandle>,
+}
+
+pub(crate) struct CtxInner {
+    pub(crate) config: Config,
+    domains: Vec<DomainSlot>,
+    pub(crate) unavailable: Vec<(String, String)>,
+    demotions: Mutex<Vec<Demotion>>,
+    warned: Mutex<HashSet<(String, MemoryType, Option<u32>)>>,
+    epoch: AtomicU64,
+}
+
+/// A rucx context: resources and configuration shared by its workers.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<CtxInner>,
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("domains", &self.domain_names())
+            .field("demotions", &self.demotions())
+            .finish()
+    }
+}
+
+impl Context {
+    /// Discover the components of `registry` under `config` (which must declare the tables of
+    /// [`config_tables`](crate::config_tables) plus the components').
+    pub fn new(registry: &Registry, config: Config) -> Result<Context> {
+        rucx_ucs::log::init();
+        let d = registry.discover(&config, Some("TLS"))?;
+        let mut domains = Vec::new();
+        for md in d.domains {
+            let rc = RcacheConfig::from_config(format!("{} rcache", md.name()), &config)
+                .unwrap_or_else(|_| RcacheConfig::new(md.name()));
+            domains.push(DomainSlot {
+                md,
+                rcache: Rcache::new(rc)?,
+            });
+        }
+        let ctx = Context {
+            inner: Arc::new(CtxInner {
+                config,
+                domains,
+                unavailable: d.unavailable,
+                demotions: Mutex::new(Vec::new()),
+                warned: Mutex::new(HashSet::new()),
+                epoch: AtomicU64::new(0),
+            }),
+        };
+        for pair in ctx.inner.config.list("REG_SKIP").to_vec() {
+            let (md, mt) = pair.split_once(':').ok_or_else(|| Error::Config {
+                var: "RUCX_REG_SKIP".into(),
+                value: pair.clone(),
+                reason: "not an md:memtype pair".into(),
+                accepted: "comma-separated md:memtype pairs, e.g. posix:host,cuda_ipc:cuda".into(),
+            })?;
+            let mem_type: MemoryType = mt.parse().map_err(|e: Error| Error::Config {
+                var: "RUCX_REG_SKIP".into(),
+                value: pair.clone(),
+                reason: e.to_string(),
+                accepted: "md:host, md:cuda, md:cuda-managed".into(),
+            })?;
+            ctx.lock_demotions().push(Demotion {
+                md: md.to_string(),
+                mem_type,
+                device: None,
+                reason: "disabled by RUCX_REG_SKIP".into(),
+                knob: "RUCX_REG_SKIP".into(),
+            });
+        }
+        Ok(ctx)
+    }
+
+    /// A context from the environment, with every compiled-in component of `registry`.
+    pub fn from_env(registry: &Registry, tables: &[&'static [OptionSpec]]) -> Result<Context> {
+        let mut all: Vec<&'static [OptionSpec]> = tables.to_vec();
+        all.push(crate::config::CONFIG);
+        Self::new(registry, Config::from_env(&all)?)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// Names of the open memory domains.
+    pub fn domain_names(&self) -> Vec<String> {
+        self.inner
+            .domains
+            .iter()
+            .map(|d| d.md.name().to_string())
+            .collect()
+    }
+
+    /// Components or domains that cannot run here, with the reason.
+    pub fn unavailable(&self) -> &[(String, String)] {
+        &self.inner.unavailable
+    }
+
+    pub(crate) fn domain(&self, i: usize) -> &Arc<dyn MemoryDomain> {
+        &self.inner.domains[i].md
+    }
+
+    pub(crate) fn domain_count(&self) -> usize {
+        self.inner.domains.len()
+    }
+
+    pub(crate) fn domain_index(&self, name: &str) -> Option<usize> {
+        self.inner.domains.iter().position(|d| d.md.name() == name)
+    }
+
+    fn lock_demotions(&self) -> std::sync::MutexGuard<'_, Vec<Demotion>> {
+        self.inner
+            .demotions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every demotion so far (including those configured with `RUCX_REG_SKIP`).
+    pub fn demotions(&self) -> Vec<Demotion> {
+        self.lock_demotions().clone()
+    }
+
+    /// Changes whenever the registration table changes; protocol tables built at an older
+    /// epoch are stale.
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch.load(Ordering::Acquire)
+    }
+
+    /// Whether domain `i` may register `mem_type` memory of `device` now.
+    pub fn can_register(&self, i: usize, mem_type: MemoryType, device: Option<u32>) -> bool {
+        let md = &self.inner.domains[i].md;
+        md.attr().reg_mem_types().has(mem_type)
+            && !self.lock_demotions().iter().any(|d| {
+                d.md == md.name()
+                    && d.mem_type == mem_type
+                    && (d.device.is_none() || d.device == device)
+            })
+    }
+
+    /// The live `reg_domains[mem_type]`: names of the domains that register this memory type
+    /// (of `device`) now.
+    pub fn reg_domains(&self, mem_type: MemoryType, device: Option<u32>) -> Vec<String> {
+        (0..self.domain_count())
+            .filter(|i| self.can_register(*i, mem_type, device))
+            .map(|i| self.domain(i).name().to_string())
+            .collect()
+    }
+
+    /// Register (through the domain's cache) a region with domain `i`. A registration failure
+    /// first evicts unused cached registrations and retries once when the cause may be an
+    /// exhausted aperture; if it still fails, the domain is demoted for that memory type and
+    /// device, and the error is returned for the caller to re-plan.
+    pub(crate) fn register(&self, i: usize, region: MemRegion) -> Result<RcacheGuard<MemHandle>> {
+        let slot = &self.inner.domains[i];
+        let reg = |r: MemRegion| {
+            slot.rcache.get(r.addr, r.len.max(1), |start, len| {
+                let whole = MemRegion {
+                    addr: start,
+                    len,
+                    mem_type: r.mem_type,
+                    device: r.device,
+                };
+                // SAFETY: callers register only buffers that the request API keeps alive (the
+                // worker's scope waits for every request before its borrows end); the cache
+                // widens the range to whole pages of the same allocation.
+                unsafe { slot.md.mem_reg(whole) }
+            })
+        };
+        match reg(region) {
+            Ok(g) => Ok(g),
+            Err(e) => {
+                let retry = e
+                    .as_registration()
+                    .is_some_and(|r| r.kind.may_recover_by_eviction());
+                let e = if retry {
+                    let (n, bytes) = slot.rcache.evict_unused(None);
+                    tracing::debug!(
+                        "registration on {} failed ({e}); evicted {n} cached regions ({bytes} bytes), retrying",
+                        slot.md.name()
+                    );
+                    match reg(region) {
+                        Ok(g) => return Ok(g),
+                        Err(e2) => e2,
+                    }
+                } else {
+                    e
+                };
+                if let Some(r) = e.as_registration() {
+                    self.demote(r);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Take a domain out of `reg_domains` for the failed memory type and device.
+    pub fn demote(&self, r: &RegError) {
+        let device = if r.mem_type.is_gpu() { r.device } else { None };
+        let knob = if r.hint.is_empty() || r.hint.contains("RUCX_FAULT_INJECT") {
+            format!(
+                "set RUCX_REG_SKIP={}:{} to skip the attempt",
+                r.domain, r.mem_type
+            )
+        } else {
+            r.hint.clone()
+        };
+        {
+            let mut d = self.lock_demotions();
+            if d.iter()
+                .any(|x| x.md == r.domain && x.mem_type == r.mem_type && x.device == device)
+            {
+                return;
+            }
+            d.push(Demotion {
+                md: r.domain.clone(),
+                mem_type: r.mem_type,
+                device,
+                reason: format!("{}: {}", r.kind.describe(), r.detail),
+                knob: knob.clone(),
+            });
+        }
+        self.inner.epoch.fetch_add(1, Ordering::AcqRel);
+        let first = self
+            .inner
+            .warned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((r.domain.clone(), r.mem_type, device));
+        if first {
+            tracing::warn!(
+                "memory domain {} cannot register {} memory{}: {} ({}); demoted, transfers continue on other paths; {}",
+                r.domain,
+                r.mem_type,
+                device.map(|d| format!(" of GPU {d}")).unwrap_or_default(),
+                r.kind.describe(),
+                r.detail,
+                knob
+            );
+        }
+    }
+}

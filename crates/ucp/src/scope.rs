@@ -1,0 +1,201 @@
+//! Scopes and requests: non-blocking operations on borrowed buffers, made sound the way
+//! `std::thread::scope` is: a [`Scope`] finishes every request made in it before it ends, so no
+//! transfer outlives the buffers it borrowed.
+
+use std::cell::RefCell;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+
+use rucx_ucs::Result;
+
+use crate::matching::Tag;
+use crate::worker::{Completion, EpId, RkeyBundle, Worker};
+
+/// A scope of requests; see [`Worker::scope`].
+pub struct Scope<'scope, 'w: 'scope> {
+    worker: &'w Worker,
+    reqs: RefCell<Vec<u64>>,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+}
+
+impl std::fmt::Debug for Scope<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scope")
+            .field("requests", &self.reqs.borrow().len())
+            .finish()
+    }
+}
+
+/// A request in flight. Poll it with [`test`](Self::test), block with [`wait`](Self::wait), or
+/// `.await` it (the future progresses the worker itself, so any executor works).
+#[must_use = "a request does nothing useful unless waited for or tested"]
+pub struct Request<'scope> {
+    worker: &'scope Worker,
+    id: Option<u64>,
+    error: Option<rucx_ucs::Error>,
+}
+
+impl std::fmt::Debug for Request<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("id", &self.id).finish()
+    }
+}
+
+impl<'scope, 'w> Scope<'scope, 'w> {
+    pub(crate) fn new(worker: &'w Worker) -> Self {
+        Scope {
+            worker,
+            reqs: RefCell::new(Vec::new()),
+            _scope: PhantomData,
+        }
+    }
+
+    fn track(&'scope self, r: Result<u64>) -> Request<'scope> {
+        match r {
+            Ok(id) => {
+                self.reqs.borrow_mut().push(id);
+                Request {
+                    worker: self.worker,
+                    id: Some(id),
+                    error: None,
+                }
+            }
+            Err(e) => Request {
+                worker: self.worker,
+                id: None,
+                error: Some(e),
+            },
+        }
+    }
+
+    /// Send `buf` with `tag` to `ep`.
+    pub fn tag_send(&'scope self, ep: EpId, buf: &'scope [u8], tag: Tag) -> Request<'scope> {
+        self.track(
+            self.worker
+                .post_send(ep, buf.as_ptr() as usize, buf.len(), tag),
+        )
+    }
+
+    /// Receive a message whose tag matches `tag` under `mask` (0 = any) into `buf`. A longer
+    /// message completes the request with [`Error::Truncated`](rucx_ucs::Error::Truncated);
+    /// nothing is written past the buffer.
+    pub fn tag_recv(&'scope self, buf: &'scope mut [u8], tag: Tag, mask: Tag) -> Request<'scope> {
+        let id = self
+            .worker
+            .post_recv(buf.as_mut_ptr() as usize, buf.len(), tag, mask);
+        self.track(Ok(id))
+    }
+
+    /// Write `buf` to the peer's memory at `remote` (inside `rkey`'s region).
+    pub fn put(
+        &'scope self,
+        ep: EpId,
+        buf: &'scope [u8],
+        remote: u64,
+        rkey: &RkeyBundle,
+    ) -> Request<'scope> {
+        self.track(
+            self.worker
+                .post_rma(ep, true, buf.as_ptr() as usize, buf.len(), remote, rkey),
+        )
+    }
+
+    /// Read the peer's memory at `remote` into `buf`.
+    pub fn get(
+        &'scope self,
+        ep: EpId,
+        buf: &'scope mut [u8],
+        remote: u64,
+        rkey: &RkeyBundle,
+    ) -> Request<'scope> {
+        self.track(self.worker.post_rma(
+            ep,
+            false,
+            buf.as_mut_ptr() as usize,
+            buf.len(),
+            remote,
+            rkey,
+        ))
+    }
+
+    /// Complete every operation posted to `ep` so far, remotely too.
+    pub fn flush(&'scope self, ep: EpId) -> Request<'scope> {
+        self.track(self.worker.post_flush(ep))
+    }
+
+    /// End of scope: cancel receives that never matched, wait for everything else.
+    pub(crate) fn finish(&self) {
+        let ids = std::mem::take(&mut *self.reqs.borrow_mut());
+        for id in &ids {
+            if self.worker.req_result(*id).is_none() {
+                self.worker.cancel_recv(*id);
+            }
+        }
+        for id in &ids {
+            let _ = self.worker.wait_req(*id, None);
+            self.worker.req_release(*id);
+        }
+    }
+}
+
+impl Request<'_> {
+    /// The result if the request finished, without progressing.
+    pub fn test(&self) -> Option<Result<Completion>> {
+        if let Some(e) = &self.error {
+            return Some(Err(rucx_ucs::Error::InvalidParam(e.to_string())));
+        }
+        self.worker.req_result(self.id?)
+    }
+
+    /// Progress until finished.
+    pub fn wait(mut self) -> Result<Completion> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let id = self.id.expect("a request without an error has an id");
+        self.worker.wait_req(id, None)
+    }
+
+    /// Progress until finished or `limit` passed ([`Error::Timeout`](rucx_ucs::Error::Timeout)).
+    pub fn wait_timeout(mut self, limit: Duration) -> Result<Completion> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let id = self.id.expect("a request without an error has an id");
+        self.worker.wait_req(id, Some(limit))
+    }
+
+    /// Cancel a receive that has not matched yet; returns true when it was canceled (it then
+    /// completes with [`Error::Canceled`](rucx_ucs::Error::Canceled)).
+    pub fn cancel(&self) -> bool {
+        self.id.is_some_and(|id| self.worker.cancel_recv(id))
+    }
+}
+
+impl Future for Request<'_> {
+    type Output = Result<Completion>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        if let Some(e) = self.error.take() {
+            return Poll::Ready(Err(e));
+        }
+        let Some(id) = self.id else {
+            return Poll::Ready(Err(rucx_ucs::Error::Internal(
+                "request polled after completion".into(),
+            )));
+        };
+        if let Some(r) = self.worker.req_result(id) {
+            return Poll::Ready(r);
+        }
+        self.worker.progress();
+        if let Some(r) = self.worker.req_result(id) {
+            return Poll::Ready(r);
+        }
+        // Progress is driven by polling; ask to be polled again.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}

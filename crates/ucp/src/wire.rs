@@ -1,0 +1,318 @@
+//! Protocol messages on the wire (active-message ids 1..=15 belong to UCP).
+//!
+//! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
+//! from without trusting transport-level sources.
+
+use rucx_ucs::{Error, Result};
+use rucx_uct::AmId;
+use rucx_uct::rkey::{Reader, put_lv};
+
+/// Wire-up: sender's packed worker address.
+pub const AM_WIREUP: AmId = 1;
+/// Eager, whole message in an `am_short`: header = tag, payload = src + data.
+pub const AM_EAGER_SHORT: AmId = 2;
+/// Eager, whole message: src, tag, data.
+pub const AM_EAGER_ONE: AmId = 3;
+/// Eager, first fragment: src, kind, tag, msg id, total length, data.
+pub const AM_EAGER_FIRST: AmId = 4;
+/// Eager, later fragment: src, msg id, offset, data.
+pub const AM_EAGER_MIDDLE: AmId = 5;
+/// Rendezvous request to send.
+pub const AM_RNDV_RTS: AmId = 6;
+/// Rendezvous: receiver finished reading (get) — the sender may complete.
+pub const AM_RNDV_ATS: AmId = 7;
+/// Rendezvous: receiver ready; with a key the sender writes (put), without it streams AMs.
+pub const AM_RNDV_RTR: AmId = 8;
+/// Rendezvous data streamed as active messages: src, receive id, offset, data.
+pub const AM_RNDV_DATA: AmId = 9;
+/// Rendezvous: sender finished writing (put).
+pub const AM_RNDV_FIN: AmId = 10;
+/// User active message in one piece: src, user id, header, data.
+pub const AM_USER: AmId = 11;
+
+/// What a multi-fragment eager message carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MsgKind {
+    /// A tagged message.
+    Tag = 0,
+    /// A user active message (the "tag" is the user id; the data starts with its header).
+    Am = 1,
+}
+
+/// A named remote key inside a rendezvous message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedKey {
+    /// Memory domain name.
+    pub md: String,
+    /// Packed key.
+    pub key: Vec<u8>,
+}
+
+/// A parsed message.
+#[derive(Debug)]
+pub enum Msg<'a> {
+    /// Wire-up.
+    Wireup { addr: &'a [u8] },
+    /// Whole eager message.
+    EagerOne { src: u64, tag: u64, data: &'a [u8] },
+    /// First fragment.
+    EagerFirst {
+        src: u64,
+        kind: MsgKind,
+        tag: u64,
+        msg_id: u64,
+        total: u64,
+        data: &'a [u8],
+    },
+    /// Later fragment.
+    EagerMiddle {
+        src: u64,
+        msg_id: u64,
+        offset: u64,
+        data: &'a [u8],
+    },
+    /// Request to send.
+    Rts {
+        src: u64,
+        tag: u64,
+        sreq: u64,
+        size: u64,
+        addr: u64,
+        keys: Vec<NamedKey>,
+    },
+    /// Receiver done reading.
+    Ats { src: u64, sreq: u64, ok: bool },
+    /// Receiver ready.
+    Rtr {
+        src: u64,
+        sreq: u64,
+        rreq: u64,
+        addr: u64,
+        size: u64,
+        keys: Vec<NamedKey>,
+    },
+    /// Streamed rendezvous data.
+    RndvData {
+        src: u64,
+        rreq: u64,
+        offset: u64,
+        data: &'a [u8],
+    },
+    /// Sender done writing.
+    Fin { src: u64, rreq: u64 },
+    /// User active message.
+    User {
+        src: u64,
+        id: u16,
+        header: &'a [u8],
+        data: &'a [u8],
+    },
+}
+
+fn bad(id: AmId, e: Error) -> Error {
+    Error::InvalidAddress(format!("malformed protocol message {id}: {e}"))
+}
+
+fn keys(r: &mut Reader<'_>) -> Result<Vec<NamedKey>> {
+    let n = r.u8()? as usize;
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let md = String::from_utf8(r.lv()?.to_vec())
+            .map_err(|_| Error::InvalidAddress("key name is not UTF-8".into()))?;
+        v.push(NamedKey {
+            md,
+            key: r.lv()?.to_vec(),
+        });
+    }
+    Ok(v)
+}
+
+/// Append named keys.
+pub fn put_keys(out: &mut Vec<u8>, keys: &[NamedKey]) {
+    out.push(keys.len() as u8);
+    for k in keys {
+        put_lv(out, k.md.as_bytes());
+        put_lv(out, &k.key);
+    }
+}
+
+/// Append little-endian u64s.
+pub fn put_u64s(out: &mut Vec<u8>, vals: &[u64]) {
+    for v in vals {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Parse a message received with active-message id `id`.
+pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
+    let mut r = Reader::new(data, "protocol message");
+    let m = (|| -> Result<Msg<'_>> {
+        Ok(match id {
+            AM_WIREUP => Msg::Wireup { addr: data },
+            AM_EAGER_SHORT => {
+                let tag = r.u64()?;
+                let src = r.u64()?;
+                Msg::EagerOne {
+                    src,
+                    tag,
+                    data: &data[16..],
+                }
+            }
+            AM_EAGER_ONE => {
+                let src = r.u64()?;
+                let tag = r.u64()?;
+                Msg::EagerOne {
+                    src,
+                    tag,
+                    data: &data[16..],
+                }
+            }
+            AM_EAGER_FIRST => {
+                let src = r.u64()?;
+                let kind = match r.u8()? {
+                    0 => MsgKind::Tag,
+                    1 => MsgKind::Am,
+                    k => return Err(Error::InvalidAddress(format!("unknown message kind {k}"))),
+                };
+                let tag = r.u64()?;
+                let msg_id = r.u64()?;
+                let total = r.u64()?;
+                Msg::EagerFirst {
+                    src,
+                    kind,
+                    tag,
+                    msg_id,
+                    total,
+                    data: &data[33..],
+                }
+            }
+            AM_EAGER_MIDDLE => {
+                let src = r.u64()?;
+                let msg_id = r.u64()?;
+                let offset = r.u64()?;
+                Msg::EagerMiddle {
+                    src,
+                    msg_id,
+                    offset,
+                    data: &data[24..],
+                }
+            }
+            AM_RNDV_RTS => {
+                let src = r.u64()?;
+                let tag = r.u64()?;
+                let sreq = r.u64()?;
+                let size = r.u64()?;
+                let addr = r.u64()?;
+                let keys = keys(&mut r)?;
+                r.finish()?;
+                Msg::Rts {
+                    src,
+                    tag,
+                    sreq,
+                    size,
+                    addr,
+                    keys,
+                }
+            }
+            AM_RNDV_ATS => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let ok = r.u8()? != 0;
+                r.finish()?;
+                Msg::Ats { src, sreq, ok }
+            }
+            AM_RNDV_RTR => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let rreq = r.u64()?;
+                let addr = r.u64()?;
+                let size = r.u64()?;
+                let keys = keys(&mut r)?;
+                r.finish()?;
+                Msg::Rtr {
+                    src,
+                    sreq,
+                    rreq,
+                    addr,
+                    size,
+                    keys,
+                }
+            }
+            AM_RNDV_DATA => {
+                let src = r.u64()?;
+                let rreq = r.u64()?;
+                let offset = r.u64()?;
+                Msg::RndvData {
+                    src,
+                    rreq,
+                    offset,
+                    data: &data[24..],
+                }
+            }
+            AM_RNDV_FIN => {
+                let src = r.u64()?;
+                let rreq = r.u64()?;
+                r.finish()?;
+                Msg::Fin { src, rreq }
+            }
+            AM_USER => {
+                let src = r.u64()?;
+                let id = r.u16()?;
+                let header = r.lv()?;
+                let hl = header.len();
+                Msg::User {
+                    src,
+                    id,
+                    header,
+                    data: &data[12 + hl..],
+                }
+            }
+            other => {
+                return Err(Error::InvalidAddress(format!(
+                    "unknown protocol message id {other}"
+                )));
+            }
+        })
+    })();
+    m.map_err(|e| bad(id, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn rts_round_trip() {
+        let mut b = Vec::new();
+        put_u64s(&mut b, &[1, 2, 3, 4, 5]);
+        put_keys(
+            &mut b,
+            &[NamedKey {
+                md: "posix".into(),
+                key: vec![1, 2],
+            }],
+        );
+        match parse(AM_RNDV_RTS, &b).unwrap() {
+            Msg::Rts {
+                src,
+                tag,
+                sreq,
+                size,
+                addr,
+                keys,
+            } => {
+                assert_eq!((src, tag, sreq, size, addr), (1, 2, 3, 4, 5));
+                assert_eq!(keys[0].md, "posix");
+            }
+            m => panic!("{m:?}"),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_is_an_error_not_a_panic(id in 0u8..20, g in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let _ = parse(id, &g);
+        }
+    }
+}

@@ -1,0 +1,2464 @@
+//! Workers: progress, endpoints (peers), requests and the protocols that move data.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use rucx_ucs::rcache::RcacheGuard;
+use rucx_ucs::{Error, MemoryType, Result};
+use rucx_uct::{
+    AmId, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceParams, Iov, MemHandle,
+    MemRegion, OpStatus, RemoteKey,
+};
+
+use crate::address::{IfaceEntry, WorkerAddress};
+use crate::context::Context;
+use crate::matching::{Tag, TagMatcher};
+use crate::proto::{self, LaneInfo, Proto, Range};
+use crate::wire::{self, Msg, MsgKind, NamedKey};
+
+/// Identifies a peer (a UCP endpoint) of a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EpId(pub(crate) usize);
+
+impl fmt::Display for EpId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ep{}", self.0)
+    }
+}
+
+/// What a finished request reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// Bytes moved.
+    pub len: usize,
+    /// Tag of the received message (receives), or the tag sent.
+    pub tag: Tag,
+    /// The peer a message came from (receives).
+    pub sender: Option<EpId>,
+}
+
+/// A user active message delivered to a handler.
+#[derive(Debug)]
+pub struct AmMessage {
+    /// User active-message id.
+    pub id: u16,
+    /// User header.
+    pub header: Vec<u8>,
+    /// Payload.
+    pub data: Vec<u8>,
+    /// Endpoint to reply on.
+    pub reply_ep: EpId,
+}
+
+type AmHandler = Box<dyn FnMut(&Worker, AmMessage)>;
+
+/// Reconstruct a host slice from the address of a buffer the request API borrowed.
+///
+/// # Safety
+/// `addr..addr+len` must be a live host buffer for the whole use of the slice: guaranteed by
+/// [`Scope`](crate::Scope), which borrows every buffer until all its requests are finished.
+unsafe fn host_slice<'a>(addr: usize, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: per this function's contract.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+/// Mutable variant of [`host_slice`].
+///
+/// # Safety
+/// As [`host_slice`], and the buffer was lent mutably (receives), so nothing else reads or
+/// writes it meanwhile.
+unsafe fn host_slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: per this function's contract.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+struct Slot {
+    md: usize,
+    attr: IfaceAttr,
+}
+
+/// Queued work of a peer, in order.
+enum Pending {
+    /// One control message.
+    Ctrl { id: AmId, bytes: Vec<u8> },
+    /// Continue posting the fragments of a request.
+    Stream(u64),
+}
+
+struct Peer {
+    remote: WorkerAddress,
+    /// uct endpoints by local interface index.
+    eps: HashMap<usize, Box<dyn Endpoint>>,
+    connected: bool,
+    am: usize,
+    rma: Option<usize>,
+    rma_remote_md: Option<String>,
+    table: Vec<Range>,
+    epoch: u64,
+    failed: Option<String>,
+    queue: VecDeque<Pending>,
+    next_msg: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum SendWait {
+    /// Posting fragments.
+    Posting,
+    /// Waiting for the receiver (ATS or RTR).
+    Receiver,
+    /// Everything posted; waiting for completions.
+    Completions,
+}
+
+struct SendState {
+    peer: usize,
+    addr: usize,
+    len: usize,
+    tag: Tag,
+    proto: Proto,
+    msg_id: u64,
+    /// Bytes of the (prefixed) message posted so far.
+    posted: usize,
+    /// Streaming rendezvous data to this receive request.
+    rndv_to: Option<u64>,
+    /// Remote buffer of a put rendezvous.
+    put: Option<(u64, RemoteKey)>,
+    wait: SendWait,
+}
+
+struct RndvRecv {
+    peer: usize,
+    sreq: u64,
+    /// Bytes wanted (capacity-limited).
+    want: usize,
+    via_get: bool,
+    /// The reads to post: lane, remote address, remote key, local address.
+    get: Option<(usize, u64, RemoteKey, usize)>,
+    /// Bytes of reads posted.
+    posted: usize,
+}
+
+struct RecvState {
+    addr: usize,
+    cap: usize,
+    total: usize,
+    received: usize,
+    tag: Tag,
+    sender: Option<usize>,
+    rndv: Option<RndvRecv>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum RmaDir {
+    Put,
+    Get,
+    Flush,
+}
+
+struct RmaState {
+    peer: usize,
+    dir: RmaDir,
+    len: usize,
+    lane: usize,
+    addr: usize,
+    remote: u64,
+    key: Option<RemoteKey>,
+    posted: usize,
+    /// Lanes still to flush (flush requests).
+    flush_lanes: Vec<usize>,
+}
+
+enum ReqKind {
+    Send(SendState),
+    Recv(RecvState),
+    Rma(RmaState),
+}
+
+struct Req {
+    kind: ReqKind,
+    result: Option<Result<Completion>>,
+    outstanding: usize,
+    guards: Vec<RcacheGuard<MemHandle>>,
+}
+
+enum Unexp {
+    Eager {
+        src: usize,
+        msg_id: Option<u64>,
+        total: usize,
+        data: Vec<u8>,
+    },
+    Rts {
+        src: usize,
+        sreq: u64,
+        size: usize,
+        addr: u64,
+        keys: Vec<NamedKey>,
+    },
+}
+
+/// Where the fragments of a multi-fragment eager message go.
+enum RxDest {
+    Req(u64),
+    Unexpected,
+    UserAm {
+        id: u16,
+        total: usize,
+        data: Vec<u8>,
+    },
+}
+
+/// Remote keys of a peer's mapped region, as unpacked by [`Worker::rkey_unpack`].
+#[derive(Debug, Clone)]
+pub struct RkeyBundle {
+    base: u64,
+    len: u64,
+    keys: Vec<(String, RemoteKey)>,
+}
+
+impl RkeyBundle {
+    /// Remote base address.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Remote length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for an empty region.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A local region registered for remote access; see [`Worker::mem_map`].
+pub struct MemMap<'a> {
+    addr: usize,
+    len: usize,
+    guards: Vec<(String, RcacheGuard<MemHandle>)>,
+    packed: Vec<NamedKey>,
+    _buf: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl fmt::Debug for MemMap<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemMap")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field(
+                "domains",
+                &self.guards.iter().map(|g| &g.0).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl MemMap<'_> {
+    /// Pack the remote keys for a peer.
+    pub fn pack_rkey(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        wire::put_u64s(&mut b, &[self.addr as u64, self.len as u64]);
+        wire::put_keys(&mut b, &self.packed);
+        rucx_uct::rkey::pack("ucp-rkey", &b)
+    }
+
+    /// Start address of the mapped buffer.
+    pub fn address(&self) -> u64 {
+        self.addr as u64
+    }
+
+    /// Read the mapped buffer (after the peers' writes were flushed).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the map borrows the buffer mutably for its whole life; remote writers are
+        // the only other party, and callers read after those writes are flushed.
+        unsafe { host_slice(self.addr, self.len) }
+    }
+}
+
+pub(crate) struct State {
+    ctx: Context,
+    slots: Vec<Slot>,
+    address: WorkerAddress,
+    peers: Vec<Peer>,
+    by_uuid: HashMap<u64, usize>,
+    matcher: TagMatcher<u64, Unexp>,
+    reqs: HashMap<u64, Req>,
+    next_id: u64,
+    tokens: HashMap<u64, u64>,
+    next_token: u64,
+    rx: HashMap<(u64, u64), RxDest>,
+    am_inbox: Vec<AmMessage>,
+    proto_info: bool,
+    frag: usize,
+    counters: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
+pub struct Worker {
+    ifaces: RefCell<Vec<Box<dyn Iface>>>,
+    st: RefCell<State>,
+    handlers: RefCell<HashMap<u16, AmHandler>>,
+}
+
+impl fmt::Debug for Worker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.st.borrow();
+        f.debug_struct("Worker")
+            .field("uuid", &st.address.uuid)
+            .field("peers", &st.peers.len())
+            .finish()
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+fn new_uuid() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+    );
+    h.finish() | 1
+}
+
+impl Worker {
+    /// Open a worker with an interface for every transport resource of the context.
+    pub fn new(ctx: &Context) -> Result<Worker> {
+        let cfg = ctx.config();
+        let mut ifaces: Vec<Box<dyn Iface>> = Vec::new();
+        let mut slots = Vec::new();
+        let mut entries = Vec::new();
+        for mi in 0..ctx.domain_count() {
+            let md = ctx.domain(mi);
+            for tl in md.tl_resources() {
+                if !cfg.tls("TLS").allows(&tl.tl_name) {
+                    continue;
+                }
+                match md.open_iface(&tl, &IfaceParams { config: cfg }) {
+                    Ok(iface) => {
+                        entries.push(IfaceEntry {
+                            tl_name: tl.tl_name.clone(),
+                            dev_name: tl.dev_name.clone(),
+                            md_name: md.name().to_string(),
+                            dev_addr: iface.device_address(),
+                            iface_addr: iface.iface_address(),
+                        });
+                        slots.push(Slot {
+                            md: mi,
+                            attr: iface.attr().clone(),
+                        });
+                        ifaces.push(iface);
+                    }
+                    Err(e) => tracing::info!("{}/{}: not used: {e}", tl.tl_name, tl.dev_name),
+                }
+            }
+        }
+        if ifaces.is_empty() {
+            return Err(Error::Unavailable {
+                component: "worker".into(),
+                reason: format!(
+                    "no transport could be opened (RUCX_TLS={}; unavailable: {:?})",
+                    cfg.raw("TLS"),
+                    ctx.unavailable()
+                ),
+            });
+        }
+        let address = WorkerAddress {
+            uuid: new_uuid(),
+            host: host_name(),
+            pid: std::process::id(),
+            ifaces: entries,
+        };
+        let frag = cfg
+            .mem_units("RNDV_FRAG_SIZE")
+            .resolve(4 << 20)
+            .clamp(4096, 1 << 30) as usize;
+        Ok(Worker {
+            ifaces: RefCell::new(ifaces),
+            st: RefCell::new(State {
+                ctx: ctx.clone(),
+                slots,
+                address,
+                peers: Vec::new(),
+                by_uuid: HashMap::new(),
+                matcher: TagMatcher::new(),
+                reqs: HashMap::new(),
+                next_id: 1,
+                tokens: HashMap::new(),
+                next_token: 1,
+                rx: HashMap::new(),
+                am_inbox: Vec::new(),
+                proto_info: cfg.bool("PROTO_INFO"),
+                frag,
+                counters: Default::default(),
+            }),
+            handlers: RefCell::new(HashMap::new()),
+        })
+    }
+
+    /// The packed address peers connect to.
+    pub fn address(&self) -> Vec<u8> {
+        self.st.borrow().address.pack()
+    }
+
+    /// Transports this worker opened, as `transport/device`.
+    pub fn transports(&self) -> Vec<String> {
+        self.st
+            .borrow()
+            .slots
+            .iter()
+            .map(|s| format!("{}/{}", s.attr.tl_name, s.attr.dev_name))
+            .collect()
+    }
+
+    /// Create (or find) the endpoint to the worker with this packed address.
+    pub fn connect(&self, packed: &[u8]) -> Result<EpId> {
+        let remote = WorkerAddress::unpack(packed)?;
+        let mut ifaces = self.ifaces.borrow_mut();
+        let mut st = self.st.borrow_mut();
+        let p = st.peer_for(remote)?;
+        st.connect_peer(p, &mut ifaces)?;
+        st.pump(p);
+        Ok(EpId(p))
+    }
+
+    /// Make progress on every interface; returns the number of events handled.
+    pub fn progress(&self) -> usize {
+        let mut n = 0;
+        {
+            let mut ifaces = self.ifaces.borrow_mut();
+            let mut st = self.st.borrow_mut();
+            for i in 0..ifaces.len() {
+                let st = &mut *st;
+                n += ifaces[i].progress(&mut |ev| st.on_event(i, ev));
+            }
+            for p in 0..st.peers.len() {
+                if !st.peers[p].connected
+                    && st.peers[p].failed.is_none()
+                    && let Err(e) = st.connect_peer(p, &mut ifaces)
+                {
+                    st.fail_peer(p, &e.to_string());
+                }
+            }
+            for p in 0..st.peers.len() {
+                st.pump(p);
+            }
+        }
+        let inbox = std::mem::take(&mut self.st.borrow_mut().am_inbox);
+        if !inbox.is_empty() {
+            let mut handlers = self.handlers.borrow_mut();
+            for m in inbox {
+                match handlers.get_mut(&m.id) {
+                    Some(h) => h(self, m),
+                    None => tracing::warn!(
+                        "active message {} from {} dropped: no handler set",
+                        m.id,
+                        m.reply_ep
+                    ),
+                }
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Set the handler of user active messages with id `id`.
+    pub fn set_am_handler(&self, id: u16, h: impl FnMut(&Worker, AmMessage) + 'static) {
+        self.handlers.borrow_mut().insert(id, Box::new(h));
+    }
+
+    /// Send a user active message (copied before this returns; completion is local).
+    pub fn am_send(&self, ep: EpId, id: u16, header: &[u8], data: &[u8]) -> Result<()> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        st.refresh_table(ep.0);
+        if header.len() > u16::MAX as usize {
+            return Err(Error::InvalidParam(
+                "active message header longer than 64 KiB".into(),
+            ));
+        }
+        let src = st.address.uuid;
+        let am = st.peers[ep.0].am;
+        let one = 12 + header.len() + data.len();
+        if one <= st.slots[am].attr.limits.am_max_bcopy {
+            let mut b = Vec::with_capacity(one);
+            wire::put_u64s(&mut b, &[src]);
+            b.extend_from_slice(&id.to_le_bytes());
+            rucx_uct::rkey::put_lv(&mut b, header);
+            b.extend_from_slice(data);
+            st.queue_ctrl(ep.0, wire::AM_USER, b);
+            st.pump(ep.0);
+            return Ok(());
+        }
+        // Large: the prefixed payload [header lv][data] goes as a multi-fragment message.
+        let mut payload = Vec::with_capacity(2 + header.len() + data.len());
+        rucx_uct::rkey::put_lv(&mut payload, header);
+        payload.extend_from_slice(data);
+        let msg_id = st.next_msg(ep.0);
+        let total = payload.len();
+        let mut off = 0;
+        let bcopy = st.slots[am].attr.limits.am_max_bcopy;
+        while off < total || off == 0 {
+            let mut b = Vec::new();
+            let (id_am, room) = if off == 0 {
+                wire::put_u64s(&mut b, &[src]);
+                b.push(MsgKind::Am as u8);
+                wire::put_u64s(&mut b, &[u64::from(id), msg_id, total as u64]);
+                (wire::AM_EAGER_FIRST, bcopy - proto::FIRST_OVERHEAD)
+            } else {
+                wire::put_u64s(&mut b, &[src, msg_id, off as u64]);
+                (wire::AM_EAGER_MIDDLE, bcopy - proto::MIDDLE_OVERHEAD)
+            };
+            let n = room.min(total - off);
+            b.extend_from_slice(&payload[off..off + n]);
+            st.queue_ctrl(ep.0, id_am, b);
+            off += n;
+            if total == 0 {
+                break;
+            }
+        }
+        st.pump(ep.0);
+        Ok(())
+    }
+
+    /// Open a scope for non-blocking requests on borrowed buffers: every request made in it is
+    /// finished (or, for unmatched receives, canceled) before `scope` returns.
+    pub fn scope<'w, F, T>(&'w self, f: F) -> T
+    where
+        F: for<'scope> FnOnce(&'scope crate::Scope<'scope, 'w>) -> T,
+    {
+        let scope = crate::Scope::new(self);
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&scope)));
+        scope.finish();
+        match res {
+            Ok(v) => v,
+            Err(p) => std::panic::resume_unwind(p),
+        }
+    }
+
+    /// Send and wait (convenience over [`scope`](Self::scope)).
+    pub fn tag_send_wait(&self, ep: EpId, buf: &[u8], tag: Tag) -> Result<Completion> {
+        self.scope(|s| s.tag_send(ep, buf, tag).wait())
+    }
+
+    /// Receive and wait (convenience over [`scope`](Self::scope)).
+    pub fn tag_recv_wait(&self, buf: &mut [u8], tag: Tag, mask: Tag) -> Result<Completion> {
+        self.scope(|s| s.tag_recv(buf, tag, mask).wait())
+    }
+
+    /// Look for an arrived message matching `tag`/`mask` without receiving it: its tag, size
+    /// and sender.
+    pub fn probe(&self, tag: Tag, mask: Tag) -> Option<Completion> {
+        self.progress();
+        let st = self.st.borrow();
+        st.matcher.probe(tag, mask).map(|(t, u)| match u {
+            Unexp::Eager { src, total, .. } => Completion {
+                len: *total,
+                tag: t,
+                sender: Some(EpId(*src)),
+            },
+            Unexp::Rts { src, size, .. } => Completion {
+                len: *size,
+                tag: t,
+                sender: Some(EpId(*src)),
+            },
+        })
+    }
+
+    /// Register `buf` for remote access by peers (put/get).
+    pub fn mem_map<'a>(&self, buf: &'a mut [u8]) -> Result<MemMap<'a>> {
+        let st = self.st.borrow();
+        let region = MemRegion::of_slice(buf);
+        let mut guards = Vec::new();
+        let mut packed = Vec::new();
+        let mut errors = Vec::new();
+        for mi in 0..st.ctx.domain_count() {
+            let rma = st.slots.iter().any(|s| {
+                s.md == mi
+                    && s.attr
+                        .caps
+                        .intersects(IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY)
+            });
+            if !rma || !st.ctx.can_register(mi, MemoryType::Host, None) {
+                continue;
+            }
+            match st.ctx.register(mi, region) {
+                Ok(g) => {
+                    let md = st.ctx.domain(mi);
+                    let key = md.mkey_pack(g.registration())?;
+                    packed.push(NamedKey {
+                        md: md.name().to_string(),
+                        key,
+                    });
+                    guards.push((md.name().to_string(), g));
+                }
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        if guards.is_empty() {
+            return Err(Error::Unsupported {
+                what: format!("mapping {} bytes for remote access", buf.len()),
+                why: if errors.is_empty() {
+                    "no open transport supports put/get zero-copy (check RUCX_TLS)".into()
+                } else {
+                    errors.join("; ")
+                },
+            });
+        }
+        Ok(MemMap {
+            addr: region.addr,
+            len: region.len,
+            guards,
+            packed,
+            _buf: std::marker::PhantomData,
+        })
+    }
+
+    /// Unpack a peer's packed remote key for use on endpoint `ep`.
+    pub fn rkey_unpack(&self, ep: EpId, packed: &[u8]) -> Result<RkeyBundle> {
+        let st = self.st.borrow();
+        st.check_peer(ep.0)?;
+        let payload = rucx_uct::rkey::unpack("ucp-rkey", "remote key bundle", packed)?;
+        let mut r = rucx_uct::rkey::Reader::new(payload, "remote key bundle");
+        let base = r.u64()?;
+        let len = r.u64()?;
+        let n = r.u8()? as usize;
+        let mut keys = Vec::new();
+        for _ in 0..n {
+            let md = String::from_utf8(r.lv()?.to_vec())
+                .map_err(|_| Error::InvalidAddress("key name not UTF-8".into()))?;
+            let key = r.lv()?;
+            if let Some(mi) = st.ctx.domain_index(&md) {
+                keys.push((md, st.ctx.domain(mi).rkey_unpack(key)?));
+            }
+        }
+        r.finish()?;
+        Ok(RkeyBundle { base, len, keys })
+    }
+
+    /// Demotions so far (see [`Context::demotions`]).
+    pub fn context_demotions(&self) -> Vec<crate::context::Demotion> {
+        self.st.borrow().ctx.demotions()
+    }
+
+    /// The protocol table endpoint `ep` uses for tag sends of host memory.
+    pub fn proto_table(&self, ep: EpId) -> Result<Vec<Range>> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        st.refresh_table(ep.0);
+        Ok(st.peers[ep.0].table.clone())
+    }
+
+    /// A printable protocol table for `ep`.
+    pub fn proto_info(&self, ep: EpId) -> Result<String> {
+        let rows = self.proto_table(ep)?;
+        let st = self.st.borrow();
+        Ok(proto::TableDisplay {
+            title: format!(
+                "rucx {} -> {}: tag send, host memory to host memory",
+                ep,
+                st.peers[ep.0].remote.describe()
+            ),
+            rows: &rows,
+        }
+        .to_string())
+    }
+
+    /// How often each protocol ran (sends by protocol name, rendezvous receives by how the data
+    /// came), for tests, tools and tuning.
+    pub fn counters(&self) -> std::collections::BTreeMap<String, u64> {
+        self.st
+            .borrow()
+            .counters
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect()
+    }
+
+    /// Whether the endpoint failed, and why.
+    pub fn ep_error(&self, ep: EpId) -> Option<String> {
+        self.st
+            .borrow()
+            .peers
+            .get(ep.0)
+            .and_then(|p| p.failed.clone())
+    }
+
+    // ----- request plumbing used by Scope -----
+
+    pub(crate) fn post_send(&self, ep: EpId, addr: usize, len: usize, tag: Tag) -> Result<u64> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        st.refresh_table(ep.0);
+        let proto = proto::lookup(&st.peers[ep.0].table, len)
+            .map(|r| r.proto)
+            .ok_or_else(|| Error::Internal(format!("no protocol covers {len} bytes")))?;
+        let id = st.new_req(ReqKind::Send(SendState {
+            peer: ep.0,
+            addr,
+            len,
+            tag,
+            proto,
+            msg_id: 0,
+            posted: 0,
+            rndv_to: None,
+            put: None,
+            wait: SendWait::Posting,
+        }));
+        st.start_send(id);
+        Ok(id)
+    }
+
+    pub(crate) fn post_recv(&self, addr: usize, cap: usize, tag: Tag, mask: Tag) -> u64 {
+        let mut st = self.st.borrow_mut();
+        let id = st.new_req(ReqKind::Recv(RecvState {
+            addr,
+            cap,
+            total: 0,
+            received: 0,
+            tag,
+            sender: None,
+            rndv: None,
+        }));
+        if let Some((mtag, u, id)) = st.matcher.post_recv(tag, mask, id) {
+            st.matched(id, mtag, u);
+        }
+        id
+    }
+
+    pub(crate) fn post_rma(
+        &self,
+        ep: EpId,
+        put: bool,
+        addr: usize,
+        len: usize,
+        remote: u64,
+        rkey: &RkeyBundle,
+    ) -> Result<u64> {
+        let mut st = self.st.borrow_mut();
+        st.post_rma(ep.0, put, addr, len, remote, rkey)
+    }
+
+    pub(crate) fn post_flush(&self, ep: EpId) -> Result<u64> {
+        let mut st = self.st.borrow_mut();
+        st.post_flush(ep.0)
+    }
+
+    pub(crate) fn req_result(&self, id: u64) -> Option<Result<Completion>> {
+        let st = self.st.borrow();
+        match st.reqs.get(&id) {
+            Some(r) => r.result.as_ref().map(|r| match r {
+                Ok(c) => Ok(*c),
+                Err(e) => Err(clone_err(e)),
+            }),
+            None => Some(Err(Error::Internal(format!("request {id} is unknown")))),
+        }
+    }
+
+    pub(crate) fn req_release(&self, id: u64) {
+        self.st.borrow_mut().reqs.remove(&id);
+    }
+
+    /// Cancel a receive that has not matched yet. Returns true when it was canceled.
+    pub(crate) fn cancel_recv(&self, id: u64) -> bool {
+        let mut st = self.st.borrow_mut();
+        if st.matcher.cancel_expected(|e| *e == id).is_some() {
+            st.finish(id, Err(Error::Canceled));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Progress until request `id` finished or `limit` passed.
+    pub(crate) fn wait_req(&self, id: u64, limit: Option<Duration>) -> Result<Completion> {
+        let start = Instant::now();
+        loop {
+            if let Some(r) = self.req_result(id) {
+                return r;
+            }
+            if let Some(l) = limit
+                && start.elapsed() > l
+            {
+                return Err(Error::Timeout {
+                    after: l,
+                    what: format!("request {id}"),
+                });
+            }
+            if self.progress() == 0 {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+fn clone_err(e: &Error) -> Error {
+    match e {
+        Error::Truncated { incoming, capacity } => Error::Truncated {
+            incoming: *incoming,
+            capacity: *capacity,
+        },
+        Error::Canceled => Error::Canceled,
+        Error::EndpointFailure { peer, reason } => Error::EndpointFailure {
+            peer: peer.clone(),
+            reason: reason.clone(),
+        },
+        Error::Registration(r) => Error::Registration(r.clone()),
+        Error::InvalidParam(s) => Error::InvalidParam(s.clone()),
+        Error::Unsupported { what, why } => Error::Unsupported {
+            what: what.clone(),
+            why: why.clone(),
+        },
+        other => Error::Internal(other.to_string()),
+    }
+}
+
+impl State {
+    fn new_req(&mut self, kind: ReqKind) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.reqs.insert(
+            id,
+            Req {
+                kind,
+                result: None,
+                outstanding: 0,
+                guards: Vec::new(),
+            },
+        );
+        id
+    }
+
+    fn finish(&mut self, id: u64, res: Result<Completion>) {
+        if let Some(r) = self.reqs.get_mut(&id)
+            && r.result.is_none()
+        {
+            r.result = Some(res);
+            r.guards.clear();
+        }
+    }
+
+    fn check_peer(&self, p: usize) -> Result<()> {
+        let peer = self
+            .peers
+            .get(p)
+            .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
+        match &peer.failed {
+            Some(reason) => Err(Error::EndpointFailure {
+                peer: peer.remote.describe(),
+                reason: reason.clone(),
+            }),
+            None if !peer.connected => Err(Error::NoResource(format!(
+                "endpoint ep{p} to {} is still being wired up",
+                peer.remote.describe()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn next_msg(&mut self, p: usize) -> u64 {
+        let peer = &mut self.peers[p];
+        peer.next_msg += 1;
+        peer.next_msg
+    }
+
+    /// Find or create the peer for a remote worker (no uct endpoints yet; lanes are chosen
+    /// when it is connected, where the interfaces can judge reachability).
+    fn peer_for(&mut self, remote: WorkerAddress) -> Result<usize> {
+        if let Some(&p) = self.by_uuid.get(&remote.uuid) {
+            return Ok(p);
+        }
+        let p = self.peers.len();
+        self.by_uuid.insert(remote.uuid, p);
+        self.peers.push(Peer {
+            remote,
+            eps: HashMap::new(),
+            connected: false,
+            am: usize::MAX,
+            rma: None,
+            rma_remote_md: None,
+            table: Vec::new(),
+            epoch: u64::MAX,
+            failed: None,
+            queue: VecDeque::new(),
+            next_msg: 0,
+        });
+        Ok(p)
+    }
+
+    /// Choose lanes (a deterministic function of both addresses and the transports' attributes)
+    /// and create the uct endpoints.
+    fn connect_peer(&mut self, p: usize, ifaces: &mut [Box<dyn Iface>]) -> Result<()> {
+        if self.peers[p].connected {
+            return Ok(());
+        }
+        let remote = self.peers[p].remote.clone();
+        let mut am: Option<(f64, usize)> = None;
+        let mut rma: Option<(f64, usize)> = None;
+        let mut targets: HashMap<usize, IfaceEntry> = HashMap::new();
+        for (i, slot) in self.slots.iter().enumerate() {
+            let Some(entry) = remote.ifaces.iter().find(|e| {
+                e.tl_name == slot.attr.tl_name && ifaces[i].is_reachable(&e.dev_addr, &e.iface_addr)
+            }) else {
+                continue;
+            };
+            targets.insert(i, entry.clone());
+            let a = &slot.attr;
+            if a.has(IfaceCaps::AM_BCOPY) {
+                let cost = a.perf.latency_ns + a.perf.overhead_ns - f64::from(a.priority) * 1e-3;
+                if am.is_none_or(|(c, _)| cost < c) {
+                    am = Some((cost, i));
+                }
+            }
+            if a.caps
+                .intersects(IfaceCaps::GET_ZCOPY | IfaceCaps::PUT_ZCOPY)
+                && self
+                    .ctx
+                    .domain(slot.md)
+                    .attr()
+                    .reg_mem_types()
+                    .has(MemoryType::Host)
+                && entry.md_name == self.ctx.domain(slot.md).name()
+            {
+                let bw = a.perf.bandwidth + f64::from(a.priority);
+                if rma.is_none_or(|(b, _)| bw > b) {
+                    rma = Some((bw, i));
+                }
+            }
+        }
+        let Some((_, am)) = am else {
+            return Err(Error::Unsupported {
+                what: format!("connecting to {}", remote.describe()),
+                why: format!(
+                    "no transport reaches it (local: {:?}; remote: {:?}); check RUCX_TLS and the network",
+                    self.slots
+                        .iter()
+                        .map(|s| format!("{}/{}", s.attr.tl_name, s.attr.dev_name))
+                        .collect::<Vec<_>>(),
+                    remote
+                        .ifaces
+                        .iter()
+                        .map(|e| format!("{}/{}", e.tl_name, e.dev_name))
+                        .collect::<Vec<_>>()
+                ),
+            });
+        };
+        let rma = rma.map(|r| r.1);
+        let mut lanes = vec![am];
+        if let Some(r) = rma
+            && r != am
+        {
+            lanes.push(r);
+        }
+        for i in lanes {
+            let entry = &targets[&i];
+            let ep = ifaces[i].create_ep(&EpParams {
+                dev_addr: entry.dev_addr.clone(),
+                iface_addr: entry.iface_addr.clone(),
+                user_id: p as u64,
+            })?;
+            self.peers[p].eps.insert(i, ep);
+        }
+        let peer = &mut self.peers[p];
+        peer.am = am;
+        peer.rma = rma;
+        peer.rma_remote_md = rma.map(|r| targets[&r].md_name.clone());
+        peer.connected = true;
+        // Introduce ourselves first on the AM lane, so replies can find us.
+        let addr = self.address.pack();
+        self.peers[p].queue.push_front(Pending::Ctrl {
+            id: wire::AM_WIREUP,
+            bytes: addr,
+        });
+        self.refresh_table(p);
+        Ok(())
+    }
+
+    /// Rebuild the peer's protocol table if the registration table changed.
+    fn refresh_table(&mut self, p: usize) {
+        let epoch = self.ctx.epoch();
+        if self.peers[p].epoch == epoch {
+            return;
+        }
+        let am = self.peers[p].am;
+        let am_md = self.slots[am].md;
+        let rma = self.peers[p].rma.filter(|r| {
+            self.ctx
+                .can_register(self.slots[*r].md, MemoryType::Host, None)
+        });
+        let info = LaneInfo {
+            am: &self.slots[am].attr,
+            am_can_reg: self.ctx.can_register(am_md, MemoryType::Host, None),
+            am_reg_cost: self.ctx.domain(am_md).attr().reg_cost,
+            rma: rma.map(|r| &self.slots[r].attr),
+        };
+        let table = proto::build_table(&info, self.ctx.config());
+        let changed = self.peers[p].epoch != u64::MAX;
+        self.peers[p].table = table;
+        self.peers[p].epoch = epoch;
+        if self.proto_info || changed {
+            let t = proto::TableDisplay {
+                title: format!(
+                    "rucx ep{p} -> {}: tag send, host memory{}",
+                    self.peers[p].remote.describe(),
+                    if changed {
+                        " (re-planned after a demotion)"
+                    } else {
+                        ""
+                    }
+                ),
+                rows: &self.peers[p].table,
+            };
+            if self.proto_info {
+                eprintln!("{t}");
+            } else {
+                tracing::info!("\n{t}");
+            }
+        }
+    }
+
+    fn queue_ctrl(&mut self, p: usize, id: AmId, bytes: Vec<u8>) {
+        self.peers[p].queue.push_back(Pending::Ctrl { id, bytes });
+    }
+
+    /// Post queued work of peer `p` in order until the transport pushes back.
+    fn pump(&mut self, p: usize) {
+        if !self.peers[p].connected || self.peers[p].failed.is_some() {
+            return;
+        }
+        while let Some(front) = self.peers[p].queue.pop_front() {
+            match front {
+                Pending::Ctrl { id, bytes } => {
+                    let am = self.peers[p].am;
+                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane connected");
+                    let res = ep.am_bcopy(id, &mut rucx_uct::iface::pack_bytes(&bytes));
+                    match res {
+                        Ok(_) => {}
+                        Err(e) if e.is_retryable() => {
+                            self.peers[p].queue.push_front(Pending::Ctrl { id, bytes });
+                            return;
+                        }
+                        Err(e) => {
+                            self.fail_peer(p, &format!("sending a control message: {e}"));
+                            return;
+                        }
+                    }
+                }
+                Pending::Stream(req) => match self.stream(req) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        self.peers[p].queue.push_front(Pending::Stream(req));
+                        return;
+                    }
+                    Err(e) => {
+                        self.finish(req, Err(e));
+                    }
+                },
+            }
+        }
+    }
+
+    fn count(&mut self, what: &'static str) {
+        *self.counters.entry(what).or_default() += 1;
+    }
+
+    fn start_send(&mut self, id: u64) {
+        let (p, proto, len, addr) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.proto, s.len, s.addr),
+            _ => unreachable!("start_send on a send request"),
+        };
+        self.count(proto.name());
+        let src = self.address.uuid;
+        match proto {
+            Proto::EagerShort | Proto::EagerBcopy => {
+                // Copy now: the request is complete once the bytes are in our queue or ring.
+                // SAFETY: the scope keeps the send buffer alive while this runs.
+                let data = unsafe { host_slice(addr, len) };
+                let tag = self.send_tag(id);
+                let mut b = Vec::with_capacity(16 + len);
+                if proto == Proto::EagerShort
+                    && self.peers[p].queue.is_empty()
+                    && self.peers[p].connected
+                {
+                    let am = self.peers[p].am;
+                    let mut payload = Vec::with_capacity(8 + len);
+                    payload.extend_from_slice(&src.to_le_bytes());
+                    payload.extend_from_slice(data);
+                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane");
+                    match ep.am_short(wire::AM_EAGER_SHORT, tag, &payload) {
+                        Ok(()) => {
+                            self.finish(
+                                id,
+                                Ok(Completion {
+                                    len,
+                                    tag,
+                                    sender: None,
+                                }),
+                            );
+                            return;
+                        }
+                        Err(e) if e.is_retryable() => {}
+                        Err(e) => {
+                            self.finish(id, Err(e));
+                            return;
+                        }
+                    }
+                }
+                wire::put_u64s(&mut b, &[src, tag]);
+                b.extend_from_slice(data);
+                self.queue_ctrl(p, wire::AM_EAGER_ONE, b);
+                self.finish(
+                    id,
+                    Ok(Completion {
+                        len,
+                        tag,
+                        sender: None,
+                    }),
+                );
+                self.pump(p);
+            }
+            Proto::EagerBcopyMulti
+            | Proto::EagerZcopy
+            | Proto::RndvAm
+            | Proto::RndvGet
+            | Proto::RndvPut => {
+                if proto.is_rndv() {
+                    self.send_rts(id);
+                } else {
+                    let msg_id = self.next_msg(p);
+                    if let Some(Req {
+                        kind: ReqKind::Send(s),
+                        ..
+                    }) = self.reqs.get_mut(&id)
+                    {
+                        s.msg_id = msg_id;
+                    }
+                    let am = self.peers[p].am;
+                    if proto == Proto::EagerZcopy
+                        && let Err(e) = self.register_send(id, am)
+                    {
+                        tracing::debug!("zero-copy send falls back to copy-in: {e}");
+                        self.refresh_table(p);
+                        if let Some(Req {
+                            kind: ReqKind::Send(s),
+                            ..
+                        }) = self.reqs.get_mut(&id)
+                        {
+                            s.proto = Proto::EagerBcopyMulti;
+                        }
+                    }
+                    self.peers[p].queue.push_back(Pending::Stream(id));
+                }
+                self.pump(p);
+            }
+        }
+    }
+
+    fn send_tag(&self, id: u64) -> Tag {
+        match &self.reqs[&id].kind {
+            ReqKind::Send(s) => s.tag,
+            _ => 0,
+        }
+    }
+
+    /// Register the send buffer with the domain of `lane`; on failure the context demotes the
+    /// domain and the error is returned for re-planning.
+    fn register_send(&mut self, id: u64, lane: usize) -> Result<()> {
+        let (addr, len) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.addr, s.len),
+            _ => return Ok(()),
+        };
+        let md = self.slots[lane].md;
+        if !self.ctx.can_register(md, MemoryType::Host, None) {
+            return Err(Error::Unsupported {
+                what: "registration".into(),
+                why: format!("{} is demoted for host memory", self.ctx.domain(md).name()),
+            });
+        }
+        let g = self.ctx.register(md, MemRegion::host(addr, len))?;
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.guards.push(g);
+        }
+        Ok(())
+    }
+
+    fn send_rts(&mut self, id: u64) {
+        let (p, addr, len, tag, proto) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.addr, s.len, s.tag, s.proto),
+            _ => return,
+        };
+        let mut keys = Vec::new();
+        match (proto, self.peers[p].rma) {
+            (Proto::RndvGet, Some(lane)) => match self.register_send(id, lane) {
+                Ok(()) => {
+                    let g = self.reqs[&id].guards.last().expect("just registered");
+                    let md = self.ctx.domain(self.slots[lane].md);
+                    match md.mkey_pack(g.registration()) {
+                        Ok(k) => keys.push(NamedKey {
+                            md: md.name().to_string(),
+                            key: k,
+                        }),
+                        Err(e) => tracing::debug!("packing a key failed, streaming instead: {e}"),
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(
+                        "rendezvous send registration failed; the receiver will pull through active messages: {e}"
+                    );
+                    self.refresh_table(p);
+                }
+            },
+            (Proto::RndvPut, Some(_)) => keys.push(NamedKey {
+                md: PUT_HINT.into(),
+                key: Vec::new(),
+            }),
+            _ => {}
+        }
+        let src = self.address.uuid;
+        let mut b = Vec::new();
+        wire::put_u64s(&mut b, &[src, tag, id, len as u64, addr as u64]);
+        wire::put_keys(&mut b, &keys);
+        if let Some(Req {
+            kind: ReqKind::Send(s),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            s.wait = SendWait::Receiver;
+        }
+        self.queue_ctrl(p, wire::AM_RNDV_RTS, b);
+    }
+
+    /// Post the next operations of a request. Ok(true): all posted; Ok(false): the transport
+    /// pushed back, call again after progress.
+    fn stream(&mut self, id: u64) -> Result<bool> {
+        match self.reqs.get(&id) {
+            None => Ok(true),
+            Some(r) if r.result.is_some() => Ok(true),
+            Some(Req {
+                kind: ReqKind::Send(_),
+                ..
+            }) => self.stream_send(id),
+            Some(Req {
+                kind: ReqKind::Recv(_),
+                ..
+            }) => self.stream_get(id),
+            Some(Req {
+                kind: ReqKind::Rma(_),
+                ..
+            }) => self.stream_rma(id),
+        }
+    }
+
+    /// Count an in-progress operation of request `id` posted with `token`, or forget the token
+    /// when the operation completed at once.
+    fn account(&mut self, id: u64, token: u64, st: OpStatus) {
+        match st {
+            OpStatus::Done => {}
+            OpStatus::InProgress => {
+                self.tokens.insert(token, id);
+                if let Some(r) = self.reqs.get_mut(&id) {
+                    r.outstanding += 1;
+                }
+            }
+        }
+    }
+
+    fn stream_send(&mut self, id: u64) -> Result<bool> {
+        let ReqKind::Send(s) = &self.reqs[&id].kind else {
+            return Ok(true);
+        };
+        let (p, addr, len, proto, posted, msg_id, tag) =
+            (s.peer, s.addr, s.len, s.proto, s.posted, s.msg_id, s.tag);
+        let rndv_to = s.rndv_to;
+        let put = s.put.clone();
+        let src = self.address.uuid;
+        if let Some((raddr, rkey)) = put {
+            return self.stream_put(id, p, addr, len, raddr, &rkey);
+        }
+        let am = self.peers[p].am;
+        let limits = self.slots[am].attr.limits;
+        let zcopy =
+            !self.reqs[&id].guards.is_empty() && (proto == Proto::EagerZcopy || rndv_to.is_some());
+        let total = len;
+        let mut off = posted;
+        loop {
+            // Header for this fragment.
+            let mut h = Vec::with_capacity(40);
+            let (am_id, room) = match rndv_to {
+                Some(rreq) => {
+                    wire::put_u64s(&mut h, &[src, rreq, off as u64]);
+                    (wire::AM_RNDV_DATA, proto::MIDDLE_OVERHEAD)
+                }
+                None if off == 0 => {
+                    wire::put_u64s(&mut h, &[src]);
+                    h.push(MsgKind::Tag as u8);
+                    wire::put_u64s(&mut h, &[tag, msg_id, total as u64]);
+                    (wire::AM_EAGER_FIRST, proto::FIRST_OVERHEAD)
+                }
+                None => {
+                    wire::put_u64s(&mut h, &[src, msg_id, off as u64]);
+                    (wire::AM_EAGER_MIDDLE, proto::MIDDLE_OVERHEAD)
+                }
+            };
+            let n;
+            if zcopy {
+                n = limits.am_max_zcopy.min(self.frag).min(total - off);
+                let memh = self.reqs[&id].guards[0].registration().clone();
+                let iov = [Iov {
+                    addr: addr + off,
+                    len: n,
+                    memh: &memh,
+                }];
+                let token = self.next_token;
+                let ep = self.peers[p].eps.get_mut(&am).expect("am lane");
+                match ep.am_zcopy(am_id, &h, if n == 0 { &[] } else { &iov }, token) {
+                    Ok(st) => {
+                        self.next_token += 1;
+                        self.account(id, token, st);
+                    }
+                    Err(e) if e.is_retryable() => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+            } else {
+                n = (limits.am_max_bcopy - room).min(total - off);
+                // SAFETY: the scope keeps the send buffer alive while the request exists.
+                let data = unsafe { host_slice(addr + off, n) };
+                let ep = self.peers[p].eps.get_mut(&am).expect("am lane");
+                let res = ep.am_bcopy(am_id, &mut |buf: &mut [u8]| {
+                    let need = h.len() + n;
+                    if let Some(dst) = buf.get_mut(..need) {
+                        dst[..h.len()].copy_from_slice(&h);
+                        dst[h.len()..].copy_from_slice(data);
+                    }
+                    need
+                });
+                match res {
+                    Ok(_) => {}
+                    Err(e) if e.is_retryable() => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+            }
+            off += n;
+            if let Some(Req {
+                kind: ReqKind::Send(s),
+                ..
+            }) = self.reqs.get_mut(&id)
+            {
+                s.posted = off;
+            }
+            if off >= total {
+                break;
+            }
+        }
+        let r = self.reqs.get_mut(&id).expect("request");
+        if let ReqKind::Send(s) = &mut r.kind {
+            s.wait = SendWait::Completions;
+        }
+        if r.outstanding == 0 {
+            self.finish(
+                id,
+                Ok(Completion {
+                    len,
+                    tag,
+                    sender: None,
+                }),
+            );
+        }
+        Ok(true)
+    }
+
+    /// Post the reads of a rendezvous receive.
+    fn stream_get(&mut self, rid: u64) -> Result<bool> {
+        let r = &self.reqs[&rid];
+        let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind else {
+            return Ok(true);
+        };
+        let Some((lane, raddr, rkey, laddr)) = rv.get.clone() else {
+            return Ok(true);
+        };
+        if !rv.via_get {
+            return Ok(true);
+        }
+        let (p, want, sreq) = (rv.peer, rv.want, rv.sreq);
+        let mut off = rv.posted;
+        let max = self.slots[lane]
+            .attr
+            .limits
+            .get_max_zcopy
+            .min(self.frag)
+            .max(1);
+        let memh = r.guards[0].registration().clone();
+        while off < want {
+            let n = max.min(want - off);
+            let iov = [Iov {
+                addr: laddr + off,
+                len: n,
+                memh: &memh,
+            }];
+            let token = self.next_token;
+            let ep = self.peers[p]
+                .eps
+                .get_mut(&lane)
+                .ok_or_else(|| Error::Internal("rma lane not connected".into()))?;
+            match ep.get_zcopy(&iov, raddr + off as u64, &rkey, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    self.account(rid, token, st);
+                }
+                Err(e) if e.is_retryable() => return Ok(false),
+                Err(e) => {
+                    // Could not read: steer the sender to stream instead (no byte lost).
+                    tracing::warn!(
+                        "rendezvous read failed to start ({e}); asking the sender to stream"
+                    );
+                    self.restart_as_stream(rid);
+                    return Ok(true);
+                }
+            }
+            off += n;
+            if let Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        rndv: Some(rv),
+                        received,
+                        ..
+                    }),
+                ..
+            }) = self.reqs.get_mut(&rid)
+            {
+                rv.posted = off;
+                *received = off;
+            }
+        }
+        if self.reqs[&rid].outstanding == 0 {
+            self.send_ats(p, sreq);
+            self.complete_recv(rid);
+        }
+        Ok(true)
+    }
+
+    fn send_ats(&mut self, p: usize, sreq: u64) {
+        let mut b = Vec::new();
+        wire::put_u64s(&mut b, &[self.address.uuid, sreq]);
+        b.push(1);
+        self.queue_ctrl(p, wire::AM_RNDV_ATS, b);
+    }
+
+    /// A read-based receive could not proceed: drop its registration and ask the sender to
+    /// stream the whole message through active messages.
+    fn restart_as_stream(&mut self, rid: u64) {
+        let Some(r) = self.reqs.get_mut(&rid) else {
+            return;
+        };
+        r.guards.clear();
+        let ReqKind::Recv(rs) = &mut r.kind else {
+            return;
+        };
+        rs.received = 0;
+        let Some(rv) = &mut rs.rndv else { return };
+        rv.via_get = false;
+        rv.get = None;
+        let (p, sreq) = (rv.peer, rv.sreq);
+        self.send_rtr(p, sreq, rid, None);
+    }
+
+    /// Post the operations of a put, get or flush request.
+    fn stream_rma(&mut self, id: u64) -> Result<bool> {
+        let ReqKind::Rma(rm) = &self.reqs[&id].kind else {
+            return Ok(true);
+        };
+        let (p, dir, len, lane, addr, remote, posted) = (
+            rm.peer, rm.dir, rm.len, rm.lane, rm.addr, rm.remote, rm.posted,
+        );
+        if dir == RmaDir::Flush {
+            while let Some(&l) = match &self.reqs[&id].kind {
+                ReqKind::Rma(rm) => rm.flush_lanes.last(),
+                _ => None,
+            } {
+                let token = self.next_token;
+                let ep = self.peers[p].eps.get_mut(&l).expect("lane");
+                match ep.flush(token) {
+                    Ok(st) => {
+                        self.next_token += 1;
+                        self.account(id, token, st);
+                    }
+                    Err(e) if e.is_retryable() => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+                if let Some(Req {
+                    kind: ReqKind::Rma(rm),
+                    ..
+                }) = self.reqs.get_mut(&id)
+                {
+                    rm.flush_lanes.pop();
+                }
+            }
+        } else {
+            let key = match &self.reqs[&id].kind {
+                ReqKind::Rma(rm) => rm.key.clone().expect("rma key"),
+                _ => unreachable!("rma request"),
+            };
+            let memh = self.reqs[&id].guards[0].registration().clone();
+            let lim = &self.slots[lane].attr.limits;
+            let max = if dir == RmaDir::Put {
+                lim.put_max_zcopy
+            } else {
+                lim.get_max_zcopy
+            }
+            .min(self.frag)
+            .max(1);
+            let mut off = posted;
+            while off < len {
+                let n = max.min(len - off);
+                let iov = [Iov {
+                    addr: addr + off,
+                    len: n,
+                    memh: &memh,
+                }];
+                let token = self.next_token;
+                let ep = self.peers[p].eps.get_mut(&lane).expect("rma lane");
+                let res = if dir == RmaDir::Put {
+                    ep.put_zcopy(&iov, remote + off as u64, &key, token)
+                } else {
+                    ep.get_zcopy(&iov, remote + off as u64, &key, token)
+                };
+                match res {
+                    Ok(st) => {
+                        self.next_token += 1;
+                        self.account(id, token, st);
+                    }
+                    Err(e) if e.is_retryable() => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+                off += n;
+                if let Some(Req {
+                    kind: ReqKind::Rma(rm),
+                    ..
+                }) = self.reqs.get_mut(&id)
+                {
+                    rm.posted = off;
+                }
+            }
+        }
+        if let Some(Req {
+            kind: ReqKind::Rma(rm),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            rm.posted = usize::MAX;
+        }
+        if self.reqs[&id].outstanding == 0 {
+            self.finish(
+                id,
+                Ok(Completion {
+                    len,
+                    tag: 0,
+                    sender: None,
+                }),
+            );
+        }
+        Ok(true)
+    }
+
+    fn stream_put(
+        &mut self,
+        id: u64,
+        p: usize,
+        addr: usize,
+        len: usize,
+        raddr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<bool> {
+        let lane = self.peers[p].rma.expect("put needs an rma lane");
+        let max = self.slots[lane]
+            .attr
+            .limits
+            .put_max_zcopy
+            .min(self.frag)
+            .max(1);
+        let memh = self.reqs[&id].guards[0].registration().clone();
+        let mut off = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => s.posted,
+            _ => 0,
+        };
+        while off < len {
+            let n = max.min(len - off);
+            let iov = [Iov {
+                addr: addr + off,
+                len: n,
+                memh: &memh,
+            }];
+            let token = self.next_token;
+            let ep = self.peers[p].eps.get_mut(&lane).expect("rma lane");
+            match ep.put_zcopy(&iov, raddr + off as u64, rkey, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    self.account(id, token, st);
+                }
+                Err(e) if e.is_retryable() => return Ok(false),
+                Err(e) => return Err(e),
+            }
+            off += n;
+            if let Some(Req {
+                kind: ReqKind::Send(s),
+                ..
+            }) = self.reqs.get_mut(&id)
+            {
+                s.posted = off;
+            }
+        }
+        // Make the writes visible before telling the receiver.
+        let token = self.next_token;
+        let ep = self.peers[p].eps.get_mut(&lane).expect("rma lane");
+        match ep.flush(token) {
+            Ok(st) => {
+                self.next_token += 1;
+                self.account(id, token, st);
+            }
+            Err(e) if e.is_retryable() => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        if let Some(Req {
+            kind: ReqKind::Send(s),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            s.wait = SendWait::Completions;
+        }
+        if self.reqs[&id].outstanding == 0 {
+            self.put_done(id);
+        }
+        Ok(true)
+    }
+
+    /// All writes of a put rendezvous are complete: tell the receiver, finish the send.
+    fn put_done(&mut self, id: u64) {
+        let (p, len, tag, rreq) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.len, s.tag, s.rndv_to.unwrap_or(0)),
+            _ => return,
+        };
+        let mut b = Vec::new();
+        wire::put_u64s(&mut b, &[self.address.uuid, rreq]);
+        self.queue_ctrl(p, wire::AM_RNDV_FIN, b);
+        self.finish(
+            id,
+            Ok(Completion {
+                len,
+                tag,
+                sender: None,
+            }),
+        );
+    }
+
+    // ----- receive side -----
+
+    fn on_event(&mut self, _iface: usize, ev: Event<'_>) {
+        match ev {
+            Event::Am { id, data } => {
+                if let Err(e) = self.on_am(id, data) {
+                    tracing::warn!("dropped a malformed or unexpected protocol message: {e}");
+                }
+            }
+            Event::Completion { token, result } => {
+                let Some(req) = self.tokens.remove(&token) else {
+                    return;
+                };
+                self.on_completion(req, result);
+            }
+            Event::EpError { user_id, error } => {
+                self.fail_peer(user_id as usize, &error.to_string());
+            }
+        }
+    }
+
+    fn on_completion(&mut self, id: u64, result: Result<()>) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        r.outstanding = r.outstanding.saturating_sub(1);
+        if let Err(e) = result {
+            // A failed read: fall back to streaming (not one byte lost).
+            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind
+                && rv.via_get
+            {
+                tracing::warn!("rendezvous read failed ({e}); asking the sender to stream instead");
+                self.restart_as_stream(id);
+                return;
+            }
+            self.finish(id, Err(e));
+            return;
+        }
+        if r.outstanding > 0 || r.result.is_some() {
+            return;
+        }
+        match &r.kind {
+            ReqKind::Send(s) if s.wait == SendWait::Completions => {
+                let (len, tag) = (s.len, s.tag);
+                if s.put.is_some() {
+                    self.put_done(id);
+                } else {
+                    self.finish(
+                        id,
+                        Ok(Completion {
+                            len,
+                            tag,
+                            sender: None,
+                        }),
+                    );
+                }
+            }
+            ReqKind::Recv(RecvState { rndv: Some(rv), .. })
+                if rv.via_get && rv.posted >= rv.want =>
+            {
+                let (peer, sreq) = (rv.peer, rv.sreq);
+                self.send_ats(peer, sreq);
+                self.complete_recv(id);
+            }
+            ReqKind::Rma(rm) if rm.posted == usize::MAX => {
+                let len = rm.len;
+                self.finish(
+                    id,
+                    Ok(Completion {
+                        len,
+                        tag: 0,
+                        sender: None,
+                    }),
+                );
+            }
+            _ => {}
+        }
+    }
+
+    fn src_peer(&self, src: u64) -> Result<usize> {
+        self.by_uuid.get(&src).copied().ok_or_else(|| {
+            Error::InvalidAddress(format!(
+                "message from unknown worker {src:#x} (no wire-up yet)"
+            ))
+        })
+    }
+
+    fn on_am(&mut self, id: AmId, data: &[u8]) -> Result<()> {
+        match wire::parse(id, data)? {
+            Msg::Wireup { addr } => {
+                let remote = WorkerAddress::unpack(addr)?;
+                self.peer_for(remote)?;
+            }
+            Msg::EagerOne { src, tag, data } => {
+                let p = self.src_peer(src)?;
+                let u = Unexp::Eager {
+                    src: p,
+                    msg_id: None,
+                    total: data.len(),
+                    data: Vec::new(),
+                };
+                match self.matcher.arrive(tag, u) {
+                    Some((rid, _)) => {
+                        self.recv_begin(rid, p, tag, data.len());
+                        self.recv_data(rid, 0, data);
+                        self.recv_complete(rid);
+                    }
+                    None => {
+                        // Store the data in the queued entry.
+                        if let Some(Unexp::Eager { data: d, .. }) =
+                            self.matcher.unexpected_mut().last()
+                        {
+                            d.extend_from_slice(data);
+                        }
+                    }
+                }
+            }
+            Msg::EagerFirst {
+                src,
+                kind,
+                tag,
+                msg_id,
+                total,
+                data,
+            } => {
+                let p = self.src_peer(src)?;
+                let total = total as usize;
+                if kind == MsgKind::Am {
+                    let mut d = Vec::with_capacity(total);
+                    d.extend_from_slice(data);
+                    let dest = RxDest::UserAm {
+                        id: tag as u16,
+                        total,
+                        data: d,
+                    };
+                    self.rx.insert((src, msg_id), dest);
+                    self.maybe_finish_user_am(src, msg_id, p);
+                    return Ok(());
+                }
+                let u = Unexp::Eager {
+                    src: p,
+                    msg_id: Some(msg_id),
+                    total,
+                    data: Vec::new(),
+                };
+                match self.matcher.arrive(tag, u) {
+                    Some((rid, _)) => {
+                        self.rx.insert((src, msg_id), RxDest::Req(rid));
+                        self.recv_begin(rid, p, tag, total);
+                        self.recv_data(rid, 0, data);
+                        if self.recv_complete(rid) {
+                            self.rx.remove(&(src, msg_id));
+                        }
+                    }
+                    None => {
+                        if let Some(Unexp::Eager { data: d, .. }) =
+                            self.matcher.unexpected_mut().last()
+                        {
+                            d.reserve(total);
+                            d.extend_from_slice(data);
+                        }
+                        self.rx.insert((src, msg_id), RxDest::Unexpected);
+                    }
+                }
+            }
+            Msg::EagerMiddle {
+                src,
+                msg_id,
+                offset,
+                data,
+            } => {
+                let p = self.src_peer(src)?;
+                let key = (src, msg_id);
+                match self.rx.get_mut(&key) {
+                    Some(RxDest::Req(rid)) => {
+                        let rid = *rid;
+                        self.recv_data(rid, offset as usize, data);
+                        if self.recv_complete(rid) {
+                            self.rx.remove(&key);
+                        }
+                    }
+                    Some(RxDest::Unexpected) => {
+                        let mut done = false;
+                        for u in self.matcher.unexpected_mut() {
+                            if let Unexp::Eager {
+                                src: s,
+                                msg_id: Some(m),
+                                total,
+                                data: d,
+                            } = u
+                                && *s == p
+                                && *m == msg_id
+                            {
+                                if d.len() == offset as usize {
+                                    d.extend_from_slice(data);
+                                }
+                                done = d.len() >= *total;
+                                break;
+                            }
+                        }
+                        if done {
+                            self.rx.remove(&key);
+                        }
+                    }
+                    Some(RxDest::UserAm { data: d, .. }) => {
+                        if d.len() == offset as usize {
+                            d.extend_from_slice(data);
+                        }
+                        self.maybe_finish_user_am(src, msg_id, p);
+                    }
+                    None => {
+                        return Err(Error::InvalidAddress(format!(
+                            "fragment of unknown message {msg_id}"
+                        )));
+                    }
+                }
+            }
+            Msg::Rts {
+                src,
+                tag,
+                sreq,
+                size,
+                addr,
+                keys,
+            } => {
+                let p = self.src_peer(src)?;
+                let u = Unexp::Rts {
+                    src: p,
+                    sreq,
+                    size: size as usize,
+                    addr,
+                    keys,
+                };
+                if let Some((rid, u)) = self.matcher.arrive(tag, u) {
+                    self.matched(rid, tag, u);
+                }
+            }
+            Msg::Ats { src, sreq, ok } => {
+                let _ = self.src_peer(src)?;
+                if let Some(Req {
+                    kind: ReqKind::Send(s),
+                    ..
+                }) = self.reqs.get(&sreq)
+                {
+                    let (len, tag) = (s.len, s.tag);
+                    let res = if ok {
+                        Ok(Completion {
+                            len,
+                            tag,
+                            sender: None,
+                        })
+                    } else {
+                        Err(Error::Internal("receiver aborted the rendezvous".into()))
+                    };
+                    self.finish(sreq, res);
+                }
+            }
+            Msg::Rtr {
+                src,
+                sreq,
+                rreq,
+                addr,
+                size,
+                keys,
+            } => {
+                let p = self.src_peer(src)?;
+                self.on_rtr(p, sreq, rreq, addr, size as usize, keys);
+            }
+            Msg::RndvData {
+                src,
+                rreq,
+                offset,
+                data,
+            } => {
+                let _ = self.src_peer(src)?;
+                self.recv_data(rreq, offset as usize, data);
+                self.recv_complete(rreq);
+            }
+            Msg::Fin { src, rreq } => {
+                let _ = self.src_peer(src)?;
+                if let Some(Req {
+                    kind: ReqKind::Recv(rs),
+                    ..
+                }) = self.reqs.get_mut(&rreq)
+                {
+                    rs.received = rs.total.min(rs.cap);
+                }
+                self.complete_recv(rreq);
+            }
+            Msg::User {
+                src,
+                id,
+                header,
+                data,
+            } => {
+                let p = self.src_peer(src)?;
+                self.am_inbox.push(AmMessage {
+                    id,
+                    header: header.to_vec(),
+                    data: data.to_vec(),
+                    reply_ep: EpId(p),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn maybe_finish_user_am(&mut self, src: u64, msg_id: u64, p: usize) {
+        let key = (src, msg_id);
+        let done = matches!(self.rx.get(&key), Some(RxDest::UserAm { total, data, .. }) if data.len() >= *total);
+        if done && let Some(RxDest::UserAm { id, data, .. }) = self.rx.remove(&key) {
+            let mut r = rucx_uct::rkey::Reader::new(&data, "active message");
+            match r.lv() {
+                Ok(h) => {
+                    let hl = h.len();
+                    self.am_inbox.push(AmMessage {
+                        id,
+                        header: h.to_vec(),
+                        data: data[2 + hl..].to_vec(),
+                        reply_ep: EpId(p),
+                    });
+                }
+                Err(e) => tracing::warn!("malformed active message dropped: {e}"),
+            }
+        }
+    }
+
+    /// A receive matched a message (posted late, or arrived late).
+    fn matched(&mut self, rid: u64, tag: Tag, u: Unexp) {
+        match u {
+            Unexp::Eager {
+                src,
+                msg_id,
+                total,
+                data,
+            } => {
+                self.recv_begin(rid, src, tag, total);
+                self.recv_data(rid, 0, &data);
+                let complete = self.recv_complete(rid);
+                if let Some(m) = msg_id {
+                    let key = (self.peers[src].remote.uuid, m);
+                    if complete {
+                        self.rx.remove(&key);
+                    } else {
+                        self.rx.insert(key, RxDest::Req(rid));
+                    }
+                }
+            }
+            Unexp::Rts {
+                src,
+                sreq,
+                size,
+                addr,
+                keys,
+            } => {
+                self.recv_begin(rid, src, tag, size);
+                self.rndv_recv(rid, src, sreq, size, addr, keys);
+            }
+        }
+    }
+
+    fn recv_begin(&mut self, rid: u64, src: usize, tag: Tag, total: usize) {
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.sender = Some(src);
+            rs.tag = tag;
+            rs.total = total;
+        }
+    }
+
+    /// Copy arrived bytes into a receive buffer, never past its capacity.
+    fn recv_data(&mut self, rid: u64, offset: usize, data: &[u8]) {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        else {
+            return;
+        };
+        if offset < rs.cap {
+            let n = data.len().min(rs.cap - offset);
+            // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive
+            // and unaliased until the request is finished; `offset + n <= cap`.
+            let dst = unsafe { host_slice_mut(rs.addr + offset, n) };
+            dst.copy_from_slice(&data[..n]);
+        }
+        rs.received += data.len();
+    }
+
+    /// Finish the receive if every byte arrived. Returns true when finished.
+    fn recv_complete(&mut self, rid: u64) -> bool {
+        let done = match self.reqs.get(&rid) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) => {
+                let want = rs.rndv.as_ref().map_or(rs.total, |r| r.want);
+                rs.received >= want
+            }
+            _ => false,
+        };
+        if done {
+            self.complete_recv(rid);
+        }
+        done
+    }
+
+    fn complete_recv(&mut self, rid: u64) {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            result: None,
+            ..
+        }) = self.reqs.get(&rid)
+        else {
+            return;
+        };
+        let res = if rs.total > rs.cap {
+            Err(Error::Truncated {
+                incoming: rs.total,
+                capacity: rs.cap,
+            })
+        } else {
+            Ok(Completion {
+                len: rs.total,
+                tag: rs.tag,
+                sender: rs.sender.map(EpId),
+            })
+        };
+        self.finish(rid, res);
+    }
+
+    /// Start the data phase of a matched rendezvous.
+    fn rndv_recv(
+        &mut self,
+        rid: u64,
+        p: usize,
+        sreq: u64,
+        size: usize,
+        addr: u64,
+        keys: Vec<NamedKey>,
+    ) {
+        let (raddr, cap) = match &self.reqs[&rid].kind {
+            ReqKind::Recv(rs) => (rs.addr, rs.cap),
+            _ => return,
+        };
+        let want = size.min(cap);
+        let wants_put = keys.iter().any(|k| k.md == PUT_HINT);
+        let keys: Vec<NamedKey> = keys.into_iter().filter(|k| k.md != PUT_HINT).collect();
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.rndv = Some(RndvRecv {
+                peer: p,
+                sreq,
+                want,
+                via_get: false,
+                get: None,
+                posted: 0,
+            });
+        }
+        if self.peers[p].failed.is_some() {
+            let reason = self.peers[p].failed.clone().unwrap_or_default();
+            self.finish(
+                rid,
+                Err(Error::EndpointFailure {
+                    peer: self.peers[p].remote.describe(),
+                    reason,
+                }),
+            );
+            return;
+        }
+        if want == 0 {
+            let mut b = Vec::new();
+            wire::put_u64s(&mut b, &[self.address.uuid, sreq]);
+            b.push(1);
+            self.queue_ctrl(p, wire::AM_RNDV_ATS, b);
+            self.complete_recv(rid);
+            self.pump(p);
+            return;
+        }
+        let lane = self.peers[p].rma;
+        let region = MemRegion::host(raddr, want);
+        // Get: the sender offered a key of a domain we share, and we can register.
+        if !wants_put
+            && let Some(lane) = lane
+            && self.peers[p].connected
+            && self.slots[lane].attr.has(IfaceCaps::GET_ZCOPY)
+            && let Some(k) = keys
+                .iter()
+                .find(|k| Some(&k.md) == self.peers[p].rma_remote_md.as_ref())
+        {
+            let md = self.slots[lane].md;
+            if self.ctx.can_register(md, MemoryType::Host, None) {
+                match self.ctx.register(md, region) {
+                    Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
+                        Ok(rkey) => {
+                            let r = self.reqs.get_mut(&rid).expect("req");
+                            r.guards.push(g);
+                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                                rv.via_get = true;
+                                rv.get = Some((lane, addr, rkey, raddr));
+                            }
+                            self.count("rendezvous receive by read");
+                            self.peers[p].queue.push_back(Pending::Stream(rid));
+                            self.pump(p);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!("sender's key did not unpack ({e}); streaming instead")
+                        }
+                    },
+                    Err(e) => tracing::debug!(
+                        "receive registration failed ({e}); steering the sender to stream"
+                    ),
+                }
+            }
+        }
+        // Put: register our buffer and hand the sender a key.
+        if wants_put
+            && let Some(lane) = lane
+            && self.slots[lane].attr.has(IfaceCaps::PUT_ZCOPY)
+        {
+            let md = self.slots[lane].md;
+            if self.ctx.can_register(md, MemoryType::Host, None) {
+                match self.ctx.register(md, region) {
+                    Ok(g) => match self.ctx.domain(md).mkey_pack(g.registration()) {
+                        Ok(k) => {
+                            self.reqs.get_mut(&rid).expect("req").guards.push(g);
+                            let key = NamedKey {
+                                md: self.ctx.domain(md).name().to_string(),
+                                key: k,
+                            };
+                            self.count("rendezvous receive by remote write");
+                            self.send_rtr(p, sreq, rid, Some((raddr as u64, want, key)));
+                            self.pump(p);
+                            return;
+                        }
+                        Err(e) => tracing::warn!("packing our key failed ({e}); streaming instead"),
+                    },
+                    Err(e) => tracing::debug!(
+                        "receive registration failed ({e}); steering the sender to stream"
+                    ),
+                }
+            }
+        }
+        self.send_rtr(p, sreq, rid, None);
+        self.pump(p);
+    }
+
+    fn send_rtr(&mut self, p: usize, sreq: u64, rreq: u64, put: Option<(u64, usize, NamedKey)>) {
+        if put.is_none() {
+            self.count("rendezvous receive streamed");
+        }
+        let want = match &self.reqs.get(&rreq).map(|r| &r.kind) {
+            Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => rv.want,
+            _ => 0,
+        };
+        let mut b = Vec::new();
+        let (addr, keys) = match put {
+            Some((a, _, k)) => (a, vec![k]),
+            None => (0, Vec::new()),
+        };
+        wire::put_u64s(&mut b, &[self.address.uuid, sreq, rreq, addr, want as u64]);
+        wire::put_keys(&mut b, &keys);
+        self.queue_ctrl(p, wire::AM_RNDV_RTR, b);
+    }
+
+    fn on_rtr(
+        &mut self,
+        p: usize,
+        sreq: u64,
+        rreq: u64,
+        addr: u64,
+        size: usize,
+        keys: Vec<NamedKey>,
+    ) {
+        let Some(Req {
+            kind: ReqKind::Send(s),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&sreq)
+        else {
+            return;
+        };
+        s.rndv_to = Some(rreq);
+        s.len = s.len.min(size);
+        s.posted = 0;
+        s.wait = SendWait::Posting;
+        // Put: the receiver gave us its key; write with our own registration.
+        if let Some(k) = keys.first()
+            && let Some(lane) = self.peers[p].rma
+        {
+            let md = self.slots[lane].md;
+            let unpacked = self.ctx.domain(md).rkey_unpack(&k.key);
+            let have_reg = self.reqs[&sreq]
+                .guards
+                .iter()
+                .any(|g| g.registration().domain() == self.ctx.domain(md).name());
+            let reg_ok = have_reg || self.register_send(sreq, lane).is_ok();
+            match (unpacked, reg_ok) {
+                (Ok(rkey), true) => {
+                    if let Some(Req {
+                        kind: ReqKind::Send(s),
+                        ..
+                    }) = self.reqs.get_mut(&sreq)
+                    {
+                        s.put = Some((addr, rkey));
+                    }
+                }
+                (Err(e), _) => {
+                    tracing::warn!("receiver's key did not unpack ({e}); streaming instead")
+                }
+                (_, false) => {
+                    self.refresh_table(p);
+                    tracing::debug!("send registration failed; streaming the rendezvous instead");
+                }
+            }
+        }
+        // Streaming through active messages: zero-copy from a registration when we have one on
+        // the AM lane's domain, copy-in otherwise.
+        let am_md = self.slots[self.peers[p].am].md;
+        let put = matches!(&self.reqs[&sreq].kind, ReqKind::Send(s) if s.put.is_some());
+        if !put {
+            let am = self.peers[p].am;
+            let zc = self.slots[am].attr.has(IfaceCaps::AM_ZCOPY)
+                && self.slots[am].attr.limits.am_max_hdr >= proto::FIRST_OVERHEAD;
+            let am_name = self.ctx.domain(am_md).name().to_string();
+            let r = self.reqs.get_mut(&sreq).expect("req");
+            r.guards.retain(|g| g.registration().domain() == am_name);
+            if zc && r.guards.is_empty() && self.ctx.can_register(am_md, MemoryType::Host, None) {
+                if let Err(e) = self.register_send(sreq, am) {
+                    tracing::debug!("streaming with copies: {e}");
+                }
+            } else if !zc {
+                r.guards.clear();
+            }
+        }
+        self.peers[p].queue.push_back(Pending::Stream(sreq));
+        self.pump(p);
+    }
+
+    // ----- RMA -----
+
+    fn post_rma(
+        &mut self,
+        p: usize,
+        put: bool,
+        addr: usize,
+        len: usize,
+        remote: u64,
+        rkey: &RkeyBundle,
+    ) -> Result<u64> {
+        self.check_peer(p)?;
+        let what = || {
+            format!(
+                "{} to {}",
+                if put { "put" } else { "get" },
+                self.peers[p].remote.describe()
+            )
+        };
+        let lane = self.peers[p].rma.ok_or_else(|| Error::Unsupported {
+            what: what(),
+            why: "no transport to this peer supports remote memory access; check RUCX_TLS".into(),
+        })?;
+        let cap = if put {
+            IfaceCaps::PUT_ZCOPY
+        } else {
+            IfaceCaps::GET_ZCOPY
+        };
+        if !self.slots[lane].attr.has(cap) {
+            return Err(Error::Unsupported {
+                what: what(),
+                why: format!("{} lacks this operation", self.slots[lane].attr.tl_name),
+            });
+        }
+        let md = self.slots[lane].md;
+        let mdname = self.ctx.domain(md).name().to_string();
+        let key = rkey
+            .keys
+            .iter()
+            .find(|(n, _)| *n == mdname)
+            .map(|(_, k)| k.clone())
+            .ok_or_else(|| Error::InvalidRkey {
+                domain: mdname.clone(),
+                reason: "the remote key bundle has no key for the transport to this peer".into(),
+            })?;
+        key.check(remote, len as u64)?;
+        let g = if len > 0 {
+            Some(self.ctx.register(md, MemRegion::host(addr, len))?)
+        } else {
+            None
+        };
+        let id = self.new_req(ReqKind::Rma(RmaState {
+            peer: p,
+            dir: if put { RmaDir::Put } else { RmaDir::Get },
+            len,
+            lane,
+            addr,
+            remote,
+            key: Some(key),
+            posted: 0,
+            flush_lanes: Vec::new(),
+        }));
+        if let Some(g) = g {
+            self.reqs.get_mut(&id).expect("req").guards.push(g);
+        } else {
+            self.finish(
+                id,
+                Ok(Completion {
+                    len: 0,
+                    tag: 0,
+                    sender: None,
+                }),
+            );
+            return Ok(id);
+        }
+        self.peers[p].queue.push_back(Pending::Stream(id));
+        self.pump(p);
+        Ok(id)
+    }
+
+    fn post_flush(&mut self, p: usize) -> Result<u64> {
+        self.check_peer(p)?;
+        let lanes: Vec<usize> = self.peers[p].eps.keys().copied().collect();
+        let id = self.new_req(ReqKind::Rma(RmaState {
+            peer: p,
+            dir: RmaDir::Flush,
+            len: 0,
+            lane: 0,
+            addr: 0,
+            remote: 0,
+            key: None,
+            posted: 0,
+            flush_lanes: lanes,
+        }));
+        self.peers[p].queue.push_back(Pending::Stream(id));
+        self.pump(p);
+        Ok(id)
+    }
+
+    // ----- failures -----
+
+    fn fail_peer(&mut self, p: usize, reason: &str) {
+        let Some(peer) = self.peers.get_mut(p) else {
+            return;
+        };
+        if peer.failed.is_some() {
+            return;
+        }
+        tracing::warn!(
+            "endpoint ep{p} to {} failed: {reason}",
+            peer.remote.describe()
+        );
+        peer.failed = Some(reason.to_string());
+        peer.queue.clear();
+        let desc = peer.remote.describe();
+        let uuid = peer.remote.uuid;
+        let err = || Error::EndpointFailure {
+            peer: desc.clone(),
+            reason: reason.to_string(),
+        };
+        let ids: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.result.is_none())
+            .filter(|(_, r)| match &r.kind {
+                ReqKind::Send(s) => s.peer == p,
+                ReqKind::Recv(rs) => rs.sender == Some(p),
+                ReqKind::Rma(rm) => rm.peer == p,
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.finish(id, Err(err()));
+        }
+        // Partial unexpected messages from it can never complete.
+        self.matcher.drop_unexpected(|u| match u {
+            Unexp::Eager {
+                src, total, data, ..
+            } => *src == p && data.len() < *total,
+            Unexp::Rts { src, .. } => *src == p,
+        });
+        self.rx.retain(|(s, _), _| *s != uuid);
+    }
+}
+
+/// Marker key name that asks the receiver to hand out its key (put rendezvous).
+const PUT_HINT: &str = "*put";

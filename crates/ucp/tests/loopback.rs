@@ -1,0 +1,246 @@
+//! UCP over the `self` transport inside one process: every protocol, every size class.
+
+use rucx_ucp::{Context, TAG_MASK_ANY, TAG_MASK_FULL, Worker};
+use rucx_ucs::{Config, Error};
+
+fn worker(vars: &[(&str, &str)]) -> Worker {
+    let mut tables = rucx_transports::config_tables();
+    tables.push(rucx_ucp::CONFIG);
+    let mut all: Vec<(String, String)> = vec![("RUCX_TLS".into(), "self".into())];
+    all.extend(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let cfg = Config::from_vars(&tables, all).unwrap();
+    let ctx = Context::new(&rucx_transports::registry(), cfg).unwrap();
+    Worker::new(&ctx).unwrap()
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+const SIZES: &[usize] = &[0, 1, 8191, 8192, 8193, 65536, (1 << 20) + 3, 16 << 20];
+
+fn exchange_all_sizes(w: &Worker) {
+    let ep = w.connect(&w.address()).unwrap();
+    for (i, &n) in SIZES.iter().enumerate() {
+        let send = pattern(n, i as u8);
+        let mut recv = vec![0xeeu8; n];
+        let (s, r) = w.scope(|sc| {
+            let r = sc.tag_recv(&mut recv, 100 + i as u64, TAG_MASK_FULL);
+            let s = sc.tag_send(ep, &send, 100 + i as u64);
+            (s.wait(), r.wait())
+        });
+        s.unwrap();
+        let c = r.unwrap();
+        assert_eq!(c.len, n);
+        assert_eq!(c.tag, 100 + i as u64);
+        assert!(recv == send, "size {n}: data differs");
+    }
+}
+
+#[test]
+fn every_size_default_protocols() {
+    let w = worker(&[]);
+    exchange_all_sizes(&w);
+    let table = w.proto_info(w.connect(&w.address()).unwrap()).unwrap();
+    assert!(
+        table.contains("eager short") && table.contains("rendezvous"),
+        "{table}"
+    );
+}
+
+#[test]
+fn every_size_each_rendezvous_scheme() {
+    for (scheme, recv_side) in [
+        ("get_zcopy", "rendezvous receive by read"),
+        ("put_zcopy", "rendezvous receive by remote write"),
+        ("am", "rendezvous receive streamed"),
+    ] {
+        let w = worker(&[("RUCX_RNDV_SCHEME", scheme), ("RUCX_RNDV_THRESH", "16K")]);
+        exchange_all_sizes(&w);
+        let c = w.counters();
+        // 65536, 1 MiB + 3 and 16 MiB are rendezvous sizes.
+        assert_eq!(c.get(recv_side).copied(), Some(3), "{scheme}: {c:?}");
+        assert!(c.get("eager short").copied().unwrap_or(0) >= 2, "{c:?}");
+    }
+}
+
+#[test]
+fn unexpected_messages_then_receive() {
+    let w = worker(&[("RUCX_RNDV_THRESH", "32K")]);
+    let ep = w.connect(&w.address()).unwrap();
+    let a = pattern(100, 1);
+    let b = pattern(20000, 2);
+    let c = pattern(100_000, 3);
+    let mut ra = vec![0u8; 100];
+    let mut rb = vec![0u8; 20000];
+    let mut rc = vec![0u8; 100_000];
+    w.scope(|s| {
+        let sa = s.tag_send(ep, &a, 1);
+        let sb = s.tag_send(ep, &b, 2);
+        let sc = s.tag_send(ep, &c, 3);
+        for _ in 0..100 {
+            w.progress();
+        }
+        // Probe sees the oldest first for a wildcard.
+        let p = w.probe(0, TAG_MASK_ANY).unwrap();
+        assert_eq!((p.tag, p.len), (1, 100));
+        // Receive in another order than sent.
+        let r3 = s.tag_recv(&mut rc, 3, TAG_MASK_FULL);
+        let r1 = s.tag_recv(&mut ra, 1, TAG_MASK_FULL);
+        let r2 = s.tag_recv(&mut rb, 0, TAG_MASK_ANY);
+        assert_eq!(r3.wait().unwrap().len, 100_000);
+        assert_eq!(r1.wait().unwrap().len, 100);
+        assert_eq!(r2.wait().unwrap().tag, 2);
+        sa.wait().unwrap();
+        sb.wait().unwrap();
+        sc.wait().unwrap();
+    });
+    assert!(ra == a && rb == b && rc == c);
+}
+
+#[test]
+fn truncation_is_reported_and_nothing_overruns() {
+    let w = worker(&[("RUCX_RNDV_THRESH", "64K")]);
+    let ep = w.connect(&w.address()).unwrap();
+    for n in [100usize, 20_000, 200_000] {
+        let send = pattern(n, 9);
+        let mut recv = vec![0x55u8; n / 2 + 16];
+        let cap = n / 2;
+        let (s, r) = w.scope(|sc| {
+            let r = sc.tag_recv(&mut recv[..cap], 5, TAG_MASK_FULL);
+            let s = sc.tag_send(ep, &send, 5);
+            (s.wait(), r.wait())
+        });
+        s.unwrap();
+        match r {
+            Err(Error::Truncated { incoming, capacity }) => {
+                assert_eq!((incoming, capacity), (n, cap));
+            }
+            other => panic!("size {n}: expected truncation, got {other:?}"),
+        }
+        assert_eq!(
+            &recv[..cap],
+            &send[..cap],
+            "size {n}: the part that fits is delivered"
+        );
+        assert!(
+            recv[cap..].iter().all(|b| *b == 0x55),
+            "size {n}: wrote past the buffer"
+        );
+    }
+}
+
+#[test]
+fn unmatched_receive_is_canceled_at_scope_end() {
+    let w = worker(&[]);
+    let mut buf = vec![0u8; 10];
+    let r = w.scope(|s| {
+        let r = s.tag_recv(&mut buf, 77, TAG_MASK_FULL);
+        assert!(r.cancel());
+        r.wait()
+    });
+    assert!(matches!(r, Err(Error::Canceled)), "{r:?}");
+}
+
+#[test]
+fn active_messages_small_and_large() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    type Got = Vec<(Vec<u8>, Vec<u8>)>;
+    let got: Rc<RefCell<Got>> = Rc::default();
+    let g = got.clone();
+    w.set_am_handler(7, move |_w, m| g.borrow_mut().push((m.header, m.data)));
+    let big = pattern(100_000, 4);
+    w.am_send(ep, 7, b"hdr", b"small").unwrap();
+    w.am_send(ep, 7, b"h2", &big).unwrap();
+    for _ in 0..1000 {
+        w.progress();
+        if got.borrow().len() == 2 {
+            break;
+        }
+    }
+    let got = got.borrow();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0], (b"hdr".to_vec(), b"small".to_vec()));
+    assert_eq!(got[1].0, b"h2".to_vec());
+    assert!(got[1].1 == big);
+}
+
+#[test]
+fn put_get_and_flush() {
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    let mut target = vec![0u8; 1 << 20];
+    let map = w.mem_map(&mut target).unwrap();
+    let rkey = w.rkey_unpack(ep, &map.pack_rkey()).unwrap();
+    let data = pattern(300_000, 6);
+    let mut back = vec![0u8; 300_000];
+    w.scope(|s| {
+        s.put(ep, &data, rkey.base() + 1000, &rkey).wait().unwrap();
+        s.flush(ep).wait().unwrap();
+        s.get(ep, &mut back, rkey.base() + 1000, &rkey)
+            .wait()
+            .unwrap();
+        // Out of bounds is refused before anything moves.
+        let e = s
+            .put(ep, &data, rkey.base() + rkey.len() - 10, &rkey)
+            .wait();
+        assert!(e.is_err());
+    });
+    assert!(back == data);
+    assert_eq!(&map.as_slice()[1000..301_000], &data[..]);
+}
+
+#[test]
+fn garbage_addresses_and_keys_are_errors() {
+    let w = worker(&[]);
+    assert!(w.connect(b"garbage").is_err());
+    let mut a = w.address();
+    a.truncate(a.len() - 3);
+    assert!(w.connect(&a).is_err());
+    let ep = w.connect(&w.address()).unwrap();
+    assert!(w.rkey_unpack(ep, b"nonsense").is_err());
+}
+
+#[test]
+fn registration_failure_demotes_and_the_transfer_still_completes() {
+    // The self domain fails every registration after the first 2: zero-copy and rendezvous
+    // paths must fall back to copies, with every byte intact and the demotion recorded.
+    let w = worker(&[
+        ("RUCX_FAULT_INJECT", "md=self,mem=host,after=2"),
+        ("RUCX_RNDV_THRESH", "16K"),
+    ]);
+    exchange_all_sizes(&w);
+    let c = w.counters();
+    assert_eq!(c.get("rendezvous receive by read"), None, "{c:?}");
+    let d = w.context_demotions();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0].md, "self");
+    assert!(d[0].knob.contains("RUCX_REG_SKIP=self:host"), "{:?}", d[0]);
+    // The table was re-planned without zero-copy.
+    let t = w.proto_table(w.connect(&w.address()).unwrap()).unwrap();
+    assert!(t.iter().all(|r| !r.proto.is_zcopy()), "{t:?}");
+}
+
+#[test]
+fn budget_exhaustion_evicts_then_demotes_and_completes() {
+    let w = worker(&[
+        ("RUCX_FAULT_INJECT", "md=self,mem=host,budget=1M"),
+        ("RUCX_RNDV_THRESH", "16K"),
+    ]);
+    exchange_all_sizes(&w);
+    assert!(w.context_demotions().iter().any(|d| d.md == "self"));
+}
+
+#[test]
+fn reg_skip_disables_a_domain_up_front() {
+    let w = worker(&[("RUCX_REG_SKIP", "self:host")]);
+    let ep = w.connect(&w.address()).unwrap();
+    let t = w.proto_table(ep).unwrap();
+    assert!(t.iter().all(|r| !r.proto.is_zcopy()), "{t:?}");
+    exchange_all_sizes(&w);
+}
