@@ -8,16 +8,26 @@ use rucx_uct::conformance::{self, ProcessPlan};
 
 #[test]
 fn conformance_in_process_lo() {
-    let report = conformance::run_in_process(common::open_lo().unwrap(), common::open_lo().unwrap()).unwrap();
+    let report =
+        conformance::run_in_process(common::open_lo().unwrap(), common::open_lo().unwrap())
+            .unwrap();
     report.print();
-    assert!(report.skipped.is_empty(), "tcp skipped checks: {:?}", report.skipped);
+    assert!(
+        report.skipped.is_empty(),
+        "tcp skipped checks: {:?}",
+        report.skipped
+    );
 }
 
 #[test]
 fn conformance_in_process_lo_tiny_socket_buffers() {
     // Small kernel buffers make every large frame go out and come in over many partial writes
     // and reads.
-    let opts = [("TCP_SNDBUF", "32K"), ("TCP_RCVBUF", "32K"), ("TCP_TX_QUEUE", "64K")];
+    let opts = [
+        ("TCP_SNDBUF", "32K"),
+        ("TCP_RCVBUF", "32K"),
+        ("TCP_TX_QUEUE", "64K"),
+    ];
     let a = common::open_side_on("lo", &opts).unwrap();
     let b = common::open_side_on("lo", &opts).unwrap();
     conformance::run_in_process(a, b).unwrap().print();
@@ -26,7 +36,12 @@ fn conformance_in_process_lo_tiny_socket_buffers() {
 #[test]
 fn conformance_two_process_lo() {
     common::end_libtest_line();
-    let report = conformance::two_process("conformance_two_process_lo", common::open_lo, &ProcessPlan::default()).unwrap();
+    let report = conformance::two_process(
+        "conformance_two_process_lo",
+        common::open_lo,
+        &ProcessPlan::default(),
+    )
+    .unwrap();
     report.print();
 }
 
@@ -38,5 +53,7 @@ fn conformance_two_children_lo() {
         initiator_launcher: Some(vec![]),
         ..ProcessPlan::default()
     };
-    conformance::two_process("conformance_two_children_lo", common::open_lo, &plan).unwrap().print();
+    conformance::two_process("conformance_two_children_lo", common::open_lo, &plan)
+        .unwrap()
+        .print();
 }
