@@ -37,20 +37,56 @@ fn info(args: &[String]) -> Result<(), String> {
     run(c)
 }
 
+/// Build the exchange example and run it as two local processes (ranks 0 and 1) that meet on a
+/// free loopback port.
 fn demo(args: &[String]) -> Result<(), String> {
     let mut c = cargo();
     c.args([
-        "run",
+        "build",
         "--quiet",
         "--release",
         "-p",
         "rucx",
         "--example",
         "exchange",
-        "--",
-    ])
-    .args(args);
-    run(c)
+    ]);
+    run(c)?;
+    let exe = root().join("target/release/examples/exchange");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("finding a free port: {e}"))?
+        .port();
+    let boot = format!("127.0.0.1:{port}");
+    println!(
+        "xtask demo: two processes, RUCX_BOOTSTRAP={boot}, {}",
+        exe.display()
+    );
+    let mut children = Vec::new();
+    for rank in 0..2 {
+        let child = Command::new(&exe)
+            .args(args)
+            .env("RUCX_RANK", rank.to_string())
+            .env("RUCX_SIZE", "2")
+            .env("RUCX_BOOTSTRAP", &boot)
+            .spawn()
+            .map_err(|e| format!("starting rank {rank}: {e}"))?;
+        children.push(child);
+    }
+    let mut failed = Vec::new();
+    for (rank, mut c) in children.into_iter().enumerate() {
+        let st = c
+            .wait()
+            .map_err(|e| format!("waiting for rank {rank}: {e}"))?;
+        if !st.success() {
+            failed.push(format!("rank {rank}: {st}"));
+        }
+    }
+    if failed.is_empty() {
+        println!("xtask demo: both ranks succeeded");
+        Ok(())
+    } else {
+        Err(format!("demo failed: {}", failed.join(", ")))
+    }
 }
 
 /// Build release test executables and tools, strip them, copy them into `.device/`.

@@ -1,1 +1,59 @@
-//! rucx: a communication framework for clusters with heterogeneous GPUs
+//! rucx: a communication framework in the tradition of UCX, for clusters where GPUs differ.
+//!
+//! Most programs need three things:
+//!
+//! ```no_run
+//! # fn main() -> rucx::Result<()> {
+//! let job = rucx::Job::from_env()?;          // rank, size, peers, from the launcher
+//! let w = job.worker();
+//! let peer = job.ep((job.rank() + 1) % job.size());
+//! let data = vec![1u8; 4096];
+//! let mut got = vec![0u8; 4096];
+//! w.scope(|s| {
+//!     let r = s.tag_recv(&mut got, 7, rucx::TAG_MASK_FULL);
+//!     s.tag_send(peer, &data, 7).wait()?;
+//!     r.wait()
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
+//! Lower layers are re-exported: [`ucs`] (errors, configuration), [`uct`] (transports),
+//! [`ucp`] (protocols).
+
+pub mod bootstrap;
+
+pub use bootstrap::Job;
+pub use rucx_ucp as ucp;
+pub use rucx_ucp::{
+    AmMessage, Completion, Context, Demotion, EpId, MemMap, Request, RkeyBundle, Scope,
+    TAG_MASK_ANY, TAG_MASK_FULL, Tag, Worker,
+};
+pub use rucx_ucs as ucs;
+pub use rucx_ucs::{Error, MemoryType, Result};
+pub use rucx_uct as uct;
+
+use rucx_ucs::{Config, OptionSpec};
+
+/// Every option table: services, transports, components, protocols, launcher.
+pub fn config_tables() -> Vec<&'static [OptionSpec]> {
+    let mut t = rucx_transports::config_tables();
+    t.push(rucx_ucp::CONFIG);
+    t.push(bootstrap::CONFIG);
+    t
+}
+
+/// The configuration from `RUCX_*` environment variables, validated.
+pub fn config_from_env() -> Result<Config> {
+    Config::from_env(&config_tables())
+}
+
+/// A context over every compiled-in transport, configured from the environment.
+pub fn context_from_env() -> Result<Context> {
+    Context::new(&rucx_transports::registry(), config_from_env()?)
+}
+
+/// A context over every compiled-in transport with an explicit configuration (build it with
+/// `Config::new(&rucx::config_tables())` and `set`).
+pub fn context(config: Config) -> Result<Context> {
+    Context::new(&rucx_transports::registry(), config)
+}

@@ -12,12 +12,21 @@ use rucx_uct::Registry;
 pub fn registry() -> Registry {
     let mut r = Registry::new();
     r.register(Arc::new(rucx_uct_self::SelfComponent));
+    r.register(Arc::new(rucx_uct_posix::PosixComponent));
+    r.register(Arc::new(rucx_uct_tcp::TcpComponent));
     r
 }
 
 /// The option tables of the services layer, the transport layer and every component.
 pub fn config_tables() -> Vec<&'static [OptionSpec]> {
-    vec![rucx_ucs::log::CONFIG, rucx_ucs::rcache::CONFIG, rucx_uct::CONFIG]
+    vec![
+        rucx_ucs::log::CONFIG,
+        rucx_ucs::rcache::CONFIG,
+        rucx_uct::CONFIG,
+        rucx_uct_posix::CONFIG,
+        rucx_uct_tcp::CONFIG,
+        rucx_cuda::CONFIG,
+    ]
 }
 
 #[cfg(test)]

@@ -693,6 +693,16 @@ impl Worker {
             .collect()
     }
 
+    /// The lanes of `ep`: the active-message lane and the remote-memory-access lane (as
+    /// `transport/device`).
+    pub fn lanes(&self, ep: EpId) -> Result<(String, Option<String>)> {
+        let st = self.st.borrow();
+        st.check_peer(ep.0)?;
+        let name = |i: usize| format!("{}/{}", st.slots[i].attr.tl_name, st.slots[i].attr.dev_name);
+        let p = &st.peers[ep.0];
+        Ok((name(p.am), p.rma.map(name)))
+    }
+
     /// Whether the endpoint failed, and why.
     pub fn ep_error(&self, ep: EpId) -> Option<String> {
         self.st

@@ -1,0 +1,540 @@
+//! Launching: a job of N processes finds its peers.
+//!
+//! Rank and size come from the launcher's environment, in this order: `RUCX_RANK`/`RUCX_SIZE`,
+//! Open MPI (`OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`), PMI (`PMI_RANK`/`PMI_SIZE`),
+//! Slurm (`SLURM_PROCID`/`SLURM_NTASKS`); none of them means a job of one.
+//!
+//! The processes meet at a rendezvous address, `RUCX_BOOTSTRAP=host:port` (in the spirit of
+//! `MASTER_ADDR`): rank 0 listens there, the others connect, every rank sends its worker address
+//! and receives everybody's. When every rank of an Open MPI or PMIx job runs on one host and
+//! `RUCX_BOOTSTRAP` is unset, a loopback port derived from the job id is used, so
+//! `mpirun -np 2 ./app` works as is.
+//!
+//! The bootstrap connection stays open for [`Job::barrier`].
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use rucx_ucp::{Context, EpId, Worker};
+use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result};
+
+/// Launcher options.
+pub static CONFIG: &[OptionSpec] = &[
+    OptionSpec {
+        name: "BOOTSTRAP",
+        kind: OptKind::Str,
+        default: "",
+        help: "host:port where rank 0 listens and the other ranks connect to exchange worker \
+               addresses (like MASTER_ADDR:MASTER_PORT). Empty: derived for single-host MPI jobs.",
+    },
+    OptionSpec {
+        name: "BOOTSTRAP_TIMEOUT",
+        kind: OptKind::Time,
+        default: "60s",
+        help: "How long ranks wait for each other at start-up and in barriers.",
+    },
+    OptionSpec {
+        name: "RANK",
+        kind: OptKind::Str,
+        default: "",
+        help: "This process's rank, when no launcher sets one (with RUCX_SIZE).",
+    },
+    OptionSpec {
+        name: "SIZE",
+        kind: OptKind::Str,
+        default: "",
+        help: "Number of processes in the job, when no launcher sets it (with RUCX_RANK).",
+    },
+];
+
+const MAGIC: &[u8; 8] = b"RUCXBOOT";
+const VERSION: u32 = 1;
+const MAX_ADDR: u32 = 1 << 20;
+
+/// Where rank and size came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of processes.
+    pub size: usize,
+    /// Which launcher variables set them.
+    pub source: &'static str,
+    /// True when every rank is known to run on this host.
+    pub all_local: bool,
+    /// A job identifier shared by all ranks, when the launcher gives one.
+    pub job_id: Option<String>,
+}
+
+fn num(vars: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
+    match vars(name) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| Error::Config {
+                var: name.into(),
+                value: v,
+                reason: "not a non-negative integer".into(),
+                accepted: "a number".into(),
+            }),
+    }
+}
+
+/// Read rank and size from launcher variables (`vars` looks one up).
+pub fn placement(vars: &dyn Fn(&str) -> Option<String>) -> Result<Placement> {
+    const SOURCES: [(&str, &str, &str); 4] = [
+        ("RUCX_RANK", "RUCX_SIZE", "RUCX_RANK/RUCX_SIZE"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"),
+        ("PMI_RANK", "PMI_SIZE", "PMI"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "Slurm"),
+    ];
+    for (r, s, source) in SOURCES {
+        match (num(vars, r)?, num(vars, s)?) {
+            (Some(rank), Some(size)) => {
+                if size == 0 || rank >= size {
+                    return Err(Error::Config {
+                        var: r.into(),
+                        value: rank.to_string(),
+                        reason: format!("rank {rank} is not below the job size {size} ({s})"),
+                        accepted: format!("0..{size}"),
+                    });
+                }
+                let local = num(vars, "OMPI_COMM_WORLD_LOCAL_SIZE")?
+                    .or(num(vars, "SLURM_NTASKS_PER_NODE")?)
+                    .or(num(vars, "MPI_LOCALNRANKS")?);
+                let job_id = ["PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID"]
+                    .iter()
+                    .find_map(|v| vars(v));
+                return Ok(Placement {
+                    rank,
+                    size,
+                    source,
+                    all_local: local == Some(size),
+                    job_id,
+                });
+            }
+            (None, None) => continue,
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(Error::Config {
+                    var: format!("{r}/{s}"),
+                    value: String::new(),
+                    reason: "only one of the pair is set".into(),
+                    accepted: "both or neither".into(),
+                });
+            }
+        }
+    }
+    Ok(Placement {
+        rank: 0,
+        size: 1,
+        source: "no launcher (a job of one)",
+        all_local: true,
+        job_id: None,
+    })
+}
+
+/// The rendezvous address for a placement.
+pub fn rendezvous(p: &Placement, configured: &str) -> Result<Option<SocketAddr>> {
+    if p.size == 1 {
+        return Ok(None);
+    }
+    if !configured.trim().is_empty() {
+        let addr = configured
+            .trim()
+            .to_socket_addrs()
+            .map_err(|e| Error::Config {
+                var: "RUCX_BOOTSTRAP".into(),
+                value: configured.into(),
+                reason: e.to_string(),
+                accepted: "host:port, e.g. 10.0.0.1:29500 or node001:29500".into(),
+            })?
+            .next()
+            .ok_or_else(|| Error::Config {
+                var: "RUCX_BOOTSTRAP".into(),
+                value: configured.into(),
+                reason: "resolves to no address".into(),
+                accepted: "host:port".into(),
+            })?;
+        return Ok(Some(addr));
+    }
+    match (&p.job_id, p.all_local) {
+        (Some(id), true) => {
+            let h = rucx_uct::rkey::fnv1a32(id.as_bytes());
+            let port = 20000 + (h % 20000) as u16;
+            Ok(Some(SocketAddr::from(([127, 0, 0, 1], port))))
+        }
+        _ => Err(Error::Config {
+            var: "RUCX_BOOTSTRAP".into(),
+            value: String::new(),
+            reason: format!(
+                "a job of {} ranks ({}) needs a rendezvous address where rank 0 listens",
+                p.size, p.source
+            ),
+            accepted: "host:port reachable from every rank, e.g. RUCX_BOOTSTRAP=node001:29500"
+                .into(),
+        }),
+    }
+}
+
+fn io(ctx: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |e| Error::io(ctx.to_string(), e)
+}
+
+fn write_msg(s: &mut TcpStream, rank: u32, size: u32, addr: &[u8]) -> Result<()> {
+    let mut b = Vec::with_capacity(24 + addr.len());
+    b.extend_from_slice(MAGIC);
+    for v in [VERSION, rank, size, addr.len() as u32] {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    b.extend_from_slice(addr);
+    s.write_all(&b).map_err(io("bootstrap: sending"))
+}
+
+fn read_u32(s: &mut TcpStream) -> Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b).map_err(io("bootstrap: receiving"))?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn read_msg(s: &mut TcpStream) -> Result<(u32, u32, Vec<u8>)> {
+    let mut m = [0u8; 8];
+    s.read_exact(&mut m).map_err(io("bootstrap: receiving"))?;
+    if &m != MAGIC {
+        return Err(Error::InvalidAddress(
+            "bootstrap: a peer that is not a rucx rank connected (bad magic)".into(),
+        ));
+    }
+    let v = read_u32(s)?;
+    if v != VERSION {
+        return Err(Error::InvalidAddress(format!(
+            "bootstrap: peer speaks version {v}, this build {VERSION}"
+        )));
+    }
+    let rank = read_u32(s)?;
+    let size = read_u32(s)?;
+    let len = read_u32(s)?;
+    if len > MAX_ADDR {
+        return Err(Error::InvalidAddress(format!(
+            "bootstrap: address of {len} bytes"
+        )));
+    }
+    let mut a = vec![0u8; len as usize];
+    s.read_exact(&mut a).map_err(io("bootstrap: receiving"))?;
+    Ok((rank, size, a))
+}
+
+/// Exchange worker addresses; returns every rank's address and the open connections (rank 0:
+/// one per other rank; others: one to rank 0).
+fn exchange(
+    p: &Placement,
+    at: SocketAddr,
+    mine: &[u8],
+    timeout: Duration,
+) -> Result<(Vec<Vec<u8>>, Vec<TcpStream>)> {
+    let deadline = Instant::now() + timeout;
+    let mut table = vec![Vec::new(); p.size];
+    table[p.rank] = mine.to_vec();
+    if p.rank == 0 {
+        let l = TcpListener::bind(at).map_err(|e| {
+            Error::io(
+                format!(
+                    "bootstrap: rank 0 cannot listen on {at} (RUCX_BOOTSTRAP); is the port free?"
+                ),
+                e,
+            )
+        })?;
+        l.set_nonblocking(true).map_err(io("bootstrap"))?;
+        let mut conns: Vec<Option<TcpStream>> = (0..p.size).map(|_| None).collect();
+        let mut joined = 1;
+        while joined < p.size {
+            match l.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).map_err(io("bootstrap"))?;
+                    s.set_read_timeout(Some(Duration::from_secs(10)))
+                        .map_err(io("bootstrap"))?;
+                    let (r, sz, a) = match read_msg(&mut s) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            tracing::warn!("bootstrap: ignoring a bad connection: {e}");
+                            continue;
+                        }
+                    };
+                    let r = r as usize;
+                    if sz as usize != p.size || r == 0 || r >= p.size || conns[r].is_some() {
+                        return Err(Error::InvalidAddress(format!(
+                            "bootstrap: rank {r} of a job of {sz} joined a job of {}; launch every rank with the same size and distinct ranks",
+                            p.size
+                        )));
+                    }
+                    table[r] = a;
+                    conns[r] = Some(s);
+                    joined += 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        let missing: Vec<usize> =
+                            (1..p.size).filter(|r| conns[*r].is_none()).collect();
+                        return Err(Error::Timeout {
+                            after: timeout,
+                            what: format!(
+                                "ranks {missing:?} to join at {at} (RUCX_BOOTSTRAP_TIMEOUT)"
+                            ),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(Error::io("bootstrap: accept", e)),
+            }
+        }
+        let mut out = Vec::new();
+        for c in conns.into_iter().flatten() {
+            let mut c = c;
+            for (r, a) in table.iter().enumerate() {
+                write_msg(&mut c, r as u32, p.size as u32, a)?;
+            }
+            c.set_read_timeout(None).map_err(io("bootstrap"))?;
+            out.push(c);
+        }
+        Ok((table, out))
+    } else {
+        let mut s = loop {
+            match TcpStream::connect_timeout(&at, Duration::from_secs(1)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => {
+                    return Err(Error::io(
+                        format!(
+                            "bootstrap: rank {} cannot reach rank 0 at {at} (RUCX_BOOTSTRAP)",
+                            p.rank
+                        ),
+                        e,
+                    ));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        s.set_nodelay(true).map_err(io("bootstrap"))?;
+        write_msg(&mut s, p.rank as u32, p.size as u32, mine)?;
+        s.set_read_timeout(Some(timeout)).map_err(io("bootstrap"))?;
+        for _ in 0..p.size {
+            let (r, sz, a) = read_msg(&mut s)?;
+            if sz as usize != p.size || r as usize >= p.size {
+                return Err(Error::InvalidAddress(
+                    "bootstrap: inconsistent address table".into(),
+                ));
+            }
+            table[r as usize] = a;
+        }
+        s.set_read_timeout(None).map_err(io("bootstrap"))?;
+        Ok((table, vec![s]))
+    }
+}
+
+/// A running job: this rank's worker and an endpoint to every rank.
+#[derive(Debug)]
+pub struct Job {
+    placement: Placement,
+    ctx: Context,
+    worker: Worker,
+    eps: Vec<EpId>,
+    conns: Vec<TcpStream>,
+    timeout: Duration,
+}
+
+impl Job {
+    /// Start from the environment: configuration, context, worker, bootstrap, endpoints.
+    pub fn from_env() -> Result<Job> {
+        let cfg = crate::config_from_env()?;
+        let vars = |n: &str| std::env::var(n).ok();
+        let p = placement(&vars)?;
+        Self::start(cfg, p)
+    }
+
+    /// Start with an explicit configuration and placement.
+    pub fn start(cfg: Config, p: Placement) -> Result<Job> {
+        let at = rendezvous(&p, cfg.string("BOOTSTRAP"))?;
+        let timeout = cfg.time("BOOTSTRAP_TIMEOUT");
+        let ctx = crate::context(cfg)?;
+        let worker = Worker::new(&ctx)?;
+        let (table, conns) = match at {
+            Some(at) => exchange(&p, at, &worker.address(), timeout)?,
+            None => (vec![worker.address()], Vec::new()),
+        };
+        let mut eps = Vec::with_capacity(p.size);
+        for (r, a) in table.iter().enumerate() {
+            let ep = worker.connect(a).map_err(|e| match e {
+                Error::Unsupported { what, why } => Error::Unsupported {
+                    what: format!("{what} (rank {r})"),
+                    why,
+                },
+                other => other,
+            })?;
+            eps.push(ep);
+        }
+        let job = Job {
+            placement: p,
+            ctx,
+            worker,
+            eps,
+            conns,
+            timeout,
+        };
+        // Make sure every rank's endpoints exist before anyone sends.
+        job.barrier()?;
+        Ok(job)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.placement.rank
+    }
+
+    /// Number of processes.
+    pub fn size(&self) -> usize {
+        self.placement.size
+    }
+
+    /// Where rank and size came from.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// The worker.
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Endpoint to `rank` (to itself for this rank).
+    pub fn ep(&self, rank: usize) -> EpId {
+        self.eps[rank]
+    }
+
+    /// Wait until every rank reached the barrier, progressing the worker meanwhile.
+    pub fn barrier(&self) -> Result<()> {
+        if self.placement.size == 1 {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.timeout;
+        let poll = |s: &TcpStream| -> Result<bool> {
+            s.set_nonblocking(true).map_err(io("barrier"))?;
+            let mut b = [0u8; 1];
+            let r = (&*s).read(&mut b);
+            s.set_nonblocking(false).map_err(io("barrier"))?;
+            match r {
+                Ok(1) => Ok(true),
+                Ok(_) => Err(Error::EndpointFailure {
+                    peer: "bootstrap".into(),
+                    reason: "a rank left the job during a barrier".into(),
+                }),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+                Err(e) => Err(Error::io("barrier", e)),
+            }
+        };
+        let wait = |s: &TcpStream| -> Result<()> {
+            loop {
+                if poll(s)? {
+                    return Ok(());
+                }
+                if Instant::now() > deadline {
+                    return Err(Error::Timeout {
+                        after: self.timeout,
+                        what: "the other ranks to reach a barrier".into(),
+                    });
+                }
+                self.worker.progress();
+            }
+        };
+        if self.placement.rank == 0 {
+            for c in &self.conns {
+                wait(c)?;
+            }
+            for c in &self.conns {
+                (&*c).write_all(&[1]).map_err(io("barrier"))?;
+            }
+        } else {
+            (&self.conns[0]).write_all(&[1]).map_err(io("barrier"))?;
+            wait(&self.conns[0])?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn vars(v: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = v
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        move |n| m.get(n).cloned()
+    }
+
+    #[test]
+    fn launchers_are_recognized_in_order() {
+        let p = placement(&vars(&[])).unwrap();
+        assert_eq!((p.rank, p.size), (0, 1));
+        let p = placement(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("PMIX_NAMESPACE", "job7"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (p.rank, p.size, p.source, p.all_local),
+            (1, 2, "Open MPI", true)
+        );
+        let p = placement(&vars(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4")])).unwrap();
+        assert_eq!((p.rank, p.size, p.source), (3, 4, "Slurm"));
+        let p = placement(&vars(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "8"),
+            ("RUCX_RANK", "2"),
+            ("RUCX_SIZE", "3"),
+        ]))
+        .unwrap();
+        assert_eq!((p.rank, p.size), (2, 3));
+    }
+
+    #[test]
+    fn bad_placements_are_clear_errors() {
+        let e = placement(&vars(&[("RUCX_RANK", "2"), ("RUCX_SIZE", "2")])).unwrap_err();
+        assert!(e.to_string().contains("not below the job size"), "{e}");
+        let e = placement(&vars(&[("RUCX_RANK", "x"), ("RUCX_SIZE", "2")])).unwrap_err();
+        assert!(e.to_string().contains("RUCX_RANK"), "{e}");
+        let e = placement(&vars(&[("RUCX_RANK", "1")])).unwrap_err();
+        assert!(e.to_string().contains("only one"), "{e}");
+    }
+
+    #[test]
+    fn rendezvous_needs_an_address_unless_single_host_mpi() {
+        let p = placement(&vars(&[("RUCX_RANK", "0"), ("RUCX_SIZE", "2")])).unwrap();
+        let e = rendezvous(&p, "").unwrap_err();
+        assert!(e.to_string().contains("RUCX_BOOTSTRAP"), "{e}");
+        assert_eq!(
+            rendezvous(&p, "127.0.0.1:1234").unwrap().unwrap().port(),
+            1234
+        );
+        assert!(rendezvous(&p, "nonsense").is_err());
+        let p = placement(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("PMIX_NAMESPACE", "j"),
+        ]))
+        .unwrap();
+        let a = rendezvous(&p, "").unwrap().unwrap();
+        assert!(a.ip().is_loopback() && (20000..40000).contains(&a.port()));
+    }
+}
