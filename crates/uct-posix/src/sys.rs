@@ -64,7 +64,9 @@ pub fn create_shared_file(backing: SegmentBacking, size: u64) -> Result<File> {
                 CString::new(name.clone()).map_err(|_| Error::Internal("NUL in name".into()))?;
             // SAFETY: `cname` is a valid NUL-terminated string that outlives the call; the flags
             // are valid for memfd_create.
-            let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+            let fd = unsafe {
+                libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+            };
             if fd < 0 {
                 return Err(Error::last_os(format!("posix: memfd_create({name})")));
             }
@@ -105,6 +107,15 @@ pub fn create_shared_file(backing: SegmentBacking, size: u64) -> Result<File> {
     }
     file.set_len(size)
         .map_err(|e| Error::io(format!("posix: sizing segment {name} to {size} bytes"), e))?;
+    if backing == SegmentBacking::Memfd {
+        // Fix the size for good, so that no process mapping the segment can ever fault on a
+        // shrunk file.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: F_ADD_SEALS takes an integer argument; the descriptor is valid.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(Error::last_os(format!("posix: sealing segment {name}")));
+        }
+    }
     Ok(file)
 }
 
@@ -372,6 +383,12 @@ mod tests {
             assert_eq!(m.len(), 4096);
             let again = open_peer_fd(my_pid(), raw_fd(&f) as u32).unwrap();
             assert_eq!(again.metadata().unwrap().len(), 4096);
+            if b == SegmentBacking::Memfd {
+                assert!(
+                    again.set_len(100).is_err(),
+                    "a sealed segment must not shrink"
+                );
+            }
         }
         let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
             .map(|d| {
