@@ -615,3 +615,89 @@ impl Endpoint for PosixEndpoint {
         Ok(OpStatus::Done)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iface(fifo: u32) -> PosixIface {
+        let settings = Settings {
+            fifo_size: fifo,
+            cell_size: 256,
+            segment: None,
+            peer_check: Duration::from_millis(100),
+            allow_ptracer: true,
+        };
+        PosixIface::open(&settings, SegmentBacking::Memfd, true).unwrap()
+    }
+
+    fn params(i: &PosixIface, user_id: u64) -> EpParams {
+        EpParams {
+            dev_addr: i.device_address(),
+            iface_addr: i.iface_address(),
+            user_id,
+        }
+    }
+
+    #[test]
+    fn full_ring_is_no_resource_then_flows_in_order() {
+        let mut rx = iface(4);
+        let mut tx = iface(4);
+        let mut ep = tx.create_ep(&params(&rx, 1)).unwrap();
+        for i in 0..4u64 {
+            ep.am_short(3, i, b"abc").unwrap();
+        }
+        let e = ep.am_short(3, 99, b"abc").unwrap_err();
+        assert!(matches!(e, Error::NoResource(_)), "{e}");
+        let e = ep
+            .am_bcopy(3, &mut rucx_uct::iface::pack_bytes(b"x"))
+            .unwrap_err();
+        assert!(e.is_retryable(), "{e}");
+        let mut got = Vec::new();
+        rx.progress(&mut |ev| {
+            if let Event::Am { id, data } = ev {
+                got.push((
+                    id,
+                    u64::from_le_bytes(data[..8].try_into().unwrap()),
+                    data[8..].to_vec(),
+                ));
+            }
+        });
+        let want: Vec<_> = (0..4u64).map(|i| (3, i, b"abc".to_vec())).collect();
+        assert_eq!(got, want);
+        ep.am_short(3, 4, &[]).unwrap();
+        assert_eq!(rx.progress(&mut |_| {}), 1);
+    }
+
+    #[test]
+    fn limits_and_bad_ids_are_errors_not_retries() {
+        let mut rx = iface(4);
+        let mut tx = iface(4);
+        let lim = tx.attr().limits;
+        assert_eq!(lim.am_max_bcopy, 256 - 32);
+        let mut ep = tx.create_ep(&params(&rx, 1)).unwrap();
+        for e in [
+            ep.am_short(1, 0, &vec![0; lim.am_max_short + 1])
+                .unwrap_err(),
+            ep.am_short(AM_ID_MAX as u8, 0, &[]).unwrap_err(),
+            ep.am_bcopy(
+                1,
+                &mut rucx_uct::iface::pack_bytes(&vec![0; lim.am_max_bcopy + 1]),
+            )
+            .unwrap_err(),
+            ep.am_zcopy(1, &vec![0; lim.am_max_hdr + 1], &[], 0)
+                .unwrap_err(),
+        ] {
+            assert!(!e.is_retryable(), "{e}");
+        }
+        // The failed bcopy left no message and no hole.
+        ep.am_short(1, 7, &[]).unwrap();
+        let mut got = Vec::new();
+        rx.progress(&mut |ev| {
+            if let Event::Am { data, .. } = ev {
+                got.push(data.to_vec());
+            }
+        });
+        assert_eq!(got, vec![7u64.to_le_bytes().to_vec()]);
+    }
+}
