@@ -467,6 +467,16 @@ impl Job {
     }
 }
 
+impl Drop for Job {
+    fn drop(&mut self) {
+        // Leave together: no rank closes its connections while another still runs.
+        self.worker.set_closing();
+        if let Err(e) = self.barrier() {
+            tracing::debug!("final barrier: {e}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -301,6 +301,7 @@ pub(crate) struct State {
     proto_info: bool,
     frag: usize,
     counters: std::collections::BTreeMap<&'static str, u64>,
+    closing: bool,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -409,6 +410,7 @@ impl Worker {
                 proto_info: cfg.bool("PROTO_INFO"),
                 frag,
                 counters: Default::default(),
+                closing: false,
             }),
             handlers: RefCell::new(HashMap::new()),
         })
@@ -701,6 +703,12 @@ impl Worker {
         let name = |i: usize| format!("{}/{}", st.slots[i].attr.tl_name, st.slots[i].attr.dev_name);
         let p = &st.peers[ep.0];
         Ok((name(p.am), p.rma.map(name)))
+    }
+
+    /// Announce an orderly shutdown: peers that disconnect from now on are not reported as
+    /// failures (their pending requests still end with an error).
+    pub fn set_closing(&self) {
+        self.st.borrow_mut().closing = true;
     }
 
     /// Whether the endpoint failed, and why.

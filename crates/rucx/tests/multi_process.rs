@@ -1,0 +1,383 @@
+//! Jobs of real processes over real transports: every protocol threshold crossed, every byte
+//! checked; injected registration failures on one side; a peer that dies mid-transfer; two
+//! network namespaces.
+//!
+//! Each test spawns its ranks as children of this test binary (told apart by `RANK_ROLE`),
+//! which meet through the launcher bootstrap like any rucx job.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rucx::{Error, Job, TAG_MASK_FULL};
+
+const ROLE: &str = "RUCX_TEST_RANK_ROLE";
+const SIZES: &[usize] = &[0, 1, 8191, 8192, 8193, 65536, (1 << 20) + 3, 16 << 20];
+
+fn pattern(rank: usize, n: usize, salt: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i.wrapping_mul(131) ^ (rank * 17) ^ salt) as u8)
+        .collect()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+}
+
+/// Spawn `size` ranks of `test` with per-rank extra environment and launcher prefix; wait for
+/// all and return their exit statuses and output.
+fn run_ranks(
+    test: &str,
+    size: usize,
+    boot: &str,
+    env: &[(&str, &str)],
+    per_rank: &dyn Fn(usize) -> (Vec<String>, Vec<(String, String)>),
+    limit: Duration,
+) -> Vec<(bool, String)> {
+    let exe = std::env::current_exe().unwrap();
+    let mut kids: Vec<Child> = Vec::new();
+    for rank in 0..size {
+        let (prefix, extra) = per_rank(rank);
+        let mut c = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        c.args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(ROLE, "1")
+            .env("RUCX_RANK", rank.to_string())
+            .env("RUCX_SIZE", size.to_string())
+            .env("RUCX_BOOTSTRAP", boot)
+            .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+            .envs(env.iter().map(|(k, v)| (*k, *v)))
+            .envs(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        kids.push(c.spawn().unwrap());
+    }
+    let start = Instant::now();
+    let mut out = Vec::new();
+    for mut k in kids {
+        loop {
+            match k.try_wait().unwrap() {
+                Some(_) => break,
+                None if start.elapsed() > limit => {
+                    let _ = k.kill();
+                    break;
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        let o = k.wait_with_output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out.push((o.status.success(), text));
+    }
+    out
+}
+
+fn assert_all_ok(results: &[(bool, String)]) {
+    for (rank, (ok, text)) in results.iter().enumerate() {
+        assert!(ok, "rank {rank} failed:\n{text}");
+    }
+}
+
+fn in_child() -> bool {
+    std::env::var(ROLE).is_ok()
+}
+
+/// Every rank sends every size to the next rank and receives from the previous one.
+fn ring_all_sizes(job: &Job) {
+    let (rank, size) = (job.rank(), job.size());
+    let w = job.worker();
+    let next = job.ep((rank + 1) % size);
+    let prev = (rank + size - 1) % size;
+    for (k, &n) in SIZES.iter().enumerate() {
+        let send = pattern(rank, n, k);
+        let mut recv = vec![0u8; n];
+        let c = w
+            .scope(|s| {
+                let r = s.tag_recv(&mut recv, k as u64, TAG_MASK_FULL);
+                s.tag_send(next, &send, k as u64).wait()?;
+                r.wait()
+            })
+            .unwrap_or_else(|e| panic!("rank {rank}: size {n}: {e}"));
+        assert_eq!(c.len, n);
+        assert!(
+            recv == pattern(prev, n, k),
+            "rank {rank}: size {n}: data differs"
+        );
+    }
+    println!("rank {rank}: counters {:?}", w.counters());
+}
+
+fn ring_test(test: &str, env: &[(&str, &str)]) -> Vec<(bool, String)> {
+    let boot = format!("127.0.0.1:{}", free_port());
+    let r = run_ranks(
+        test,
+        2,
+        &boot,
+        env,
+        &|_| (vec![], vec![]),
+        Duration::from_secs(120),
+    );
+    assert_all_ok(&r);
+    r
+}
+
+#[test]
+fn posix_two_processes_every_size() {
+    if in_child() {
+        return ring_all_sizes(&Job::from_env().unwrap());
+    }
+    let r = ring_test("posix_two_processes_every_size", &[("RUCX_TLS", "posix")]);
+    assert!(r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
+}
+
+#[test]
+fn posix_two_processes_each_rendezvous_scheme() {
+    if in_child() {
+        return ring_all_sizes(&Job::from_env().unwrap());
+    }
+    for (scheme, seen) in [
+        ("put_zcopy", "rendezvous receive by remote write"),
+        ("am", "rendezvous receive streamed"),
+    ] {
+        let r = ring_test(
+            "posix_two_processes_each_rendezvous_scheme",
+            &[("RUCX_TLS", "posix"), ("RUCX_RNDV_SCHEME", scheme)],
+        );
+        assert!(r[1].1.contains(seen), "{scheme}: {}", r[1].1);
+    }
+}
+
+#[test]
+fn tcp_two_processes_every_size() {
+    if in_child() {
+        return ring_all_sizes(&Job::from_env().unwrap());
+    }
+    ring_test(
+        "tcp_two_processes_every_size",
+        &[("RUCX_TLS", "tcp"), ("RUCX_TCP_IFACES", "lo")],
+    );
+}
+
+#[test]
+fn receiver_registration_failures_are_survived() {
+    if in_child() {
+        let job = Job::from_env().unwrap();
+        ring_all_sizes(&job);
+        for d in job.context().demotions() {
+            println!("rank {}: DEMOTED {} {}", job.rank(), d.md, d.mem_type);
+        }
+        return;
+    }
+    let boot = format!("127.0.0.1:{}", free_port());
+    // Only rank 1 fails registrations (after the first two): it must steer rank 0 to stream.
+    let r = run_ranks(
+        "receiver_registration_failures_are_survived",
+        2,
+        &boot,
+        &[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "16K")],
+        &|rank| {
+            let env = if rank == 1 {
+                vec![(
+                    "RUCX_FAULT_INJECT".to_string(),
+                    "md=posix,mem=host,after=2".to_string(),
+                )]
+            } else {
+                vec![]
+            };
+            (vec![], env)
+        },
+        Duration::from_secs(120),
+    );
+    assert_all_ok(&r);
+    assert!(r[1].1.contains("DEMOTED posix host"), "{}", r[1].1);
+    assert!(!r[0].1.contains("DEMOTED"), "{}", r[0].1);
+    let warnings = r[1].1.matches("cannot register host memory").count();
+    assert_eq!(warnings, 1, "exactly one warning expected:\n{}", r[1].1);
+    assert!(r[1].1.contains("RUCX_REG_SKIP=posix:host"), "{}", r[1].1);
+}
+
+#[test]
+fn peer_dying_mid_transfer_fails_pending_requests_and_others_go_on() {
+    if in_child() {
+        let job = Job::from_env().unwrap();
+        let w = job.worker();
+        match job.rank() {
+            0 => {
+                let big = pattern(0, 8 << 20, 1);
+                let mut from2 = vec![0u8; 8 << 20];
+                let t = Instant::now();
+                let (s, r) = w.scope(|s| {
+                    // Rank 2 dies without receiving this, maybe while we read its message.
+                    let r = s.tag_recv(&mut from2, 99, TAG_MASK_FULL);
+                    let sd = s.tag_send(job.ep(2), &big, 42);
+                    (sd.wait(), r.wait_timeout(Duration::from_secs(20)))
+                });
+                let el = t.elapsed();
+                println!(
+                    "rank 0: send {s:?} recv {:?} after {el:?}",
+                    r.as_ref().map(|c| c.len)
+                );
+                assert!(matches!(s, Err(Error::EndpointFailure { .. })), "{s:?}");
+                match r {
+                    Ok(c) => assert!(c.len == 8 << 20 && from2 == pattern(2, 8 << 20, 3)),
+                    Err(Error::EndpointFailure { .. }) => {}
+                    Err(e) => panic!("receive from the dying peer: {e}"),
+                }
+                assert!(el < Duration::from_secs(15), "took {el:?}");
+                // Rank 1 still works.
+                let msg = pattern(0, 100_000, 2);
+                let mut back = vec![0u8; 100_000];
+                w.scope(|s| {
+                    let r = s.tag_recv(&mut back, 7, TAG_MASK_FULL);
+                    s.tag_send(job.ep(1), &msg, 7).wait().unwrap();
+                    r.wait().unwrap();
+                });
+                assert!(back == pattern(1, 100_000, 2));
+                println!("rank 0: survived");
+                std::mem::forget(job);
+            }
+            1 => {
+                let msg = pattern(1, 100_000, 2);
+                let mut got = vec![0u8; 100_000];
+                w.scope(|s| {
+                    let r = s.tag_recv(&mut got, 7, TAG_MASK_FULL);
+                    s.tag_send(job.ep(0), &msg, 7).wait().unwrap();
+                    r.wait().unwrap();
+                });
+                assert!(got == pattern(0, 100_000, 2));
+                std::mem::forget(job);
+            }
+            _ => {
+                // Offer a large message to rank 0, wait for its rendezvous request to arrive,
+                // then die without answering either.
+                let msg = pattern(2, 8 << 20, 3);
+                w.scope(|s| {
+                    let _pending = s.tag_send(job.ep(0), &msg, 99);
+                    let t = Instant::now();
+                    while w.probe(42, TAG_MASK_FULL).is_none()
+                        && t.elapsed() < Duration::from_secs(20)
+                    {
+                        w.progress();
+                    }
+                    std::process::exit(0);
+                })
+            }
+        }
+        return;
+    }
+    let boot = format!("127.0.0.1:{}", free_port());
+    let r = run_ranks(
+        "peer_dying_mid_transfer_fails_pending_requests_and_others_go_on",
+        3,
+        &boot,
+        &[("RUCX_TLS", "posix")],
+        &|_| (vec![], vec![]),
+        Duration::from_secs(90),
+    );
+    assert_all_ok(&r);
+    assert!(r[0].1.contains("rank 0: survived"), "{}", r[0].1);
+    println!("{}", r[0].1);
+}
+
+struct Netns {
+    names: [String; 2],
+}
+
+impl Netns {
+    fn create(tag: &str) -> Result<Netns, String> {
+        let a = format!("rucx-{tag}-a");
+        let b = format!("rucx-{tag}-b");
+        let sh = |args: &[&str]| -> Result<(), String> {
+            let o = Command::new("ip")
+                .args(args)
+                .output()
+                .map_err(|e| format!("ip: {e}"))?;
+            if o.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "ip {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&o.stderr)
+                ))
+            }
+        };
+        let _ = Command::new("ip").args(["netns", "del", &a]).output();
+        let _ = Command::new("ip").args(["netns", "del", &b]).output();
+        let ns = Netns {
+            names: [a.clone(), b.clone()],
+        };
+        sh(&["netns", "add", &a])?;
+        sh(&["netns", "add", &b])?;
+        let va = format!("rx{tag}a");
+        let vb = format!("rx{tag}b");
+        sh(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+        sh(&["link", "set", &va, "netns", &a])?;
+        sh(&["link", "set", &vb, "netns", &b])?;
+        sh(&["-n", &a, "addr", "add", "10.213.77.1/24", "dev", &va])?;
+        sh(&["-n", &b, "addr", "add", "10.213.77.2/24", "dev", &vb])?;
+        for (n, v) in [(&a, &va), (&b, &vb)] {
+            sh(&["-n", n, "link", "set", v, "up"])?;
+            sh(&["-n", n, "link", "set", "lo", "up"])?;
+        }
+        Ok(ns)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).output();
+        }
+    }
+}
+
+#[test]
+fn tcp_across_two_network_namespaces() {
+    if in_child() {
+        return ring_all_sizes(&Job::from_env().unwrap());
+    }
+    let ns = match Netns::create("ucp") {
+        Ok(ns) => ns,
+        Err(e) => {
+            println!("SKIPPED: cannot create network namespaces here: {e}");
+            return;
+        }
+    };
+    let names = ns.names.clone();
+    let r = run_ranks(
+        "tcp_across_two_network_namespaces",
+        2,
+        "10.213.77.1:29577",
+        &[("RUCX_TLS", "tcp")],
+        &|rank| {
+            (
+                vec![
+                    "ip".into(),
+                    "netns".into(),
+                    "exec".into(),
+                    names[rank].clone(),
+                ],
+                vec![(
+                    "RUCX_TCP_IFACES".into(),
+                    format!("rxucp{}", if rank == 0 { "a" } else { "b" }),
+                )],
+            )
+        },
+        Duration::from_secs(120),
+    );
+    drop(ns);
+    assert_all_ok(&r);
+}
