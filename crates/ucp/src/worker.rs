@@ -1442,6 +1442,7 @@ impl State {
                     self.account(rid, token, st);
                 }
                 Err(e) if e.is_retryable() => return Ok(false),
+                Err(e @ Error::EndpointFailure { .. }) => return Err(e),
                 Err(e) => {
                     // Could not read: steer the sender to stream instead (no byte lost).
                     tracing::warn!(
@@ -1716,6 +1717,7 @@ impl State {
             // A failed read: fall back to streaming (not one byte lost).
             if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind
                 && rv.via_get
+                && !matches!(e, Error::EndpointFailure { .. })
             {
                 tracing::warn!("rendezvous read failed ({e}); asking the sender to stream instead");
                 self.restart_as_stream(id);
