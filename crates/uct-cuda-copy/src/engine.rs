@@ -1,0 +1,384 @@
+//! The copy engine shared by the CUDA transports: asynchronous copies on per-device streams,
+//! completion through events polled by progress.
+//!
+//! Work goes to *lanes*: one non-blocking stream per ([`LaneKey::device`], [`LaneKey::lane`])
+//! pair, created on first use. Each posted operation queues its copies on one lane and records
+//! an event after them; [`CopyEngine::progress`] polls the oldest event of every lane (events of
+//! one stream complete in order) and reports [`Event::Completion`] with the operation's token.
+//! Any number of operations (up to the configured bound) can be in flight at once, on one lane
+//! or several.
+//!
+//! Whatever keeps the memory of an operation alive (memory handles, opened IPC mappings) is
+//! handed to [`CopyEngine::post`] and dropped only once the copy has finished, so a buffer is
+//! never released under a transfer. Dropping the engine waits for every stream.
+
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::Mutex;
+
+use rucx_cuda::{Event as CuEvent, Stream, driver, memcpy_async};
+use rucx_ucs::{Error, Result};
+use rucx_uct::{Event, OpStatus};
+
+/// Which stream an operation runs on: a device and a lane number chosen by the transport
+/// (for example one lane per copy direction).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LaneKey {
+    /// CUDA ordinal of the device whose context owns the stream.
+    pub device: u32,
+    /// Transport-defined lane number.
+    pub lane: u8,
+}
+
+/// One copy of `len` bytes from `src` to `dst` (addresses in this process's unified address
+/// space: host, device or mapped peer memory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyOp {
+    /// Destination address.
+    pub dst: u64,
+    /// Source address.
+    pub src: u64,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// Something that must stay alive until an operation's copies have finished.
+pub type KeepAlive = Box<dyn Any + Send>;
+
+/// Events kept for reuse per device, at most.
+const EVENT_POOL_MAX: usize = 128;
+
+struct Pending {
+    seq: u64,
+    event: CuEvent,
+    /// `None` for the remains of an operation that failed half-way (nothing is reported).
+    token: Option<u64>,
+    _keep: Vec<KeepAlive>,
+}
+
+struct LaneState {
+    key: LaneKey,
+    stream: Stream,
+    pending: VecDeque<Pending>,
+}
+
+struct State {
+    lanes: Vec<LaneState>,
+    free_events: HashMap<u32, Vec<CuEvent>>,
+    max_inflight: usize,
+    inflight: usize,
+    next_seq: u64,
+    /// Flushes waiting: (every operation with a smaller sequence number must finish, token).
+    flushes: VecDeque<(u64, u64)>,
+}
+
+impl State {
+    fn lane(&mut self, key: LaneKey) -> Result<&mut LaneState> {
+        let idx = match self.lanes.iter().position(|l| l.key == key) {
+            Some(i) => i,
+            None => {
+                let ctx = driver()?.context(key.device)?;
+                let stream = Stream::new(ctx)?;
+                self.lanes.push(LaneState {
+                    key,
+                    stream,
+                    pending: VecDeque::new(),
+                });
+                self.lanes.len() - 1
+            }
+        };
+        Ok(&mut self.lanes[idx])
+    }
+
+    fn take_event(&mut self, device: u32) -> Result<CuEvent> {
+        if let Some(e) = self.free_events.get_mut(&device).and_then(Vec::pop) {
+            return Ok(e);
+        }
+        CuEvent::new(driver()?.context(device)?)
+    }
+
+    fn give_event(&mut self, device: u32, e: CuEvent) {
+        let pool = self.free_events.entry(device).or_default();
+        if pool.len() < EVENT_POOL_MAX {
+            pool.push(e);
+        }
+    }
+
+    fn min_pending_seq(&self) -> u64 {
+        self.lanes
+            .iter()
+            .filter_map(|l| l.pending.front().map(|p| p.seq))
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    fn synchronize_all(&self) -> Result<()> {
+        let mut first = Ok(());
+        for l in &self.lanes {
+            if let Err(e) = l.stream.synchronize()
+                && first.is_ok()
+            {
+                first = Err(e);
+            }
+        }
+        first
+    }
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        // Copies still running read or write memory that the pending entries keep alive:
+        // wait for them before those entries (and the streams) go.
+        if let Err(e) = self.synchronize_all() {
+            tracing::warn!("waiting for CUDA copies at shutdown: {e}");
+        }
+    }
+}
+
+/// Asynchronous copies on CUDA streams with completion tokens. Thread-safe; an interface and
+/// its endpoints share one engine through an `Arc`.
+pub struct CopyEngine {
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for CopyEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.lock();
+        f.debug_struct("CopyEngine")
+            .field("lanes", &s.lanes.iter().map(|l| l.key).collect::<Vec<_>>())
+            .field("inflight", &s.inflight)
+            .field("max_inflight", &s.max_inflight)
+            .finish()
+    }
+}
+
+impl CopyEngine {
+    /// An engine that accepts at most `max_inflight` uncompleted operations (at least 1);
+    /// beyond that posting returns [`Error::NoResource`]. No stream exists until the first post.
+    pub fn new(max_inflight: usize) -> CopyEngine {
+        CopyEngine {
+            state: Mutex::new(State {
+                lanes: Vec::new(),
+                free_events: HashMap::new(),
+                max_inflight: max_inflight.max(1),
+                inflight: 0,
+                next_seq: 0,
+                flushes: VecDeque::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Operations posted and not yet reported complete.
+    pub fn inflight(&self) -> usize {
+        self.lock().inflight
+    }
+
+    /// Queue `copies` on `key`'s stream, then an event; [`progress`](Self::progress) reports
+    /// `token` once they have all finished. Returns [`OpStatus::Done`] when there was nothing to
+    /// copy, [`Error::NoResource`] when `max_inflight` operations are pending (nothing was
+    /// queued: progress and retry).
+    ///
+    /// If queuing fails part-way, the copies already queued run to the end (their memory is
+    /// kept alive until then), nothing is reported for `token`, and the error is returned.
+    ///
+    /// # Safety
+    /// Every `src..src+len` must be readable and every `dst..dst+len` writable memory known to
+    /// the CUDA driver's unified address space (or host memory), and must stay allocated until
+    /// the completion is reported; `keep` holds whatever guarantees that (it is dropped after
+    /// the copies finish). The destination must not be accessed by anyone else meanwhile.
+    pub unsafe fn post(
+        &self,
+        key: LaneKey,
+        copies: &[CopyOp],
+        token: u64,
+        keep: Vec<KeepAlive>,
+    ) -> Result<OpStatus> {
+        if copies.iter().all(|c| c.len == 0) {
+            return Ok(OpStatus::Done);
+        }
+        let mut st = self.lock();
+        if st.inflight >= st.max_inflight {
+            return Err(Error::NoResource(format!(
+                "{} CUDA copies in flight (the limit)",
+                st.inflight
+            )));
+        }
+        let event = st.take_event(key.device)?;
+        let seq = st.next_seq;
+        let lane = st.lane(key)?;
+        let mut queued = 0usize;
+        let mut failure = None;
+        for c in copies.iter().filter(|c| c.len > 0) {
+            // SAFETY: forwarded to this function's contract.
+            match unsafe { memcpy_async(c.dst, c.src, c.len, &lane.stream) } {
+                Ok(()) => queued += 1,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if queued == 0 {
+            let e = failure.unwrap_or_else(|| Error::Internal("no copy queued".into()));
+            st.give_event(key.device, event);
+            return Err(e);
+        }
+        if let Err(e) = event.record(&lane.stream) {
+            // Cannot track the copies: wait for them here.
+            lane.stream.synchronize()?;
+            drop(keep);
+            return match failure {
+                Some(f) => Err(f),
+                None => {
+                    tracing::debug!("event record failed ({e}); copy completed synchronously");
+                    Ok(OpStatus::Done)
+                }
+            };
+        }
+        lane.pending.push_back(Pending {
+            seq,
+            event,
+            token: if failure.is_some() { None } else { Some(token) },
+            _keep: keep,
+        });
+        st.next_seq += 1;
+        st.inflight += 1;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(OpStatus::InProgress),
+        }
+    }
+
+    /// Queue `copies` on `key`'s stream (after everything queued there before) and wait for
+    /// them. For small synchronous operations such as `put_short`.
+    ///
+    /// # Safety
+    /// As [`post`](Self::post), for the duration of the call.
+    pub unsafe fn copy_sync(&self, key: LaneKey, copies: &[CopyOp]) -> Result<()> {
+        if copies.iter().all(|c| c.len == 0) {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        let lane = st.lane(key)?;
+        for c in copies.iter().filter(|c| c.len > 0) {
+            // SAFETY: forwarded to this function's contract.
+            unsafe { memcpy_async(c.dst, c.src, c.len, &lane.stream) }?;
+        }
+        lane.stream.synchronize()
+    }
+
+    /// Report `token` once every operation posted before this call has finished:
+    /// [`OpStatus::Done`] when none is pending.
+    pub fn flush(&self, token: u64) -> Result<OpStatus> {
+        let mut st = self.lock();
+        if st.lanes.iter().all(|l| l.pending.is_empty()) {
+            return Ok(OpStatus::Done);
+        }
+        let wm = st.next_seq;
+        st.flushes.push_back((wm, token));
+        Ok(OpStatus::InProgress)
+    }
+
+    /// Block until every queued copy has finished (completions are still reported by
+    /// [`progress`](Self::progress)). Used as a fence across lanes.
+    pub fn synchronize(&self) -> Result<()> {
+        self.lock().synchronize_all()
+    }
+
+    /// Report finished operations and flushes to `sink` (no lock is held while it runs).
+    /// Returns the number of events delivered.
+    pub fn progress(&self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
+        let mut out: Vec<(u64, Result<()>)> = Vec::new();
+        {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let mut recycled: Vec<(u32, CuEvent)> = Vec::new();
+            for lane in &mut st.lanes {
+                while let Some(front) = lane.pending.front() {
+                    let res = match front.event.query() {
+                        Ok(false) => break,
+                        Ok(true) => Ok(()),
+                        Err(e) => Err(e),
+                    };
+                    let p = lane.pending.pop_front().expect("front exists");
+                    st.inflight -= 1;
+                    if res.is_ok() {
+                        recycled.push((lane.key.device, p.event));
+                    }
+                    if let Some(t) = p.token {
+                        out.push((t, res));
+                    }
+                }
+            }
+            for (d, e) in recycled {
+                st.give_event(d, e);
+            }
+            let min = st.min_pending_seq();
+            while let Some(&(wm, tok)) = st.flushes.front() {
+                if min < wm {
+                    break;
+                }
+                st.flushes.pop_front();
+                out.push((tok, Ok(())));
+            }
+        }
+        let n = out.len();
+        for (token, result) in out {
+            sink(Event::Completion { token, result });
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_to_copy_is_done_without_a_driver() {
+        let e = CopyEngine::new(0);
+        let key = LaneKey { device: 0, lane: 0 };
+        let copies = [CopyOp {
+            dst: 0x1000,
+            src: 0x2000,
+            len: 0,
+        }];
+        // SAFETY: zero-length copies touch no memory.
+        let st = unsafe { e.post(key, &copies, 7, vec![]) }.unwrap();
+        assert_eq!(st, OpStatus::Done);
+        // SAFETY: as above.
+        unsafe { e.copy_sync(key, &copies) }.unwrap();
+        assert_eq!(e.flush(1).unwrap(), OpStatus::Done);
+        assert_eq!(e.inflight(), 0);
+        let mut n = 0;
+        assert_eq!(e.progress(&mut |_| n += 1), 0);
+        assert_eq!(n, 0);
+        e.synchronize().unwrap();
+        assert!(format!("{e:?}").contains("max_inflight: 1"));
+    }
+
+    #[test]
+    fn posting_without_a_driver_is_an_error_not_a_crash() {
+        if driver().is_ok() {
+            return; // covered by tests/gpu.rs
+        }
+        let e = CopyEngine::new(4);
+        let v = [0u8; 8];
+        let mut w = [0u8; 8];
+        let copies = [CopyOp {
+            dst: w.as_mut_ptr() as u64,
+            src: v.as_ptr() as u64,
+            len: 8,
+        }];
+        let key = LaneKey { device: 0, lane: 1 };
+        // SAFETY: both ranges are live local arrays; without a driver nothing is queued.
+        let err = unsafe { e.post(key, &copies, 1, vec![]) }.unwrap_err();
+        assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+        assert_eq!(e.inflight(), 0);
+    }
+}
