@@ -231,6 +231,43 @@ fn wrap(text: &str, width: usize) -> Vec<String> {
     lines
 }
 
+/// `-e`: the protocol tables a worker would use, to itself and to another worker on this host
+/// (as a peer process would be reached).
+pub fn render_endpoints(config: Config) -> rucx_ucs::Result<String> {
+    let ctx = rucx_ucp::Context::new(&rucx_transports::registry(), config)?;
+    let a = rucx_ucp::Worker::new(&ctx)?;
+    let b = rucx_ucp::Worker::new(&ctx)?;
+    let mut out = String::new();
+    for (what, addr) in [
+        ("itself", a.address()),
+        ("another worker on this host", b.address()),
+    ] {
+        let _ = writeln!(out, "# endpoint to {what}:");
+        match a.connect(&addr) {
+            Ok(ep) => {
+                let (am, rma) = a.lanes(ep)?;
+                let _ = writeln!(
+                    out,
+                    "#   lanes: active messages {am}, remote memory access {}",
+                    rma.as_deref().unwrap_or("none")
+                );
+                let _ = writeln!(out, "{}", a.proto_info(ep)?);
+            }
+            Err(e) => {
+                let _ = writeln!(out, "#   unreachable: {e}");
+            }
+        }
+    }
+    let d = ctx.demotions();
+    if !d.is_empty() {
+        let _ = writeln!(out, "# demotions:");
+        for x in d {
+            let _ = writeln!(out, "#   {x} ({})", x.knob);
+        }
+    }
+    Ok(out)
+}
+
 /// `-v`: version and what was built in.
 pub fn render_version(d: &Discovery) -> String {
     let mut out = String::new();
@@ -295,6 +332,23 @@ mod tests {
         let s = render_devices(&d, &cfg);
         assert!(!s.contains("Memory domain: self"));
         assert!(s.contains("Left out by RUCX_TLS=^self: self"), "{s}");
+    }
+
+    #[test]
+    fn endpoint_tables_for_self_and_a_second_worker() {
+        let mut tables = rucx_transports::config_tables();
+        tables.push(rucx_ucp::CONFIG);
+        let cfg = Config::from_vars(&tables, [("RUCX_TLS", "self,posix")]).unwrap();
+        let s = render_endpoints(cfg).unwrap();
+        assert!(
+            s.contains("endpoint to itself") && s.contains("self/memory0"),
+            "{s}"
+        );
+        assert!(
+            s.contains("another worker on this host") && s.contains("posix/memory"),
+            "{s}"
+        );
+        assert!(s.contains("eager short") && s.contains("rendezvous"), "{s}");
     }
 
     #[test]

@@ -15,6 +15,12 @@ struct Args {
     /// Every configuration option with its current value and help.
     #[arg(short = 'c')]
     config: bool,
+    /// The per-GPU GPU-direct report: what works, and why not.
+    #[arg(long = "gpu")]
+    gpu: bool,
+    /// Protocol selection tables of endpoints created with the current configuration.
+    #[arg(short = 'e')]
+    endpoints: bool,
     /// Version and built-in components.
     #[arg(short = 'v', long = "version")]
     show_version: bool,
@@ -23,7 +29,9 @@ struct Args {
 fn main() -> ExitCode {
     rucx_ucs::log::init();
     let args = Args::parse();
-    let cfg = match Config::from_env(&rucx_transports::config_tables()) {
+    let mut tables = rucx_transports::config_tables();
+    tables.push(rucx_ucp::CONFIG);
+    let cfg = match Config::from_env(&tables) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("rucx-info: {e}");
@@ -37,7 +45,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let none = !(args.devices || args.config || args.show_version);
+    let none = !(args.devices || args.config || args.show_version || args.gpu || args.endpoints);
     if args.show_version || none {
         print!("{}", rucx_info::render_version(&discovery));
     }
@@ -46,6 +54,18 @@ fn main() -> ExitCode {
     }
     if args.config {
         print!("{}", rucx_info::render_config(&cfg));
+    }
+    if args.gpu {
+        print!("{}", rucx_cuda::report().render());
+    }
+    if args.endpoints {
+        match rucx_info::render_endpoints(cfg.clone()) {
+            Ok(s) => print!("{s}"),
+            Err(e) => {
+                eprintln!("rucx-info -e: {e}");
+                return ExitCode::from(2);
+            }
+        }
     }
     ExitCode::SUCCESS
 }
