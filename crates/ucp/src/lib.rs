@@ -18,6 +18,7 @@
 pub mod address;
 pub mod config;
 pub mod context;
+mod fxhash;
 pub mod matching;
 pub mod proto;
 mod scope;

@@ -14,6 +14,7 @@ use rucx_uct::{
 
 use crate::address::{IfaceEntry, WorkerAddress};
 use crate::context::Context;
+use crate::fxhash::FxHashMap;
 use crate::matching::{Tag, TagMatcher};
 use crate::proto::{self, LaneInfo, Proto, Range};
 use crate::wire::{self, Msg, MsgKind, NamedKey};
@@ -96,7 +97,7 @@ enum Pending {
 struct Peer {
     remote: WorkerAddress,
     /// uct endpoints by local interface index.
-    eps: HashMap<usize, Box<dyn Endpoint>>,
+    eps: FxHashMap<usize, Box<dyn Endpoint>>,
     connected: bool,
     am: usize,
     rma: Option<usize>,
@@ -290,13 +291,13 @@ pub(crate) struct State {
     slots: Vec<Slot>,
     address: WorkerAddress,
     peers: Vec<Peer>,
-    by_uuid: HashMap<u64, usize>,
+    by_uuid: FxHashMap<u64, usize>,
     matcher: TagMatcher<u64, Unexp>,
-    reqs: HashMap<u64, Req>,
+    reqs: FxHashMap<u64, Req>,
     next_id: u64,
-    tokens: HashMap<u64, u64>,
+    tokens: FxHashMap<u64, u64>,
     next_token: u64,
-    rx: HashMap<(u64, u64), RxDest>,
+    rx: FxHashMap<(u64, u64), RxDest>,
     am_inbox: Vec<AmMessage>,
     proto_info: bool,
     frag: usize,
@@ -399,13 +400,13 @@ impl Worker {
                 slots,
                 address,
                 peers: Vec::new(),
-                by_uuid: HashMap::new(),
+                by_uuid: FxHashMap::default(),
                 matcher: TagMatcher::new(),
-                reqs: HashMap::new(),
+                reqs: FxHashMap::default(),
                 next_id: 1,
-                tokens: HashMap::new(),
+                tokens: FxHashMap::default(),
                 next_token: 1,
-                rx: HashMap::new(),
+                rx: FxHashMap::default(),
                 am_inbox: Vec::new(),
                 proto_info: cfg.bool("PROTO_INFO"),
                 frag,
@@ -908,7 +909,7 @@ impl State {
         self.by_uuid.insert(remote.uuid, p);
         self.peers.push(Peer {
             remote,
-            eps: HashMap::new(),
+            eps: FxHashMap::default(),
             connected: false,
             am: usize::MAX,
             rma: None,
