@@ -32,6 +32,14 @@ pub static CONFIG: &[OptionSpec] = &[
         help: "Largest single zero-copy operation of a rendezvous transfer.",
     },
     OptionSpec {
+        name: "RNDV_FRAG_COUNT",
+        kind: OptKind::Uint,
+        default: "8",
+        help: "Pinned host staging fragments of RNDV_FRAG_SIZE for GPU memory pipelines, per \
+               direction (sends and receives each get this many). Staging lives in host memory, \
+               so it never uses a GPU's BAR1 aperture.",
+    },
+    OptionSpec {
         name: "PROTO_INFO",
         kind: OptKind::Bool,
         default: "n",

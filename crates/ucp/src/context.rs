@@ -240,6 +240,25 @@ impl Context {
         }
     }
 
+    /// Classify a buffer: the first domain that detects it names its memory type and device;
+    /// memory no domain claims is host memory.
+    pub fn detect(&self, addr: usize, len: usize) -> (MemoryType, Option<u32>) {
+        for slot in &self.inner.domains {
+            if slot
+                .md
+                .attr()
+                .types_with(rucx_uct::MemTypeFlags::DETECT)
+                .is_empty()
+            {
+                continue;
+            }
+            if let Ok(Some(r)) = slot.md.detect_mem_type(addr, len) {
+                return (r.mem_type, r.device);
+            }
+        }
+        (MemoryType::Host, None)
+    }
+
     /// Take a domain out of `reg_domains` for the failed memory type and device.
     pub fn demote(&self, r: &RegError) {
         let device = if r.mem_type.is_gpu() { r.device } else { None };

@@ -16,6 +16,7 @@
 //! the caller (`rucx-transports`).
 
 pub mod address;
+mod buf;
 pub mod config;
 pub mod context;
 mod fxhash;
@@ -25,6 +26,7 @@ mod scope;
 pub mod wire;
 mod worker;
 
+pub use buf::{RecvBuf, SendBuf};
 pub use config::CONFIG;
 pub use context::{Context, Demotion};
 pub use matching::Tag;

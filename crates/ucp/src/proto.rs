@@ -25,6 +25,9 @@ pub enum Proto {
     RndvPut,
     /// Rendezvous, the sender streams active messages once the receiver is ready.
     RndvAm,
+    /// Rendezvous for GPU memory without a zero-copy path: the sender stages fragments in
+    /// pinned host memory, the receiver reads each one and copies it on (pipelined).
+    RndvPipeline,
 }
 
 impl Proto {
@@ -38,6 +41,7 @@ impl Proto {
             Proto::RndvGet => "rendezvous zero-copy read from remote",
             Proto::RndvPut => "rendezvous zero-copy write to remote",
             Proto::RndvAm => "rendezvous fragmented copy-in copy-out",
+            Proto::RndvPipeline => "rendezvous pipelined through host staging",
         }
     }
 
@@ -48,7 +52,10 @@ impl Proto {
 
     /// True for rendezvous protocols.
     pub fn is_rndv(self) -> bool {
-        matches!(self, Proto::RndvGet | Proto::RndvPut | Proto::RndvAm)
+        matches!(
+            self,
+            Proto::RndvGet | Proto::RndvPut | Proto::RndvAm | Proto::RndvPipeline
+        )
     }
 }
 

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use rucx_ucs::Result;
 
+use crate::buf::{RecvBuf, SendBuf};
 use crate::matching::Tag;
 use crate::worker::{Completion, EpId, RkeyBundle, Worker};
 
@@ -71,21 +72,27 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         }
     }
 
-    /// Send `buf` with `tag` to `ep`.
-    pub fn tag_send(&'scope self, ep: EpId, buf: &'scope [u8], tag: Tag) -> Request<'scope> {
-        self.track(
-            self.worker
-                .post_send(ep, buf.as_ptr() as usize, buf.len(), tag),
-        )
+    /// Send `buf` with `tag` to `ep`. `buf` is a host slice (`&[u8]`, `&Vec<u8>`) or any
+    /// memory by address ([`SendBuf::from_raw`], GPU memory included).
+    pub fn tag_send(
+        &'scope self,
+        ep: EpId,
+        buf: impl Into<SendBuf<'scope>>,
+        tag: Tag,
+    ) -> Request<'scope> {
+        self.track(self.worker.post_send(ep, buf.into(), tag))
     }
 
-    /// Receive a message whose tag matches `tag` under `mask` (0 = any) into `buf`. A longer
-    /// message completes the request with [`Error::Truncated`](rucx_ucs::Error::Truncated);
-    /// nothing is written past the buffer.
-    pub fn tag_recv(&'scope self, buf: &'scope mut [u8], tag: Tag, mask: Tag) -> Request<'scope> {
-        let id = self
-            .worker
-            .post_recv(buf.as_mut_ptr() as usize, buf.len(), tag, mask);
+    /// Receive a message whose tag matches `tag` under `mask` (0 = any) into `buf` (a host
+    /// slice or [`RecvBuf::from_raw`]). A longer message completes the request with
+    /// [`Error::Truncated`](rucx_ucs::Error::Truncated); nothing is written past the buffer.
+    pub fn tag_recv(
+        &'scope self,
+        buf: impl Into<RecvBuf<'scope>>,
+        tag: Tag,
+        mask: Tag,
+    ) -> Request<'scope> {
+        let id = self.worker.post_recv(buf.into(), tag, mask);
         self.track(Ok(id))
     }
 

@@ -29,6 +29,15 @@ pub const AM_RNDV_DATA: AmId = 9;
 pub const AM_RNDV_FIN: AmId = 10;
 /// User active message in one piece: src, user id, header, data.
 pub const AM_USER: AmId = 11;
+/// Rendezvous: receiver asks the sender to stage its (device) buffer in host fragments and
+/// announce each one; src, sender request, receiver request.
+pub const AM_RNDV_PULL: AmId = 12;
+/// Rendezvous: a staged fragment is ready to be read: src, receiver request, sender request,
+/// offset, length, staging address, fragment index, named key of the staging buffer.
+pub const AM_RNDV_FRAG: AmId = 13;
+/// Rendezvous: the receiver has read a staged fragment; the sender may reuse it: src, sender
+/// request, fragment index, length.
+pub const AM_RNDV_FRAG_ACK: AmId = 14;
 
 /// What a multi-fragment eager message carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,14 +80,35 @@ pub enum Msg<'a> {
         offset: u64,
         data: &'a [u8],
     },
-    /// Request to send.
+    /// Request to send (`smem`: the sender's memory type code, see [`mem_code`]).
     Rts {
         src: u64,
         tag: u64,
         sreq: u64,
         size: u64,
         addr: u64,
+        smem: u8,
         keys: Vec<NamedKey>,
+    },
+    /// Stage and announce fragments.
+    Pull { src: u64, sreq: u64, rreq: u64 },
+    /// A staged fragment.
+    Frag {
+        src: u64,
+        rreq: u64,
+        sreq: u64,
+        offset: u64,
+        len: u64,
+        addr: u64,
+        frag: u64,
+        key: NamedKey,
+    },
+    /// A staged fragment was read.
+    FragAck {
+        src: u64,
+        sreq: u64,
+        frag: u64,
+        len: u64,
     },
     /// Receiver done reading.
     Ats { src: u64, sreq: u64, ok: bool },
@@ -107,6 +137,16 @@ pub enum Msg<'a> {
         header: &'a [u8],
         data: &'a [u8],
     },
+}
+
+/// Memory type of a buffer on the wire.
+pub fn mem_code(m: rucx_ucs::MemoryType) -> u8 {
+    match m {
+        rucx_ucs::MemoryType::Host => 0,
+        rucx_ucs::MemoryType::Cuda => 1,
+        rucx_ucs::MemoryType::CudaManaged => 2,
+        rucx_ucs::MemoryType::Unknown => 3,
+    }
 }
 
 fn bad(id: AmId, e: Error) -> Error {
@@ -203,9 +243,11 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                 let sreq = r.u64()?;
                 let size = r.u64()?;
                 let addr = r.u64()?;
+                let smem = r.u8()?;
                 let keys = keys(&mut r)?;
                 r.finish()?;
                 Msg::Rts {
+                    smem,
                     src,
                     tag,
                     sreq,
@@ -255,6 +297,53 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                 r.finish()?;
                 Msg::Fin { src, rreq }
             }
+            AM_RNDV_PULL => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let rreq = r.u64()?;
+                r.finish()?;
+                Msg::Pull { src, sreq, rreq }
+            }
+            AM_RNDV_FRAG => {
+                let src = r.u64()?;
+                let rreq = r.u64()?;
+                let sreq = r.u64()?;
+                let offset = r.u64()?;
+                let len = r.u64()?;
+                let addr = r.u64()?;
+                let frag = r.u64()?;
+                let mut k = keys(&mut r)?;
+                r.finish()?;
+                if k.len() != 1 {
+                    return Err(Error::InvalidAddress(
+                        "a fragment carries exactly one key".into(),
+                    ));
+                }
+                let key = k.remove(0);
+                Msg::Frag {
+                    src,
+                    rreq,
+                    sreq,
+                    offset,
+                    len,
+                    addr,
+                    frag,
+                    key,
+                }
+            }
+            AM_RNDV_FRAG_ACK => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let frag = r.u64()?;
+                let len = r.u64()?;
+                r.finish()?;
+                Msg::FragAck {
+                    src,
+                    sreq,
+                    frag,
+                    len,
+                }
+            }
             AM_USER => {
                 let src = r.u64()?;
                 let id = r.u16()?;
@@ -286,6 +375,7 @@ mod tests {
     fn rts_round_trip() {
         let mut b = Vec::new();
         put_u64s(&mut b, &[1, 2, 3, 4, 5]);
+        b.push(1);
         put_keys(
             &mut b,
             &[NamedKey {
@@ -300,9 +390,10 @@ mod tests {
                 sreq,
                 size,
                 addr,
+                smem,
                 keys,
             } => {
-                assert_eq!((src, tag, sreq, size, addr), (1, 2, 3, 4, 5));
+                assert_eq!((src, tag, sreq, size, addr, smem), (1, 2, 3, 4, 5, 1));
                 assert_eq!(keys[0].md, "posix");
             }
             m => panic!("{m:?}"),

@@ -13,6 +13,7 @@ use rucx_uct::{
 };
 
 use crate::address::{IfaceEntry, WorkerAddress};
+use crate::buf::{RecvBuf, SendBuf};
 use crate::context::Context;
 use crate::fxhash::FxHashMap;
 use crate::matching::{Tag, TagMatcher};
@@ -86,6 +87,49 @@ struct Slot {
     attr: IfaceAttr,
 }
 
+/// What a completion token stands for.
+#[derive(Clone, Copy, Debug)]
+struct Tok {
+    req: u64,
+    what: TokWhat,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum TokWhat {
+    /// Counted in the request's outstanding operations.
+    Plain,
+    /// Device -> host staging copy of a sender fragment.
+    StageD2H { frag: usize, off: usize, len: usize },
+    /// Read of a chunk, into the user buffer or a receive staging fragment.
+    PullGet {
+        off: usize,
+        len: usize,
+        sfrag: Option<u64>,
+        rfrag: Option<usize>,
+    },
+    /// Host staging -> device copy of a received chunk.
+    H2D { rfrag: usize, len: usize },
+}
+
+/// Pinned host staging fragments for GPU pipelines: one half for sends, one for receives, so
+/// that a worker sending and receiving at once cannot starve itself.
+struct Staging {
+    /// Registrations first: they must go before the memory they describe.
+    copy_memh: MemHandle,
+    rma: FxHashMap<usize, (RcacheGuard<MemHandle>, NamedKey)>,
+    frag: usize,
+    free_send: Vec<usize>,
+    free_recv: Vec<usize>,
+    base: usize,
+    _mem: Vec<u8>,
+}
+
+impl Staging {
+    fn addr(&self, f: usize) -> usize {
+        self.base + f * self.frag
+    }
+}
+
 /// Queued work of a peer, in order.
 enum Pending {
     /// One control message.
@@ -102,6 +146,9 @@ struct Peer {
     am: usize,
     rma: Option<usize>,
     rma_remote_md: Option<String>,
+    /// Lane for zero-copy access to GPU memory (e.g. cuda_ipc), and the peer's domain name.
+    rma_cuda: Option<usize>,
+    rma_cuda_md: Option<String>,
     table: Vec<Range>,
     epoch: u64,
     failed: Option<String>,
@@ -133,6 +180,31 @@ struct SendState {
     /// Remote buffer of a put rendezvous.
     put: Option<(u64, RemoteKey)>,
     wait: SendWait,
+    /// Memory type and device of the buffer.
+    mem: MemoryType,
+    dev: Option<u32>,
+    /// Staging pipeline (GPU memory sent through host fragments).
+    stage: Option<StageSend>,
+}
+
+/// Sender side of a staged pipeline.
+struct StageSend {
+    rreq: u64,
+    next_off: usize,
+    acked: usize,
+    /// The user buffer, registered with the copy lane's domain, and its key.
+    _dev_memh: MemHandle,
+    dev_key: RemoteKey,
+}
+
+/// A piece of a rendezvous receive to read.
+struct Chunk {
+    raddr: u64,
+    len: usize,
+    off: usize,
+    rkey: RemoteKey,
+    /// Staging fragment of the sender to acknowledge once read.
+    sfrag: Option<u64>,
 }
 
 struct RndvRecv {
@@ -155,6 +227,18 @@ struct RecvState {
     tag: Tag,
     sender: Option<usize>,
     rndv: Option<RndvRecv>,
+    mem: MemoryType,
+    dev: Option<u32>,
+    /// Reads still to post (host keyed pull into GPU memory, or staged fragments).
+    chunks: VecDeque<Chunk>,
+    /// Bytes that reached the user buffer through chunks.
+    landed: usize,
+    /// Fragments are announced by the sender (staged pipeline).
+    pull: bool,
+    /// Lane the chunks are read on.
+    chunk_lane: usize,
+    /// The user buffer registered with the copy lane's domain (GPU memory only).
+    dev_memh: Option<(MemHandle, RemoteKey)>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -202,6 +286,7 @@ enum Unexp {
         sreq: u64,
         size: usize,
         addr: u64,
+        smem: u8,
         keys: Vec<NamedKey>,
     },
 }
@@ -295,7 +380,7 @@ pub(crate) struct State {
     matcher: TagMatcher<u64, Unexp>,
     reqs: FxHashMap<u64, Req>,
     next_id: u64,
-    tokens: FxHashMap<u64, u64>,
+    tokens: FxHashMap<u64, Tok>,
     next_token: u64,
     rx: FxHashMap<(u64, u64), RxDest>,
     am_inbox: Vec<AmMessage>,
@@ -303,6 +388,12 @@ pub(crate) struct State {
     frag: usize,
     counters: std::collections::BTreeMap<&'static str, u64>,
     closing: bool,
+    /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
+    copy: Option<(usize, Box<dyn Endpoint>)>,
+    staging: Option<Staging>,
+    stage_count: usize,
+    /// Completions that happened at once, handled after the current step.
+    done_q: VecDeque<(Tok, Result<()>)>,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -393,6 +484,33 @@ impl Worker {
             .mem_units("RNDV_FRAG_SIZE")
             .resolve(4 << 20)
             .clamp(4096, 1 << 30) as usize;
+        // The memory-type copy lane: an accelerator transport that reaches this process.
+        let mut copy = None;
+        for (i, slot) in slots.iter().enumerate() {
+            let a: &IfaceAttr = &slot.attr;
+            if a.dev_type == rucx_uct::DeviceType::Accelerator
+                && a.caps.contains(IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY)
+                && ctx
+                    .domain(slot.md)
+                    .attr()
+                    .access_mem_types()
+                    .has(MemoryType::Cuda)
+            {
+                let iface = &mut ifaces[i];
+                let params = EpParams {
+                    dev_addr: iface.device_address(),
+                    iface_addr: iface.iface_address(),
+                    user_id: u64::MAX,
+                };
+                match iface.create_ep(&params) {
+                    Ok(ep) => {
+                        copy = Some((i, ep));
+                        break;
+                    }
+                    Err(e) => tracing::info!("{}: no copy lane: {e}", a.tl_name),
+                }
+            }
+        }
         Ok(Worker {
             ifaces: RefCell::new(ifaces),
             st: RefCell::new(State {
@@ -412,6 +530,10 @@ impl Worker {
                 frag,
                 counters: Default::default(),
                 closing: false,
+                copy,
+                staging: None,
+                stage_count: (cfg.uint("RNDV_FRAG_COUNT") as usize).clamp(1, 1024),
+                done_q: VecDeque::new(),
             }),
             handlers: RefCell::new(HashMap::new()),
         })
@@ -463,6 +585,11 @@ impl Worker {
             }
             for p in 0..st.peers.len() {
                 st.pump(p);
+            }
+            // Pipeline steps that finished at once.
+            while let Some((tok, res)) = st.done_q.pop_front() {
+                st.on_tok(tok, res);
+                n += 1;
             }
         }
         let inbox = std::mem::take(&mut self.st.borrow_mut().am_inbox);
@@ -723,13 +850,19 @@ impl Worker {
 
     // ----- request plumbing used by Scope -----
 
-    pub(crate) fn post_send(&self, ep: EpId, addr: usize, len: usize, tag: Tag) -> Result<u64> {
+    pub(crate) fn post_send(&self, ep: EpId, buf: SendBuf<'_>, tag: Tag) -> Result<u64> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
         st.refresh_table(ep.0);
-        let proto = proto::lookup(&st.peers[ep.0].table, len)
-            .map(|r| r.proto)
-            .ok_or_else(|| Error::Internal(format!("no protocol covers {len} bytes")))?;
+        let (addr, len) = (buf.addr, buf.len);
+        let (mem, dev) = buf.mem.unwrap_or_else(|| st.ctx.detect(addr, len));
+        let proto = if mem.is_gpu() {
+            st.gpu_send_proto(ep.0, mem, dev)?
+        } else {
+            proto::lookup(&st.peers[ep.0].table, len)
+                .map(|r| r.proto)
+                .ok_or_else(|| Error::Internal(format!("no protocol covers {len} bytes")))?
+        };
         let id = st.new_req(ReqKind::Send(SendState {
             peer: ep.0,
             addr,
@@ -741,13 +874,18 @@ impl Worker {
             rndv_to: None,
             put: None,
             wait: SendWait::Posting,
+            mem,
+            dev,
+            stage: None,
         }));
         st.start_send(id);
         Ok(id)
     }
 
-    pub(crate) fn post_recv(&self, addr: usize, cap: usize, tag: Tag, mask: Tag) -> u64 {
+    pub(crate) fn post_recv(&self, buf: RecvBuf<'_>, tag: Tag, mask: Tag) -> u64 {
         let mut st = self.st.borrow_mut();
+        let (addr, cap) = (buf.addr, buf.len);
+        let (mem, dev) = buf.mem.unwrap_or_else(|| st.ctx.detect(addr, cap));
         let id = st.new_req(ReqKind::Recv(RecvState {
             addr,
             cap,
@@ -756,6 +894,13 @@ impl Worker {
             tag,
             sender: None,
             rndv: None,
+            mem,
+            dev,
+            chunks: VecDeque::new(),
+            landed: 0,
+            pull: false,
+            chunk_lane: usize::MAX,
+            dev_memh: None,
         }));
         if let Some((mtag, u, id)) = st.matcher.post_recv(tag, mask, id) {
             st.matched(id, mtag, u);
@@ -914,6 +1059,8 @@ impl State {
             am: usize::MAX,
             rma: None,
             rma_remote_md: None,
+            rma_cuda: None,
+            rma_cuda_md: None,
             table: Vec::new(),
             epoch: u64::MAX,
             failed: None,
@@ -933,7 +1080,12 @@ impl State {
         let mut am: Option<(f64, usize)> = None;
         let mut rma: Option<(f64, usize)> = None;
         let mut targets: HashMap<usize, IfaceEntry> = HashMap::new();
+        let mut rma_cuda: Option<(f64, usize)> = None;
         for (i, slot) in self.slots.iter().enumerate() {
+            // Copy engines work inside this process only; they are not lanes to peers.
+            if slot.attr.dev_type == rucx_uct::DeviceType::Accelerator {
+                continue;
+            }
             let Some(entry) = remote.ifaces.iter().find(|e| {
                 e.tl_name == slot.attr.tl_name && ifaces[i].is_reachable(&e.dev_addr, &e.iface_addr)
             }) else {
@@ -962,7 +1114,18 @@ impl State {
                     rma = Some((bw, i));
                 }
             }
+            let md_attr = self.ctx.domain(slot.md).attr();
+            if a.caps.contains(IfaceCaps::GET_ZCOPY)
+                && md_attr.reg_mem_types().has(MemoryType::Cuda)
+                && entry.md_name == self.ctx.domain(slot.md).name()
+            {
+                let bw = a.perf.bandwidth + f64::from(a.priority);
+                if rma_cuda.is_none_or(|(b, _)| bw > b) {
+                    rma_cuda = Some((bw, i));
+                }
+            }
         }
+        let rma_cuda = rma_cuda.map(|r| r.1);
         let Some((_, am)) = am else {
             return Err(Error::Unsupported {
                 what: format!("connecting to {}", remote.describe()),
@@ -982,10 +1145,10 @@ impl State {
         };
         let rma = rma.map(|r| r.1);
         let mut lanes = vec![am];
-        if let Some(r) = rma
-            && r != am
-        {
-            lanes.push(r);
+        for r in [rma, rma_cuda].into_iter().flatten() {
+            if !lanes.contains(&r) {
+                lanes.push(r);
+            }
         }
         for i in lanes {
             let entry = &targets[&i];
@@ -1000,6 +1163,8 @@ impl State {
         peer.am = am;
         peer.rma = rma;
         peer.rma_remote_md = rma.map(|r| targets[&r].md_name.clone());
+        peer.rma_cuda = rma_cuda;
+        peer.rma_cuda_md = rma_cuda.map(|r| targets[&r].md_name.clone());
         peer.connected = true;
         // Introduce ourselves first on the AM lane, so replies can find us.
         let addr = self.address.pack();
@@ -1158,7 +1323,8 @@ impl State {
             | Proto::EagerZcopy
             | Proto::RndvAm
             | Proto::RndvGet
-            | Proto::RndvPut => {
+            | Proto::RndvPut
+            | Proto::RndvPipeline => {
                 if proto.is_rndv() {
                     self.send_rts(id);
                 } else {
@@ -1201,18 +1367,26 @@ impl State {
     /// Register the send buffer with the domain of `lane`; on failure the context demotes the
     /// domain and the error is returned for re-planning.
     fn register_send(&mut self, id: u64, lane: usize) -> Result<()> {
-        let (addr, len) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.addr, s.len),
+        let (addr, len, mem, dev) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.addr, s.len, s.mem, s.dev),
             _ => return Ok(()),
         };
         let md = self.slots[lane].md;
-        if !self.ctx.can_register(md, MemoryType::Host, None) {
+        if !self.ctx.can_register(md, mem, dev) {
             return Err(Error::Unsupported {
                 what: "registration".into(),
-                why: format!("{} is demoted for host memory", self.ctx.domain(md).name()),
+                why: format!("{} is demoted for {mem} memory", self.ctx.domain(md).name()),
             });
         }
-        let g = self.ctx.register(md, MemRegion::host(addr, len))?;
+        let g = self.ctx.register(
+            md,
+            MemRegion {
+                addr,
+                len,
+                mem_type: mem,
+                device: dev,
+            },
+        )?;
         if let Some(r) = self.reqs.get_mut(&id) {
             r.guards.push(g);
         }
@@ -1220,12 +1394,17 @@ impl State {
     }
 
     fn send_rts(&mut self, id: u64) {
-        let (p, addr, len, tag, proto) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.peer, s.addr, s.len, s.tag, s.proto),
+        let (p, addr, len, tag, proto, mem) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.addr, s.len, s.tag, s.proto, s.mem),
             _ => return,
         };
         let mut keys = Vec::new();
-        match (proto, self.peers[p].rma) {
+        let lane = if mem.is_gpu() {
+            self.peers[p].rma_cuda
+        } else {
+            self.peers[p].rma
+        };
+        match (proto, lane) {
             (Proto::RndvGet, Some(lane)) => match self.register_send(id, lane) {
                 Ok(()) => {
                     let g = self.reqs[&id].guards.last().expect("just registered");
@@ -1254,6 +1433,7 @@ impl State {
         let src = self.address.uuid;
         let mut b = Vec::new();
         wire::put_u64s(&mut b, &[src, tag, id, len as u64, addr as u64]);
+        b.push(wire::mem_code(mem));
         wire::put_keys(&mut b, &keys);
         if let Some(Req {
             kind: ReqKind::Send(s),
@@ -1292,7 +1472,13 @@ impl State {
         match st {
             OpStatus::Done => {}
             OpStatus::InProgress => {
-                self.tokens.insert(token, id);
+                self.tokens.insert(
+                    token,
+                    Tok {
+                        req: id,
+                        what: TokWhat::Plain,
+                    },
+                );
                 if let Some(r) = self.reqs.get_mut(&id) {
                     r.outstanding += 1;
                 }
@@ -1301,6 +1487,9 @@ impl State {
     }
 
     fn stream_send(&mut self, id: u64) -> Result<bool> {
+        if matches!(&self.reqs[&id].kind, ReqKind::Send(s) if s.stage.is_some()) {
+            return self.stream_stage(id);
+        }
         let ReqKind::Send(s) = &self.reqs[&id].kind else {
             return Ok(true);
         };
@@ -1406,6 +1595,9 @@ impl State {
 
     /// Post the reads of a rendezvous receive.
     fn stream_get(&mut self, rid: u64) -> Result<bool> {
+        if matches!(&self.reqs[&rid].kind, ReqKind::Recv(rs) if rs.chunk_lane != usize::MAX) {
+            return self.stream_chunks(rid);
+        }
         let r = &self.reqs[&rid];
         let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind else {
             return Ok(true);
@@ -1698,10 +1890,10 @@ impl State {
                 }
             }
             Event::Completion { token, result } => {
-                let Some(req) = self.tokens.remove(&token) else {
+                let Some(tok) = self.tokens.remove(&token) else {
                     return;
                 };
-                self.on_completion(req, result);
+                self.on_tok(tok, result);
             }
             Event::EpError { user_id, error } => {
                 self.fail_peer(user_id as usize, &error.to_string());
@@ -1912,6 +2104,7 @@ impl State {
                 sreq,
                 size,
                 addr,
+                smem,
                 keys,
             } => {
                 let p = self.src_peer(src)?;
@@ -1920,6 +2113,7 @@ impl State {
                     sreq,
                     size: size as usize,
                     addr,
+                    smem,
                     keys,
                 };
                 if let Some((rid, u)) = self.matcher.arrive(tag, u) {
@@ -1977,6 +2171,41 @@ impl State {
                     rs.received = rs.total.min(rs.cap);
                 }
                 self.complete_recv(rreq);
+            }
+            Msg::Pull { src, sreq, rreq } => {
+                let p = self.src_peer(src)?;
+                self.on_pull(p, sreq, rreq);
+            }
+            Msg::Frag {
+                src,
+                rreq,
+                sreq,
+                offset,
+                len,
+                addr,
+                frag,
+                key,
+            } => {
+                let p = self.src_peer(src)?;
+                self.on_frag(
+                    p,
+                    rreq,
+                    sreq,
+                    offset as usize,
+                    len as usize,
+                    addr,
+                    frag,
+                    key,
+                );
+            }
+            Msg::FragAck {
+                src,
+                sreq,
+                frag,
+                len,
+            } => {
+                let _ = self.src_peer(src)?;
+                self.on_frag_ack(sreq, frag as usize, len as usize);
             }
             Msg::User {
                 src,
@@ -2042,10 +2271,18 @@ impl State {
                 sreq,
                 size,
                 addr,
+                smem,
                 keys,
             } => {
                 self.recv_begin(rid, src, tag, size);
-                self.rndv_recv(rid, src, sreq, size, addr, keys);
+                let smem_gpu = smem == wire::mem_code(MemoryType::Cuda)
+                    || smem == wire::mem_code(MemoryType::CudaManaged);
+                let rgpu = matches!(&self.reqs[&rid].kind, ReqKind::Recv(rs) if rs.mem.is_gpu());
+                if smem_gpu || rgpu {
+                    self.rndv_recv_gpu(rid, src, sreq, size, addr, smem_gpu, keys);
+                } else {
+                    self.rndv_recv(rid, src, sreq, size, addr, keys);
+                }
             }
         }
     }
@@ -2073,6 +2310,13 @@ impl State {
         };
         if offset < rs.cap {
             let n = data.len().min(rs.cap - offset);
+            if rs.mem.is_gpu() {
+                rs.received += data.len();
+                if let Err(e) = self.copy_to_gpu(rid, offset, &data[..n]) {
+                    self.finish(rid, Err(e));
+                }
+                return;
+            }
             // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive
             // and unaliased until the request is finished; `offset + n <= cap`.
             let dst = unsafe { host_slice_mut(rs.addr + offset, n) };
@@ -2279,6 +2523,17 @@ impl State {
         else {
             return;
         };
+        if s.mem.is_gpu() {
+            let e = Error::Unsupported {
+                what: "streaming GPU memory through active messages".into(),
+                why: "the receiver asked for a streamed rendezvous; GPU buffers need the staged \
+                      pipeline, which needs a transport with remote memory access (posix or tcp) \
+                      and cuda_copy in RUCX_TLS on both sides"
+                    .into(),
+            };
+            self.finish(sreq, Err(e));
+            return;
+        }
         s.rndv_to = Some(rreq);
         s.len = s.len.min(size);
         s.posted = 0;
@@ -2483,3 +2738,817 @@ impl State {
 
 /// Marker key name that asks the receiver to hand out its key (put rendezvous).
 const PUT_HINT: &str = "*put";
+
+// ----- GPU memory: zero-copy lanes, the staged pipeline, the copy lane -----
+
+impl State {
+    /// The send protocol for GPU memory: zero-copy read through a lane whose domain registers
+    /// GPU memory (cuda_ipc), else the staged pipeline.
+    fn gpu_send_proto(&mut self, p: usize, mem: MemoryType, dev: Option<u32>) -> Result<Proto> {
+        if let Some(l) = self.peers[p].rma_cuda
+            && self.ctx.can_register(self.slots[l].md, mem, dev)
+        {
+            return Ok(Proto::RndvGet);
+        }
+        if self.copy.is_none() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "sending {mem} memory to {}",
+                    self.peers[p].remote.describe()
+                ),
+                why: "no zero-copy path reaches it and no copy transport (cuda_copy) is open to \
+                      stage through host memory; check RUCX_TLS and `rucx-info -d`"
+                    .into(),
+            });
+        }
+        Ok(Proto::RndvPipeline)
+    }
+
+    fn copy_md(&self) -> Option<usize> {
+        self.copy.as_ref().map(|(i, _)| self.slots[*i].md)
+    }
+
+    /// Register a user buffer with the copy lane's domain and make the key the copy lane's
+    /// endpoint needs to reach it.
+    fn copy_key(
+        &self,
+        addr: usize,
+        len: usize,
+        mem: MemoryType,
+        dev: Option<u32>,
+    ) -> Result<(MemHandle, RemoteKey)> {
+        let mi = self.copy_md().ok_or_else(|| Error::Unsupported {
+            what: format!("copying {mem} memory"),
+            why: "no copy transport (cuda_copy) is open".into(),
+        })?;
+        let md = self.ctx.domain(mi);
+        // SAFETY: the buffer belongs to a request of a scope, which keeps it allocated until the
+        // request finished; the handle is dropped with the request.
+        let memh = unsafe {
+            md.mem_reg(MemRegion {
+                addr,
+                len: len.max(1),
+                mem_type: mem,
+                device: dev,
+            })
+        }?;
+        let key = md.rkey_unpack(&md.mkey_pack(&memh)?)?;
+        Ok((memh, key))
+    }
+
+    /// The pinned staging fragments, made on first use.
+    fn ensure_staging(&mut self) -> Result<()> {
+        if self.staging.is_some() {
+            return Ok(());
+        }
+        let mi = self.copy_md().ok_or_else(|| Error::Unsupported {
+            what: "staging GPU memory".into(),
+            why: "no copy transport (cuda_copy) is open".into(),
+        })?;
+        let count = self.stage_count;
+        let total = self.frag * count * 2;
+        let mem = vec![0u8; total];
+        let base = mem.as_ptr() as usize;
+        // SAFETY: `mem` is stored in the same `Staging` after this handle (fields drop in
+        // order), so the memory outlives the registration; it is never resized.
+        let copy_memh = unsafe { self.ctx.domain(mi).mem_reg(MemRegion::host(base, total)) }?;
+        self.staging = Some(Staging {
+            copy_memh,
+            rma: FxHashMap::default(),
+            frag: self.frag,
+            free_send: (0..count).rev().collect(),
+            free_recv: (count..2 * count).rev().collect(),
+            base,
+            _mem: mem,
+        });
+        Ok(())
+    }
+
+    /// The staging memory registered with domain `mi`, and its packed key.
+    fn staging_reg(&mut self, mi: usize) -> Result<(MemHandle, NamedKey)> {
+        self.ensure_staging()?;
+        let stg = self.staging.as_ref().expect("staging");
+        if let Some((g, k)) = stg.rma.get(&mi) {
+            return Ok((g.registration().clone(), k.clone()));
+        }
+        let total = stg.frag * self.stage_count * 2;
+        let g = self.ctx.register(mi, MemRegion::host(stg.base, total))?;
+        let md = self.ctx.domain(mi);
+        let key = NamedKey {
+            md: md.name().to_string(),
+            key: md.mkey_pack(g.registration())?,
+        };
+        let memh = g.registration().clone();
+        self.staging
+            .as_mut()
+            .expect("staging")
+            .rma
+            .insert(mi, (g, key.clone()));
+        Ok((memh, key))
+    }
+
+    /// Record a posted operation of a pipeline.
+    fn post_tok(&mut self, req: u64, token: u64, st: OpStatus, what: TokWhat) {
+        let tok = Tok { req, what };
+        match st {
+            OpStatus::InProgress => {
+                self.tokens.insert(token, tok);
+            }
+            OpStatus::Done => self.done_q.push_back((tok, Ok(()))),
+        }
+    }
+
+    /// A completion arrived (or an operation finished at once).
+    fn on_tok(&mut self, tok: Tok, result: Result<()>) {
+        match tok.what {
+            TokWhat::Plain => self.on_completion(tok.req, result),
+            what => {
+                // Give staging fragments back whatever happened.
+                if result.is_err()
+                    && let Some(stg) = self.staging.as_mut()
+                {
+                    match what {
+                        TokWhat::StageD2H { frag, .. } => stg.free_send.push(frag),
+                        TokWhat::PullGet { rfrag: Some(f), .. } | TokWhat::H2D { rfrag: f, .. } => {
+                            stg.free_recv.push(f)
+                        }
+                        _ => {}
+                    }
+                }
+                match result {
+                    Ok(()) => {
+                        if let Err(e) = self.on_pipeline(tok.req, what) {
+                            self.finish(tok.req, Err(e));
+                        }
+                    }
+                    Err(e) => self.finish(tok.req, Err(e)),
+                }
+            }
+        }
+    }
+
+    fn on_pipeline(&mut self, id: u64, what: TokWhat) -> Result<()> {
+        match what {
+            TokWhat::Plain => Ok(()),
+            TokWhat::StageD2H { frag, off, len } => {
+                // A fragment is staged: announce it to the receiver.
+                let (p, rreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
+                    Some(ReqKind::Send(SendState {
+                        peer,
+                        stage: Some(st),
+                        ..
+                    })) => (*peer, st.rreq),
+                    _ => {
+                        if let Some(stg) = self.staging.as_mut() {
+                            stg.free_send.push(frag);
+                        }
+                        return Ok(());
+                    }
+                };
+                let lane = self.peers[p].rma.ok_or_else(|| Error::Unsupported {
+                    what: "the staged pipeline".into(),
+                    why: "no transport with remote memory access reaches the receiver".into(),
+                })?;
+                let (_, key) = self.staging_reg(self.slots[lane].md)?;
+                let addr = self.staging.as_ref().expect("staging").addr(frag);
+                let mut b = Vec::new();
+                wire::put_u64s(
+                    &mut b,
+                    &[
+                        self.address.uuid,
+                        rreq,
+                        id,
+                        off as u64,
+                        len as u64,
+                        addr as u64,
+                        frag as u64,
+                    ],
+                );
+                wire::put_keys(&mut b, &[key]);
+                self.queue_ctrl(p, wire::AM_RNDV_FRAG, b);
+                self.pump(p);
+                Ok(())
+            }
+            TokWhat::PullGet {
+                off,
+                len,
+                sfrag,
+                rfrag,
+            } => {
+                let (p, sreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
+                    Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
+                    _ => return Ok(()),
+                };
+                if let Some(sf) = sfrag {
+                    let mut b = Vec::new();
+                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
+                    self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                }
+                match rfrag {
+                    Some(f) => {
+                        // Into the GPU buffer: host staging -> device.
+                        let (addr, key) = match &self.reqs[&id].kind {
+                            ReqKind::Recv(RecvState {
+                                addr,
+                                dev_memh: Some((_, k)),
+                                ..
+                            }) => (*addr, k.clone()),
+                            _ => {
+                                return Err(Error::Internal(
+                                    "GPU receive without its copy key".into(),
+                                ));
+                            }
+                        };
+                        let stg = self.staging.as_ref().expect("staging");
+                        let memh = stg.copy_memh.clone();
+                        let iov = [Iov {
+                            addr: stg.addr(f),
+                            len,
+                            memh: &memh,
+                        }];
+                        let token = self.next_token;
+                        self.next_token += 1;
+                        let ep = &mut self.copy.as_mut().expect("copy lane").1;
+                        let st = loop {
+                            match ep.put_zcopy(&iov, (addr + off) as u64, &key, token) {
+                                Err(e) if e.is_retryable() => std::hint::spin_loop(),
+                                other => break other?,
+                            }
+                        };
+                        self.post_tok(id, token, st, TokWhat::H2D { rfrag: f, len });
+                    }
+                    None => self.chunk_landed(id, len),
+                }
+                self.pump(p);
+                Ok(())
+            }
+            TokWhat::H2D { rfrag, len } => {
+                if let Some(stg) = self.staging.as_mut() {
+                    stg.free_recv.push(rfrag);
+                }
+                self.chunk_landed(id, len);
+                // Chunks that waited for a fragment may go on; so may other receives.
+                let waiting: Vec<(usize, u64)> = self
+                    .reqs
+                    .iter()
+                    .filter_map(|(rid, r)| match &r.kind {
+                        ReqKind::Recv(rs) if r.result.is_none() && !rs.chunks.is_empty() => {
+                            rs.rndv.as_ref().map(|rv| (rv.peer, *rid))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                for (p, rid) in waiting {
+                    if !self.peers[p]
+                        .queue
+                        .iter()
+                        .any(|q| matches!(q, Pending::Stream(x) if *x == rid))
+                    {
+                        self.peers[p].queue.push_back(Pending::Stream(rid));
+                    }
+                    self.pump(p);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Bytes of a chunked receive reached the user buffer; finish when all did.
+    fn chunk_landed(&mut self, id: u64, len: usize) {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return;
+        };
+        rs.landed += len;
+        rs.received = rs.landed;
+        let want = rs.rndv.as_ref().map_or(rs.total, |r| r.want);
+        if rs.landed >= want && rs.chunks.is_empty() {
+            let (pull, p, sreq) = (
+                rs.pull,
+                rs.rndv.as_ref().map(|r| r.peer),
+                rs.rndv.as_ref().map(|r| r.sreq),
+            );
+            if !pull && let (Some(p), Some(sreq)) = (p, sreq) {
+                self.send_ats(p, sreq);
+                self.pump(p);
+            }
+            self.complete_recv(id);
+        }
+    }
+
+    /// A rendezvous that involves GPU memory on either side.
+    #[allow(clippy::too_many_arguments)]
+    fn rndv_recv_gpu(
+        &mut self,
+        rid: u64,
+        p: usize,
+        sreq: u64,
+        size: usize,
+        saddr: u64,
+        sgpu: bool,
+        keys: Vec<NamedKey>,
+    ) {
+        let (raddr, cap, rmem, rdev) = match &self.reqs[&rid].kind {
+            ReqKind::Recv(rs) => (rs.addr, rs.cap, rs.mem, rs.dev),
+            _ => return,
+        };
+        let want = size.min(cap);
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.rndv = Some(RndvRecv {
+                peer: p,
+                sreq,
+                want,
+                via_get: false,
+                get: None,
+                posted: 0,
+            });
+        }
+        if let Some(reason) = self.peers[p].failed.clone() {
+            let peer = self.peers[p].remote.describe();
+            self.finish(rid, Err(Error::EndpointFailure { peer, reason }));
+            return;
+        }
+        if want == 0 {
+            self.send_ats(p, sreq);
+            self.complete_recv(rid);
+            self.pump(p);
+            return;
+        }
+        let region = MemRegion {
+            addr: raddr,
+            len: want,
+            mem_type: rmem,
+            device: rdev,
+        };
+        // 1. GPU to GPU, zero-copy through a lane whose domain registers GPU memory.
+        if sgpu
+            && rmem.is_gpu()
+            && let Some(lane) = self.peers[p].rma_cuda
+            && self.slots[lane].attr.has(IfaceCaps::GET_ZCOPY)
+            && let Some(k) = keys
+                .iter()
+                .find(|k| Some(&k.md) == self.peers[p].rma_cuda_md.as_ref())
+        {
+            let md = self.slots[lane].md;
+            if self.ctx.can_register(md, rmem, rdev) {
+                match self.ctx.register(md, region) {
+                    Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
+                        Ok(rkey) => {
+                            self.count("rendezvous receive by read (GPU zero-copy)");
+                            let r = self.reqs.get_mut(&rid).expect("req");
+                            r.guards.push(g);
+                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                                rv.via_get = true;
+                                rv.get = Some((lane, saddr, rkey, raddr));
+                            }
+                            self.peers[p].queue.push_back(Pending::Stream(rid));
+                            self.pump(p);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!("sender's GPU key did not unpack ({e}); staging instead")
+                        }
+                    },
+                    Err(e) => {
+                        tracing::debug!("GPU receive registration failed ({e}); staging instead")
+                    }
+                }
+            }
+        }
+        // 2. Staged: read host memory (the sender's buffer, or its staging fragments).
+        let Some(lane) = self.peers[p]
+            .rma
+            .filter(|l| self.slots[*l].attr.has(IfaceCaps::GET_ZCOPY))
+        else {
+            let e = Error::Unsupported {
+                what: format!(
+                    "receiving into {rmem} memory from {}",
+                    self.peers[p].remote.describe()
+                ),
+                why:
+                    "GPU transfers without a zero-copy path are staged through host memory, which \
+                      needs a transport with remote memory access (posix or tcp) in RUCX_TLS"
+                        .into(),
+            };
+            self.finish(rid, Err(e));
+            return;
+        };
+        let md = self.slots[lane].md;
+        // The user buffer: host memory is read into directly; GPU memory through staging.
+        if rmem.is_gpu() {
+            match self
+                .copy_key(raddr, cap, rmem, rdev)
+                .and_then(|k| self.ensure_staging().map(|_| k))
+            {
+                Ok(k) => {
+                    if let Some(Req {
+                        kind: ReqKind::Recv(rs),
+                        ..
+                    }) = self.reqs.get_mut(&rid)
+                    {
+                        rs.dev_memh = Some(k);
+                    }
+                }
+                Err(e) => {
+                    self.finish(rid, Err(e));
+                    return;
+                }
+            }
+        } else {
+            match self.ctx.register(md, region) {
+                Ok(g) => self.reqs.get_mut(&rid).expect("req").guards.push(g),
+                Err(e) => {
+                    self.finish(rid, Err(e));
+                    return;
+                }
+            }
+        }
+        let host_key = keys
+            .iter()
+            .find(|k| Some(&k.md) == self.peers[p].rma_remote_md.as_ref());
+        let r = self.reqs.get_mut(&rid).expect("req");
+        let ReqKind::Recv(rs) = &mut r.kind else {
+            return;
+        };
+        rs.chunk_lane = lane;
+        if !sgpu && let Some(k) = host_key {
+            // Host sender with a key: read it in fragments (into staging, then to the GPU).
+            match self.ctx.domain(md).rkey_unpack(&k.key) {
+                Ok(rkey) => {
+                    let frag = self.frag;
+                    let mut off = 0;
+                    while off < want {
+                        let n = frag.min(want - off);
+                        rs.chunks.push_back(Chunk {
+                            raddr: saddr + off as u64,
+                            len: n,
+                            off,
+                            rkey: rkey.clone(),
+                            sfrag: None,
+                        });
+                        off += n;
+                    }
+                    self.count("rendezvous receive by read, staged to the GPU");
+                    self.peers[p].queue.push_back(Pending::Stream(rid));
+                    self.pump(p);
+                    return;
+                }
+                Err(e) => tracing::warn!("sender's key did not unpack ({e}); asking it to stage"),
+            }
+        }
+        // GPU sender (or no usable key): ask it to stage and announce fragments.
+        rs.pull = true;
+        self.count("rendezvous receive pipelined through host staging");
+        let mut b = Vec::new();
+        wire::put_u64s(&mut b, &[self.address.uuid, sreq, rid]);
+        self.queue_ctrl(p, wire::AM_RNDV_PULL, b);
+        self.pump(p);
+    }
+
+    /// The receiver asked us to stage a (GPU) buffer.
+    fn on_pull(&mut self, p: usize, sreq: u64, rreq: u64) {
+        let (addr, len, mem, dev) = match self.reqs.get(&sreq) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) => (s.addr, s.len, s.mem, s.dev),
+            _ => return,
+        };
+        let staged = self
+            .copy_key(addr, len, mem, dev)
+            .and_then(|k| self.ensure_staging().map(|_| k));
+        match staged {
+            Ok((memh, key)) => {
+                let r = self.reqs.get_mut(&sreq).expect("req");
+                // A zero-copy registration made for the RTS is no longer needed.
+                r.guards.clear();
+                if let ReqKind::Send(s) = &mut r.kind {
+                    s.stage = Some(StageSend {
+                        rreq,
+                        next_off: 0,
+                        acked: 0,
+                        _dev_memh: memh,
+                        dev_key: key,
+                    });
+                    s.wait = SendWait::Posting;
+                }
+                self.peers[p].queue.push_back(Pending::Stream(sreq));
+                self.pump(p);
+            }
+            Err(e) => self.finish(sreq, Err(e)),
+        }
+    }
+
+    /// Stage the next fragments of a pipelined send (device -> pinned host).
+    fn stream_stage(&mut self, id: u64) -> Result<bool> {
+        loop {
+            let (addr, len, next_off) = match &self.reqs[&id].kind {
+                ReqKind::Send(SendState {
+                    addr,
+                    len,
+                    stage: Some(st),
+                    ..
+                }) => (*addr, *len, st.next_off),
+                _ => return Ok(true),
+            };
+            if next_off >= len {
+                return Ok(true);
+            }
+            let stg = self.staging.as_mut().expect("staging");
+            let Some(f) = stg.free_send.pop() else {
+                // Resumed when the receiver acknowledges a fragment.
+                return Ok(true);
+            };
+            let n = stg.frag.min(len - next_off);
+            let faddr = stg.addr(f);
+            let memh = stg.copy_memh.clone();
+            let key = match &self.reqs[&id].kind {
+                ReqKind::Send(SendState {
+                    stage: Some(st), ..
+                }) => st.dev_key.clone(),
+                _ => unreachable!("checked above"),
+            };
+            let iov = [Iov {
+                addr: faddr,
+                len: n,
+                memh: &memh,
+            }];
+            let token = self.next_token;
+            let ep = &mut self.copy.as_mut().expect("copy lane").1;
+            match ep.get_zcopy(&iov, (addr + next_off) as u64, &key, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    self.post_tok(
+                        id,
+                        token,
+                        st,
+                        TokWhat::StageD2H {
+                            frag: f,
+                            off: next_off,
+                            len: n,
+                        },
+                    );
+                }
+                Err(e) => {
+                    self.staging.as_mut().expect("staging").free_send.push(f);
+                    if e.is_retryable() {
+                        return Ok(false);
+                    }
+                    return Err(e);
+                }
+            }
+            if let Some(Req {
+                kind:
+                    ReqKind::Send(SendState {
+                        stage: Some(st), ..
+                    }),
+                ..
+            }) = self.reqs.get_mut(&id)
+            {
+                st.next_off += n;
+            }
+        }
+    }
+
+    /// A staged fragment of the sender is ready: queue its read.
+    #[allow(clippy::too_many_arguments)]
+    fn on_frag(
+        &mut self,
+        p: usize,
+        rreq: u64,
+        sreq: u64,
+        off: usize,
+        len: usize,
+        addr: u64,
+        frag: u64,
+        key: NamedKey,
+    ) {
+        let Some(mi) = self.ctx.domain_index(&key.md) else {
+            self.finish(
+                rreq,
+                Err(Error::InvalidRkey {
+                    domain: key.md,
+                    reason: "no such local domain".into(),
+                }),
+            );
+            return;
+        };
+        let rkey = match self.ctx.domain(mi).rkey_unpack(&key.key) {
+            Ok(k) => k,
+            Err(e) => {
+                self.finish(rreq, Err(e));
+                return;
+            }
+        };
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&rreq)
+        else {
+            // The receive is gone (canceled or failed): still release the sender's fragment.
+            let mut b = Vec::new();
+            wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
+            self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+            self.pump(p);
+            return;
+        };
+        // Never read past the receive buffer (truncation): acknowledge the rest unread.
+        let want = rs.rndv.as_ref().map_or(0, |r| r.want);
+        let n = len.min(want.saturating_sub(off));
+        if n == 0 {
+            let mut b = Vec::new();
+            wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
+            self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+            self.pump(p);
+            return;
+        }
+        rs.chunks.push_back(Chunk {
+            raddr: addr,
+            len: n,
+            off,
+            rkey,
+            sfrag: Some(frag),
+        });
+        if !self.peers[p]
+            .queue
+            .iter()
+            .any(|q| matches!(q, Pending::Stream(x) if *x == rreq))
+        {
+            self.peers[p].queue.push_back(Pending::Stream(rreq));
+        }
+        self.pump(p);
+    }
+
+    /// The receiver read one of our staged fragments.
+    fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
+        if let Some(stg) = self.staging.as_mut() {
+            stg.free_send.push(frag);
+        }
+        let Some(Req {
+            kind: ReqKind::Send(s),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&sreq)
+        else {
+            return;
+        };
+        let p = s.peer;
+        let (done, total, tag) = match &mut s.stage {
+            Some(st) => {
+                st.acked += len;
+                (st.acked >= s.len, s.len, s.tag)
+            }
+            None => return,
+        };
+        if done {
+            self.finish(
+                sreq,
+                Ok(Completion {
+                    len: total,
+                    tag,
+                    sender: None,
+                }),
+            );
+        } else {
+            self.peers[p].queue.push_back(Pending::Stream(sreq));
+            self.pump(p);
+        }
+    }
+
+    /// Post reads of queued chunks: straight into a host buffer, or into receive staging for a
+    /// GPU buffer (then copied on by the copy lane).
+    fn stream_chunks(&mut self, rid: u64) -> Result<bool> {
+        loop {
+            let r = &self.reqs[&rid];
+            if r.result.is_some() {
+                return Ok(true);
+            }
+            let ReqKind::Recv(rs) = &r.kind else {
+                return Ok(true);
+            };
+            let Some(c) = rs.chunks.front() else {
+                return Ok(true);
+            };
+            let (lane, p, raddr, len, off, rkey, sfrag) = (
+                rs.chunk_lane,
+                rs.rndv.as_ref().map_or(0, |v| v.peer),
+                c.raddr,
+                c.len,
+                c.off,
+                c.rkey.clone(),
+                c.sfrag,
+            );
+            let gpu = rs.mem.is_gpu();
+            let uaddr = rs.addr;
+            let (iov_addr, memh, rfrag) = if gpu {
+                let md = self.slots[lane].md;
+                let (memh, _) = self.staging_reg(md)?;
+                let stg = self.staging.as_mut().expect("staging");
+                let Some(f) = stg.free_recv.pop() else {
+                    // Resumed when a staging fragment frees up.
+                    return Ok(true);
+                };
+                (stg.addr(f), memh, Some(f))
+            } else {
+                (uaddr + off, r.guards[0].registration().clone(), None)
+            };
+            let iov = [Iov {
+                addr: iov_addr,
+                len,
+                memh: &memh,
+            }];
+            let token = self.next_token;
+            let ep = self.peers[p]
+                .eps
+                .get_mut(&lane)
+                .ok_or_else(|| Error::Internal("rma lane not connected".into()))?;
+            match ep.get_zcopy(&iov, raddr, &rkey, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    if let Some(Req {
+                        kind: ReqKind::Recv(rs),
+                        ..
+                    }) = self.reqs.get_mut(&rid)
+                    {
+                        rs.chunks.pop_front();
+                    }
+                    self.post_tok(
+                        rid,
+                        token,
+                        st,
+                        TokWhat::PullGet {
+                            off,
+                            len,
+                            sfrag,
+                            rfrag,
+                        },
+                    );
+                }
+                Err(e) => {
+                    if let (Some(f), Some(stg)) = (rfrag, self.staging.as_mut()) {
+                        stg.free_recv.push(f);
+                    }
+                    if e.is_retryable() {
+                        return Ok(false);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Copy arrived eager bytes into GPU memory through the copy lane (small messages).
+    fn copy_to_gpu(&mut self, rid: u64, offset: usize, data: &[u8]) -> Result<()> {
+        let (addr, cap, mem, dev) = match &self.reqs[&rid].kind {
+            ReqKind::Recv(rs) => (rs.addr, rs.cap, rs.mem, rs.dev),
+            _ => return Ok(()),
+        };
+        if !matches!(
+            &self.reqs[&rid].kind,
+            ReqKind::Recv(RecvState {
+                dev_memh: Some(_),
+                ..
+            })
+        ) {
+            let k = self.copy_key(addr, cap, mem, dev)?;
+            if let Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) = self.reqs.get_mut(&rid)
+            {
+                rs.dev_memh = Some(k);
+            }
+        }
+        let key = match &self.reqs[&rid].kind {
+            ReqKind::Recv(RecvState {
+                dev_memh: Some((_, k)),
+                ..
+            }) => k.clone(),
+            _ => unreachable!("set above"),
+        };
+        let (ci, ep) = self.copy.as_mut().expect("copy_key checked the copy lane");
+        let max = self.slots[*ci].attr.limits.put_max_short.max(1);
+        let mut done = 0;
+        while done < data.len() {
+            let n = max.min(data.len() - done);
+            loop {
+                match ep.put_short(&data[done..done + n], (addr + offset + done) as u64, &key) {
+                    Err(e) if e.is_retryable() => std::hint::spin_loop(),
+                    other => break other?,
+                }
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
