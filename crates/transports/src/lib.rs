@@ -14,6 +14,8 @@ pub fn registry() -> Registry {
     r.register(Arc::new(rucx_uct_self::SelfComponent));
     r.register(Arc::new(rucx_uct_posix::PosixComponent));
     r.register(Arc::new(rucx_uct_tcp::TcpComponent));
+    r.register(Arc::new(rucx_uct_cuda_copy::CudaCopyComponent));
+    r.register(Arc::new(rucx_uct_cuda_ipc::CudaIpcComponent));
     r
 }
 
@@ -26,6 +28,8 @@ pub fn config_tables() -> Vec<&'static [OptionSpec]> {
         rucx_uct_posix::CONFIG,
         rucx_uct_tcp::CONFIG,
         rucx_cuda::CONFIG,
+        rucx_uct_cuda_copy::CONFIG,
+        rucx_uct_cuda_ipc::CONFIG,
     ]
 }
 
