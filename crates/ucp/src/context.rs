@@ -70,7 +70,7 @@ impl fmt::Debug for Context {
 
 impl Context {
     /// Discover the components of `registry` under `config` (which must declare the tables of
-    /// [`config_tables`](crate::config_tables) plus the components').
+    /// `rucx::config_tables()` plus the components').
     pub fn new(registry: &Registry, config: Config) -> Result<Context> {
         rucx_ucs::log::init();
         let d = registry.discover(&config, Some("TLS"))?;

@@ -5,7 +5,7 @@
 //! - Registering device memory ([`CudaIpcMd`]) exports a legacy IPC handle
 //!   (`cuIpcGetMemHandle`) for the whole *allocation* that contains the buffer. Memory that
 //!   cannot be exported that way (stream-ordered pool allocations from `cuMemAllocAsync`, VMM
-//!   mappings) fails with [`Error::Registration`](rucx_ucs::Error::Registration) of kind
+//!   mappings) fails with [`rucx_ucs::Error::Registration`] of kind
 //!   [`NotExportable`](rucx_ucs::RegErrorKind::NotExportable), so the planner can demote the
 //!   domain for that memory and pick another path.
 //! - A remote key carries the handle, the allocation's base and size, the registered range,

@@ -14,7 +14,7 @@
 //! into one cell: `am_short` (8-byte header + payload), `am_bcopy` (packed in place) and
 //! `am_zcopy` (header + iov, *copied* into the cell: there is no zero-copy active message over
 //! shared memory, so the limit is a cell and the operation completes at once). A full ring makes
-//! a send return [`Error::NoResource`](rucx_ucs::Error::NoResource); nothing blocks and nothing
+//! a send return [`rucx_ucs::Error::NoResource`]; nothing blocks and nothing
 //! is overwritten. The receiver polls its ring in [`Iface::progress`](rucx_uct::Iface::progress).
 //!
 //! Segments never have a name in `/dev/shm` (memfd), or only for the instant between
@@ -39,7 +39,7 @@
 //! available) and the segment's `closed` flag: at most once per `RUCX_POSIX_PEER_CHECK` when the
 //! ring is full, every 1024 sends, and from the interface's progress. A dead peer makes the
 //! interface report [`Event::EpError`](rucx_uct::Event::EpError) once and every later operation on
-//! the endpoint fail with [`Error::EndpointFailure`](rucx_ucs::Error::EndpointFailure).
+//! the endpoint fail with [`rucx_ucs::Error::EndpointFailure`].
 //!
 //! # Performance model
 //!
