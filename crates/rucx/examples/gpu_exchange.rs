@@ -1,0 +1,297 @@
+//! The seed program with GPU buffers: two ranks exchange device (or host) buffers through
+//! rucx, verify every byte, and report which protocol carried them and how fast.
+//!
+//! Each rank uses GPU `rank % device_count`. Options:
+//! `--send-mem cuda|cuda-pool|host` (cuda-pool: a stream-ordered pool allocation, which legacy
+//! CUDA IPC cannot export, so the zero-copy path is demoted at run time), `--recv-mem cuda|host`,
+//! `--sizes LIST` (default `1,4097,1M,64M+1,256M`), `--bw-size BYTES` (default 64M),
+//! `--iters K` (default 10), `--bounds` (also measure a plain pinned host->device copy and a
+//! plain peer copy in the same run, and print the ratios).
+//!
+//! Launch like `exchange` (`RUCX_RANK`, `RUCX_SIZE`, `RUCX_BOOTSTRAP`, or mpirun).
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use rucx::ucp::{RecvBuf, SendBuf};
+use rucx::{Job, TAG_MASK_FULL};
+use rucx_cuda::{DeviceBuffer, PinnedHostBuffer, PoolBuffer, PrimaryContext, Stream};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mem {
+    Cuda,
+    CudaPool,
+    Host,
+}
+
+fn parse_mem(s: &str) -> Result<Mem, String> {
+    match s {
+        "cuda" => Ok(Mem::Cuda),
+        "cuda-pool" => Ok(Mem::CudaPool),
+        "host" => Ok(Mem::Host),
+        o => Err(format!("unknown memory {o:?}; accepted: cuda, cuda-pool, host")),
+    }
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let (base, plus) = match s.split_once('+') {
+        Some((b, p)) => (b, p.parse::<usize>().map_err(|e| format!("{s}: {e}"))?),
+        None => (s, 0),
+    };
+    match rucx::ucs::units::parse_memunits(base)? {
+        rucx::ucs::MemUnits::Bytes(b) => Ok(b as usize + plus),
+        _ => Err(format!("{s}: not a byte count")),
+    }
+}
+
+/// A buffer in host or device memory.
+enum Buf {
+    Host(Vec<u8>),
+    Dev(DeviceBuffer),
+    Pool { buf: PoolBuffer, _stream: Stream },
+}
+
+impl Buf {
+    fn new(mem: Mem, ctx: &'static PrimaryContext, n: usize) -> Result<Buf, String> {
+        Ok(match mem {
+            Mem::Host => Buf::Host(vec![0u8; n]),
+            Mem::Cuda => Buf::Dev(DeviceBuffer::new(ctx, n.max(1)).map_err(|e| e.to_string())?),
+            Mem::CudaPool => {
+                let st = Stream::new(ctx).map_err(|e| e.to_string())?;
+                let b = PoolBuffer::new(&st, n.max(1)).map_err(|e| e.to_string())?;
+                st.synchronize().map_err(|e| e.to_string())?;
+                Buf::Pool { buf: b, _stream: st }
+            }
+        })
+    }
+
+    fn fill(&mut self, data: &[u8]) -> Result<(), String> {
+        match self {
+            Buf::Host(v) => v.copy_from_slice(data),
+            Buf::Dev(d) => d.copy_from_host(0, data).map_err(|e| e.to_string())?,
+            Buf::Pool { buf: p, .. } => p.copy_from_host(0, data).map_err(|e| e.to_string())?,
+        }
+        Ok(())
+    }
+
+    fn read(&self, n: usize) -> Result<Vec<u8>, String> {
+        let mut out = vec![0u8; n];
+        match self {
+            Buf::Host(v) => out.copy_from_slice(&v[..n]),
+            Buf::Dev(d) => d.copy_to_host(0, &mut out).map_err(|e| e.to_string())?,
+            Buf::Pool { buf: p, .. } => p.copy_to_host(0, &mut out).map_err(|e| e.to_string())?,
+        }
+        Ok(out)
+    }
+
+    fn send_buf(&self, n: usize) -> SendBuf<'_> {
+        match self {
+            Buf::Host(v) => SendBuf::from(&v[..n]),
+            // SAFETY: the device allocation outlives the scope that uses this buffer (it is
+            // borrowed from `self`), and nothing writes it during the transfer.
+            Buf::Dev(d) => unsafe { SendBuf::from_raw(d.ptr(), n) },
+            // SAFETY: as above.
+            Buf::Pool { buf: p, .. } => unsafe { SendBuf::from_raw(p.ptr(), n) },
+        }
+    }
+
+    fn recv_buf(&mut self, n: usize) -> RecvBuf<'_> {
+        match self {
+            Buf::Host(v) => RecvBuf::from(&mut v[..n]),
+            // SAFETY: the allocation is borrowed mutably from `self` for the scope; nothing
+            // else touches it meanwhile.
+            Buf::Dev(d) => unsafe { RecvBuf::from_raw(d.ptr(), n) },
+            // SAFETY: as above.
+            Buf::Pool { buf: p, .. } => unsafe { RecvBuf::from_raw(p.ptr(), n) },
+        }
+    }
+}
+
+fn pattern(rank: usize, n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i.wrapping_mul(131) ^ (rank * 17) ^ (i >> 13)) as u8).collect()
+}
+
+struct Args {
+    send: Mem,
+    recv: Mem,
+    sizes: Vec<usize>,
+    bw: usize,
+    iters: usize,
+    bounds: bool,
+    oneway: bool,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        send: Mem::Cuda,
+        recv: Mem::Cuda,
+        sizes: ["1", "4097", "1M", "64M+1", "256M"].iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?,
+        bw: 64 << 20,
+        iters: 10,
+        bounds: false,
+        oneway: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().ok_or_else(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--send-mem" => a.send = parse_mem(&v()?)?,
+            "--recv-mem" => a.recv = parse_mem(&v()?)?,
+            "--sizes" => a.sizes = v()?.split(',').map(parse_size).collect::<Result<_, _>>()?,
+            "--bw-size" => a.bw = parse_size(&v()?)?,
+            "--iters" => a.iters = v()?.parse().map_err(|e| format!("--iters: {e}"))?,
+            "--bounds" => a.bounds = true,
+            "--oneway" => a.oneway = true,
+            o => return Err(format!("unknown argument {o:?}")),
+        }
+    }
+    Ok(a)
+}
+
+/// GB/s of `iters` copies of `n` bytes.
+fn gbs(n: usize, iters: usize, secs: f64) -> f64 {
+    (n * iters) as f64 / secs / 1e9
+}
+
+fn bounds(ctx: &'static PrimaryContext, peer: Option<&'static PrimaryContext>, n: usize, iters: usize) -> Result<(f64, Option<f64>), String> {
+    let e = |e: rucx::Error| e.to_string();
+    let host = PinnedHostBuffer::new(ctx, n).map_err(e)?;
+    let dev = DeviceBuffer::new(ctx, n).map_err(e)?;
+    // SAFETY: both buffers are live allocations of `n` bytes owned here.
+    unsafe { rucx_cuda::memcpy(ctx, dev.ptr(), host.ptr(), n) }.map_err(e)?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        // SAFETY: as above.
+        unsafe { rucx_cuda::memcpy(ctx, dev.ptr(), host.ptr(), n) }.map_err(e)?;
+    }
+    let h2d = gbs(n, iters, t.elapsed().as_secs_f64());
+    let p2p = match peer {
+        Some(pctx) => {
+            let other = DeviceBuffer::new(pctx, n).map_err(e)?;
+            ctx.enable_peer_access(pctx).map_err(e)?;
+            ctx.bind().map_err(e)?;
+            // SAFETY: both are live device allocations of `n` bytes; unified addressing lets
+            // one copy reach the other GPU.
+            unsafe { rucx_cuda::memcpy(ctx, other.ptr(), dev.ptr(), n) }.map_err(e)?;
+            let t = Instant::now();
+            for _ in 0..iters {
+                // SAFETY: as above.
+                unsafe { rucx_cuda::memcpy(ctx, other.ptr(), dev.ptr(), n) }.map_err(e)?;
+            }
+            Some(gbs(n, iters, t.elapsed().as_secs_f64()))
+        }
+        None => None,
+    };
+    Ok((h2d, p2p))
+}
+
+fn run() -> Result<(), String> {
+    let a = args()?;
+    let drv = rucx_cuda::driver().map_err(|e| e.to_string())?;
+    let job = Job::from_env().map_err(|e| e.to_string())?;
+    let (rank, size) = (job.rank(), job.size());
+    let ndev = drv.device_count().max(1);
+    let dev = (rank as u32) % ndev;
+    let ctx = drv.context(dev).map_err(|e| e.to_string())?;
+    ctx.bind().map_err(|e| e.to_string())?;
+    let w = job.worker();
+    let next = (rank + 1) % size;
+    let prev = (rank + size - 1) % size;
+    let to = job.ep(next);
+    let (am, rma) = w.lanes(to).map_err(|e| e.to_string())?;
+    println!(
+        "rank {rank}: GPU {dev} of {ndev}; {:?} -> {:?}; transports {}; lanes: am {am}, rma {}",
+        a.send,
+        a.recv,
+        w.transports().join(", "),
+        rma.unwrap_or_else(|| "-".into())
+    );
+    for (k, &n) in a.sizes.iter().enumerate() {
+        let mut sb = Buf::new(a.send, ctx, n)?;
+        let mut rb = Buf::new(a.recv, ctx, n)?;
+        sb.fill(&pattern(rank, n))?;
+        rb.fill(&vec![0xa5; n])?;
+        let tag = 100 + k as u64;
+        let t = Instant::now();
+        w.scope(|s| {
+            let r = s.tag_recv(rb.recv_buf(n), tag, TAG_MASK_FULL);
+            s.tag_send(to, sb.send_buf(n), tag).wait()?;
+            r.wait()
+        })
+        .map_err(|e| format!("rank {rank}: {n} bytes: {e}"))?;
+        let el = t.elapsed();
+        let got = rb.read(n)?;
+        if got != pattern(prev, n) {
+            let bad = got.iter().zip(pattern(prev, n)).position(|(x, y)| *x != y);
+            return Err(format!("rank {rank}: {n} bytes: data received wrong (first bad byte {bad:?})"));
+        }
+        println!("rank {rank}: {n} bytes verified ({:.3} ms)", el.as_secs_f64() * 1e3);
+        job.barrier().map_err(|e| e.to_string())?;
+    }
+    // Bandwidth, the first transfer timed on its own (it may demote and re-plan).
+    let mut sb = Buf::new(a.send, ctx, a.bw)?;
+    let mut rb = Buf::new(a.recv, ctx, a.bw)?;
+    sb.fill(&pattern(rank, a.bw))?;
+    let mut times = Vec::new();
+    for i in 0..=a.iters {
+        job.barrier().map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        let tag = 5000 + i as u64;
+        let (do_send, do_recv) = if a.oneway { (rank == 0, rank == 1) } else { (true, true) };
+        w.scope(|s| {
+            let r = do_recv.then(|| s.tag_recv(rb.recv_buf(a.bw), tag, TAG_MASK_FULL));
+            if do_send {
+                s.tag_send(to, sb.send_buf(a.bw), tag).wait()?;
+            }
+            match r {
+                Some(r) => r.wait().map(|_| ()),
+                None => Ok(()),
+            }
+        })
+        .map_err(|e| format!("rank {rank}: bandwidth round {i}: {e}"))?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    if (!a.oneway || rank == 1) && rb.read(a.bw)? != pattern(prev, a.bw) {
+        return Err(format!("rank {rank}: bandwidth data received wrong"));
+    }
+    let steady: f64 = times[1..].iter().sum();
+    let bw = gbs(a.bw, a.iters, steady);
+    println!(
+        "rank {rank}: {} MiB x {}: {bw:.2} GB/s per direction ({}); first transfer {:.3} ms, steady {:.3} ms",
+        a.bw >> 20,
+        a.iters,
+        if a.oneway { "rank 0 -> rank 1 only" } else { "both directions at once" },
+        times[0] * 1e3,
+        steady / a.iters as f64 * 1e3
+    );
+    if a.bounds && rank == 0 {
+        job.barrier().map_err(|e| e.to_string())?;
+        let peer = if ndev > 1 { Some(drv.context(1).map_err(|e| e.to_string())?) } else { None };
+        let (h2d, p2p) = bounds(ctx, peer, a.bw, a.iters)?;
+        println!("rank 0: bound pinned host->device copy {h2d:.2} GB/s; ratio {:.3}", bw / h2d);
+        if let Some(p) = p2p {
+            println!("rank 0: bound peer copy GPU0->GPU1 {p:.2} GB/s; ratio {:.3}", bw / p);
+        }
+    } else if a.bounds {
+        job.barrier().map_err(|e| e.to_string())?;
+    }
+    let c = w.counters();
+    println!(
+        "rank {rank}: protocols: {}",
+        c.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ")
+    );
+    for d in job.context().demotions() {
+        println!("rank {rank}: demotion: {d} ({})", d.knob);
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu_exchange: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
