@@ -1,1 +1,5 @@
-fn main() {}
+//! `rucx-perftest`: see the library documentation and `rucx-perftest --help`.
+
+fn main() -> std::process::ExitCode {
+    rucx_perftest::cli::main()
+}

@@ -1,0 +1,361 @@
+//! The `rucx-perftest` program: server, client, or both sides as two local processes.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use rucx::Job;
+
+use crate::args::{self, Cli, Format, Options, TestKind};
+use crate::plot::{self, Panel, Series};
+use crate::report;
+use crate::run::{self, R};
+use crate::stats::Figures;
+
+/// Run `rucx-perftest` with `argv` (`argv[0]` is the program name). `self_cmd` starts this
+/// program again (for the server half of `--local`): the executable and any leading
+/// arguments.
+pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
+    let cli = match Cli::try_parse_from(&argv) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    let port_given = argv.iter().skip(1).any(|a| {
+        let a = a.to_string_lossy();
+        a == "-p" || (a.starts_with("-p") && !a.starts_with("--"))
+    });
+    let opts = match args::validate(cli, port_given) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("rucx-perftest: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    rucx::ucs::log::init();
+    let res = if opts.is_server() {
+        server(&opts)
+    } else {
+        client(&opts, &self_cmd)
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rucx-perftest: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn server(opts: &Options) -> R<()> {
+    if !opts.local_server {
+        eprintln!(
+            "rucx-perftest: waiting for a client on {}:{} (RUCX_TLS={})",
+            opts.bind,
+            opts.port,
+            std::env::var("RUCX_TLS").unwrap_or_else(|_| "all".into())
+        );
+    }
+    let job = run::start_job(opts)?;
+    run::serve(&job)
+}
+
+fn free_port() -> R<u16> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("finding a free local port: {e}"))
+}
+
+fn spawn_local_server(opts: &Options, self_cmd: &[OsString]) -> R<Child> {
+    let (exe, lead) = self_cmd
+        .split_first()
+        .ok_or("no command to start the server half")?;
+    Command::new(exe)
+        .args(lead)
+        .args([
+            "--local-server",
+            "-q",
+            "--bind",
+            "127.0.0.1",
+            "-p",
+            &opts.port.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("starting the server half ({}): {e}", exe.to_string_lossy()))
+}
+
+fn reap(child: &mut Child, limit: Duration) -> R<()> {
+    let start = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) if st.success() => return Ok(()),
+            Ok(Some(st)) => return Err(format!("the server half exited with {st}")),
+            Ok(None) if start.elapsed() > limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("the server half did not exit; killed it".into());
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            Err(e) => return Err(format!("waiting for the server half: {e}")),
+        }
+    }
+}
+
+fn client(opts: &Options, self_cmd: &[OsString]) -> R<()> {
+    let mut opts = opts.clone();
+    let mut child = None;
+    if opts.local {
+        if !opts.port_given {
+            opts.port = free_port()?;
+        }
+        opts.server = Some("127.0.0.1".into());
+        child = Some(spawn_local_server(&opts, self_cmd)?);
+    }
+    let res = (|| {
+        let job = run::start_job(&opts)?;
+        let r = client_body(&job, &opts);
+        if r.is_err()
+            && let Some(c) = child.as_mut()
+        {
+            // Do not leave the server half waiting for specs that never come.
+            let _ = c.kill();
+        }
+        r
+    })();
+    match (res, child.as_mut()) {
+        (Ok(()), Some(c)) => reap(c, Duration::from_secs(30)),
+        (Err(e), Some(c)) => {
+            let _ = c.kill();
+            let _ = c.wait();
+            Err(e)
+        }
+        (r, None) => r,
+    }
+}
+
+fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
+    let mut m = vec![
+        ("Transports", job.worker().transports().join(", ")),
+        (
+            "RUCX_TLS",
+            std::env::var("RUCX_TLS").unwrap_or_else(|_| "(all)".into()),
+        ),
+    ];
+    m.extend(run::describe(job, &opts.sizes));
+    m.push(("Send memory", opts.mem.0.to_string()));
+    m.push(("Recv memory", opts.mem.1.to_string()));
+    m
+}
+
+fn client_body(job: &Job, opts: &Options) -> R<()> {
+    if opts.sweep {
+        return sweep(job, opts);
+    }
+    let test = opts.test;
+    let mut info = vec![("Test", format!("{} - {}", test.name(), test.describe()))];
+    info.extend(meta(job, opts));
+    if !test.is_pingpong() {
+        info.push(("Window", format!("{} outstanding (-O)", opts.window)));
+    }
+    if opts.format == Format::Table {
+        println!("{}", report::info_box(&info));
+        println!("{}", report::table_header());
+    } else if opts.format == Format::Csv {
+        println!("{}", report::CSV_HEADER);
+    }
+    let mut all = Vec::new();
+    for &size in &opts.sizes {
+        let spec = run::spec_for(opts, test, size);
+        let f = run::client_run(job, &spec, opts.progress)?;
+        match opts.format {
+            Format::Table => println!("{}", report::table_row(&f)),
+            Format::Csv => println!("{}", report::csv_row(&f)),
+            Format::Json => {}
+        }
+        all.push(f);
+    }
+    run::client_quit(job)?;
+    match opts.format {
+        Format::Table => println!("{}", report::table_footer()),
+        Format::Csv => {}
+        Format::Json => {
+            let mut m: Vec<(&str, String)> = vec![("test", test.name().into())];
+            m.extend(info.iter().skip(1).cloned());
+            println!("{}", report::json_document(&m, &all));
+        }
+    }
+    Ok(())
+}
+
+/// The text table of a sweep.
+pub fn sweep_table(lat: &[Figures], bw: &[Figures]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:>9}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}",
+        "size", "lat 50% (us)", "lat avg (us)", "bw (MB/s)", "rate (msg/s)", "lat iters"
+    );
+    let sizes: Vec<usize> = lat
+        .iter()
+        .map(|f| f.size)
+        .chain(bw.iter().map(|f| f.size))
+        .fold(Vec::new(), |mut v, x| {
+            if !v.contains(&x) {
+                v.push(x);
+            }
+            v
+        });
+    for size in sizes {
+        let l = lat.iter().find(|f| f.size == size);
+        let b = bw.iter().find(|f| f.size == size);
+        let opt = |v: Option<f64>, p: usize| v.map_or("-".into(), |x| format!("{x:.p$}"));
+        let _ = writeln!(
+            s,
+            "{:>9}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}",
+            plot::size_label(size as f64),
+            opt(l.map(|f| f.lat_p50_us), 3),
+            opt(l.map(|f| f.lat_avg_us), 3),
+            opt(b.map(|f| f.bw_overall_mbs), 2),
+            opt(b.map(|f| f.mr_overall), 0),
+            l.map_or("-".into(), |f| f.iterations.to_string())
+        );
+    }
+    s
+}
+
+/// A named sweep: (name, latency figures, bandwidth figures).
+pub type SweepSeries = (String, Vec<Figures>, Vec<Figures>);
+
+/// The two panels of a sweep plot from named series of (latency, bandwidth) figures.
+pub fn sweep_panels(series: &[SweepSeries]) -> Vec<Panel> {
+    let mk = |title: &str, y: &str, pick: &dyn Fn(&SweepSeries) -> Vec<(f64, f64)>| Panel {
+        title: title.into(),
+        y_label: y.into(),
+        log_y: true,
+        series: series
+            .iter()
+            .enumerate()
+            .map(|(i, s)| Series {
+                name: s.0.clone(),
+                color: plot::PALETTE[i % plot::PALETTE.len()].into(),
+                points: pick(s),
+            })
+            .collect(),
+    };
+    vec![
+        mk(
+            "tag_lat: latency (50th percentile)",
+            "one-way latency (usec, log scale)",
+            &|s| s.1.iter().map(|f| (f.size as f64, f.lat_p50_us)).collect(),
+        ),
+        mk(
+            "tag_bw: bandwidth (overall)",
+            "bandwidth (MB/s, log scale)",
+            &|s| {
+                s.2.iter()
+                    .map(|f| (f.size as f64, f.bw_overall_mbs))
+                    .collect()
+            },
+        ),
+    ]
+}
+
+fn sweep(job: &Job, opts: &Options) -> R<()> {
+    let mut lat = Vec::new();
+    let mut bw = Vec::new();
+    for (test, out) in [(TestKind::TagLat, &mut lat), (TestKind::TagBw, &mut bw)] {
+        for &size in &opts.sizes {
+            let spec = run::spec_for(opts, test, size);
+            if opts.progress {
+                eprintln!(
+                    "[rucx-perftest] sweep: {} {} B, {} iterations",
+                    test.name(),
+                    size,
+                    spec.iters
+                );
+            }
+            out.push(run::client_run(job, &spec, opts.progress)?);
+        }
+    }
+    run::client_quit(job)?;
+    let m = meta(job, opts);
+    let tls = std::env::var("RUCX_TLS").unwrap_or_else(|_| "all".into());
+    match opts.format {
+        Format::Table => {
+            let mut info = vec![(
+                "Sweep",
+                format!(
+                    "tag_lat (half round trip) and tag_bw (window {}), {} sizes",
+                    opts.window,
+                    opts.sizes.len()
+                ),
+            )];
+            info.extend(m.iter().filter(|(k, _)| *k != "Tag protocols").cloned());
+            println!("{}", report::info_box(&info));
+            print!("{}", sweep_table(&lat, &bw));
+        }
+        Format::Csv => {
+            println!("{}", report::CSV_HEADER);
+            for f in lat.iter().chain(&bw) {
+                println!("{}", report::csv_row(f));
+            }
+        }
+        Format::Json => {
+            let mut all = lat.clone();
+            all.extend(bw.iter().cloned());
+            let mut mm: Vec<(&str, String)> = vec![("test", "sweep".into())];
+            mm.extend(m.iter().filter(|(k, _)| *k != "Tag protocols").cloned());
+            println!("{}", report::json_document(&mm, &all));
+        }
+    }
+    let panels = sweep_panels(&[(format!("rucx (RUCX_TLS={tls})"), lat, bw)]);
+    let caption = format!(
+        "rucx-perftest --sweep, RUCX_TLS={tls}, transports: {}",
+        job.worker().transports().join(", ")
+    );
+    std::fs::write(&opts.plot, plot::svg(&panels, &caption))
+        .map_err(|e| format!("writing the plot to {}: {e}", opts.plot.display()))?;
+    eprintln!("rucx-perftest: plot written to {}", opts.plot.display());
+    Ok(())
+}
+
+/// Entry point of the `rucx-perftest` binary.
+pub fn main() -> ExitCode {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let exe = std::env::current_exe()
+        .map(OsString::from)
+        .unwrap_or_else(|_| argv[0].clone());
+    main_with(argv, vec![exe])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn sweep_table_has_a_row_per_size() {
+        let f = |t: &str, s: usize| {
+            Figures::compute(
+                t,
+                s,
+                &[Duration::from_micros(4)],
+                Duration::from_micros(4),
+                true,
+            )
+        };
+        let t = sweep_table(&[f("tag_lat", 1), f("tag_lat", 1024)], &[f("tag_bw", 1024)]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[1].trim_start().starts_with("1 ") && lines[1].contains(" - "));
+        assert!(lines[2].trim_start().starts_with("1K"));
+        let p = sweep_panels(&[("x".into(), vec![f("tag_lat", 8)], vec![])]);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].series[0].points, vec![(8.0, 2.0)]);
+    }
+}

@@ -1,0 +1,943 @@
+//! `rucx-bench-compare`: rucx-perftest and UCX's `ucx_perftest` on this machine in one
+//! sitting, alternating, several repetitions, medians, ratios next to the goals of issue 8.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+use crate::args::{SizeList, size_list_arg};
+use crate::plot::{self, Panel, Series};
+use crate::report::{json_num, json_str};
+use crate::stats::median;
+
+/// Result type: printable errors.
+pub type R<T> = std::result::Result<T, String>;
+
+/// Command line of `rucx-bench-compare`.
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "rucx-bench-compare",
+    about = "Run rucx-perftest and ucx_perftest side by side on this machine (shm and tcp over \
+             loopback), alternating, and print the ratios rucx/ucx next to the goals of issue 8."
+)]
+pub struct CompareCli {
+    /// Repetitions of every measurement (medians are reported).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Fewer repetitions and iterations (about a fifth of the time).
+    #[arg(long)]
+    pub quick: bool,
+    /// Transports to compare: shm, tcp.
+    #[arg(long, default_value = "shm,tcp", value_delimiter = ',')]
+    pub transports: Vec<String>,
+    /// Sizes of the latency test (tag_lat).
+    #[arg(long, default_value = "8,256,4K,64K", value_parser = size_list_arg)]
+    pub lat_sizes: SizeList,
+    /// Sizes of the bandwidth test (tag_bw).
+    #[arg(long, default_value = "64K,1M,4M", value_parser = size_list_arg)]
+    pub bw_sizes: SizeList,
+    /// Outstanding window of the bandwidth test, for both tools (-O).
+    #[arg(long, default_value_t = 16)]
+    pub window: usize,
+    /// ucx_perftest to run (default: from PATH, installing Debian's ucx-utils when missing).
+    #[arg(long)]
+    pub ucx_perftest: Option<PathBuf>,
+    /// Do not try to install ucx-utils when ucx_perftest is missing.
+    #[arg(long)]
+    pub no_install: bool,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Also draw the medians as an SVG plot here.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// A transport as both tools name it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transport {
+    /// Short name: shm, tcp.
+    pub name: &'static str,
+    /// Environment of rucx-perftest.
+    pub rucx_env: Vec<(&'static str, &'static str)>,
+    /// Environment of ucx_perftest.
+    pub ucx_env: Vec<(&'static str, &'static str)>,
+}
+
+/// The transport called `name`.
+pub fn transport(name: &str) -> R<Transport> {
+    match name.trim() {
+        "shm" | "posix" => Ok(Transport {
+            name: "shm",
+            rucx_env: vec![("RUCX_TLS", "posix")],
+            ucx_env: vec![("UCX_TLS", "posix")],
+        }),
+        "tcp" => Ok(Transport {
+            name: "tcp",
+            rucx_env: vec![("RUCX_TLS", "tcp"), ("RUCX_TCP_IFACES", "lo")],
+            ucx_env: vec![("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
+        }),
+        other => Err(format!(
+            "--transports: unknown transport {other:?}; accepted: shm, tcp"
+        )),
+    }
+}
+
+/// One measured case.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    /// Transport name.
+    pub transport: &'static str,
+    /// tag_lat or tag_bw.
+    pub test: &'static str,
+    /// Message size.
+    pub size: usize,
+    /// Iterations.
+    pub iters: usize,
+    /// Warm-up iterations.
+    pub warmup: usize,
+}
+
+impl Case {
+    /// True for the latency test.
+    pub fn is_lat(&self) -> bool {
+        self.test == "tag_lat"
+    }
+}
+
+/// What one run of either tool reported (the columns both print).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    /// Latency, 50th percentile, usec.
+    pub lat_p50: f64,
+    /// Latency, overall, usec.
+    pub lat_overall: f64,
+    /// Bandwidth, overall, MB/s.
+    pub bw_overall: f64,
+}
+
+impl Sample {
+    /// The figure compared for a case: 50th-percentile latency, or overall bandwidth.
+    pub fn key(&self, lat: bool) -> f64 {
+        if lat { self.lat_p50 } else { self.bw_overall }
+    }
+}
+
+/// A goal of issue 8.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Goal {
+    /// Transport.
+    pub transport: &'static str,
+    /// Test.
+    pub test: &'static str,
+    /// Size.
+    pub size: usize,
+    /// The ratio rucx/ucx must be at most this (latency) or at least this (bandwidth).
+    pub ratio: f64,
+}
+
+/// The goals of issue 8.
+pub const GOALS: [Goal; 4] = [
+    Goal {
+        transport: "shm",
+        test: "tag_lat",
+        size: 8,
+        ratio: 0.9,
+    },
+    Goal {
+        transport: "shm",
+        test: "tag_bw",
+        size: 1 << 20,
+        ratio: 1.2,
+    },
+    Goal {
+        transport: "tcp",
+        test: "tag_lat",
+        size: 8,
+        ratio: 1.0,
+    },
+    Goal {
+        transport: "tcp",
+        test: "tag_bw",
+        size: 1 << 20,
+        ratio: 1.5,
+    },
+];
+
+/// The goal of a case, if it has one.
+pub fn goal_for(c: &Case) -> Option<Goal> {
+    GOALS
+        .iter()
+        .copied()
+        .find(|g| g.transport == c.transport && g.test == c.test && g.size == c.size)
+}
+
+/// Text of a goal and whether `ratio` meets it.
+pub fn judge(g: &Goal, lat: bool, ratio: f64) -> (String, bool) {
+    if lat {
+        (format!("<= {:.1}x", g.ratio), ratio <= g.ratio)
+    } else {
+        (format!(">= {:.1}x", g.ratio), ratio >= g.ratio)
+    }
+}
+
+/// Parse the CSV line of `ucx_perftest -v -f`:
+/// `iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr`.
+pub fn parse_ucx_csv(out: &str) -> R<Sample> {
+    for line in out.lines() {
+        let cols: Vec<&str> = line.trim().split(',').collect();
+        if cols.len() != 8 {
+            continue;
+        }
+        let v: Option<Vec<f64>> = cols.iter().map(|c| c.trim().parse().ok()).collect();
+        if let Some(v) = v {
+            return Ok(Sample {
+                lat_p50: v[1],
+                lat_overall: v[3],
+                bw_overall: v[5],
+            });
+        }
+    }
+    Err(format!(
+        "no result line in ucx_perftest's output:\n{}",
+        tail(out, 20)
+    ))
+}
+
+/// Parse the CSV of `rucx-perftest --csv` (the first result line of `test`).
+pub fn parse_rucx_csv(out: &str, test: &str) -> R<Sample> {
+    for line in out.lines() {
+        let cols: Vec<&str> = line.trim().split(',').collect();
+        if cols.len() != 10 || cols[0] != test {
+            continue;
+        }
+        let v: Option<Vec<f64>> = cols[1..].iter().map(|c| c.parse().ok()).collect();
+        if let Some(v) = v {
+            return Ok(Sample {
+                lat_p50: v[2],
+                lat_overall: v[4],
+                bw_overall: v[6],
+            });
+        }
+    }
+    Err(format!(
+        "no result line in rucx-perftest's output:\n{}",
+        tail(out, 20)
+    ))
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn free_port() -> R<u16> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("finding a free port: {e}"))
+}
+
+/// Run a command with a time limit; returns (success, stdout, stderr).
+fn run_limited(mut c: Command, limit: Duration) -> R<(bool, String, String)> {
+    use std::io::Read;
+    let prog = format!("{:?}", c.get_program());
+    let mut child = c
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting {prog}: {e}"))?;
+    let reader = |p: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut p) = p {
+                let mut b = Vec::new();
+                let _ = p.read_to_end(&mut b);
+                s = String::from_utf8_lossy(&b).into_owned();
+            }
+            s
+        })
+    };
+    let so = reader(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let se = reader(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let start = Instant::now();
+    let mut killed = false;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st,
+            Ok(None) if start.elapsed() > limit && !killed => {
+                let _ = child.kill();
+                killed = true;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(format!("waiting for {prog}: {e}")),
+        }
+    };
+    let so = so.join().unwrap_or_default();
+    let se = se.join().unwrap_or_default();
+    if killed {
+        return Err(format!(
+            "{prog} ran past {limit:?} and was killed:\n{}",
+            tail(&format!("{so}{se}"), 20)
+        ));
+    }
+    Ok((status.success(), so, se))
+}
+
+fn run_rucx(self_cmd: &[OsString], t: &Transport, c: &Case, window: usize) -> R<Sample> {
+    let (exe, lead) = self_cmd.split_first().ok_or("no rucx-perftest command")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(lead).args([
+        "--local",
+        "-q",
+        "--csv",
+        "-t",
+        c.test,
+        "-s",
+        &c.size.to_string(),
+        "-n",
+        &c.iters.to_string(),
+        "-w",
+        &c.warmup.to_string(),
+        "-O",
+        &window.to_string(),
+    ]);
+    cmd.envs(t.rucx_env.iter().copied());
+    let (ok, so, se) = run_limited(cmd, Duration::from_secs(300))?;
+    if !ok {
+        return Err(format!(
+            "rucx-perftest {} {} B over {} failed:\n{}",
+            c.test,
+            c.size,
+            t.name,
+            tail(&format!("{so}{se}"), 20)
+        ));
+    }
+    parse_rucx_csv(&so, c.test)
+}
+
+fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
+    let mut last = String::new();
+    for _attempt in 0..3 {
+        let port = free_port()?.to_string();
+        let mut params: Vec<String> = vec![
+            "-p".into(),
+            port.clone(),
+            "-t".into(),
+            c.test.into(),
+            "-s".into(),
+            c.size.to_string(),
+            "-n".into(),
+            c.iters.to_string(),
+            "-w".into(),
+            c.warmup.to_string(),
+        ];
+        if !c.is_lat() {
+            params.extend(["-O".into(), window.to_string()]);
+        }
+        let mut server = Command::new(ucx)
+            .args(&params)
+            .envs(t.ucx_env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", ucx.display()))?;
+        std::thread::sleep(Duration::from_millis(300));
+        let mut client = Command::new(ucx);
+        client
+            .arg("127.0.0.1")
+            .args(&params)
+            .args(["-v", "-f"])
+            .envs(t.ucx_env.iter().copied());
+        let res = run_limited(client, Duration::from_secs(300));
+        let srv_done = Instant::now();
+        loop {
+            match server.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if srv_done.elapsed() > Duration::from_secs(10) => {
+                    let _ = server.kill();
+                    let _ = server.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                Err(_) => break,
+            }
+        }
+        match res {
+            Ok((true, so, _)) => return parse_ucx_csv(&so),
+            Ok((false, so, se)) => last = format!("{so}{se}"),
+            Err(e) => last = e,
+        }
+    }
+    Err(format!(
+        "ucx_perftest {} {} B over {} failed three times:\n{}",
+        c.test,
+        c.size,
+        t.name,
+        tail(&last, 20)
+    ))
+}
+
+/// Find `ucx_perftest`, installing Debian's `ucx-utils` when missing (as root, unless told
+/// not to). The error says precisely what is missing.
+pub fn find_ucx(explicit: Option<&Path>, install: bool) -> R<PathBuf> {
+    if let Some(p) = explicit {
+        return if p.is_file() {
+            Ok(p.to_path_buf())
+        } else {
+            Err(format!("--ucx-perftest {}: no such file", p.display()))
+        };
+    }
+    let in_path = || {
+        std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|d| d.join("ucx_perftest"))
+                .find(|p| p.is_file())
+        })
+    };
+    if let Some(p) = in_path() {
+        return Ok(p);
+    }
+    if !install {
+        return Err(
+            "ucx_perftest is not in PATH: install the Debian package ucx-utils \
+                    (apt-get install -y ucx-utils), or pass --ucx-perftest PATH"
+                .into(),
+        );
+    }
+    eprintln!("bench-compare: ucx_perftest missing; installing ucx-utils with apt-get");
+    let st = Command::new("apt-get")
+        .args(["install", "-y", "ucx-utils"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status();
+    let st = match st {
+        Ok(s) if s.success() => s,
+        _ => {
+            // The package lists may be missing on a fresh machine.
+            let _ = Command::new("apt-get").arg("update").status();
+            Command::new("apt-get")
+                .args(["install", "-y", "ucx-utils"])
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .status()
+                .map_err(|e| {
+                    format!("ucx_perftest is missing and apt-get could not run ({e}); install the Debian package ucx-utils")
+                })?
+        }
+    };
+    match in_path() {
+        Some(p) if st.success() => Ok(p),
+        _ => Err(format!(
+            "ucx_perftest is missing: `apt-get install -y ucx-utils` ended with {st} and no \
+             ucx_perftest appeared in PATH (needs root and the Debian archive)"
+        )),
+    }
+}
+
+fn ucx_version() -> String {
+    Command::new("ucx_info")
+        .arg("-v")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .find(|l| l.contains("Version"))
+                .map(|l| l.trim_start_matches('#').trim().to_string())
+        })
+        .unwrap_or_else(|| "version unknown".into())
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let n = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cpu}, {n} CPUs")
+}
+
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Medians of one case.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// The case.
+    pub case: Case,
+    /// rucx runs.
+    pub rucx: Vec<Sample>,
+    /// ucx runs.
+    pub ucx: Vec<Sample>,
+}
+
+impl Row {
+    /// Median of the compared figure: (rucx, ucx).
+    pub fn medians(&self) -> (f64, f64) {
+        let lat = self.case.is_lat();
+        let m = |v: &[Sample]| {
+            median(&v.iter().map(|s| s.key(lat)).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+        };
+        (m(&self.rucx), m(&self.ucx))
+    }
+
+    /// Median of the overall latency (latency cases): (rucx, ucx).
+    pub fn overall_lat(&self) -> (f64, f64) {
+        let m = |v: &[Sample]| {
+            median(&v.iter().map(|s| s.lat_overall).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+        };
+        (m(&self.rucx), m(&self.ucx))
+    }
+}
+
+/// The comparison table.
+pub fn render(rows: &[Row]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<5} {:<8} {:>5}  {:<20} {:>10} {:>10} {:>9}  {:<9} verdict",
+        "tl", "test", "size", "figure (median)", "rucx", "ucx", "rucx/ucx", "goal"
+    );
+    for r in rows {
+        let (a, b) = r.medians();
+        let ratio = a / b;
+        let lat = r.case.is_lat();
+        let (goal, verdict) = match goal_for(&r.case) {
+            Some(g) => {
+                let (t, ok) = judge(&g, lat, ratio);
+                (t, if ok { "met" } else { "MISSED" }.to_string())
+            }
+            None => (String::new(), String::new()),
+        };
+        let _ = writeln!(
+            s,
+            "{:<5} {:<8} {:>5}  {:<20} {:>10} {:>10} {:>8.2}x  {:<9} {}",
+            r.case.transport,
+            r.case.test,
+            plot::size_label(r.case.size as f64),
+            if lat {
+                "latency 50% (us)"
+            } else {
+                "bandwidth (MB/s)"
+            },
+            if lat {
+                format!("{a:.3}")
+            } else {
+                format!("{a:.1}")
+            },
+            if lat {
+                format!("{b:.3}")
+            } else {
+                format!("{b:.1}")
+            },
+            ratio,
+            goal,
+            verdict
+        );
+        if lat {
+            let (oa, ob) = r.overall_lat();
+            let _ = writeln!(
+                s,
+                "{:<5} {:<8} {:>5}  {:<20} {:>10.3} {:>10.3} {:>8.2}x",
+                "",
+                "",
+                "",
+                "latency overall (us)",
+                oa,
+                ob,
+                oa / ob
+            );
+        }
+    }
+    s
+}
+
+/// Every run's compared figure, for the record.
+pub fn render_raw(rows: &[Row]) -> String {
+    let mut s = String::new();
+    for r in rows {
+        let lat = r.case.is_lat();
+        let fmt = |v: &[Sample]| {
+            v.iter()
+                .map(|x| {
+                    if lat {
+                        format!("{:.3}", x.key(lat))
+                    } else {
+                        format!("{:.0}", x.key(lat))
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let _ = writeln!(
+            s,
+            "{} {} {}: rucx [{}]  ucx [{}]",
+            r.case.transport,
+            r.case.test,
+            plot::size_label(r.case.size as f64),
+            fmt(&r.rucx),
+            fmt(&r.ucx)
+        );
+    }
+    s
+}
+
+fn json(rows: &[Row], header: &[(&str, String)]) -> String {
+    let mut s = String::from("{\"tool\":\"rucx-bench-compare\"");
+    for (k, v) in header {
+        let _ = write!(s, ",{}:{}", json_str(k), json_str(v));
+    }
+    s.push_str(",\"rows\":[");
+    for (i, r) in rows.iter().enumerate() {
+        let (a, b) = r.medians();
+        let lat = r.case.is_lat();
+        let goal = goal_for(&r.case).map(|g| judge(&g, lat, a / b));
+        let runs = |v: &[Sample]| {
+            v.iter()
+                .map(|x| json_num(x.key(lat)))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let _ = write!(
+            s,
+            "{}{{\"transport\":{},\"test\":{},\"size\":{},\"figure\":{},\"rucx\":{},\"ucx\":{},\"ratio\":{},\"goal\":{},\"met\":{},\"rucx_runs\":[{}],\"ucx_runs\":[{}]}}",
+            if i > 0 { "," } else { "" },
+            json_str(r.case.transport),
+            json_str(r.case.test),
+            r.case.size,
+            json_str(if lat {
+                "latency_p50_us"
+            } else {
+                "bandwidth_overall_mbs"
+            }),
+            json_num(a),
+            json_num(b),
+            json_num(a / b),
+            goal.as_ref().map_or("null".into(), |g| json_str(&g.0)),
+            goal.as_ref().map_or("null".into(), |g| g.1.to_string()),
+            runs(&r.rucx),
+            runs(&r.ucx)
+        );
+    }
+    s.push_str("]}\n");
+    s
+}
+
+fn panels(rows: &[Row]) -> Vec<Panel> {
+    let mut out = Vec::new();
+    for (lat, title, y) in [
+        (
+            true,
+            "tag_lat: latency, 50th percentile",
+            "usec (log scale)",
+        ),
+        (false, "tag_bw: bandwidth, overall", "MB/s (log scale)"),
+    ] {
+        let mut series = Vec::new();
+        let mut tls: Vec<&str> = rows.iter().map(|r| r.case.transport).collect();
+        tls.dedup();
+        for t in tls {
+            for (k, tool) in ["rucx", "ucx"].iter().enumerate() {
+                let pts: Vec<(f64, f64)> = rows
+                    .iter()
+                    .filter(|r| r.case.transport == t && r.case.is_lat() == lat)
+                    .map(|r| {
+                        let (a, b) = r.medians();
+                        (r.case.size as f64, if k == 0 { a } else { b })
+                    })
+                    .collect();
+                let i = series.len();
+                series.push(Series {
+                    name: format!("{tool} {t}"),
+                    color: plot::PALETTE[i % plot::PALETTE.len()].into(),
+                    points: pts,
+                });
+            }
+        }
+        out.push(Panel {
+            title: title.into(),
+            y_label: y.into(),
+            log_y: true,
+            series,
+        });
+    }
+    out
+}
+
+/// The cases of a comparison.
+pub fn cases(cli: &CompareCli) -> R<Vec<(Transport, Case)>> {
+    let scale = if cli.quick { 5 } else { 1 };
+    let mut v = Vec::new();
+    for t in &cli.transports {
+        let t = transport(t)?;
+        for &size in &cli.lat_sizes.0 {
+            let iters = if size <= 4096 { 50_000 } else { 10_000 } / scale;
+            v.push((
+                t.clone(),
+                Case {
+                    transport: t.name,
+                    test: "tag_lat",
+                    size,
+                    iters,
+                    warmup: iters / 10,
+                },
+            ));
+        }
+        for &size in &cli.bw_sizes.0 {
+            let iters = ((1usize << 30) / size.max(1)).clamp(200, 100_000) / scale;
+            v.push((
+                t.clone(),
+                Case {
+                    transport: t.name,
+                    test: "tag_bw",
+                    size,
+                    iters,
+                    warmup: (iters / 10).max(10),
+                },
+            ));
+        }
+    }
+    Ok(v)
+}
+
+fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
+    if cli.reps == 0 {
+        return Err("--reps: at least one repetition".into());
+    }
+    let reps = if cli.quick { cli.reps.min(3) } else { cli.reps };
+    let ucx = find_ucx(cli.ucx_perftest.as_deref(), !cli.no_install)?;
+    let cases = cases(cli)?;
+    let header = vec![
+        ("machine", machine()),
+        ("ucx", format!("{} ({})", ucx_version(), ucx.display())),
+        (
+            "rucx",
+            format!("rucx-perftest {}", env!("CARGO_PKG_VERSION")),
+        ),
+        ("load_before", load()),
+        ("repetitions", reps.to_string()),
+        ("window", cli.window.to_string()),
+    ];
+    println!(
+        "bench-compare: rucx-perftest vs ucx_perftest, this machine, one sitting; {reps} repetitions alternating the tools; medians"
+    );
+    for (k, v) in &header {
+        println!("  {k}: {v}");
+    }
+    println!(
+        "  shm: RUCX_TLS=posix vs UCX_TLS=posix; tcp: RUCX_TLS=tcp RUCX_TCP_IFACES=lo vs UCX_TLS=tcp UCX_NET_DEVICES=lo (loopback)"
+    );
+    println!(
+        "  latency: tag_lat one-way (half round trip), 50th percentile; bandwidth: tag_bw overall, -O {} for both; MB = 2^20 bytes",
+        cli.window
+    );
+    let mut rows: Vec<Row> = cases
+        .iter()
+        .map(|(_, c)| Row {
+            case: c.clone(),
+            rucx: Vec::new(),
+            ucx: Vec::new(),
+        })
+        .collect();
+    let started = Instant::now();
+    for rep in 0..reps {
+        for (i, (t, c)) in cases.iter().enumerate() {
+            let rucx_first = (rep + i) % 2 == 0;
+            for k in 0..2 {
+                let rucx_turn = (k == 0) == rucx_first;
+                if rucx_turn {
+                    let s = run_rucx(self_cmd, t, c, cli.window)?;
+                    rows[i].rucx.push(s);
+                } else {
+                    let s = run_ucx(&ucx, t, c, cli.window)?;
+                    rows[i].ucx.push(s);
+                }
+            }
+            eprintln!(
+                "[bench-compare] rep {}/{reps}: {} {} {} B: rucx {:.3} ucx {:.3} ({:.0} s)",
+                rep + 1,
+                c.transport,
+                c.test,
+                c.size,
+                rows[i].rucx.last().map_or(f64::NAN, |s| s.key(c.is_lat())),
+                rows[i].ucx.last().map_or(f64::NAN, |s| s.key(c.is_lat())),
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    println!("  load_after: {}", load());
+    println!();
+    print!("{}", render(&rows));
+    println!();
+    println!("runs (compared figure, in order):");
+    print!("{}", render_raw(&rows));
+    if let Some(p) = &cli.json {
+        std::fs::write(p, json(&rows, &header))
+            .map_err(|e| format!("writing {}: {e}", p.display()))?;
+        eprintln!("bench-compare: JSON written to {}", p.display());
+    }
+    if let Some(p) = &cli.plot {
+        let svg = plot::svg(
+            &panels(&rows),
+            &format!("rucx-bench-compare: medians of {reps} runs, {}", machine()),
+        );
+        std::fs::write(p, svg).map_err(|e| format!("writing {}: {e}", p.display()))?;
+        eprintln!("bench-compare: plot written to {}", p.display());
+    }
+    Ok(())
+}
+
+/// Entry point of the `rucx-bench-compare` binary. Run with `--as-perftest` first, it is
+/// rucx-perftest (so one binary carries both tools).
+pub fn main() -> ExitCode {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let exe = std::env::current_exe()
+        .map(OsString::from)
+        .unwrap_or_else(|_| argv[0].clone());
+    if argv.get(1).is_some_and(|a| a == "--as-perftest") {
+        let mut pargs = vec![OsString::from("rucx-perftest")];
+        pargs.extend(argv[2..].iter().cloned());
+        return crate::cli::main_with(pargs, vec![exe, "--as-perftest".into()]);
+    }
+    let cli = match CompareCli::try_parse_from(&argv) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    match compare(&cli, &[exe, "--as-perftest".into()]) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rucx-bench-compare: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ucx_perftest_csv() {
+        let out = "+----+\n| Message size: 8 |\niterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n2000,0.160,862.632,630.871,1159.24,1585.11,1159,1585\n";
+        let s = parse_ucx_csv(out).unwrap();
+        assert_eq!(s.lat_p50, 0.160);
+        assert_eq!(s.lat_overall, 630.871);
+        assert_eq!(s.bw_overall, 1585.11);
+        assert!(
+            parse_ucx_csv("nothing here")
+                .unwrap_err()
+                .contains("nothing here")
+        );
+    }
+
+    #[test]
+    fn parses_rucx_perftest_csv() {
+        let out = format!(
+            "{}\ntag_lat,8,100,0.612,0.700,0.750,12.00,11.00,1400000,1300000\n",
+            crate::report::CSV_HEADER
+        );
+        let s = parse_rucx_csv(&out, "tag_lat").unwrap();
+        assert_eq!(
+            (s.lat_p50, s.lat_overall, s.bw_overall),
+            (0.612, 0.75, 11.0)
+        );
+        assert!(parse_rucx_csv(&out, "tag_bw").is_err());
+    }
+
+    #[test]
+    fn goals_and_verdicts() {
+        let c = Case {
+            transport: "shm",
+            test: "tag_lat",
+            size: 8,
+            iters: 1,
+            warmup: 0,
+        };
+        let g = goal_for(&c).unwrap();
+        assert_eq!(judge(&g, true, 0.85), ("<= 0.9x".to_string(), true));
+        assert!(!judge(&g, true, 0.95).1);
+        let c = Case {
+            transport: "tcp",
+            test: "tag_bw",
+            size: 1 << 20,
+            ..c
+        };
+        let g = goal_for(&c).unwrap();
+        assert!(judge(&g, false, 1.6).1 && !judge(&g, false, 1.4).1);
+        assert!(
+            goal_for(&Case {
+                size: 4096,
+                ..c.clone()
+            })
+            .is_none()
+        );
+        assert!(transport("ib").is_err());
+    }
+
+    #[test]
+    fn table_and_json_of_rows() {
+        let s = |l: f64, b: f64| Sample {
+            lat_p50: l,
+            lat_overall: l * 2.0,
+            bw_overall: b,
+        };
+        let rows = vec![
+            Row {
+                case: Case {
+                    transport: "shm",
+                    test: "tag_lat",
+                    size: 8,
+                    iters: 1,
+                    warmup: 0,
+                },
+                rucx: vec![s(0.5, 1.0), s(0.6, 1.0), s(0.7, 1.0)],
+                ucx: vec![s(0.6, 1.0), s(0.7, 1.0), s(0.8, 1.0)],
+            },
+            Row {
+                case: Case {
+                    transport: "shm",
+                    test: "tag_bw",
+                    size: 1 << 20,
+                    iters: 1,
+                    warmup: 0,
+                },
+                rucx: vec![s(1.0, 3000.0)],
+                ucx: vec![s(1.0, 1500.0)],
+            },
+        ];
+        let t = render(&rows);
+        assert!(t.contains("0.86x") && t.contains("met"), "{t}");
+        assert!(t.contains("2.00x") && t.contains(">= 1.2x"), "{t}");
+        let v: serde_json::Value =
+            serde_json::from_str(&json(&rows, &[("k", "v".into())])).unwrap();
+        assert_eq!(v["rows"][0]["met"], true);
+        assert_eq!(v["rows"][1]["ratio"], 2.0);
+        assert_eq!(v["rows"][0]["rucx_runs"].as_array().unwrap().len(), 3);
+        let svg = plot::svg(&panels(&rows), "c");
+        assert!(svg.contains("rucx shm") && svg.contains("ucx shm"));
+        assert!(render_raw(&rows).contains("rucx [0.500 0.600 0.700]"));
+    }
+}

@@ -1,0 +1,714 @@
+//! The measurements: a job of two ranks (0 = server, 1 = client), the client telling the server
+//! which test to run next over rucx itself, and one loop per test on each side.
+//!
+//! Every iteration is timed with [`Instant`]; the client keeps the per-iteration times and
+//! the whole run's time, from which [`Figures`] follow.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use rucx::bootstrap::Placement;
+use rucx::{Completion, EpId, Error, Job, Request, TAG_MASK_FULL, Tag, Worker};
+
+use crate::args::{Options, TestKind};
+use crate::stats::{Figures, MB, percentile};
+
+const TAG_CTRL: Tag = 0x7275_6378_0000_0001;
+const TAG_DATA: Tag = 0x1000;
+const TAG_ACK: Tag = 0x2000;
+const TAG_RKEY: Tag = 0x3000;
+const TAG_DONE: Tag = 0x4000;
+const TAG_READY: Tag = 0x5000;
+const AM_PING: u16 = 11;
+const AM_PONG: u16 = 12;
+const AM_DATA: u16 = 13;
+const AM_CREDIT: u16 = 14;
+
+/// Result type of this module: errors are printable strings with context.
+pub type R<T> = std::result::Result<T, String>;
+
+fn ctx(what: &str) -> impl FnOnce(Error) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+/// One test at one size, as the client asks the server to run it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spec {
+    /// Test.
+    pub test: TestKind,
+    /// Message size.
+    pub size: usize,
+    /// Measured iterations.
+    pub iters: usize,
+    /// Warm-up iterations.
+    pub warmup: usize,
+    /// Outstanding window.
+    pub window: usize,
+}
+
+impl Spec {
+    /// The control message that announces this spec.
+    pub fn encode(&self) -> String {
+        format!(
+            "run {} {} {} {} {}",
+            self.test.name(),
+            self.size,
+            self.iters,
+            self.warmup,
+            self.window
+        )
+    }
+
+    /// Parse a control message (`None` for `quit`).
+    pub fn decode(s: &str) -> R<Option<Spec>> {
+        let w: Vec<&str> = s.split_whitespace().collect();
+        match w.as_slice() {
+            ["quit"] => Ok(None),
+            ["run", t, size, iters, warm, window] => {
+                let num = |x: &str| {
+                    x.parse::<usize>()
+                        .map_err(|_| format!("bad control message {s:?}"))
+                };
+                Ok(Some(Spec {
+                    test: t.parse()?,
+                    size: num(size)?,
+                    iters: num(iters)?,
+                    warmup: num(warm)?,
+                    window: num(window)?.max(1),
+                }))
+            }
+            _ => Err(format!(
+                "bad control message {s:?} (client and server of different versions?)"
+            )),
+        }
+    }
+}
+
+/// Start the job of two: the server is rank 0 and listens on `bind:port`, the client is rank
+/// 1 and connects to `server:port`.
+pub fn start_job(opts: &Options) -> R<Job> {
+    let mut cfg = rucx::config_from_env().map_err(|e| e.to_string())?;
+    let server = opts.is_server();
+    let boot = if server {
+        format!("{}:{}", opts.bind, opts.port)
+    } else {
+        let host = opts.server.as_deref().unwrap_or("127.0.0.1");
+        format!("{host}:{}", opts.port)
+    };
+    cfg.set("BOOTSTRAP", &boot).map_err(|e| e.to_string())?;
+    if server && std::env::var_os("RUCX_BOOTSTRAP_TIMEOUT").is_none() && !opts.local_server {
+        // A server waits for its client as long as it takes, like ucx_perftest's.
+        cfg.set("BOOTSTRAP_TIMEOUT", "24h")
+            .map_err(|e| e.to_string())?;
+    }
+    let placement = Placement {
+        rank: if server { 0 } else { 1 },
+        size: 2,
+        source: "rucx-perftest",
+        all_local: false,
+        job_id: None,
+    };
+    Job::start(cfg, placement).map_err(|e| format!("starting the job at {boot}: {e}"))
+}
+
+/// Wait for a request, progressing the worker; fails when the peer's endpoint failed (so a
+/// dead peer does not leave a receive waiting forever).
+fn wait(w: &Worker, peer: EpId, r: Request<'_>) -> R<Completion> {
+    let mut idle = 0u32;
+    loop {
+        if let Some(res) = r.test() {
+            return res.map_err(|e| e.to_string());
+        }
+        if w.progress() == 0 {
+            idle = idle.wrapping_add(1);
+            if idle.is_multiple_of(4096)
+                && let Some(why) = w.ep_error(peer)
+            {
+                return Err(format!("the peer failed: {why}"));
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Progress until `done()` holds, failing when the peer's endpoint failed.
+fn progress_until(w: &Worker, peer: EpId, mut done: impl FnMut() -> bool) -> R<()> {
+    let mut idle = 0u32;
+    while !done() {
+        if w.progress() == 0 {
+            idle = idle.wrapping_add(1);
+            if idle.is_multiple_of(4096)
+                && let Some(why) = w.ep_error(peer)
+            {
+                return Err(format!("the peer failed: {why}"));
+            }
+            std::hint::spin_loop();
+        }
+    }
+    Ok(())
+}
+
+fn send(w: &Worker, peer: EpId, buf: &[u8], tag: Tag) -> R<()> {
+    w.scope(|s| wait(w, peer, s.tag_send(peer, buf, tag)).map(|_| ()))
+}
+
+fn recv(w: &Worker, peer: EpId, buf: &mut [u8], tag: Tag) -> R<usize> {
+    w.scope(|s| wait(w, peer, s.tag_recv(buf, tag, TAG_MASK_FULL)).map(|c| c.len))
+}
+
+/// A progress line on stderr every second of a long run.
+#[derive(Debug)]
+pub struct Progress {
+    enabled: bool,
+    label: String,
+    total: usize,
+    factor: f64,
+    size: usize,
+    last: Instant,
+    last_i: usize,
+}
+
+impl Progress {
+    fn new(enabled: bool, spec: &Spec) -> Progress {
+        Progress {
+            enabled,
+            label: format!("{} {} B", spec.test.name(), spec.size),
+            total: spec.iters,
+            factor: if spec.test.is_pingpong() { 0.5 } else { 1.0 },
+            size: spec.size,
+            last: Instant::now(),
+            last_i: 0,
+        }
+    }
+
+    #[inline]
+    fn tick(&mut self, now: Instant, samples: &[Duration]) {
+        if !self.enabled || now.duration_since(self.last) < Duration::from_secs(1) {
+            return;
+        }
+        let n = samples.len();
+        let mut us: Vec<f64> = samples[self.last_i..]
+            .iter()
+            .map(|d| d.as_secs_f64() * 1e6 * self.factor)
+            .collect();
+        us.sort_by(f64::total_cmp);
+        let avg = us.iter().sum::<f64>() / us.len().max(1) as f64;
+        let p50 = percentile(&us, 50.0).unwrap_or(0.0);
+        let secs = now.duration_since(self.last).as_secs_f64();
+        let rate = (n - self.last_i) as f64 / secs;
+        eprintln!(
+            "[rucx-perftest] {}: {n}/{} iterations ({:.0}%); last {:.1} s: latency 50%ile {:.3} us, average {:.3} us; {:.2} MB/s; {:.0} msg/s",
+            self.label,
+            self.total,
+            100.0 * n as f64 / self.total.max(1) as f64,
+            secs,
+            p50,
+            avg,
+            rate * self.size as f64 / MB,
+            rate
+        );
+        self.last = now;
+        self.last_i = n;
+    }
+}
+
+/// Per-iteration timing on the measuring side.
+struct Timer {
+    warm: usize,
+    samples: Vec<Duration>,
+    start: Instant,
+    prev: Instant,
+    progress: Progress,
+}
+
+impl Timer {
+    fn new(spec: &Spec, progress: bool) -> Timer {
+        let now = Instant::now();
+        Timer {
+            warm: spec.warmup,
+            samples: Vec::with_capacity(spec.iters),
+            start: now,
+            prev: now,
+            progress: Progress::new(progress, spec),
+        }
+    }
+
+    /// Call before iteration `i` starts.
+    #[inline]
+    fn begin(&mut self, i: usize) {
+        if i == self.warm {
+            self.start = Instant::now();
+            self.prev = self.start;
+            self.progress.last = self.start;
+        }
+    }
+
+    /// Call when iteration `i` ended.
+    #[inline]
+    fn end(&mut self, i: usize) {
+        let now = Instant::now();
+        if i >= self.warm {
+            self.samples.push(now - self.prev);
+            self.progress.tick(now, &self.samples);
+        }
+        self.prev = now;
+    }
+
+    /// The samples and the measured run's time, ending now.
+    fn finish(self) -> (Vec<Duration>, Duration) {
+        let end = Instant::now();
+        (self.samples, end - self.start)
+    }
+}
+
+/// How many distinct buffers a side cycles through for receives and gets in one scope (a
+/// buffer can be lent once per scope).
+fn ring_len(size: usize, window: usize) -> usize {
+    window.max((64usize << 20) / size.max(1)).clamp(1, 1024)
+}
+
+/// Iterations per scope of sends and puts (bounds the requests a scope keeps).
+fn chunk_len(window: usize) -> usize {
+    (window * 64).max(1024)
+}
+
+fn pattern(size: usize) -> Vec<u8> {
+    (0..size).map(|i| (i * 7 + 1) as u8).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client side (measures).
+
+fn tag_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let sbuf = pattern(spec.size);
+    let mut rbuf = vec![0u8; spec.size];
+    for i in 0..spec.warmup + spec.iters {
+        t.begin(i);
+        w.scope(|s| {
+            let r = s.tag_recv(&mut rbuf, TAG_DATA, TAG_MASK_FULL);
+            wait(w, ep, s.tag_send(ep, &sbuf, TAG_DATA))?;
+            wait(w, ep, r)
+        })?;
+        t.end(i);
+    }
+    Ok(())
+}
+
+fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let sbuf = pattern(spec.size);
+    let total = spec.warmup + spec.iters;
+    let mut i = 0;
+    while i < total {
+        let end = (i + chunk_len(spec.window)).min(total);
+        w.scope(|s| -> R<()> {
+            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
+            for j in i..end {
+                t.begin(j);
+                if q.len() >= spec.window {
+                    let r = q.pop_front().expect("window not empty");
+                    wait(w, ep, r)?;
+                }
+                q.push_back(s.tag_send(ep, &sbuf, TAG_DATA));
+                t.end(j);
+            }
+            while let Some(r) = q.pop_front() {
+                wait(w, ep, r)?;
+            }
+            Ok(())
+        })?;
+        i = end;
+    }
+    // The receiver acknowledges the last message: the run ends when everything arrived.
+    recv(w, ep, &mut [], TAG_ACK)?;
+    Ok(())
+}
+
+fn recv_rkey(w: &Worker, ep: EpId) -> R<rucx::RkeyBundle> {
+    let mut b = vec![0u8; 64 << 10];
+    let n = recv(w, ep, &mut b, TAG_RKEY)?;
+    w.rkey_unpack(ep, &b[..n])
+        .map_err(ctx("unpacking the peer's remote key"))
+}
+
+fn put_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let rkey = recv_rkey(w, ep)?;
+    let remote = rkey.base();
+    let sbuf = pattern(spec.size);
+    let total = spec.warmup + spec.iters;
+    let mut i = 0;
+    while i < total {
+        let end = (i + chunk_len(spec.window)).min(total);
+        w.scope(|s| -> R<()> {
+            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
+            for j in i..end {
+                t.begin(j);
+                if q.len() >= spec.window {
+                    let r = q.pop_front().expect("window not empty");
+                    wait(w, ep, r)?;
+                }
+                q.push_back(s.put(ep, &sbuf, remote, &rkey));
+                t.end(j);
+            }
+            while let Some(r) = q.pop_front() {
+                wait(w, ep, r)?;
+            }
+            Ok(())
+        })?;
+        i = end;
+    }
+    w.scope(|s| wait(w, ep, s.flush(ep)))?;
+    send(w, ep, &[], TAG_DONE)
+}
+
+fn get_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let rkey = recv_rkey(w, ep)?;
+    let remote = rkey.base();
+    let mut bufs = vec![vec![0u8; spec.size]; ring_len(spec.size, spec.window)];
+    let total = spec.warmup + spec.iters;
+    let mut i = 0;
+    while i < total {
+        let n = bufs.len().min(total - i);
+        w.scope(|s| -> R<()> {
+            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
+            for (k, b) in bufs.iter_mut().take(n).enumerate() {
+                t.begin(i + k);
+                if q.len() >= spec.window {
+                    let r = q.pop_front().expect("window not empty");
+                    wait(w, ep, r)?;
+                }
+                q.push_back(s.get(ep, b, remote, &rkey));
+                t.end(i + k);
+            }
+            while let Some(r) = q.pop_front() {
+                wait(w, ep, r)?;
+            }
+            Ok(())
+        })?;
+        i += n;
+    }
+    send(w, ep, &[], TAG_DONE)
+}
+
+/// Read the last byte of a mapped buffer that the peer writes into.
+fn last_byte(map: &rucx::MemMap<'_>) -> u8 {
+    let s = map.as_slice();
+    // SAFETY: the pointer is in bounds (the map is never empty here: sizes >= 1 are
+    // enforced) and the map keeps the buffer alive; a volatile read is needed because the
+    // peer's transport writes the byte behind the compiler's back.
+    unsafe { std::ptr::read_volatile(s.as_ptr().add(s.len() - 1)) }
+}
+
+fn exchange_maps<'a>(
+    w: &Worker,
+    ep: EpId,
+    buf: &'a mut [u8],
+    server: bool,
+) -> R<(rucx::MemMap<'a>, rucx::RkeyBundle)> {
+    let map = w.mem_map(buf).map_err(ctx(
+        "mapping the buffer for remote access (does RUCX_TLS have a transport with put/get?)",
+    ))?;
+    let packed = map.pack_rkey();
+    let rkey = if server {
+        send(w, ep, &packed, TAG_RKEY)?;
+        recv_rkey(w, ep)?
+    } else {
+        let k = recv_rkey(w, ep)?;
+        send(w, ep, &packed, TAG_RKEY)?;
+        k
+    };
+    Ok((map, rkey))
+}
+
+fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let mut mine = vec![0u8; spec.size];
+    let (map, rkey) = exchange_maps(w, ep, &mut mine, false)?;
+    let mut sbuf = pattern(spec.size);
+    for i in 0..spec.warmup + spec.iters {
+        t.begin(i);
+        let seq = (i + 1) as u8;
+        *sbuf.last_mut().expect("size >= 1") = seq;
+        w.scope(|s| wait(w, ep, s.put(ep, &sbuf, rkey.base(), &rkey)))?;
+        progress_until(w, ep, || last_byte(&map) == seq)?;
+        t.end(i);
+    }
+    drop(map);
+    send(w, ep, &[], TAG_DONE)
+}
+
+fn am_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let got = Rc::new(Cell::new(0usize));
+    let g = got.clone();
+    w.set_am_handler(AM_PONG, move |_, _| g.set(g.get() + 1));
+    let sbuf = pattern(spec.size);
+    for i in 0..spec.warmup + spec.iters {
+        t.begin(i);
+        w.am_send(ep, AM_PING, &[], &sbuf)
+            .map_err(ctx("active message"))?;
+        progress_until(w, ep, || got.get() > i)?;
+        t.end(i);
+    }
+    Ok(())
+}
+
+fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let acked = Rc::new(Cell::new(0usize));
+    let a = acked.clone();
+    w.set_am_handler(AM_CREDIT, move |_, m| {
+        if let Ok(b) = <[u8; 8]>::try_from(m.data.as_slice()) {
+            a.set(a.get().max(u64::from_le_bytes(b) as usize));
+        }
+    });
+    let sbuf = pattern(spec.size);
+    let total = spec.warmup + spec.iters;
+    for i in 0..total {
+        t.begin(i);
+        // Credits: at most `window` messages the receiver has not counted yet.
+        progress_until(w, ep, || i - acked.get() < spec.window)?;
+        w.am_send(ep, AM_DATA, &[], &sbuf)
+            .map_err(ctx("active message"))?;
+        t.end(i);
+    }
+    progress_until(w, ep, || acked.get() >= total)?;
+    Ok(())
+}
+
+/// Run one spec on the client (the server must be told first); returns the figures.
+pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
+    let w = job.worker();
+    let ep = job.ep(0);
+    send(w, ep, spec.encode().as_bytes(), TAG_CTRL)?;
+    // The server set up (buffers, handlers) before anything is timed or sent.
+    recv(w, ep, &mut [], TAG_READY)?;
+    let mut t = Timer::new(spec, progress);
+    match spec.test {
+        TestKind::TagLat => tag_lat_client(w, ep, spec, &mut t)?,
+        TestKind::TagBw => tag_bw_client(w, ep, spec, &mut t)?,
+        TestKind::PutBw => put_bw_client(w, ep, spec, &mut t)?,
+        TestKind::Get => get_client(w, ep, spec, &mut t)?,
+        TestKind::PutLat => put_lat_client(w, ep, spec, &mut t)?,
+        TestKind::AmLat => am_lat_client(w, ep, spec, &mut t)?,
+        TestKind::AmBw => am_bw_client(w, ep, spec, &mut t)?,
+    }
+    let (samples, total) = t.finish();
+    Ok(Figures::compute(
+        spec.test.name(),
+        spec.size,
+        &samples,
+        total,
+        spec.test.is_pingpong(),
+    ))
+}
+
+/// Tell the server that the client is done.
+pub fn client_quit(job: &Job) -> R<()> {
+    send(job.worker(), job.ep(0), b"quit", TAG_CTRL)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server side (responds).
+
+fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let sbuf = pattern(spec.size);
+    let mut rbuf = vec![0u8; spec.size];
+    send(w, ep, &[], TAG_READY)?;
+    for _ in 0..spec.warmup + spec.iters {
+        w.scope(|s| {
+            let r = s.tag_recv(&mut rbuf, TAG_DATA, TAG_MASK_FULL);
+            wait(w, ep, r)?;
+            wait(w, ep, s.tag_send(ep, &sbuf, TAG_DATA))
+        })?;
+    }
+    Ok(())
+}
+
+fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let mut bufs = vec![vec![0u8; spec.size]; ring_len(spec.size, spec.window)];
+    send(w, ep, &[], TAG_READY)?;
+    let total = spec.warmup + spec.iters;
+    let mut i = 0;
+    while i < total {
+        let n = bufs.len().min(total - i);
+        w.scope(|s| -> R<()> {
+            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
+            for b in bufs.iter_mut().take(n) {
+                if q.len() >= spec.window {
+                    let r = q.pop_front().expect("window not empty");
+                    wait(w, ep, r)?;
+                }
+                q.push_back(s.tag_recv(b, TAG_DATA, TAG_MASK_FULL));
+            }
+            while let Some(r) = q.pop_front() {
+                wait(w, ep, r)?;
+            }
+            Ok(())
+        })?;
+        i += n;
+    }
+    send(w, ep, &[], TAG_ACK)
+}
+
+fn rma_target_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let mut buf = pattern(spec.size);
+    send(w, ep, &[], TAG_READY)?;
+    let map = w.mem_map(&mut buf).map_err(ctx(
+        "mapping the buffer for remote access (does RUCX_TLS have a transport with put/get?)",
+    ))?;
+    send(w, ep, &map.pack_rkey(), TAG_RKEY)?;
+    recv(w, ep, &mut [], TAG_DONE)?;
+    drop(map);
+    Ok(())
+}
+
+fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let mut mine = vec![0u8; spec.size];
+    send(w, ep, &[], TAG_READY)?;
+    let (map, rkey) = exchange_maps(w, ep, &mut mine, true)?;
+    let mut sbuf = pattern(spec.size);
+    for i in 0..spec.warmup + spec.iters {
+        let seq = (i + 1) as u8;
+        progress_until(w, ep, || last_byte(&map) == seq)?;
+        *sbuf.last_mut().expect("size >= 1") = seq;
+        w.scope(|s| wait(w, ep, s.put(ep, &sbuf, rkey.base(), &rkey)))?;
+    }
+    recv(w, ep, &mut [], TAG_DONE)?;
+    drop(map);
+    Ok(())
+}
+
+fn am_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let count = Rc::new(Cell::new(0usize));
+    let failed: Rc<Cell<Option<Error>>> = Rc::new(Cell::new(None));
+    let (c, f) = (count.clone(), failed.clone());
+    let reply = pattern(spec.size);
+    w.set_am_handler(AM_PING, move |w, m| {
+        c.set(c.get() + 1);
+        if let Err(e) = w.am_send(m.reply_ep, AM_PONG, &[], &reply) {
+            f.set(Some(e));
+        }
+    });
+    send(w, ep, &[], TAG_READY)?;
+    let total = spec.warmup + spec.iters;
+    progress_until(w, ep, || count.get() >= total)?;
+    if let Some(e) = failed.take() {
+        return Err(format!("replying: {e}"));
+    }
+    Ok(())
+}
+
+fn am_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let total = spec.warmup + spec.iters;
+    let batch = (spec.window / 2).max(1);
+    let count = Rc::new(Cell::new(0usize));
+    let failed: Rc<Cell<Option<Error>>> = Rc::new(Cell::new(None));
+    let (c, f) = (count.clone(), failed.clone());
+    w.set_am_handler(AM_DATA, move |w, m| {
+        let n = c.get() + 1;
+        c.set(n);
+        if (n.is_multiple_of(batch) || n == total)
+            && let Err(e) = w.am_send(m.reply_ep, AM_CREDIT, &[], &(n as u64).to_le_bytes())
+        {
+            f.set(Some(e));
+        }
+    });
+    send(w, ep, &[], TAG_READY)?;
+    progress_until(w, ep, || count.get() >= total)?;
+    if let Some(e) = failed.take() {
+        return Err(format!("sending credits: {e}"));
+    }
+    Ok(())
+}
+
+/// Serve the client's specs until it says quit.
+pub fn serve(job: &Job) -> R<()> {
+    let w = job.worker();
+    let ep = job.ep(1);
+    let mut b = vec![0u8; 4096];
+    loop {
+        let n = recv(w, ep, &mut b, TAG_CTRL)?;
+        let text = String::from_utf8_lossy(&b[..n]).into_owned();
+        let Some(spec) = Spec::decode(&text)? else {
+            return Ok(());
+        };
+        let res = match spec.test {
+            TestKind::TagLat => tag_lat_server(w, ep, &spec),
+            TestKind::TagBw => tag_bw_server(w, ep, &spec),
+            TestKind::PutBw | TestKind::Get => rma_target_server(w, ep, &spec),
+            TestKind::PutLat => put_lat_server(w, ep, &spec),
+            TestKind::AmLat => am_lat_server(w, ep, &spec),
+            TestKind::AmBw => am_bw_server(w, ep, &spec),
+        };
+        res.map_err(|e| format!("server, {} {} B: {e}", spec.test.name(), spec.size))?;
+    }
+}
+
+/// The spec of `test` at `size` under the options.
+pub fn spec_for(opts: &Options, test: TestKind, size: usize) -> Spec {
+    Spec {
+        test,
+        size,
+        iters: opts.iters_for(test, size),
+        warmup: opts.warmup_for(test, size),
+        window: if test.is_pingpong() { 1 } else { opts.window },
+    }
+}
+
+/// Lines describing the client's endpoint: lanes and the protocol of each size.
+pub fn describe(job: &Job, sizes: &[usize]) -> Vec<(&'static str, String)> {
+    let w = job.worker();
+    let ep = job.ep(0);
+    let mut v = Vec::new();
+    if let Ok((am, rma)) = w.lanes(ep) {
+        v.push((
+            "Lanes",
+            format!(
+                "active messages on {am}; remote memory access on {}",
+                rma.as_deref().unwrap_or("(none)")
+            ),
+        ));
+    }
+    if let Ok(table) = w.proto_table(ep) {
+        let mut seen: Vec<String> = Vec::new();
+        for s in sizes {
+            if let Some(r) = rucx::ucp::proto::lookup(&table, *s) {
+                let line = format!("{} B: {} on {}", s, r.proto.name(), r.lane);
+                seen.push(line);
+            }
+        }
+        if !seen.is_empty() {
+            v.push(("Tag protocols", seen.join(", ")));
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_round_trip_and_bad_ones_fail() {
+        let s = Spec {
+            test: TestKind::TagBw,
+            size: 1 << 20,
+            iters: 20,
+            warmup: 2,
+            window: 16,
+        };
+        assert_eq!(Spec::decode(&s.encode()).unwrap(), Some(s));
+        assert_eq!(Spec::decode("quit").unwrap(), None);
+        assert!(Spec::decode("run tag_bw x 1 1 1").is_err());
+        assert!(Spec::decode("run nope 1 1 1 1").is_err());
+        assert!(Spec::decode("hello").unwrap_err().contains("versions"));
+    }
+
+    #[test]
+    fn rings_and_chunks_are_bounded() {
+        assert_eq!(ring_len(8, 16), 1024);
+        assert_eq!(ring_len(4 << 20, 16), 16);
+        assert_eq!(ring_len(4 << 20, 1), 16);
+        assert_eq!(ring_len(1 << 30, 1), 1);
+        assert!(chunk_len(1) >= 1024);
+    }
+}

@@ -1,0 +1,143 @@
+//! rucx-perftest end to end: both sides as two local processes over real transports.
+
+use std::process::{Command, Output};
+
+fn perftest(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
+        .args(args)
+        .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+        .output()
+        .expect("rucx-perftest runs")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The data row of `size` in the table (first column), split into its cells.
+fn row(out: &str, size: usize) -> Vec<String> {
+    out.lines()
+        .map(|l| {
+            l.trim_matches('|')
+                .split('|')
+                .map(|c| c.trim().to_string())
+                .collect::<Vec<_>>()
+        })
+        .find(|c| c.len() == 9 && c[0] == size.to_string())
+        .unwrap_or_else(|| panic!("no row for {size} in:\n{out}"))
+}
+
+#[test]
+fn tag_lat_8_bytes_prints_the_columns() {
+    let o = perftest(&["--local", "-t", "tag_lat", "-s", "8", "-n", "100"]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    for col in [
+        "latency (usec)",
+        "bandwidth (MB/s)",
+        "message rate (msg/s)",
+        "# iterations",
+        "50.0%ile",
+        "average",
+        "overall",
+    ] {
+        assert!(stdout.contains(col), "missing {col:?}:\n{stdout}");
+    }
+    let r = row(&stdout, 8);
+    assert_eq!(r[1], "100");
+    for cell in &r[2..] {
+        let v: f64 = cell.parse().unwrap_or_else(|_| panic!("{cell:?} in {r:?}"));
+        assert!(v.is_finite() && v >= 0.0, "{r:?}");
+    }
+    // A ping-pong moved data: its latency is positive.
+    assert!(r[2].parse::<f64>().unwrap() > 0.0, "{r:?}");
+}
+
+#[test]
+fn tag_bw_1m_prints_the_columns() {
+    let o = perftest(&["--local", "-t", "tag_bw", "-s", "1M", "-n", "20"]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    let r = row(&String::from_utf8_lossy(&o.stdout), 1 << 20);
+    assert_eq!(r[1], "20");
+    assert!(
+        r[6].parse::<f64>().unwrap() > 0.0,
+        "overall bandwidth {r:?}"
+    );
+    assert!(out.contains("Window:"), "{out}");
+}
+
+#[test]
+fn csv_and_json_shapes() {
+    let o = perftest(&[
+        "--local", "-q", "--csv", "-t", "tag_lat", "-s", "8,2K", "-n", "50",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{stdout}");
+    assert!(lines[0].starts_with("test,size,iterations,50.0_percentile_lat"));
+    assert!(lines[1].starts_with("tag_lat,8,50,"));
+    assert!(lines[2].starts_with("tag_lat,2048,50,"));
+    assert_eq!(lines[1].split(',').count(), lines[0].split(',').count());
+
+    let o = perftest(&[
+        "--local", "-q", "--json", "-t", "am_lat", "-s", "64", "-n", "50",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value =
+        serde_json::from_slice(&o.stdout).expect("rucx-perftest --json prints one document");
+    assert_eq!(v["test"], "am_lat");
+    assert_eq!(v["results"][0]["size"], 64);
+    assert_eq!(v["results"][0]["iterations"], 50);
+    assert!(v["results"][0]["latency_us"]["p50"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn sweep_writes_a_plot() {
+    let dir = std::env::temp_dir().join(format!("rucx-perftest-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("sweep.svg");
+    let o = perftest(&[
+        "--local",
+        "-q",
+        "--sweep",
+        "-s",
+        "1,4K",
+        "-n",
+        "30",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains("lat 50% (us)") && stdout.contains("4K"),
+        "{stdout}"
+    );
+    let s = std::fs::read_to_string(&svg).unwrap();
+    assert!(s.starts_with("<svg") && s.contains("tag_bw"), "{s}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let o = perftest(&["--local", "-m", "cuda"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("not supported yet: GPU memory through UCP is issue 6"),
+        "{}",
+        text(&o)
+    );
+    let o = perftest(&["--local", "-s", "8,4Q"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("4Q"), "{}", text(&o));
+    let o = perftest(&["--local", "-t", "stream_bw"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("stream API"), "{}", text(&o));
+}
