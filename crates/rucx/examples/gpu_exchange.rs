@@ -153,32 +153,37 @@ fn gbs(n: usize, iters: usize, secs: f64) -> f64 {
     (n * iters) as f64 / secs / 1e9
 }
 
-fn bounds(ctx: &'static PrimaryContext, peer: Option<&'static PrimaryContext>, n: usize, iters: usize) -> Result<(f64, Option<f64>), String> {
+fn bounds(
+    ctx: &'static PrimaryContext,
+    peer: Option<&'static PrimaryContext>,
+    n: usize,
+    iters: usize,
+) -> Result<(f64, Option<f64>), String> {
     let e = |e: rucx::Error| e.to_string();
     let host = PinnedHostBuffer::new(ctx, n).map_err(e)?;
     let dev = DeviceBuffer::new(ctx, n).map_err(e)?;
-    // SAFETY: both buffers are live allocations of `n` bytes owned here.
-    unsafe { rucx_cuda::memcpy(ctx, dev.ptr(), host.ptr(), n) }.map_err(e)?;
-    let t = Instant::now();
-    for _ in 0..iters {
-        // SAFETY: as above.
-        unsafe { rucx_cuda::memcpy(ctx, dev.ptr(), host.ptr(), n) }.map_err(e)?;
-    }
-    let h2d = gbs(n, iters, t.elapsed().as_secs_f64());
+    let stream = Stream::new(ctx).map_err(e)?;
+    // Time `iters` copies queued on one stream, waiting for all of them.
+    let timed = |dst: u64, src: u64| -> Result<f64, String> {
+        // SAFETY: `dst` and `src` are live allocations of at least `n` bytes owned by the
+        // caller for the whole measurement, and the stream is synchronized before returning.
+        unsafe { rucx_cuda::memcpy_async(dst, src, n, &stream) }.map_err(e)?;
+        stream.synchronize().map_err(e)?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            // SAFETY: as above.
+            unsafe { rucx_cuda::memcpy_async(dst, src, n, &stream) }.map_err(e)?;
+        }
+        stream.synchronize().map_err(e)?;
+        Ok(gbs(n, iters, t.elapsed().as_secs_f64()))
+    };
+    let h2d = timed(dev.ptr(), host.ptr())?;
     let p2p = match peer {
         Some(pctx) => {
             let other = DeviceBuffer::new(pctx, n).map_err(e)?;
             ctx.enable_peer_access(pctx).map_err(e)?;
             ctx.bind().map_err(e)?;
-            // SAFETY: both are live device allocations of `n` bytes; unified addressing lets
-            // one copy reach the other GPU.
-            unsafe { rucx_cuda::memcpy(ctx, other.ptr(), dev.ptr(), n) }.map_err(e)?;
-            let t = Instant::now();
-            for _ in 0..iters {
-                // SAFETY: as above.
-                unsafe { rucx_cuda::memcpy(ctx, other.ptr(), dev.ptr(), n) }.map_err(e)?;
-            }
-            Some(gbs(n, iters, t.elapsed().as_secs_f64()))
+            Some(timed(other.ptr(), dev.ptr())?)
         }
         None => None,
     };

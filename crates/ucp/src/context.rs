@@ -242,7 +242,10 @@ impl Context {
 
     /// Classify a buffer: the first domain that detects it names its memory type and device;
     /// memory no domain claims is host memory.
-    pub fn detect(&self, addr: usize, len: usize) -> (MemoryType, Option<u32>) {
+    ///
+    /// A domain that fails to classify the buffer fails the request: guessing "host" for GPU
+    /// memory would hand a device address to a CPU copy.
+    pub fn detect(&self, addr: usize, len: usize) -> Result<(MemoryType, Option<u32>)> {
         for slot in &self.inner.domains {
             if slot
                 .md
@@ -252,11 +255,11 @@ impl Context {
             {
                 continue;
             }
-            if let Ok(Some(r)) = slot.md.detect_mem_type(addr, len) {
-                return (r.mem_type, r.device);
+            if let Some(r) = slot.md.detect_mem_type(addr, len)? {
+                return Ok((r.mem_type, r.device));
             }
         }
-        (MemoryType::Host, None)
+        Ok((MemoryType::Host, None))
     }
 
     /// Take a domain out of `reg_domains` for the failed memory type and device.

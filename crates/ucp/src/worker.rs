@@ -855,7 +855,10 @@ impl Worker {
         st.check_peer(ep.0)?;
         st.refresh_table(ep.0);
         let (addr, len) = (buf.addr, buf.len);
-        let (mem, dev) = buf.mem.unwrap_or_else(|| st.ctx.detect(addr, len));
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, len)?,
+        };
         let proto = if mem.is_gpu() {
             st.gpu_send_proto(ep.0, mem, dev)?
         } else {
@@ -885,7 +888,27 @@ impl Worker {
     pub(crate) fn post_recv(&self, buf: RecvBuf<'_>, tag: Tag, mask: Tag) -> u64 {
         let mut st = self.st.borrow_mut();
         let (addr, cap) = (buf.addr, buf.len);
-        let (mem, dev) = buf.mem.unwrap_or_else(|| st.ctx.detect(addr, cap));
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => match st.ctx.detect(addr, cap) {
+                Ok(m) => m,
+                Err(e) => {
+                    let id = st.new_req(ReqKind::Rma(RmaState {
+                        peer: usize::MAX,
+                        dir: RmaDir::Flush,
+                        len: 0,
+                        lane: 0,
+                        addr: 0,
+                        remote: 0,
+                        key: None,
+                        posted: 0,
+                        flush_lanes: Vec::new(),
+                    }));
+                    st.finish(id, Err(e));
+                    return id;
+                }
+            },
+        };
         let id = st.new_req(ReqKind::Recv(RecvState {
             addr,
             cap,
@@ -1082,8 +1105,8 @@ impl State {
         let mut targets: HashMap<usize, IfaceEntry> = HashMap::new();
         let mut rma_cuda: Option<(f64, usize)> = None;
         for (i, slot) in self.slots.iter().enumerate() {
-            // Copy engines work inside this process only; they are not lanes to peers.
-            if slot.attr.dev_type == rucx_uct::DeviceType::Accelerator {
+            // The copy engine works inside this process only; it is not a lane to peers.
+            if self.copy.as_ref().is_some_and(|(c, _)| *c == i) {
                 continue;
             }
             let Some(entry) = remote.ifaces.iter().find(|e| {
@@ -3183,7 +3206,7 @@ impl State {
             // Host sender with a key: read it in fragments (into staging, then to the GPU).
             match self.ctx.domain(md).rkey_unpack(&k.key) {
                 Ok(rkey) => {
-                    let frag = self.frag;
+                    let frag = self.frag.min(self.slots[lane].attr.limits.get_max_zcopy.max(1));
                     let mut off = 0;
                     while off < want {
                         let n = frag.min(want - off);
@@ -3268,7 +3291,11 @@ impl State {
                 // Resumed when the receiver acknowledges a fragment.
                 return Ok(true);
             };
-            let n = stg.frag.min(len - next_off);
+            let limit = self.peers[p_of(&self.reqs[&id])]
+                .rma
+                .map_or(usize::MAX, |l| self.slots[l].attr.limits.get_max_zcopy.max(1));
+            let stg = self.staging.as_mut().expect("staging");
+            let n = stg.frag.min(limit).min(len - next_off);
             let faddr = stg.addr(f);
             let memh = stg.copy_memh.clone();
             let key = match &self.reqs[&id].kind {
@@ -3550,5 +3577,14 @@ impl State {
             done += n;
         }
         Ok(())
+    }
+}
+
+/// The peer of a send request.
+fn p_of(r: &Req) -> usize {
+    match &r.kind {
+        ReqKind::Send(s) => s.peer,
+        ReqKind::Recv(rs) => rs.rndv.as_ref().map_or(0, |v| v.peer),
+        ReqKind::Rma(rm) => rm.peer,
     }
 }
