@@ -227,8 +227,14 @@ fn run() -> Result<(), String> {
         let el = t.elapsed();
         let got = rb.read(n)?;
         if got != pattern(prev, n) {
-            let bad = got.iter().zip(pattern(prev, n)).position(|(x, y)| *x != y);
-            return Err(format!("rank {rank}: {n} bytes: data received wrong (first bad byte {bad:?})"));
+            let want = pattern(prev, n);
+            let bad = got.iter().zip(&want).position(|(x, y)| x != y);
+            let show = |v: &[u8]| format!("{:02x?}", &v[..v.len().min(16)]);
+            return Err(format!(
+                "rank {rank}: {n} bytes: data received wrong (first bad byte {bad:?}); got {} want {}",
+                show(&got),
+                show(&want)
+            ));
         }
         println!("rank {rank}: {n} bytes verified ({:.3} ms)", el.as_secs_f64() * 1e3);
         job.barrier().map_err(|e| e.to_string())?;

@@ -44,6 +44,27 @@ struct DomainSlot {
     rcache: Rcache<MemHandle>,
 }
 
+/// A registration made for a request: cached (host memory), or made for this request alone
+/// (GPU memory: without notice of frees, a cached GPU registration could outlive its
+/// allocation and be handed out for a new one at the same address).
+#[derive(Debug, Clone)]
+pub enum RegGuard {
+    /// From the domain's registration cache.
+    Cached(RcacheGuard<MemHandle>),
+    /// Registered for one request.
+    Direct(MemHandle),
+}
+
+impl RegGuard {
+    /// The memory handle.
+    pub fn registration(&self) -> &MemHandle {
+        match self {
+            RegGuard::Cached(g) => g.registration(),
+            RegGuard::Direct(h) => h,
+        }
+    }
+}
+
 pub(crate) struct CtxInner {
     pub(crate) config: Config,
     domains: Vec<DomainSlot>,
@@ -197,21 +218,29 @@ impl Context {
     /// first evicts unused cached registrations and retries once when the cause may be an
     /// exhausted aperture; if it still fails, the domain is demoted for that memory type and
     /// device, and the error is returned for the caller to re-plan.
-    pub(crate) fn register(&self, i: usize, region: MemRegion) -> Result<RcacheGuard<MemHandle>> {
+    pub(crate) fn register(&self, i: usize, region: MemRegion) -> Result<RegGuard> {
         let slot = &self.inner.domains[i];
-        let reg = |r: MemRegion| {
-            slot.rcache.get(r.addr, r.len.max(1), |start, len| {
-                let whole = MemRegion {
-                    addr: start,
-                    len,
-                    mem_type: r.mem_type,
-                    device: r.device,
-                };
-                // SAFETY: callers register only buffers that the request API keeps alive (the
-                // worker's scope waits for every request before its borrows end); the cache
-                // widens the range to whole pages of the same allocation.
-                unsafe { slot.md.mem_reg(whole) }
-            })
+        let gpu = region.mem_type.is_gpu();
+        let reg = |r: MemRegion| -> Result<RegGuard> {
+            if gpu {
+                // SAFETY: callers register only buffers that the request API keeps alive until
+                // the request is finished, and drop this handle with the request.
+                return unsafe { slot.md.mem_reg(r) }.map(RegGuard::Direct);
+            }
+            slot.rcache
+                .get(r.addr, r.len.max(1), |start, len| {
+                    let whole = MemRegion {
+                        addr: start,
+                        len,
+                        mem_type: r.mem_type,
+                        device: r.device,
+                    };
+                    // SAFETY: callers register only buffers that the request API keeps alive
+                    // (the worker's scope waits for every request before its borrows end); the
+                    // cache widens the range to whole pages of the same allocation.
+                    unsafe { slot.md.mem_reg(whole) }
+                })
+                .map(RegGuard::Cached)
         };
         match reg(region) {
             Ok(g) => Ok(g),

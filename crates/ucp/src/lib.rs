@@ -28,7 +28,7 @@ mod worker;
 
 pub use buf::{RecvBuf, SendBuf};
 pub use config::CONFIG;
-pub use context::{Context, Demotion};
+pub use context::{Context, Demotion, RegGuard};
 pub use matching::Tag;
 pub use scope::{Request, Scope};
 pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};

@@ -5,7 +5,6 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use rucx_ucs::rcache::RcacheGuard;
 use rucx_ucs::{Error, MemoryType, Result};
 use rucx_uct::{
     AmId, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceParams, Iov, MemHandle,
@@ -14,7 +13,7 @@ use rucx_uct::{
 
 use crate::address::{IfaceEntry, WorkerAddress};
 use crate::buf::{RecvBuf, SendBuf};
-use crate::context::Context;
+use crate::context::{Context, RegGuard};
 use crate::fxhash::FxHashMap;
 use crate::matching::{Tag, TagMatcher};
 use crate::proto::{self, LaneInfo, Proto, Range};
@@ -116,7 +115,7 @@ enum TokWhat {
 struct Staging {
     /// Registrations first: they must go before the memory they describe.
     copy_memh: MemHandle,
-    rma: FxHashMap<usize, (RcacheGuard<MemHandle>, NamedKey)>,
+    rma: FxHashMap<usize, (RegGuard, NamedKey)>,
     frag: usize,
     free_send: Vec<usize>,
     free_recv: Vec<usize>,
@@ -271,7 +270,7 @@ struct Req {
     kind: ReqKind,
     result: Option<Result<Completion>>,
     outstanding: usize,
-    guards: Vec<RcacheGuard<MemHandle>>,
+    guards: Vec<RegGuard>,
 }
 
 enum Unexp {
@@ -331,7 +330,7 @@ impl RkeyBundle {
 pub struct MemMap<'a> {
     addr: usize,
     len: usize,
-    guards: Vec<(String, RcacheGuard<MemHandle>)>,
+    guards: Vec<(String, RegGuard)>,
     packed: Vec<NamedKey>,
     _buf: std::marker::PhantomData<&'a mut [u8]>,
 }
@@ -1633,12 +1632,13 @@ impl State {
         }
         let (p, want, sreq) = (rv.peer, rv.want, rv.sreq);
         let mut off = rv.posted;
-        let max = self.slots[lane]
-            .attr
-            .limits
-            .get_max_zcopy
-            .min(self.frag)
-            .max(1);
+        // GPU zero-copy lanes move the whole buffer in one operation; host lanes in fragments.
+        let frag = if Some(lane) == self.peers[p].rma_cuda {
+            usize::MAX
+        } else {
+            self.frag
+        };
+        let max = self.slots[lane].attr.limits.get_max_zcopy.min(frag).max(1);
         let memh = r.guards[0].registration().clone();
         while off < want {
             let n = max.min(want - off);
@@ -3206,7 +3206,9 @@ impl State {
             // Host sender with a key: read it in fragments (into staging, then to the GPU).
             match self.ctx.domain(md).rkey_unpack(&k.key) {
                 Ok(rkey) => {
-                    let frag = self.frag.min(self.slots[lane].attr.limits.get_max_zcopy.max(1));
+                    let frag = self
+                        .frag
+                        .min(self.slots[lane].attr.limits.get_max_zcopy.max(1));
                     let mut off = 0;
                     while off < want {
                         let n = frag.min(want - off);
@@ -3293,7 +3295,9 @@ impl State {
             };
             let limit = self.peers[p_of(&self.reqs[&id])]
                 .rma
-                .map_or(usize::MAX, |l| self.slots[l].attr.limits.get_max_zcopy.max(1));
+                .map_or(usize::MAX, |l| {
+                    self.slots[l].attr.limits.get_max_zcopy.max(1)
+                });
             let stg = self.staging.as_mut().expect("staging");
             let n = stg.frag.min(limit).min(len - next_off);
             let faddr = stg.addr(f);
