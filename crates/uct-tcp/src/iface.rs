@@ -1,11 +1,31 @@
-//! The tcp interface (listener, accepted connections, progress) and its endpoints.
+//! The tcp interface (listener, connections, progress) and its endpoints.
+//!
+//! # Connections
+//! A connection is full duplex and may carry one endpoint of each side. An endpoint to peer P
+//! takes over a connection that P opened to us (and announced with its listening address in
+//! `Hello`) when our side of it has no endpoint yet; otherwise it opens a new connection to P.
+//! So two processes that create endpoints to each other usually share one connection (the
+//! second endpoint finds the first one's connection), and when both create them at the same
+//! moment they hold two, one used by each side; both are correct. Requests received on a
+//! connection are answered on it, in order, whichever side opened it.
+//!
+//! Each connection has two halves with different owners: the interface owns the receive
+//! buffer and reads without a lock, so active messages are handed to the sink straight from
+//! the buffer while endpoints (possibly on other threads) keep posting; the send queue, the
+//! table of requests waiting for answers and the state sit behind a mutex shared with the
+//! endpoint. Completions and endpoint errors are gathered under the lock and delivered after
+//! it is released, so the sink may post on any endpoint.
+//!
+//! When our endpoint goes, we send `Detach` after everything it posted; a side that has no
+//! endpoint on the connection and has seen the peer's `Detach` sends what it still has
+//! queued, half-closes, and closes at end of stream.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::{Shutdown, shutdown};
 use rucx_ucs::{Error, MemoryType, Result};
@@ -17,7 +37,7 @@ use rucx_uct::{
 
 use crate::addr::{self, DevAddr, NetIf};
 use crate::md::{RegTable, TcpReg, TcpRkey};
-use crate::wire::{self, FdSock, Fill, Header, Kind, RxBuf, Sock, TxQueue, code};
+use crate::wire::{self, FdSock, Fill, Header, Kind, RawSock, RxBuf, Sock, TxQueue, code};
 use crate::{TL_NAME, TcpOptions, sock};
 
 /// Reads per connection per progress call, so one busy peer cannot starve the others.
@@ -25,27 +45,27 @@ const READS_PER_PROGRESS: usize = 4;
 /// Connections accepted per progress call.
 const ACCEPTS_PER_PROGRESS: usize = 16;
 
-fn lock(c: &Mutex<OutConn>) -> MutexGuard<'_, OutConn> {
+fn lock(c: &Mutex<Conn>) -> MutexGuard<'_, Conn> {
     c.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// An event owned until it is handed to the sink (completions and endpoint errors are gathered
-/// under a connection's lock and delivered after it is released, so the sink may post on the
-/// same endpoint).
+/// An event owned until it is handed to the sink.
 #[derive(Debug)]
 enum Owned {
     Completion(u64, Result<()>),
     EpError(u64, Error),
 }
 
-/// A request waiting for the peer's answer.
+/// A request of our endpoint waiting for the peer's answer.
 #[derive(Debug)]
 struct PendingOp {
     op: u64,
-    /// Value of `OutConn::posted` right after this request was posted.
+    /// Value of `Conn::posted` right after this request was posted.
     posted: u64,
-    /// Completion token; `None` for `put_short`, which has no completion.
+    /// Completion token; `None` for `put_short` (no completion) and after the endpoint went.
     token: Option<u64>,
+    /// The endpoint that posted it is gone: its answer is consumed silently.
+    orphan: bool,
     kind: PendKind,
 }
 
@@ -60,37 +80,42 @@ enum PendKind {
 }
 
 #[derive(Debug, PartialEq, Eq)]
-enum OutState {
+enum State {
     Connecting,
     Open,
     Failed(String),
 }
 
-/// One endpoint's connection, shared by the endpoint (posting) and the interface (progress).
+/// The half of a connection shared by the interface and the endpoint on it.
 #[derive(Debug)]
-pub(crate) struct OutConn {
+pub(crate) struct Conn {
     sock: FdSock,
-    rx: RxBuf,
     tx: TxQueue,
-    state: OutState,
-    peer: SocketAddrV4,
+    state: State,
+    /// The peer's listening address: the address dialed, or the one its `Hello` announced.
+    peer: Option<SocketAddrV4>,
+    /// Where the socket is connected (for messages before the peer's `Hello`).
+    remote: SocketAddr,
     dev: String,
-    user_id: u64,
+    /// User id of our endpoint on this connection.
+    ep: Option<u64>,
+    detach_sent: bool,
+    peer_detached: bool,
+    /// Sending what is left, then half-closing (no endpoint on either side).
+    closing: bool,
+    shut: bool,
     next_op: u64,
     pending: VecDeque<PendingOp>,
-    /// Frames posted (Hello excluded).
+    /// Requests and active messages our endpoint posted (`Hello`/`Detach` excluded).
     posted: u64,
-    /// Frames the peer has certainly processed (all up to the last answered request).
+    /// Of those, how many the peer has certainly processed (all up to the last one answered).
     acked: u64,
     completions: Vec<Owned>,
-    /// The endpoint was dropped: send what is queued, half-close, wait for the peer's close.
-    ep_dropped: bool,
-    /// Half-closed after the endpoint was dropped.
-    shut: bool,
     error_reported: bool,
     tx_limit: usize,
-    /// Connect deadline, then (once dropped) the deadline for closing.
+    /// Connect deadline, then the deadline for closing.
     deadline: Instant,
+    linger: Duration,
 }
 
 /// A piece of a frame being posted.
@@ -121,17 +146,32 @@ impl Part<'_> {
     }
 }
 
-impl OutConn {
+/// Why handling a frame ended the connection.
+enum Reply {
+    /// The peer broke the protocol.
+    Violation(String),
+    /// The connection must fail for this reason.
+    Fail(String),
+}
+
+impl Conn {
+    fn peer_name(&self) -> String {
+        match self.peer {
+            Some(p) => format!("tcp {p} (device {})", self.dev),
+            None => format!("tcp {} (device {})", self.remote, self.dev),
+        }
+    }
+
     fn failure(&self, reason: &str) -> Error {
         Error::EndpointFailure {
-            peer: format!("tcp {} (device {})", self.peer, self.dev),
+            peer: self.peer_name(),
             reason: reason.to_string(),
         }
     }
 
     fn usable(&self) -> Result<()> {
         match &self.state {
-            OutState::Failed(r) => Err(self.failure(r)),
+            State::Failed(r) => Err(self.failure(r)),
             _ => Ok(()),
         }
     }
@@ -141,7 +181,7 @@ impl OutConn {
         if !self.tx.is_empty() && self.tx.queued().saturating_add(n) > self.tx_limit {
             return Err(Error::NoResource(format!(
                 "tcp send queue to {} holds {} bytes, the limit is RUCX_TCP_TX_QUEUE={}",
-                self.peer,
+                self.peer_name(),
                 self.tx.queued(),
                 self.tx_limit
             )));
@@ -149,17 +189,25 @@ impl OutConn {
         Ok(())
     }
 
-    /// Queue a frame (trying to write it at once when nothing else waits). Returns true when
-    /// the whole frame went to the socket now (then `token` is not reported later).
+    /// Queue a frame of our endpoint (writing it at once when nothing else waits). Returns
+    /// true when the whole frame went to the socket now (then `token` is not reported later).
     fn post(&mut self, parts: &[Part<'_>], token: Option<u64>) -> Result<bool> {
         let total: usize = parts.iter().map(Part::len).sum();
         self.can_queue(total)?;
+        if self.state == State::Connecting {
+            self.check_connected();
+            self.usable()?;
+        }
         let mut sent = 0;
-        if self.state == OutState::Open && self.tx.is_empty() {
-            let slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p.slice())).collect();
+        if self.state == State::Open && self.tx.is_empty() {
+            let mut slices = [IoSlice::new(&[]); 2 + wire::MAX_IOV];
+            let n = parts.len().min(slices.len());
+            for (s, p) in slices.iter_mut().zip(parts) {
+                *s = IoSlice::new(p.slice());
+            }
             loop {
-                match self.sock.send_vectored(&slices) {
-                    Ok(n) => sent = n,
+                match self.sock.send_vectored(&slices[..n]) {
+                    Ok(k) => sent = k,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
@@ -202,16 +250,40 @@ impl OutConn {
         Ok(false)
     }
 
-    /// Fail the connection: every operation in flight completes with the error; the endpoint
-    /// error is reported by the next progress.
-    fn fail(&mut self, reason: &str) {
-        if matches!(self.state, OutState::Failed(_)) {
+    /// A connect in progress: finish it if the socket is ready (without waiting), and send the
+    /// hello and whatever was queued behind it.
+    fn check_connected(&mut self) {
+        let mut p = [libc::pollfd {
+            fd: self.sock.0.as_raw_fd(),
+            events: libc::POLLOUT,
+            revents: 0,
+        }];
+        // SAFETY: one valid pollfd for a descriptor this connection owns; timeout 0.
+        let rc = unsafe { libc::poll(p.as_mut_ptr(), 1, 0) };
+        if rc <= 0 {
             return;
         }
-        if !self.ep_dropped {
-            tracing::debug!("tcp endpoint to {} failed: {reason}", self.peer);
+        match sock::connect_result(&self.sock.0) {
+            Ok(()) => {
+                self.state = State::Open;
+                if let Err(e) = self.tx.write(&mut self.sock) {
+                    self.fail(&format!("send: {e}"));
+                }
+            }
+            Err(e) => self.fail(&format!("connect: {e}")),
         }
-        self.state = OutState::Failed(reason.to_string());
+    }
+
+    /// Fail the connection: every operation of our endpoint in flight completes with the
+    /// error; the endpoint error is reported by the next progress.
+    fn fail(&mut self, reason: &str) {
+        if matches!(self.state, State::Failed(_)) {
+            return;
+        }
+        if self.ep.is_some() {
+            tracing::debug!("tcp endpoint to {} failed: {reason}", self.peer_name());
+        }
+        self.state = State::Failed(reason.to_string());
         let _ = shutdown(self.sock.0.as_raw_fd(), Shutdown::Both);
         // Items written completely before the failure did complete.
         for t in self.tx.drain_done().collect::<Vec<_>>() {
@@ -226,197 +298,77 @@ impl OutConn {
         }
     }
 
-    /// Send a best-effort `Fatal` frame, then fail.
+    /// Tell the peer why (best effort), then fail.
     fn violation(&mut self, reason: &str) {
         tracing::warn!(
-            "tcp endpoint to {}: protocol violation: {reason}; closing the connection",
-            self.peer
+            "tcp connection with {}: protocol violation: {reason}; closing it",
+            self.peer_name()
         );
-        let f = wire::fatal_frame(code::PROTOCOL, reason);
-        let _ = self.sock.send_vectored(&[IoSlice::new(&f)]);
+        if self.state == State::Open {
+            let f = wire::fatal_frame(code::PROTOCOL, reason);
+            let _ = self.tx.write(&mut self.sock);
+            let _ = self.sock.send_vectored(&[IoSlice::new(&f)]);
+        }
         self.fail(&format!("protocol violation by the peer: {reason}"));
     }
 
-    /// Progress this connection; `revents` from poll (0 when not polled).
-    fn progress(&mut self, revents: i16, now: Instant, out: &mut Vec<Owned>) {
-        let readable = revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
-        match self.state {
-            OutState::Connecting => {
-                if revents & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 {
-                    match sock::connect_result(&self.sock.0) {
-                        Ok(()) => self.state = OutState::Open,
-                        Err(e) => self.fail(&format!("connect: {e}")),
-                    }
-                } else if now > self.deadline {
-                    self.fail("connect timed out (RUCX_TCP_CONNECT_TIMEOUT)");
-                }
-            }
-            OutState::Open if self.ep_dropped && now > self.deadline => {
-                self.fail("closing timed out")
-            }
-            _ => {}
-        }
-        if self.state == OutState::Open && readable {
-            self.read();
-        }
-        if self.state == OutState::Open
-            && !self.tx.is_empty()
-            && let Err(e) = self.tx.write(&mut self.sock)
-        {
-            self.fail(&format!("send: {e}"));
-        }
-        if self.ep_dropped && !self.shut && self.state == OutState::Open && self.tx.is_empty() {
-            // Everything is out: half-close, then wait for the peer to close its side.
-            let _ = shutdown(self.sock.0.as_raw_fd(), Shutdown::Write);
-            self.shut = true;
-        }
-        for t in self.tx.drain_done() {
-            self.completions.push(Owned::Completion(t, Ok(())));
-        }
-        if self.ep_dropped {
-            self.completions.clear();
-            return;
-        }
-        out.append(&mut self.completions);
-        if let OutState::Failed(r) = &self.state
-            && !self.error_reported
-        {
-            self.error_reported = true;
-            out.push(Owned::EpError(self.user_id, self.failure(r)));
-        }
-    }
-
-    fn read(&mut self) {
-        for _ in 0..READS_PER_PROGRESS {
-            match self.rx.fill(&mut self.sock) {
-                Ok(Fill::Data(_)) => {}
-                Ok(Fill::WouldBlock) => break,
-                Ok(Fill::Eof) => {
-                    self.handle_frames();
-                    self.fail("the peer closed the connection");
-                    return;
-                }
-                Err(e) => {
-                    self.fail(&format!("receive: {e}"));
-                    return;
-                }
-            }
-            if !self.handle_frames() {
-                return;
-            }
-        }
-    }
-
-    /// Handle every complete frame; false when the connection failed.
-    fn handle_frames(&mut self) -> bool {
-        loop {
-            let outcome = match self.rx.frame() {
-                Ok(None) => return true,
-                Err(e) => Err(Reply::Violation(e.0)),
-                Ok(Some((h, body))) => {
-                    let r = handle_reply(
-                        &mut self.pending,
-                        &mut self.acked,
-                        &mut self.completions,
-                        h,
-                        body,
-                        self.peer,
-                    );
-                    Ok((h, r))
-                }
-            };
-            match outcome {
-                Ok((h, Ok(()))) => self.rx.consume(&h),
-                Ok((_, Err(r))) | Err(r) => {
-                    match r {
-                        Reply::Violation(v) => self.violation(&v),
-                        Reply::Fail(reason) => self.fail(&reason),
-                    }
-                    return false;
-                }
-            }
-        }
-    }
-}
-
-enum Reply {
-    /// The peer broke the protocol.
-    Violation(String),
-    /// The connection must fail for this reason.
-    Fail(String),
-}
-
-fn handle_reply(
-    pending: &mut VecDeque<PendingOp>,
-    acked: &mut u64,
-    completions: &mut Vec<Owned>,
-    h: Header,
-    body: &[u8],
-    peer: SocketAddrV4,
-) -> std::result::Result<(), Reply> {
-    let front_op =
-        |pending: &VecDeque<PendingOp>, op: u64, what: &str| -> std::result::Result<(), Reply> {
-            match pending.front() {
-                Some(p) if p.op == op => Ok(()),
-                Some(p) => Err(Reply::Violation(format!(
-                    "{what} for request {op}, but request {} is the oldest outstanding",
-                    p.op
-                ))),
-                None => Err(Reply::Violation(format!(
-                    "{what} for request {op}, but none is outstanding"
-                ))),
-            }
-        };
-    match h.kind {
-        Kind::Ack => {
-            let op = wire::word(body, 0);
-            front_op(pending, op, "ack")?;
-            if matches!(pending.front().map(|p| &p.kind), Some(PendKind::Get { .. })) {
-                return Err(Reply::Violation(format!("ack for get request {op}")));
-            }
-            let p = pending.pop_front().expect("checked");
-            *acked = p.posted;
-            if let Some(t) = p.token {
-                completions.push(Owned::Completion(t, Ok(())));
-            }
-        }
-        Kind::GetRep => {
-            let op = wire::word(body, 0);
-            front_op(pending, op, "get reply")?;
-            let data = &body[8..];
-            let Some(PendKind::Get { dst, len }) = pending.front().map(|p| &p.kind) else {
+    /// Handle an answer to one of our requests.
+    fn handle_reply(&mut self, h: Header, body: &[u8]) -> std::result::Result<(), Reply> {
+        let op = wire::word(body, 0);
+        match self.pending.front() {
+            Some(p) if p.op == op => {}
+            Some(p) => {
                 return Err(Reply::Violation(format!(
-                    "get reply for request {op}, which is not a get"
-                )));
-            };
-            if *len != data.len() {
-                return Err(Reply::Violation(format!(
-                    "get reply of {} bytes for a {len}-byte get",
-                    data.len()
+                    "{:?} for request {op}, but request {} is the oldest outstanding",
+                    h.kind, p.op
                 )));
             }
-            let mut off = 0;
-            for (m, a, l) in dst {
-                debug_assert!(m.region().contains(*a, *l));
-                // SAFETY: [a, a+l) was validated against `m`, a live host registration of the
-                // tcp domain (see `check_iov`); `mem_reg`'s contract makes it writable while the
-                // handle lives, and the pending operation holds it. `data` is in the receive
-                // buffer, which cannot overlap a user registration.
-                unsafe { std::ptr::copy_nonoverlapping(data[off..].as_ptr(), *a as *mut u8, *l) };
-                off += l;
-            }
-            let p = pending.pop_front().expect("checked");
-            *acked = p.posted;
-            if let Some(t) = p.token {
-                completions.push(Owned::Completion(t, Ok(())));
+            None => {
+                return Err(Reply::Violation(format!(
+                    "{:?} for request {op}, but none is outstanding",
+                    h.kind
+                )));
             }
         }
-        Kind::OpError => {
-            let op = wire::word(body, 0);
-            front_op(pending, op, "refusal")?;
+        let front = self.pending.front().expect("checked");
+        match (h.kind, &front.kind) {
+            (Kind::Ack, PendKind::Put | PendKind::Flush) | (Kind::OpError, _) => {}
+            (Kind::GetRep, PendKind::Get { dst, len }) => {
+                let data = &body[8..];
+                if *len != data.len() {
+                    return Err(Reply::Violation(format!(
+                        "get reply of {} bytes for a {len}-byte get",
+                        data.len()
+                    )));
+                }
+                let mut off = 0;
+                for (m, a, l) in dst {
+                    debug_assert!(m.region().contains(*a, *l));
+                    // SAFETY: [a, a+l) was validated against `m`, a live host registration of
+                    // the tcp domain (see `check_iov`); `mem_reg`'s contract makes it writable
+                    // while the handle lives, and the pending operation holds it. `data` is in
+                    // the receive buffer, which cannot overlap a user registration.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(data[off..].as_ptr(), *a as *mut u8, *l)
+                    };
+                    off += l;
+                }
+            }
+            (k, p) => {
+                return Err(Reply::Violation(format!(
+                    "{k:?} answering request {op}, which is a {}",
+                    match p {
+                        PendKind::Put => "put",
+                        PendKind::Get { .. } => "get",
+                        PendKind::Flush => "flush",
+                    }
+                )));
+            }
+        }
+        let p = self.pending.pop_front().expect("checked");
+        self.acked = p.posted;
+        if h.kind == Kind::OpError {
             let reason = wire::reason_text(&body[9..]);
-            let p = pending.pop_front().expect("checked");
-            *acked = p.posted;
             let what = match p.kind {
                 PendKind::Put => "put",
                 PendKind::Get { .. } => "get",
@@ -424,219 +376,305 @@ fn handle_reply(
             };
             let err = Error::InvalidRkey {
                 domain: "tcp".into(),
-                reason: format!("peer {peer} refused the {what}: {reason}"),
+                reason: format!("peer {} refused the {what}: {reason}", self.peer_name()),
             };
             match p.token {
-                Some(t) => completions.push(Owned::Completion(t, Err(err))),
+                Some(t) => self.completions.push(Owned::Completion(t, Err(err))),
                 // put_short has no completion: the endpoint is the only place to report it.
-                None => return Err(Reply::Fail(format!("peer refused a put_short: {reason}"))),
+                None if !p.orphan => {
+                    return Err(Reply::Fail(format!("peer refused a put_short: {reason}")));
+                }
+                None => {}
             }
+        } else if let Some(t) = p.token {
+            self.completions.push(Owned::Completion(t, Ok(())));
         }
-        Kind::Fatal => {
-            let reason = wire::reason_text(&body[1..]);
-            return Err(Reply::Fail(format!(
-                "the peer closed the connection: {reason}"
-            )));
-        }
-        k => {
-            return Err(Reply::Violation(format!(
-                "unexpected {k:?} frame on an endpoint's connection"
-            )));
-        }
+        Ok(())
     }
-    Ok(())
+
+    /// Serve a request of the peer; the answer is queued.
+    fn serve(
+        &mut self,
+        h: Header,
+        body: &[u8],
+        table: &RegTable,
+    ) -> std::result::Result<(), Reply> {
+        match h.kind {
+            Kind::Put => {
+                let (op, md_id, reg_id, addr) = (
+                    wire::word(body, 0),
+                    wire::word(body, 1),
+                    wire::word(body, 2),
+                    wire::word(body, 3),
+                );
+                let data = &body[wire::PUT_FIXED..];
+                match table.write(md_id, reg_id, addr, data) {
+                    Ok(()) => {
+                        self.tx
+                            .push_owned(&wire::words_frame(Kind::Ack, &[op], &[]), None);
+                    }
+                    Err(reason) => {
+                        tracing::debug!("tcp: refused put {addr:#x}+{}: {reason}", data.len());
+                        self.tx.push_owned(
+                            &wire::op_error_frame(op, code::ACCESS_DENIED, &reason),
+                            None,
+                        );
+                    }
+                }
+            }
+            Kind::GetReq => {
+                let (op, md_id, reg_id, addr, len) = (
+                    wire::word(body, 0),
+                    wire::word(body, 1),
+                    wire::word(body, 2),
+                    wire::word(body, 3),
+                    wire::word(body, 4),
+                );
+                if len > wire::RMA_MAX_ZCOPY as u64 {
+                    return Err(Reply::Violation(format!(
+                        "get of {len} bytes exceeds the limit of {}",
+                        wire::RMA_MAX_ZCOPY
+                    )));
+                }
+                let len = len as usize;
+                let mut rep = Vec::with_capacity(wire::HDR_LEN + 8 + len);
+                rep.extend_from_slice(&wire::header(Kind::GetRep, 0, 8 + len));
+                rep.extend_from_slice(&op.to_le_bytes());
+                match table.read_into(md_id, reg_id, addr, len, &mut rep) {
+                    Ok(()) => {
+                        self.tx.push_vec(rep, None);
+                    }
+                    Err(reason) => {
+                        tracing::debug!("tcp: refused get {addr:#x}+{len}: {reason}");
+                        self.tx.push_owned(
+                            &wire::op_error_frame(op, code::ACCESS_DENIED, &reason),
+                            None,
+                        );
+                    }
+                }
+            }
+            Kind::Flush => {
+                let op = wire::word(body, 0);
+                self.tx
+                    .push_owned(&wire::words_frame(Kind::Ack, &[op], &[]), None);
+            }
+            k => return Err(Reply::Violation(format!("{k:?} is not a request"))),
+        }
+        Ok(())
+    }
 }
 
-/// A connection accepted by the interface; requests arrive here and are answered here.
+/// The interface's view of one connection.
 #[derive(Debug)]
-struct InConn {
-    sock: FdSock,
+struct Slot {
+    conn: Arc<Mutex<Conn>>,
+    /// The socket, read without the lock (the `Conn` owns and keeps it open).
+    fd: RawFd,
     rx: RxBuf,
-    tx: TxQueue,
-    peer: SocketAddr,
+    /// The peer's `Hello` arrived.
     hello: bool,
-    deadline: Instant,
-    closed: bool,
+    /// We opened it (else accepted it).
+    dialed: bool,
+    hello_deadline: Instant,
+    /// Remove at the end of this progress.
+    gone: bool,
 }
 
-impl InConn {
-    fn close(&mut self, why: &str) {
-        tracing::debug!("tcp: closing accepted connection from {}: {why}", self.peer);
-        let _ = shutdown(self.sock.0.as_raw_fd(), Shutdown::Both);
-        self.tx.clear();
-        self.closed = true;
-    }
-
-    fn violation(&mut self, reason: &str) {
-        tracing::warn!(
-            "tcp: protocol violation on the connection from {}: {reason}; closing it",
-            self.peer
-        );
-        let f = wire::fatal_frame(code::PROTOCOL, reason);
-        let _ = self.tx.write(&mut self.sock);
-        let _ = self.sock.send_vectored(&[IoSlice::new(&f)]);
-        self.close(reason);
-    }
-
+impl Slot {
     fn progress(
         &mut self,
-        revents: i16,
+        rev: i16,
         now: Instant,
         table: &RegTable,
-        tx_limit: usize,
         sink: &mut dyn FnMut(Event<'_>),
+        out: &mut Vec<Owned>,
     ) -> usize {
-        let mut delivered = 0;
-        if !self.hello && now > self.deadline {
-            self.close("no hello in time");
-            return 0;
-        }
-        let readable = revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
-        // Back-pressure: while our answers pile up, stop reading requests.
-        if readable && self.tx.queued() <= tx_limit {
-            for _ in 0..READS_PER_PROGRESS {
-                match self.rx.fill(&mut self.sock) {
-                    Ok(Fill::Data(_)) => {}
-                    Ok(Fill::WouldBlock) => break,
-                    Ok(Fill::Eof) => {
-                        delivered += self.handle_frames(table, sink);
-                        self.close("peer closed");
-                        return delivered;
+        let readable = rev & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
+        let may_read = {
+            let mut c = lock(&self.conn);
+            if c.state == State::Connecting {
+                if rev & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 {
+                    match sock::connect_result(&c.sock.0) {
+                        Ok(()) => c.state = State::Open,
+                        Err(e) => c.fail(&format!("connect: {e}")),
                     }
-                    Err(e) => {
-                        self.close(&format!("receive: {e}"));
-                        return delivered;
-                    }
+                } else if now > c.deadline {
+                    c.fail("connect timed out (RUCX_TCP_CONNECT_TIMEOUT)");
                 }
-                delivered += self.handle_frames(table, sink);
-                if self.closed || self.tx.queued() > tx_limit {
-                    break;
+            }
+            if c.state == State::Open && !self.hello && now > self.hello_deadline {
+                c.fail("no hello from the peer in time (RUCX_TCP_CONNECT_TIMEOUT)");
+            }
+            if c.closing && now > c.deadline {
+                c.fail("closing timed out");
+            }
+            // Back-pressure: while our answers pile up, read no more requests.
+            c.state == State::Open && c.tx.queued() <= c.tx_limit
+        };
+        let mut delivered = 0;
+        if may_read {
+            // Frames already buffered first (they may have waited for back-pressure to end).
+            let (n, mut go) = self.handle_frames(table, sink);
+            delivered += n;
+            if readable {
+                for _ in 0..READS_PER_PROGRESS {
+                    if !go {
+                        break;
+                    }
+                    let more = match self.rx.fill(&mut RawSock(self.fd)) {
+                        Ok(Fill::Data(_)) => true,
+                        Ok(Fill::Drained(_)) => false,
+                        Ok(Fill::WouldBlock) => break,
+                        Ok(Fill::Eof) => {
+                            delivered += self.handle_frames(table, sink).0;
+                            let mut c = lock(&self.conn);
+                            c.fail("the peer closed the connection");
+                            break;
+                        }
+                        Err(e) => {
+                            lock(&self.conn).fail(&format!("receive: {e}"));
+                            break;
+                        }
+                    };
+                    let (n, g) = self.handle_frames(table, sink);
+                    delivered += n;
+                    go = g && more;
                 }
             }
         }
-        if !self.closed
-            && !self.tx.is_empty()
-            && let Err(e) = self.tx.write(&mut self.sock)
+        let mut guard = lock(&self.conn);
+        let c = &mut *guard;
+        if c.state == State::Open
+            && !c.tx.is_empty()
+            && let Err(e) = c.tx.write(&mut c.sock)
         {
-            self.close(&format!("send: {e}"));
+            c.fail(&format!("send: {e}"));
         }
+        if c.state == State::Open && c.ep.is_none() && c.peer_detached && !c.closing {
+            // Nobody uses this connection any more: finish sending, then close.
+            c.closing = true;
+            c.deadline = now + c.linger;
+        }
+        if c.closing && !c.shut && c.state == State::Open && c.tx.is_empty() {
+            let _ = shutdown(c.sock.0.as_raw_fd(), Shutdown::Write);
+            c.shut = true;
+        }
+        let done: Vec<u64> = c.tx.drain_done().collect();
+        match c.ep {
+            Some(uid) => {
+                for t in done {
+                    out.push(Owned::Completion(t, Ok(())));
+                }
+                out.append(&mut c.completions);
+                if let State::Failed(r) = &c.state
+                    && !c.error_reported
+                {
+                    let e = c.failure(r);
+                    c.error_reported = true;
+                    out.push(Owned::EpError(uid, e));
+                }
+            }
+            None => c.completions.clear(),
+        }
+        self.gone = matches!(c.state, State::Failed(_)) && (c.ep.is_none() || c.error_reported);
         delivered
     }
 
-    fn handle_frames(&mut self, table: &RegTable, sink: &mut dyn FnMut(Event<'_>)) -> usize {
+    /// Handle every complete buffered frame. Returns the active messages delivered and
+    /// whether to keep reading.
+    fn handle_frames(
+        &mut self,
+        table: &RegTable,
+        sink: &mut dyn FnMut(Event<'_>),
+    ) -> (usize, bool) {
         let mut delivered = 0;
-        while !self.closed {
+        loop {
             let (h, body) = match self.rx.frame() {
-                Ok(None) => break,
+                Ok(None) => return (delivered, true),
                 Ok(Some(f)) => f,
                 Err(e) => {
-                    let r = e.0;
-                    self.violation(&r);
-                    break;
+                    lock(&self.conn).violation(&e.0);
+                    return (delivered, false);
                 }
             };
-            let res = serve(
-                &mut self.hello,
-                &mut self.tx,
-                table,
-                h,
-                body,
-                sink,
-                &mut delivered,
-            );
-            if let Err(r) = res {
-                self.violation(&r);
-                break;
+            let res = if !self.hello {
+                match h.kind {
+                    Kind::Hello => match wire::check_hello(body) {
+                        Err(e) => Err(Reply::Violation(e.0)),
+                        Ok(announced) => {
+                            let mut c = lock(&self.conn);
+                            let ok = if self.dialed {
+                                c.peer == Some(announced)
+                            } else {
+                                // A peer announces its own address, nobody else's.
+                                c.remote.ip() == IpAddr::V4(*announced.ip())
+                            };
+                            if ok {
+                                c.peer = Some(announced);
+                                self.hello = true;
+                                Ok(())
+                            } else {
+                                Err(Reply::Violation(format!(
+                                    "hello announces {announced}, but the connection is with {}",
+                                    c.peer_name()
+                                )))
+                            }
+                        }
+                    },
+                    Kind::Fatal => Err(Reply::Fail(format!(
+                        "the peer refused the connection: {}",
+                        wire::reason_text(&body[1..])
+                    ))),
+                    k => Err(Reply::Violation(format!("{k:?} frame before hello"))),
+                }
+            } else {
+                match h.kind {
+                    Kind::Am => {
+                        sink(Event::Am {
+                            id: h.id,
+                            data: body,
+                        });
+                        delivered += 1;
+                        Ok(())
+                    }
+                    Kind::Put | Kind::GetReq | Kind::Flush => {
+                        let mut c = lock(&self.conn);
+                        let r = c.serve(h, body, table);
+                        if r.is_ok() && c.tx.queued() > c.tx_limit {
+                            // Stop reading requests until the answers drain.
+                            drop(c);
+                            self.rx.consume(&h);
+                            return (delivered, false);
+                        }
+                        r
+                    }
+                    Kind::Ack | Kind::GetRep | Kind::OpError => {
+                        lock(&self.conn).handle_reply(h, body)
+                    }
+                    Kind::Detach => {
+                        lock(&self.conn).peer_detached = true;
+                        Ok(())
+                    }
+                    Kind::Fatal => Err(Reply::Fail(format!(
+                        "the peer closed the connection: {}",
+                        wire::reason_text(&body[1..])
+                    ))),
+                    Kind::Hello => Err(Reply::Violation("second hello".into())),
+                }
+            };
+            match res {
+                Ok(()) => self.rx.consume(&h),
+                Err(Reply::Violation(v)) => {
+                    lock(&self.conn).violation(&v);
+                    return (delivered, false);
+                }
+                Err(Reply::Fail(r)) => {
+                    lock(&self.conn).fail(&r);
+                    return (delivered, false);
+                }
             }
-            self.rx.consume(&h);
         }
-        delivered
     }
-}
-
-/// Serve one request frame on an accepted connection.
-fn serve(
-    hello: &mut bool,
-    tx: &mut TxQueue,
-    table: &RegTable,
-    h: Header,
-    body: &[u8],
-    sink: &mut dyn FnMut(Event<'_>),
-    delivered: &mut usize,
-) -> std::result::Result<(), String> {
-    if !*hello {
-        if h.kind != Kind::Hello {
-            return Err(format!("{:?} frame before hello", h.kind));
-        }
-        wire::check_hello(body).map_err(|e| e.0)?;
-        *hello = true;
-        return Ok(());
-    }
-    match h.kind {
-        Kind::Am => {
-            sink(Event::Am {
-                id: h.id,
-                data: body,
-            });
-            *delivered += 1;
-        }
-        Kind::Put => {
-            let (op, md_id, reg_id, addr) = (
-                wire::word(body, 0),
-                wire::word(body, 1),
-                wire::word(body, 2),
-                wire::word(body, 3),
-            );
-            let data = &body[wire::PUT_FIXED..];
-            match table.write(md_id, reg_id, addr, data) {
-                Ok(()) => {
-                    tx.push_owned(&wire::words_frame(Kind::Ack, &[op], &[]), None);
-                }
-                Err(reason) => {
-                    tracing::debug!("tcp: refused put {addr:#x}+{}: {reason}", data.len());
-                    tx.push_owned(
-                        &wire::op_error_frame(op, code::ACCESS_DENIED, &reason),
-                        None,
-                    );
-                }
-            }
-        }
-        Kind::GetReq => {
-            let w: Vec<u64> = (0..5).map(|i| wire::word(body, i)).collect();
-            let (op, md_id, reg_id, addr, len) = (w[0], w[1], w[2], w[3], w[4]);
-            if len > wire::RMA_MAX_ZCOPY as u64 {
-                return Err(format!(
-                    "get of {len} bytes exceeds the limit of {}",
-                    wire::RMA_MAX_ZCOPY
-                ));
-            }
-            let len = len as usize;
-            let mut rep = Vec::with_capacity(wire::HDR_LEN + 8 + len);
-            rep.extend_from_slice(&wire::header(Kind::GetRep, 0, 8 + len));
-            rep.extend_from_slice(&op.to_le_bytes());
-            match table.read_into(md_id, reg_id, addr, len, &mut rep) {
-                Ok(()) => {
-                    tx.push_vec(rep, None);
-                }
-                Err(reason) => {
-                    tracing::debug!("tcp: refused get {addr:#x}+{len}: {reason}");
-                    tx.push_owned(
-                        &wire::op_error_frame(op, code::ACCESS_DENIED, &reason),
-                        None,
-                    );
-                }
-            }
-        }
-        Kind::Flush => {
-            let op = wire::word(body, 0);
-            tx.push_owned(&wire::words_frame(Kind::Ack, &[op], &[]), None);
-        }
-        Kind::Fatal => {
-            return Err(format!("peer reported: {}", wire::reason_text(&body[1..])));
-        }
-        k => return Err(format!("unexpected {k:?} frame on an accepted connection")),
-    }
-    Ok(())
 }
 
 /// The tcp interface on one network device.
@@ -649,8 +687,7 @@ pub struct TcpIface {
     opts: TcpOptions,
     listener: TcpListener,
     port: u16,
-    incoming: Vec<InConn>,
-    outgoing: Vec<Arc<Mutex<OutConn>>>,
+    slots: Vec<Slot>,
     pollfds: Vec<libc::pollfd>,
     events: Vec<Owned>,
 }
@@ -723,8 +760,7 @@ impl TcpIface {
             opts,
             listener,
             port,
-            incoming: Vec::new(),
-            outgoing: Vec::new(),
+            slots: Vec::new(),
             pollfds: Vec::new(),
             events: Vec::new(),
         })
@@ -735,14 +771,50 @@ impl TcpIface {
         SocketAddrV4::new(self.dev.addr, self.port)
     }
 
-    /// Accepted connections currently open (for tests and diagnostics).
-    pub fn accepted_connections(&self) -> usize {
-        self.incoming.len()
+    /// Open connections (for tests and diagnostics).
+    pub fn connections(&self) -> usize {
+        self.slots.len()
     }
 
-    /// Endpoint connections currently tracked (for tests and diagnostics).
-    pub fn endpoint_connections(&self) -> usize {
-        self.outgoing.len()
+    fn new_conn(
+        &self,
+        fd: OwnedFd,
+        state: State,
+        peer: Option<SocketAddrV4>,
+        remote: SocketAddr,
+        now: Instant,
+    ) -> Conn {
+        let mut tx = TxQueue::new();
+        tx.push_owned(&wire::hello_frame(self.listen_addr()), None);
+        Conn {
+            sock: FdSock(fd),
+            tx,
+            state,
+            peer,
+            remote,
+            dev: self.dev.name.clone(),
+            ep: None,
+            detach_sent: false,
+            peer_detached: false,
+            closing: false,
+            shut: false,
+            next_op: 1,
+            pending: VecDeque::new(),
+            posted: 0,
+            acked: 0,
+            completions: Vec::new(),
+            error_reported: false,
+            tx_limit: self.opts.tx_queue,
+            deadline: now + self.opts.connect_timeout,
+            linger: self.opts.connect_timeout,
+        }
+    }
+
+    fn endpoint(&self, conn: Arc<Mutex<Conn>>) -> Box<dyn Endpoint> {
+        Box::new(TcpEndpoint {
+            conn,
+            scratch: vec![0u8; wire::AM_MAX_BCOPY],
+        })
     }
 }
 
@@ -791,75 +863,68 @@ impl Iface for TcpIface {
             )));
         }
         let peer = SocketAddrV4::new(peer_dev.ip, port);
-        let fd: OwnedFd = sock::connect_nb(
+        // Take over a connection the peer opened to us, if our side of it is free.
+        for s in &self.slots {
+            let mut c = lock(&s.conn);
+            if s.hello
+                && c.peer == Some(peer)
+                && c.ep.is_none()
+                && !c.detach_sent
+                && !c.closing
+                && c.state == State::Open
+            {
+                c.ep = Some(params.user_id);
+                drop(c);
+                return Ok(self.endpoint(s.conn.clone()));
+            }
+        }
+        let fd = sock::connect_nb(
             Some(IpAddr::V4(self.dev.addr)),
             SocketAddr::V4(peer),
             &self.opts,
         )?;
-        let mut tx = TxQueue::new();
-        tx.push_owned(&wire::hello_frame(), None);
-        let conn = Arc::new(Mutex::new(OutConn {
-            sock: FdSock(fd),
+        let now = Instant::now();
+        let raw = fd.as_raw_fd();
+        let mut conn = self.new_conn(fd, State::Connecting, Some(peer), SocketAddr::V4(peer), now);
+        conn.ep = Some(params.user_id);
+        let conn = Arc::new(Mutex::new(conn));
+        self.slots.push(Slot {
+            conn: conn.clone(),
+            fd: raw,
             rx: RxBuf::new(),
-            tx,
-            state: OutState::Connecting,
-            peer,
-            dev: self.dev.name.clone(),
-            user_id: params.user_id,
-            next_op: 1,
-            pending: VecDeque::new(),
-            posted: 0,
-            acked: 0,
-            completions: Vec::new(),
-            ep_dropped: false,
-            shut: false,
-            error_reported: false,
-            tx_limit: self.opts.tx_queue,
-            deadline: Instant::now() + self.opts.connect_timeout,
-        }));
-        self.outgoing.push(conn.clone());
-        Ok(Box::new(TcpEndpoint {
-            conn,
-            scratch: vec![0u8; wire::AM_MAX_BCOPY],
-            linger: self.opts.connect_timeout,
-        }))
+            hello: false,
+            dialed: true,
+            hello_deadline: now + self.opts.connect_timeout,
+            gone: false,
+        });
+        Ok(self.endpoint(conn))
     }
 
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
         let now = Instant::now();
-        // One poll(2) over the listener, the accepted connections and the endpoints'.
+        // One poll(2) over the listener and every connection.
         self.pollfds.clear();
         self.pollfds.push(libc::pollfd {
             fd: self.listener.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         });
-        for c in &self.incoming {
-            let mut ev = libc::POLLIN;
-            if !c.tx.is_empty() {
-                ev |= libc::POLLOUT;
-            }
-            self.pollfds.push(libc::pollfd {
-                fd: c.sock.0.as_raw_fd(),
-                events: ev,
-                revents: 0,
-            });
-        }
-        for c in &self.outgoing {
-            let c = lock(c);
+        for s in &self.slots {
+            let c = lock(&s.conn);
             let ev = match c.state {
-                OutState::Connecting => libc::POLLOUT,
-                OutState::Open => libc::POLLIN | if c.tx.is_empty() { 0 } else { libc::POLLOUT },
-                OutState::Failed(_) => 0,
+                State::Connecting => libc::POLLOUT,
+                State::Open => libc::POLLIN | if c.tx.is_empty() { 0 } else { libc::POLLOUT },
+                State::Failed(_) => 0,
             };
             self.pollfds.push(libc::pollfd {
-                fd: if ev == 0 { -1 } else { c.sock.0.as_raw_fd() },
+                fd: if ev == 0 { -1 } else { s.fd },
                 events: ev,
                 revents: 0,
             });
         }
         // SAFETY: `pollfds` is a valid, initialized array of `len` pollfd structures that lives
-        // across the call; every fd in it is owned by this interface (or -1) and stays open.
+        // across the call; every fd in it is owned by a connection this interface holds (or -1)
+        // and stays open.
         let rc = unsafe {
             libc::poll(
                 self.pollfds.as_mut_ptr(),
@@ -875,46 +940,37 @@ impl Iface for TcpIface {
         }
 
         let mut delivered = 0;
-        // Accepted connections first: they carry the active messages.
-        let n_in = self.incoming.len();
-        for (i, c) in self.incoming.iter_mut().enumerate() {
-            let rev = self.pollfds[1 + i].revents;
-            delivered += c.progress(rev, now, &self.table, self.opts.tx_queue, sink);
-        }
-        self.incoming.retain(|c| !c.closed);
-
-        // Endpoint connections: gather events under each lock, deliver after.
         let mut events = std::mem::take(&mut self.events);
-        for (i, c) in self.outgoing.iter().enumerate() {
-            let rev = self.pollfds[1 + n_in + i].revents;
-            lock(c).progress(rev, now, &mut events);
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            delivered += s.progress(
+                self.pollfds[1 + i].revents,
+                now,
+                &self.table,
+                sink,
+                &mut events,
+            );
         }
-        self.outgoing.retain(|c| {
-            let c = lock(c);
-            let done = match c.state {
-                OutState::Failed(_) => c.error_reported || c.ep_dropped,
-                _ => false,
-            };
-            !done
-        });
+        self.slots.retain(|s| !s.gone);
 
         // New connections.
         if self.pollfds[0].revents & libc::POLLIN != 0 {
             for _ in 0..ACCEPTS_PER_PROGRESS {
                 match sock::accept_nb(&self.listener, &self.opts) {
-                    Ok(Some((fd, peer))) => {
+                    Ok(Some((fd, remote))) => {
                         tracing::debug!(
-                            "tcp interface on {}: accepted a connection from {peer}",
+                            "tcp interface on {}: accepted a connection from {remote}",
                             self.dev.name
                         );
-                        self.incoming.push(InConn {
-                            sock: FdSock(fd),
+                        let raw = fd.as_raw_fd();
+                        let conn = self.new_conn(fd, State::Open, None, remote, now);
+                        self.slots.push(Slot {
+                            conn: Arc::new(Mutex::new(conn)),
+                            fd: raw,
                             rx: RxBuf::new(),
-                            tx: TxQueue::new(),
-                            peer,
                             hello: false,
-                            deadline: now + self.opts.connect_timeout,
-                            closed: false,
+                            dialed: false,
+                            hello_deadline: now + self.opts.connect_timeout,
+                            gone: false,
                         });
                     }
                     Ok(None) => break,
@@ -940,8 +996,8 @@ impl Iface for TcpIface {
 
 impl Drop for TcpIface {
     fn drop(&mut self) {
-        for c in &self.outgoing {
-            let mut c = lock(c);
+        for s in &self.slots {
+            let mut c = lock(&s.conn);
             c.error_reported = true;
             c.fail("the tcp interface was closed");
             c.completions.clear();
@@ -949,12 +1005,11 @@ impl Drop for TcpIface {
     }
 }
 
-/// An endpoint: one connection to a peer interface.
+/// An endpoint: our side of a connection to a peer interface.
 #[derive(Debug)]
 pub struct TcpEndpoint {
-    conn: Arc<Mutex<OutConn>>,
+    conn: Arc<Mutex<Conn>>,
     scratch: Vec<u8>,
-    linger: std::time::Duration,
 }
 
 fn check_am_id(id: AmId) -> Result<()> {
@@ -1003,13 +1058,29 @@ fn tcp_rkey(rkey: &RemoteKey) -> Result<TcpRkey> {
 }
 
 impl TcpEndpoint {
-    fn conn(&self) -> MutexGuard<'_, OutConn> {
+    fn conn(&self) -> MutexGuard<'_, Conn> {
         lock(&self.conn)
     }
 
     /// The peer's listening address.
-    pub fn peer(&self) -> SocketAddrV4 {
+    pub fn peer(&self) -> Option<SocketAddrV4> {
         self.conn().peer
+    }
+
+    /// Post a request that the peer answers; `token` completes with the answer.
+    fn request(&self, parts: &[Part<'_>], token: Option<u64>, kind: PendKind) -> Result<OpStatus> {
+        let mut c = self.conn();
+        c.post(parts, None)?;
+        let (op, posted) = (c.next_op, c.posted);
+        c.pending.push_back(PendingOp {
+            op,
+            posted,
+            token,
+            orphan: false,
+            kind,
+        });
+        c.next_op += 1;
+        Ok(OpStatus::InProgress)
     }
 
     fn rma(
@@ -1018,7 +1089,7 @@ impl TcpEndpoint {
         iov: &[Iov<'_>],
         remote_addr: u64,
         rkey: &RemoteKey,
-        token: Option<u64>,
+        token: u64,
     ) -> Result<OpStatus> {
         let what = if kind == Kind::Put {
             "put_zcopy"
@@ -1028,49 +1099,45 @@ impl TcpEndpoint {
         let total = check_iov(iov, wire::RMA_MAX_ZCOPY, what)?;
         let k = tcp_rkey(rkey)?;
         rkey.check(remote_addr, total as u64)?;
-        let mut c = self.conn();
-        c.usable()?;
-        let op = c.next_op;
+        let op = self.conn().next_op;
         if kind == Kind::Put {
-            let mut head = Vec::with_capacity(wire::HDR_LEN + wire::PUT_FIXED);
-            head.extend_from_slice(&wire::header(Kind::Put, 0, wire::PUT_FIXED + total));
-            for w in [op, k.md_id, k.reg_id, remote_addr] {
-                head.extend_from_slice(&w.to_le_bytes());
-            }
-            let mut parts = vec![Part::Bytes(&head)];
+            let head = put_head(op, &k, remote_addr, total);
+            let mut parts = Vec::with_capacity(1 + iov.len());
+            parts.push(Part::Bytes(&head));
             parts.extend(iov.iter().map(|v| Part::Mem(v.memh, v.addr, v.len)));
-            c.post(&parts, None)?;
-            let posted = c.posted;
-            c.pending.push_back(PendingOp {
-                op,
-                posted,
-                token,
-                kind: PendKind::Put,
-            });
+            self.request(&parts, Some(token), PendKind::Put)
         } else {
             let f = wire::words_frame(
                 Kind::GetReq,
                 &[op, k.md_id, k.reg_id, remote_addr, total as u64],
                 &[],
             );
-            c.post(&[Part::Bytes(&f)], None)?;
-            let posted = c.posted;
-            c.pending.push_back(PendingOp {
-                op,
-                posted,
-                token,
-                kind: PendKind::Get {
-                    dst: iov
-                        .iter()
-                        .map(|v| (v.memh.clone(), v.addr, v.len))
-                        .collect(),
-                    len: total,
-                },
-            });
+            let dst = iov
+                .iter()
+                .map(|v| (v.memh.clone(), v.addr, v.len))
+                .collect();
+            self.request(
+                &[Part::Bytes(&f)],
+                Some(token),
+                PendKind::Get { dst, len: total },
+            )
         }
-        c.next_op += 1;
-        Ok(OpStatus::InProgress)
     }
+}
+
+/// Header and fixed fields of a `Put` frame with `len` bytes of data.
+fn put_head(
+    op: u64,
+    k: &TcpRkey,
+    remote_addr: u64,
+    len: usize,
+) -> [u8; wire::HDR_LEN + wire::PUT_FIXED] {
+    let mut head = [0u8; wire::HDR_LEN + wire::PUT_FIXED];
+    head[..wire::HDR_LEN].copy_from_slice(&wire::header(Kind::Put, 0, wire::PUT_FIXED + len));
+    for (i, w) in [op, k.md_id, k.reg_id, remote_addr].into_iter().enumerate() {
+        head[wire::HDR_LEN + i * 8..wire::HDR_LEN + i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+    }
+    head
 }
 
 impl Endpoint for TcpEndpoint {
@@ -1083,12 +1150,11 @@ impl Endpoint for TcpEndpoint {
                 wire::AM_MAX_SHORT
             )));
         }
-        let h = wire::header(Kind::Am, id, 8 + payload.len());
-        let hdr = header.to_le_bytes();
-        self.conn().post(
-            &[Part::Bytes(&h), Part::Bytes(&hdr), Part::Bytes(payload)],
-            None,
-        )?;
+        let mut head = [0u8; wire::HDR_LEN + 8];
+        head[..wire::HDR_LEN].copy_from_slice(&wire::header(Kind::Am, id, 8 + payload.len()));
+        head[wire::HDR_LEN..].copy_from_slice(&header.to_le_bytes());
+        self.conn()
+            .post(&[Part::Bytes(&head), Part::Bytes(payload)], None)?;
         Ok(())
     }
 
@@ -1119,7 +1185,9 @@ impl Endpoint for TcpEndpoint {
         }
         let total = check_iov(iov, wire::AM_MAX_ZCOPY, "am_zcopy")?;
         let h = wire::header(Kind::Am, id, header.len() + total);
-        let mut parts = vec![Part::Bytes(&h), Part::Bytes(header)];
+        let mut parts = Vec::with_capacity(2 + iov.len());
+        parts.push(Part::Bytes(&h));
+        parts.push(Part::Bytes(header));
         parts.extend(iov.iter().map(|v| Part::Mem(v.memh, v.addr, v.len)));
         if self.conn().post(&parts, Some(token))? {
             Ok(OpStatus::Done)
@@ -1138,22 +1206,13 @@ impl Endpoint for TcpEndpoint {
         }
         let k = tcp_rkey(rkey)?;
         rkey.check(remote_addr, data.len() as u64)?;
-        let mut c = self.conn();
-        let op = c.next_op;
-        let mut head = Vec::with_capacity(wire::HDR_LEN + wire::PUT_FIXED);
-        head.extend_from_slice(&wire::header(Kind::Put, 0, wire::PUT_FIXED + data.len()));
-        for w in [op, k.md_id, k.reg_id, remote_addr] {
-            head.extend_from_slice(&w.to_le_bytes());
-        }
-        c.post(&[Part::Bytes(&head), Part::Bytes(data)], None)?;
-        let posted = c.posted;
-        c.pending.push_back(PendingOp {
-            op,
-            posted,
-            token: None,
-            kind: PendKind::Put,
-        });
-        c.next_op += 1;
+        let op = self.conn().next_op;
+        let head = put_head(op, &k, remote_addr, data.len());
+        self.request(
+            &[Part::Bytes(&head), Part::Bytes(data)],
+            None,
+            PendKind::Put,
+        )?;
         Ok(())
     }
 
@@ -1164,7 +1223,7 @@ impl Endpoint for TcpEndpoint {
         rkey: &RemoteKey,
         token: u64,
     ) -> Result<OpStatus> {
-        self.rma(Kind::Put, iov, remote_addr, rkey, Some(token))
+        self.rma(Kind::Put, iov, remote_addr, rkey, token)
     }
 
     fn get_zcopy(
@@ -1174,37 +1233,152 @@ impl Endpoint for TcpEndpoint {
         rkey: &RemoteKey,
         token: u64,
     ) -> Result<OpStatus> {
-        self.rma(Kind::GetReq, iov, remote_addr, rkey, Some(token))
+        self.rma(Kind::GetReq, iov, remote_addr, rkey, token)
     }
 
     fn flush(&mut self, token: u64) -> Result<OpStatus> {
-        let mut c = self.conn();
-        c.usable()?;
-        if c.posted == c.acked && c.pending.is_empty() {
-            return Ok(OpStatus::Done);
+        {
+            let c = self.conn();
+            c.usable()?;
+            if c.posted == c.acked && c.pending.is_empty() {
+                return Ok(OpStatus::Done);
+            }
         }
-        let op = c.next_op;
+        let op = self.conn().next_op;
         let f = wire::words_frame(Kind::Flush, &[op], &[]);
-        c.post(&[Part::Bytes(&f)], None)?;
-        let posted = c.posted;
-        c.pending.push_back(PendingOp {
-            op,
-            posted,
-            token: Some(token),
-            kind: PendKind::Flush,
-        });
-        c.next_op += 1;
-        Ok(OpStatus::InProgress)
+        self.request(&[Part::Bytes(&f)], Some(token), PendKind::Flush)
     }
 }
 
 impl Drop for TcpEndpoint {
     fn drop(&mut self) {
+        // What was posted is still sent (the interface drains the queue); nothing more is
+        // reported for this endpoint, and the peer learns that our side is done.
         let mut c = self.conn();
-        // What was posted is still sent (the interface drains the queue, then closes);
-        // nothing more is reported for this endpoint.
-        c.ep_dropped = true;
+        c.ep = None;
         c.completions.clear();
-        c.deadline = Instant::now() + self.linger;
+        for p in c.pending.iter_mut() {
+            p.token = None;
+            p.orphan = true;
+        }
+        if !matches!(c.state, State::Failed(_)) {
+            c.tx.push_owned(&wire::detach_frame(), None);
+            c.detach_sent = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::md::RegTable;
+
+    fn open() -> TcpIface {
+        let lo = addr::interfaces()
+            .unwrap()
+            .into_iter()
+            .find(|d| d.loopback)
+            .expect("lo");
+        TcpIface::open(
+            lo,
+            addr::host_id(),
+            Arc::new(RegTable::new()),
+            TcpOptions::default(),
+        )
+        .unwrap()
+    }
+
+    fn params(to: &TcpIface, user_id: u64) -> EpParams {
+        EpParams {
+            dev_addr: to.device_address(),
+            iface_addr: to.iface_address(),
+            user_id,
+        }
+    }
+
+    /// Progress both until `b` delivers an active message with this id; no other event may
+    /// happen on either.
+    fn deliver(a: &mut TcpIface, b: &mut TcpIface, id: AmId) {
+        let start = Instant::now();
+        let mut got = false;
+        while !got {
+            a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            b.progress(&mut |ev| match ev {
+                Event::Am { id: i, .. } if i == id => got = true,
+                other => panic!("unexpected {other:?}"),
+            });
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+    }
+
+    fn settle(a: &mut TcpIface, b: &mut TcpIface, until: impl Fn(&TcpIface, &TcpIface) -> bool) {
+        let start = Instant::now();
+        while !until(a, b) {
+            a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+    }
+
+    #[test]
+    fn the_second_endpoint_shares_the_first_ones_connection() {
+        let (mut a, mut b) = (open(), open());
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        ab.am_short(1, 0, b"wire-up").unwrap();
+        deliver(&mut a, &mut b, 1);
+        // b answers through the connection a opened.
+        let mut ba = b.create_ep(&params(&a, 2)).unwrap();
+        assert_eq!((a.connections(), b.connections()), (1, 1));
+        ba.am_short(2, 0, b"reply").unwrap();
+        deliver(&mut b, &mut a, 2);
+        // Either side leaving keeps the connection for the other.
+        drop(ab);
+        settle(&mut a, &mut b, |_, b| lock(&b.slots[0].conn).peer_detached);
+        ba.am_short(3, 0, b"still here").unwrap();
+        deliver(&mut b, &mut a, 3);
+        assert_eq!((a.connections(), b.connections()), (1, 1));
+        // Both gone: the connection closes on both sides, quietly.
+        drop(ba);
+        settle(&mut a, &mut b, |a, b| {
+            a.connections() == 0 && b.connections() == 0
+        });
+    }
+
+    #[test]
+    fn simultaneous_endpoints_use_two_connections_and_both_close() {
+        let (mut a, mut b) = (open(), open());
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        let mut ba = b.create_ep(&params(&a, 2)).unwrap();
+        ab.am_short(1, 0, b"x").unwrap();
+        ba.am_short(2, 0, b"y").unwrap();
+        let (mut at_a, mut at_b) = (false, false);
+        let start = Instant::now();
+        while !(at_a && at_b) {
+            a.progress(&mut |ev| at_a |= matches!(ev, Event::Am { id: 2, .. }));
+            b.progress(&mut |ev| at_b |= matches!(ev, Event::Am { id: 1, .. }));
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        assert_eq!((a.connections(), b.connections()), (2, 2));
+        drop(ab);
+        drop(ba);
+        settle(&mut a, &mut b, |a, b| {
+            a.connections() == 0 && b.connections() == 0
+        });
+    }
+
+    #[test]
+    fn a_connection_left_by_its_endpoint_is_not_reused() {
+        let (mut a, mut b) = (open(), open());
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        ab.am_short(1, 0, b"x").unwrap();
+        deliver(&mut a, &mut b, 1);
+        drop(ab);
+        // a's new endpoint to b must not pick the connection it already detached from.
+        let mut ab2 = a.create_ep(&params(&b, 3)).unwrap();
+        ab2.am_short(4, 0, b"again").unwrap();
+        deliver(&mut a, &mut b, 4);
+        settle(&mut a, &mut b, |a, b| {
+            a.connections() == 1 && b.connections() == 1
+        });
     }
 }

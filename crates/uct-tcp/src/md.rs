@@ -38,7 +38,7 @@ pub(crate) struct RegTable {
 pub(crate) type Denied = String;
 
 impl RegTable {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         RegTable {
             md_id: random_u64(),
             next: AtomicU64::new(1),

@@ -11,8 +11,9 @@
 //!
 //! Bodies, all integers little endian:
 //!
-//! - `Hello`: `magic: u32 = HELLO_MAGIC`, `version: u16`, `reserved: u16 = 0`. First frame of
-//!   every connection, sent by the connecting side.
+//! - `Hello`: `magic: u32 = HELLO_MAGIC`, `version: u16`, `reserved: u16 = 0`, then the
+//!   sender's listening address: `ip: [u8; 4]`, `port: u16`, `reserved: u16 = 0`. First frame
+//!   in each direction of every connection.
 //! - `Am`: the message bytes as the receiver sees them.
 //! - `Put`: `op: u64`, `md_id: u64`, `reg_id: u64`, `addr: u64`, then the data.
 //! - `GetReq`: `op: u64`, `md_id: u64`, `reg_id: u64`, `addr: u64`, `len: u64`.
@@ -22,10 +23,13 @@
 //! - `OpError`: `op: u64`, `code: u8`, then a UTF-8 reason (answers any request that was
 //!   refused; the connection stays up).
 //! - `Fatal`: `code: u8`, then a UTF-8 reason; the sender closes the connection after it.
+//! - `Detach`: empty. The sender's endpoint on this connection is gone; it sends no more
+//!   requests here. A side that has no endpoint on the connection and got the peer's `Detach`
+//!   sends what it still has queued and closes.
 //!
-//! The connecting side (the endpoint's owner) sends requests (`Hello`, `Am`, `Put`, `GetReq`,
-//! `Flush`); the accepting side answers on the same connection (`Ack`, `GetRep`, `OpError`) in
-//! request order. Either side may send `Fatal`.
+//! A connection is full duplex: each side may have an endpoint on it that sends requests
+//! (`Am`, `Put`, `GetReq`, `Flush`), and each side answers the requests it receives (`Ack`,
+//! `GetRep`, `OpError`) on the same connection, in request order. Either side may send `Fatal`.
 //!
 //! [`RxBuf`] reassembles frames from reads of any size and [`TxQueue`] keeps what a write did
 //! not take (owned bytes or references into registered memory), so partial reads and writes
@@ -34,7 +38,8 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use nix::sys::socket::{MsgFlags, recv, sendmsg};
 use rucx_uct::MemHandle;
@@ -96,6 +101,8 @@ pub enum Kind {
     OpError = 8,
     /// The connection is being closed because of an error.
     Fatal = 9,
+    /// The sender's endpoint on this connection is gone.
+    Detach = 10,
 }
 
 impl Kind {
@@ -110,6 +117,7 @@ impl Kind {
             7 => Kind::GetRep,
             8 => Kind::OpError,
             9 => Kind::Fatal,
+            10 => Kind::Detach,
             _ => return None,
         })
     }
@@ -117,7 +125,8 @@ impl Kind {
     /// The body length bounds `(min, max)` for this kind.
     fn body_bounds(self) -> (usize, usize) {
         match self {
-            Kind::Hello => (8, 8),
+            Kind::Hello => (HELLO_LEN, HELLO_LEN),
+            Kind::Detach => (0, 0),
             Kind::Am => (0, AM_MAX_BODY),
             Kind::Put => (PUT_FIXED, PUT_FIXED + RMA_MAX_ZCOPY),
             Kind::GetReq => (GET_REQ_LEN, GET_REQ_LEN),
@@ -204,19 +213,25 @@ pub fn parse_header(b: &[u8; HDR_LEN]) -> Result<Header, WireError> {
     Ok(Header { kind, id, body_len })
 }
 
-/// Encode a `Hello` frame.
-pub fn hello_frame() -> Vec<u8> {
-    let mut v = Vec::with_capacity(HDR_LEN + 8);
-    v.extend_from_slice(&header(Kind::Hello, 0, 8));
+/// `Hello` body length.
+pub const HELLO_LEN: usize = 16;
+
+/// Encode a `Hello` frame announcing the sender's listening address.
+pub fn hello_frame(listen: SocketAddrV4) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HDR_LEN + HELLO_LEN);
+    v.extend_from_slice(&header(Kind::Hello, 0, HELLO_LEN));
     v.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
     v.extend_from_slice(&VERSION.to_le_bytes());
+    v.extend_from_slice(&0u16.to_le_bytes());
+    v.extend_from_slice(&listen.ip().octets());
+    v.extend_from_slice(&listen.port().to_le_bytes());
     v.extend_from_slice(&0u16.to_le_bytes());
     v
 }
 
-/// Validate a `Hello` body.
-pub fn check_hello(body: &[u8]) -> Result<(), WireError> {
-    let magic = u32::from_le_bytes(body[0..4].try_into().expect("hello body is 8 bytes"));
+/// Validate a `Hello` body; returns the sender's listening address.
+pub fn check_hello(body: &[u8]) -> Result<SocketAddrV4, WireError> {
+    let magic = u32::from_le_bytes(body[0..4].try_into().expect("hello body is 16 bytes"));
     let version = u16::from_le_bytes([body[4], body[5]]);
     if magic != HELLO_MAGIC {
         return Err(WireError(format!("bad hello magic {magic:#010x}")));
@@ -226,10 +241,22 @@ pub fn check_hello(body: &[u8]) -> Result<(), WireError> {
             "peer speaks tcp wire version {version}, this build speaks {VERSION}"
         )));
     }
-    if body[6] != 0 || body[7] != 0 {
+    if body[6] != 0 || body[7] != 0 || body[14] != 0 || body[15] != 0 {
         return Err(WireError("nonzero reserved bytes in hello".into()));
     }
-    Ok(())
+    let ip = Ipv4Addr::new(body[8], body[9], body[10], body[11]);
+    let port = u16::from_le_bytes([body[12], body[13]]);
+    if port == 0 || ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
+        return Err(WireError(format!(
+            "hello announces an invalid listening address {ip}:{port}"
+        )));
+    }
+    Ok(SocketAddrV4::new(ip, port))
+}
+
+/// Encode a `Detach` frame.
+pub fn detach_frame() -> [u8; HDR_LEN] {
+    header(Kind::Detach, 0, 0)
 }
 
 /// Encode a frame whose body is `u64` words followed by `tail`.
@@ -308,6 +335,21 @@ impl Sock for FdSock {
     }
 }
 
+/// A borrowed socket descriptor: lets the interface read a connection without taking the lock
+/// that endpoints take to write it (the descriptor's owner keeps it open).
+#[derive(Debug, Clone, Copy)]
+pub struct RawSock(pub RawFd);
+
+impl Sock for RawSock {
+    fn send_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        sendmsg::<()>(self.0, bufs, &[], MsgFlags::MSG_NOSIGNAL, None).map_err(io::Error::from)
+    }
+
+    fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        recv(self.0, buf, MsgFlags::empty()).map_err(io::Error::from)
+    }
+}
+
 /// Minimum free space offered to one read.
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -322,8 +364,10 @@ pub struct RxBuf {
 /// Outcome of [`RxBuf::fill`].
 #[derive(Debug, PartialEq, Eq)]
 pub enum Fill {
-    /// This many bytes arrived.
+    /// This many bytes arrived, filling the space offered: more may be waiting.
     Data(usize),
+    /// This many bytes arrived, less than the space offered: the socket had no more.
+    Drained(usize),
     /// Nothing to read now.
     WouldBlock,
     /// The peer closed its side.
@@ -360,11 +404,16 @@ impl RxBuf {
             self.head = 0;
             self.tail = 0;
         }
+        let room = self.buf.len() - self.tail;
         match sock.recv(&mut self.buf[self.tail..]) {
             Ok(0) => Ok(Fill::Eof),
             Ok(n) => {
                 self.tail += n;
-                Ok(Fill::Data(n))
+                Ok(if n < room {
+                    Fill::Drained(n)
+                } else {
+                    Fill::Data(n)
+                })
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
@@ -671,7 +720,7 @@ mod tests {
             tx.write(w).unwrap();
             match rx.fill(r).unwrap() {
                 Fill::Eof => panic!("unexpected eof"),
-                Fill::Data(_) | Fill::WouldBlock => {}
+                Fill::Data(_) | Fill::Drained(_) | Fill::WouldBlock => {}
             }
             while let Some((h, body)) = rx.frame().unwrap() {
                 got.push((h, body.to_vec()));
@@ -795,10 +844,21 @@ mod tests {
 
     #[test]
     fn hello_validation() {
-        let f = hello_frame();
+        let me = SocketAddrV4::new(Ipv4Addr::new(10, 1, 2, 3), 4567);
+        let f = hello_frame(me);
         let h = parse_header(f[..8].try_into().unwrap()).unwrap();
         assert_eq!(h.kind, Kind::Hello);
-        assert!(check_hello(&f[8..]).is_ok());
+        assert_eq!(check_hello(&f[8..]).unwrap(), me);
+        let mut bad = f[8..].to_vec();
+        bad[12] = 0;
+        bad[13] = 0;
+        assert!(check_hello(&bad).is_err(), "port 0");
+        let mut bad = f[8..].to_vec();
+        bad[8..12].copy_from_slice(&[0, 0, 0, 0]);
+        assert!(check_hello(&bad).is_err(), "unspecified address");
+        let mut bad = f[8..].to_vec();
+        bad[15] = 1;
+        assert!(check_hello(&bad).is_err(), "reserved");
         let mut bad = f[8..].to_vec();
         bad[0] ^= 1;
         assert!(check_hello(&bad).is_err());

@@ -4,7 +4,7 @@
 mod common;
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use common::progress_until;
@@ -89,7 +89,8 @@ fn malformed_frames_close_only_that_connection() {
         },
     );
 
-    let hello = wire::hello_frame();
+    // A raw client announcing a listening address on its own IP (as a real peer would).
+    let hello = wire::hello_frame(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 1));
     let mut bad_mark = wire::header(Kind::Am, 1, 0).to_vec();
     bad_mark[6] ^= 0xff;
     let mut huge = wire::header(Kind::Am, 1, 0).to_vec();
@@ -102,6 +103,7 @@ fn malformed_frames_close_only_that_connection() {
     let mut bad_hello = hello.clone();
     bad_hello[8] ^= 1;
     let reply_kind = wire::words_frame(Kind::Ack, &[1], &[]);
+    let spoofed = wire::hello_frame(SocketAddrV4::new(Ipv4Addr::new(10, 9, 8, 7), 1));
     let big_get = wire::words_frame(Kind::GetReq, &[1, 2, 3, 4, u64::MAX], &[]);
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("bad mark", [hello.clone(), bad_mark].concat()),
@@ -114,9 +116,11 @@ fn malformed_frames_close_only_that_connection() {
             wire::words_frame(Kind::Flush, &[1], &[]),
         ),
         (
-            "reply kind on a request connection",
+            "ack with no request outstanding",
             [hello.clone(), reply_kind].concat(),
         ),
+        ("hello announcing another host", spoofed),
+        ("second hello", [hello.clone(), hello.clone()].concat()),
         ("oversized get", [hello.clone(), big_get].concat()),
         ("text", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
     ];
@@ -124,13 +128,16 @@ fn malformed_frames_close_only_that_connection() {
         let mut s = TcpStream::connect(listen_addr(&a)).unwrap();
         s.write_all(&bytes).unwrap();
         let got = read_until_closed(&mut a, &mut s);
-        // The interface said why before closing: a Fatal frame.
-        assert!(got.len() > wire::HDR_LEN, "{name}: no fatal frame");
+        // The interface said hello, then why it closes: a Fatal frame.
         let h = wire::parse_header(got[..8].try_into().unwrap()).unwrap();
+        assert_eq!(h.kind, Kind::Hello, "{name}");
+        let rest = &got[8 + h.body_len..];
+        assert!(rest.len() > wire::HDR_LEN, "{name}: no fatal frame");
+        let h = wire::parse_header(rest[..8].try_into().unwrap()).unwrap();
         assert_eq!(h.kind, Kind::Fatal, "{name}");
         println!(
             "{name}: {}",
-            String::from_utf8_lossy(&got[9..8 + h.body_len])
+            String::from_utf8_lossy(&rest[9..8 + h.body_len])
         );
     }
     // A connection that says nothing is left alone (until the hello timeout), a truncated frame
@@ -175,7 +182,8 @@ fn fake_server_case(name: &str, reply: Vec<u8>) {
     ep.am_short(1, 0, b"x").unwrap();
     assert_eq!(ep.flush(token).unwrap(), OpStatus::InProgress);
     let (mut s, _) = l.accept().unwrap();
-    s.write_all(&reply).unwrap();
+    let hello = wire::hello_frame(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
+    s.write_all(&[hello, reply].concat()).unwrap();
     let mut got_completion = false;
     let err = progress_until(&mut [&mut a.iface], "endpoint error", |_, ev| match ev {
         Event::Completion { token: 41, result } => {
@@ -210,8 +218,8 @@ fn malformed_replies_fail_only_that_endpoint() {
         wire::words_frame(Kind::Ack, &[12345], &[]),
     );
     fake_server_case(
-        "active message on a reply connection",
-        [wire::header(Kind::Am, 1, 0).to_vec()].concat(),
+        "second hello",
+        wire::hello_frame(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 1)),
     );
     fake_server_case("garbage", b"\xff\xff\xff\xff\xff\xff\xff\xff".to_vec());
     fake_server_case(
@@ -384,20 +392,33 @@ fn connection_refused_fails_the_endpoint_and_its_operations() {
     let mut p = params(&a, 5);
     p.iface_addr = rucx_uct_tcp::addr::pack_iface_addr(port);
     let mut ep = a.iface.create_ep(&p).unwrap();
-    ep.am_short(1, 0, b"queued while connecting").unwrap();
-    assert_eq!(ep.flush(8).unwrap(), OpStatus::InProgress);
-    let mut flushed = false;
+    // Posting either queues (the connect is still in progress) or already sees the refusal.
+    let mut flush_pending = false;
+    match ep.am_short(1, 0, b"queued while connecting") {
+        Ok(()) => match ep.flush(8) {
+            Ok(st) => {
+                assert_eq!(st, OpStatus::InProgress);
+                flush_pending = true;
+            }
+            Err(e) => assert!(e.to_string().contains("refused"), "{e}"),
+        },
+        Err(e) => assert!(e.to_string().contains("refused"), "{e}"),
+    }
     let e = progress_until(&mut [&mut a.iface], "endpoint error", |_, ev| match ev {
         Event::Completion { token: 8, result } => {
-            assert!(result.is_err());
-            flushed = true;
+            assert!(flush_pending && result.is_err());
+            flush_pending = false;
             None
         }
         Event::EpError { user_id: 5, error } => Some(error.to_string()),
         other => panic!("unexpected {other:?}"),
     });
-    assert!(flushed);
+    assert!(
+        !flush_pending,
+        "the pending flush completed (with an error) before the endpoint error"
+    );
     assert!(e.contains("refused"), "{e}");
+    assert!(ep.flush(9).is_err(), "a failed endpoint refuses new work");
 }
 
 #[test]
