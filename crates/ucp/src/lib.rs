@@ -31,7 +31,7 @@ pub use config::CONFIG;
 pub use context::{Context, Demotion, RegGuard};
 pub use matching::Tag;
 pub use scope::{Request, Scope};
-pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};
+pub use worker::{AmMessage, Completion, EpId, MemMap, PathInfo, RkeyBundle, Worker};
 
 /// Mask that matches only the exact tag.
 pub const TAG_MASK_FULL: Tag = u64::MAX;

@@ -244,3 +244,32 @@ fn reg_skip_disables_a_domain_up_front() {
     assert!(t.iter().all(|r| !r.proto.is_zcopy()), "{t:?}");
     exchange_all_sizes(&w);
 }
+
+#[test]
+fn path_query_explains_what_is_missing() {
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    let paths = w.path_query(ep, Some(0)).unwrap();
+    let hh = &paths[0];
+    assert!(hh.zero_copy && hh.why_not.is_empty(), "{hh}");
+    let gg = paths
+        .iter()
+        .find(|p| p.send_mem.is_gpu() && p.recv_mem.is_gpu())
+        .unwrap();
+    assert!(!gg.zero_copy);
+    assert!(
+        gg.why_not
+            .iter()
+            .any(|w| w.contains("registers GPU memory")),
+        "{gg}"
+    );
+    assert!(gg.why_not.iter().any(|w| w.contains("cuda_copy")), "{gg}");
+    // A host demotion shows in the host path.
+    let w = worker(&[("RUCX_REG_SKIP", "self:host")]);
+    let ep = w.connect(&w.address()).unwrap();
+    let hh = &w.path_query(ep, None).unwrap()[0];
+    assert!(
+        !hh.zero_copy && hh.why_not.iter().any(|x| x.contains("demotions")),
+        "{hh}"
+    );
+}

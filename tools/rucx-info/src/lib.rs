@@ -252,6 +252,10 @@ pub fn render_endpoints(config: Config) -> rucx_ucs::Result<String> {
                     rma.as_deref().unwrap_or("none")
                 );
                 let _ = writeln!(out, "{}", a.proto_info(ep)?);
+                let _ = writeln!(out, "#   paths for large messages (GPU 0):");
+                for p in a.path_query(ep, Some(0))? {
+                    let _ = writeln!(out, "#     {p}");
+                }
             }
             Err(e) => {
                 let _ = writeln!(out, "#   unreachable: {e}");
@@ -349,6 +353,14 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("eager short") && s.contains("rendezvous"), "{s}");
+        assert!(
+            s.contains("host -> host: rendezvous zero-copy read from remote"),
+            "{s}"
+        );
+        assert!(
+            s.contains("cuda -> cuda: unsupported") && s.contains("no copy transport"),
+            "{s}"
+        );
     }
 
     #[test]
