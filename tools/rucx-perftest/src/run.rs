@@ -274,6 +274,16 @@ fn chunk_len(window: usize) -> usize {
     (window * 64).max(1024)
 }
 
+/// A receive buffer with every page already faulted in (a zeroed allocation maps its pages
+/// lazily, and the first transfer into it would pay the page faults), its last byte 0.
+fn touched(size: usize) -> Vec<u8> {
+    let mut v = vec![0xeeu8; size];
+    if let Some(b) = v.last_mut() {
+        *b = 0;
+    }
+    v
+}
+
 fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(|i| (i * 7 + 1) as u8).collect()
 }
@@ -283,7 +293,7 @@ fn pattern(size: usize) -> Vec<u8> {
 
 fn tag_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     let sbuf = pattern(spec.size);
-    let mut rbuf = vec![0u8; spec.size];
+    let mut rbuf = touched(spec.size);
     for i in 0..spec.warmup + spec.iters {
         t.begin(i);
         w.scope(|s| {
@@ -365,7 +375,7 @@ fn put_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
 fn get_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     let rkey = recv_rkey(w, ep)?;
     let remote = rkey.base();
-    let mut bufs = vec![vec![0u8; spec.size]; ring_len(spec.size, spec.window)];
+    let mut bufs = vec![touched(spec.size); ring_len(spec.size, spec.window)];
     let total = spec.warmup + spec.iters;
     let mut i = 0;
     while i < total {
@@ -422,7 +432,7 @@ fn exchange_maps<'a>(
 }
 
 fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let mut mine = vec![0u8; spec.size];
+    let mut mine = touched(spec.size);
     let (map, rkey) = exchange_maps(w, ep, &mut mine, false)?;
     let mut sbuf = pattern(spec.size);
     for i in 0..spec.warmup + spec.iters {
@@ -511,7 +521,7 @@ pub fn client_quit(job: &Job) -> R<()> {
 
 fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     let sbuf = pattern(spec.size);
-    let mut rbuf = vec![0u8; spec.size];
+    let mut rbuf = touched(spec.size);
     send(w, ep, &[], TAG_READY)?;
     for _ in 0..spec.warmup + spec.iters {
         w.scope(|s| {
@@ -524,7 +534,7 @@ fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 }
 
 fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let mut bufs = vec![vec![0u8; spec.size]; ring_len(spec.size, spec.window)];
+    let mut bufs = vec![touched(spec.size); ring_len(spec.size, spec.window)];
     send(w, ep, &[], TAG_READY)?;
     let total = spec.warmup + spec.iters;
     let mut i = 0;
@@ -562,7 +572,7 @@ fn rma_target_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 }
 
 fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let mut mine = vec![0u8; spec.size];
+    let mut mine = touched(spec.size);
     send(w, ep, &[], TAG_READY)?;
     let (map, rkey) = exchange_maps(w, ep, &mut mine, true)?;
     let mut sbuf = pattern(spec.size);
