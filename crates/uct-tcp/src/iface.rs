@@ -305,9 +305,12 @@ impl Conn {
             self.peer_name()
         );
         if self.state == State::Open {
-            let f = wire::fatal_frame(code::PROTOCOL, reason);
+            // Only on a frame boundary: after everything queued went out.
             let _ = self.tx.write(&mut self.sock);
-            let _ = self.sock.send_vectored(&[IoSlice::new(&f)]);
+            if self.tx.is_empty() {
+                let f = wire::fatal_frame(code::PROTOCOL, reason);
+                let _ = self.sock.send_vectored(&[IoSlice::new(&f)]);
+            }
         }
         self.fail(&format!("protocol violation by the peer: {reason}"));
     }

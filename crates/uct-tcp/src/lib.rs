@@ -12,13 +12,16 @@
 //!   private data) that UCP uses for client/server wire-up.
 //!
 //! # Connections
-//! Each endpoint owns one TCP connection to the peer interface, opened by the endpoint's side.
-//! The peer uses that connection only to answer the requests that arrive on it (acknowledgements,
-//! get replies, refusals), never for its own active messages: a peer that wants to send to us
-//! creates its own endpoint, hence its own connection. So two processes that talk both ways hold
-//! two connections, one per direction of endpoint, and every connection has one sender of
-//! requests and one sender of replies, which keeps ordering simple: replies come back in request
-//! order. The frame layout is in [`wire`].
+//! Endpoints connect to a peer interface's listening address. A connection is full duplex and
+//! carries at most one endpoint of each side: an endpoint to peer P takes over a connection
+//! that P opened to us (P's `Hello` names its listening address) if our side of it has no
+//! endpoint yet, else it opens its own. With the usual wire-up (one side creates its endpoint,
+//! sends, and the other side creates its endpoint after receiving) both directions share one
+//! connection, which halves the packets of a ping-pong (acknowledgements ride on the answers);
+//! endpoints created at the same moment on both sides get one connection each, which is just
+//! as correct. Requests are answered on the connection they came on, in order. When an
+//! endpoint is dropped, what it posted is still sent, followed by `Detach`; a connection with
+//! no endpoint left on either side is closed. Details in the `iface` module and [`wire`].
 //!
 //! # Errors
 //! A peer that closes or resets the connection, a connect that fails or times out, a keepalive
