@@ -134,7 +134,23 @@ pub struct RkeyData {
     pub base: u64,
     /// Region length.
     pub len: u64,
+    /// Set when the region lies in a shared segment peers can map ([`RkeyData::pack_shared`]).
+    pub shm: Option<ShmInfo>,
 }
+
+/// Where a shared segment lives in its owner: peers open it as `/proc/<pid>/fd/<fd>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmInfo {
+    /// Descriptor number of the segment in the owner.
+    pub fd: u32,
+    /// Address of the segment's mapping in the owner.
+    pub seg_base: u64,
+    /// Segment length.
+    pub seg_len: u64,
+}
+
+/// Envelope name of keys of shared segments.
+pub const SHM_KEY: &str = "posix-shm";
 
 impl RkeyData {
     /// Packed size of every posix remote key.
@@ -148,6 +164,59 @@ impl RkeyData {
         p.extend_from_slice(&self.base.to_le_bytes());
         p.extend_from_slice(&self.len.to_le_bytes());
         rkey::pack(NAME, &p)
+    }
+
+    /// Pack a key of a region inside a shared segment (a peer may map it, or use cross-memory
+    /// attach like any key).
+    pub fn pack_shared(&self, shm: ShmInfo) -> Vec<u8> {
+        let mut p = Vec::with_capacity(48);
+        for v in [u64::from(self.pid), self.token, self.base, self.len] {
+            p.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [u64::from(shm.fd), shm.seg_base, shm.seg_len] {
+            p.extend_from_slice(&v.to_le_bytes());
+        }
+        rkey::pack(SHM_KEY, &p)
+    }
+
+    /// Unpack a key made by [`pack_shared`](Self::pack_shared), validating that the region lies
+    /// inside the segment.
+    pub fn unpack_shared(blob: &[u8]) -> Result<RkeyData> {
+        let p = rkey::unpack(SHM_KEY, "remote key", blob)?;
+        let bad = |reason: String| Error::InvalidRkey {
+            domain: NAME.into(),
+            reason,
+        };
+        let mut r = Reader::new(p, "posix shared-segment key");
+        let mut v = [0u64; 7];
+        for x in &mut v {
+            *x = r.u64().map_err(|e| bad(e.to_string()))?;
+        }
+        r.finish().map_err(|e| bad(e.to_string()))?;
+        let [pid, token, base, len, fd, seg_base, seg_len] = v;
+        if pid == 0 || pid > i32::MAX as u64 || fd > i32::MAX as u64 {
+            return Err(bad(format!("bad pid {pid} or descriptor {fd}")));
+        }
+        let inside = base >= seg_base
+            && base
+                .checked_add(len)
+                .is_some_and(|e| seg_base.checked_add(seg_len).is_some_and(|se| e <= se));
+        if !inside {
+            return Err(bad(format!(
+                "region {base:#x}+{len} is not inside its segment {seg_base:#x}+{seg_len}"
+            )));
+        }
+        Ok(RkeyData {
+            pid: pid as u32,
+            token,
+            base,
+            len,
+            shm: Some(ShmInfo {
+                fd: fd as u32,
+                seg_base,
+                seg_len,
+            }),
+        })
     }
 
     /// Unpack and validate.
@@ -172,6 +241,7 @@ impl RkeyData {
             token,
             base,
             len,
+            shm: None,
         })
     }
 }
@@ -208,6 +278,7 @@ mod tests {
             token: 5,
             base: 0x7f00_0000_0000,
             len: 1 << 20,
+            shm: None,
         };
         let packed = k.pack();
         assert_eq!(packed.len(), RkeyData::PACKED_SIZE);
@@ -230,6 +301,7 @@ mod tests {
             token: 1,
             base: u64::MAX - 4,
             len: 10,
+            shm: None,
         };
         assert!(RkeyData::unpack(&k.pack()).is_err());
         // An interface address is not a remote key and vice versa.
@@ -239,6 +311,7 @@ mod tests {
             token: 1,
             base: 0,
             len: 1,
+            shm: None,
         };
         assert!(IfaceAddr::unpack(&good.pack()).is_err());
         // Another component's blob.
@@ -272,7 +345,7 @@ mod tests {
 
         #[test]
         fn corrupted_rkey_rejected(pid in 1u32..100_000, base in any::<u32>(), len in any::<u32>(), pos in any::<usize>(), bit in 0u8..8) {
-            let k = RkeyData { pid, token: 3, base: u64::from(base), len: u64::from(len) };
+            let k = RkeyData { pid, token: 3, base: u64::from(base), len: u64::from(len), shm: None };
             let mut b = k.pack();
             prop_assert_eq!(RkeyData::unpack(&b).unwrap(), k);
             let i = pos % b.len();

@@ -1,14 +1,16 @@
 //! The posix memory domain.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::fs::File;
+use std::sync::{Arc, Mutex};
 
 use rucx_ucs::{Config, Error, MemoryType, RegError, RegErrorKind, Result};
 use rucx_uct::{
     Iface, IfaceParams, LinearCost, MdAttr, MemHandle, MemRegion, MemTypeFlags, MemoryDomain,
-    RemoteKey, TlResource,
+    RemoteKey, SharedAlloc, TlResource,
 };
 
-use crate::addr::RkeyData;
+use crate::addr::{RkeyData, ShmInfo};
 use crate::iface::PosixIface;
 use crate::sys::{self, SegmentBacking};
 use crate::{DEVICE, NAME, Settings, probe_backing};
@@ -18,12 +20,22 @@ use crate::{DEVICE, NAME, Settings, probe_backing};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PosixMemh;
 
+/// Memory from [`PosixMd::mem_alloc_shared`]: a shared segment mapped here, which peers on this
+/// host map through `/proc/<pid>/fd/<fd>`.
+#[derive(Debug)]
+pub struct PosixShared {
+    map: memmap2::MmapMut,
+    file: File,
+}
+
 /// The posix memory domain.
 #[derive(Debug)]
 pub struct PosixMd {
     attr: MdAttr,
     backing: SegmentBacking,
     cma: Result<(), String>,
+    /// Peers' shared segments mapped here, by (pid, process token, descriptor).
+    peer_maps: Mutex<HashMap<(u32, u64, u32), memmap2::MmapMut>>,
 }
 
 /// Decide whether cross-memory attach can work from and into this process.
@@ -71,7 +83,12 @@ impl PosixMd {
             0
         };
         attr.need_memh_for_zcopy = true;
-        Ok(PosixMd { attr, backing, cma })
+        Ok(PosixMd {
+            attr,
+            backing,
+            cma,
+            peer_maps: Mutex::new(HashMap::new()),
+        })
     }
 
     /// How receive segments are created.
@@ -153,6 +170,21 @@ impl MemoryDomain for PosixMd {
                 why: why.clone(),
             });
         }
+        if let Some(sh) = memh.inner::<PosixShared>() {
+            let r = memh.region();
+            return Ok(RkeyData {
+                pid: sys::my_pid(),
+                token: sys::process_token(),
+                base: r.addr as u64,
+                len: r.len as u64,
+                shm: None,
+            }
+            .pack_shared(ShmInfo {
+                fd: sys::raw_fd(&sh.file) as u32,
+                seg_base: sh.map.as_ptr() as u64,
+                seg_len: sh.map.len() as u64,
+            }));
+        }
         if memh.inner::<PosixMemh>().is_none() {
             return Err(Error::InvalidParam(format!(
                 "memory handle of domain {} given to domain posix",
@@ -165,13 +197,87 @@ impl MemoryDomain for PosixMd {
             token: sys::process_token(),
             base: r.addr as u64,
             len: r.len as u64,
+            shm: None,
         }
         .pack())
     }
 
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey> {
-        let k = RkeyData::unpack(packed)?;
+        let k = match RkeyData::unpack(packed) {
+            Ok(k) => k,
+            Err(plain) => RkeyData::unpack_shared(packed).map_err(|_| plain)?,
+        };
         Ok(RemoteKey::new(NAME, k.base, k.len, Arc::new(k)))
+    }
+
+    fn mem_alloc_shared(&self, len: usize) -> Result<Option<SharedAlloc>> {
+        if self.cma.is_err() || len == 0 {
+            return Ok(None);
+        }
+        let file = sys::create_shared_file(self.backing, len as u64)?;
+        // SAFETY: the file was just created by us with exactly `len` bytes and its size is sealed
+        // (memfd) or owned by us alone (shm, unlinked), so the mapping cannot be truncated under us.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }
+            .map_err(|e| Error::io(format!("posix: mapping a {len}-byte shared segment"), e))?;
+        let addr = map.as_ptr() as usize;
+        let memh = MemHandle::new(
+            MemRegion::host(addr, len),
+            NAME,
+            Arc::new(PosixShared { map, file }),
+        );
+        Ok(Some(SharedAlloc { addr, len, memh }))
+    }
+
+    fn rkey_ptr(&self, rkey: &RemoteKey) -> Result<Option<usize>> {
+        let Some(k) = rkey.inner::<RkeyData>() else {
+            return Ok(None);
+        };
+        let Some(shm) = k.shm else {
+            return Ok(None);
+        };
+        if k.pid == sys::my_pid() && k.token == sys::process_token() {
+            return Ok(Some(k.base as usize));
+        }
+        let mut maps = self.peer_maps.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (k.pid, k.token, shm.fd);
+        if let std::collections::hash_map::Entry::Vacant(e) = maps.entry(key) {
+            let file = sys::open_peer_fd(k.pid, shm.fd).map_err(|e| Error::EndpointFailure {
+                peer: format!("posix process {}", k.pid),
+                reason: format!(
+                    "cannot open its shared segment (descriptor {}): {e}",
+                    shm.fd
+                ),
+            })?;
+            let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+            if size < shm.seg_len {
+                return Err(Error::InvalidRkey {
+                    domain: NAME.into(),
+                    reason: format!(
+                        "segment of process {} has {size} bytes, the key says {}",
+                        k.pid, shm.seg_len
+                    ),
+                });
+            }
+            // SAFETY: the peer's segment is at least `seg_len` bytes (checked above) and its
+            // size is sealed (memfd) so it cannot shrink under the mapping; we only read and
+            // write it through addresses validated against the key.
+            let map = unsafe {
+                memmap2::MmapOptions::new()
+                    .len(shm.seg_len as usize)
+                    .map_mut(&file)
+            }
+            .map_err(|e| {
+                Error::io(
+                    format!("posix: mapping the segment of process {}", k.pid),
+                    e,
+                )
+            })?;
+            e.insert(map);
+        }
+        let map = &maps[&key];
+        Ok(Some(
+            map.as_ptr() as usize + (k.base - shm.seg_base) as usize,
+        ))
     }
 }
 
@@ -215,6 +321,35 @@ mod tests {
         for bad in [&packed[..packed.len() - 1], &[][..], &[0xffu8; 45][..]] {
             assert!(m.rkey_unpack(bad).is_err());
         }
+    }
+
+    #[test]
+    fn shared_allocation_maps_through_its_key() {
+        let m = md();
+        if !m.cma_enabled() {
+            return;
+        }
+        let a = m
+            .mem_alloc_shared(8192)
+            .unwrap()
+            .expect("posix shares memory");
+        let packed = m.mkey_pack(&a.memh).unwrap();
+        let k = m.rkey_unpack(&packed).unwrap();
+        assert_eq!((k.base(), k.len()), (a.addr as u64, 8192));
+        // Our own key maps to our own address.
+        assert_eq!(m.rkey_ptr(&k).unwrap(), Some(a.addr));
+        // A key of ordinary memory cannot be mapped.
+        let buf = vec![0u8; 64];
+        // SAFETY: `buf` outlives the handle.
+        let h = unsafe { m.mem_reg(MemRegion::of_slice(&buf)) }.unwrap();
+        let plain = m.rkey_unpack(&m.mkey_pack(&h).unwrap()).unwrap();
+        assert_eq!(m.rkey_ptr(&plain).unwrap(), None);
+        // Truncated or corrupted shared keys are refused.
+        assert!(m.rkey_unpack(&packed[..packed.len() - 2]).is_err());
+        let mut bad = packed.clone();
+        let n = bad.len();
+        bad[n / 2] ^= 1;
+        assert!(m.rkey_unpack(&bad).is_err());
     }
 
     #[test]

@@ -322,6 +322,14 @@ impl MemoryDomain for FaultInjectingMd {
     fn detect_mem_type(&self, addr: usize, len: usize) -> Result<Option<MemRegion>> {
         self.inner.detect_mem_type(addr, len)
     }
+
+    fn mem_alloc_shared(&self, len: usize) -> Result<Option<crate::md::SharedAlloc>> {
+        self.inner.mem_alloc_shared(len)
+    }
+
+    fn rkey_ptr(&self, rkey: &RemoteKey) -> Result<Option<usize>> {
+        self.inner.rkey_ptr(rkey)
+    }
 }
 
 #[cfg(test)]

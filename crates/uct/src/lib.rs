@@ -25,7 +25,7 @@ pub use attr::{
 };
 pub use component::{Availability, Component, Discovery, Registry};
 pub use iface::{AmId, Endpoint, EpParams, Event, Iface, IfaceParams, Iov, OpStatus};
-pub use md::{MemHandle, MemRegion, MemoryDomain, RemoteKey, TlResource};
+pub use md::{MemHandle, MemRegion, MemoryDomain, RemoteKey, SharedAlloc, TlResource};
 
 use rucx_ucs::{OptKind, OptionSpec};
 

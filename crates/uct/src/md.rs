@@ -192,6 +192,19 @@ impl fmt::Debug for RemoteKey {
     }
 }
 
+/// Host memory allocated by a domain so that peers on the same host can map it
+/// ([`MemoryDomain::mem_alloc_shared`] / [`MemoryDomain::rkey_ptr`]).
+#[derive(Debug, Clone)]
+pub struct SharedAlloc {
+    /// Start address in this process.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Registration of the whole allocation with the domain that made it; the memory stays
+    /// mapped while any clone of it lives. Remote keys packed from it let peers map it.
+    pub memh: MemHandle,
+}
+
 /// A transport resource of a domain: one transport on one device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TlResource {
@@ -231,6 +244,21 @@ pub trait MemoryDomain: Send + Sync + fmt::Debug {
 
     /// Unpack a peer's remote key, validating every field; garbage is an error, never a crash.
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey>;
+
+    /// Allocate `len` bytes of host memory that peers on this host can map through
+    /// [`rkey_ptr`](Self::rkey_ptr) (e.g. a shared-memory segment), registered with this
+    /// domain. `Ok(None)`: the domain cannot.
+    fn mem_alloc_shared(&self, _len: usize) -> Result<Option<SharedAlloc>> {
+        Ok(None)
+    }
+
+    /// Map the peer memory a remote key describes into this process: the local address of
+    /// `rkey.base()`. `Ok(None)`: this key cannot be mapped (only keys of
+    /// [`mem_alloc_shared`](Self::mem_alloc_shared) memory can). Mappings stay until the domain
+    /// is dropped.
+    fn rkey_ptr(&self, _rkey: &RemoteKey) -> Result<Option<usize>> {
+        Ok(None)
+    }
 
     /// Classify a pointer, when the domain has `DETECT` for some type. `Ok(None)` means "not
     /// mine".
