@@ -29,7 +29,9 @@ fn parse_mem(s: &str) -> Result<Mem, String> {
         "cuda" => Ok(Mem::Cuda),
         "cuda-pool" => Ok(Mem::CudaPool),
         "host" => Ok(Mem::Host),
-        o => Err(format!("unknown memory {o:?}; accepted: cuda, cuda-pool, host")),
+        o => Err(format!(
+            "unknown memory {o:?}; accepted: cuda, cuda-pool, host"
+        )),
     }
 }
 
@@ -60,7 +62,10 @@ impl Buf {
                 let st = Stream::new(ctx).map_err(|e| e.to_string())?;
                 let b = PoolBuffer::new(&st, n.max(1)).map_err(|e| e.to_string())?;
                 st.synchronize().map_err(|e| e.to_string())?;
-                Buf::Pool { buf: b, _stream: st }
+                Buf::Pool {
+                    buf: b,
+                    _stream: st,
+                }
             }
         })
     }
@@ -108,7 +113,9 @@ impl Buf {
 }
 
 fn pattern(rank: usize, n: usize) -> Vec<u8> {
-    (0..n).map(|i| (i.wrapping_mul(131) ^ (rank * 17) ^ (i >> 13)) as u8).collect()
+    (0..n)
+        .map(|i| (i.wrapping_mul(131) ^ (rank * 17) ^ (i >> 13)) as u8)
+        .collect()
 }
 
 struct Args {
@@ -125,7 +132,10 @@ fn args() -> Result<Args, String> {
     let mut a = Args {
         send: Mem::Cuda,
         recv: Mem::Cuda,
-        sizes: ["1", "4097", "1M", "64M+1", "256M"].iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?,
+        sizes: ["1", "4097", "1M", "64M+1", "256M"]
+            .iter()
+            .map(|s| parse_size(s))
+            .collect::<Result<_, _>>()?,
         bw: 64 << 20,
         iters: 10,
         bounds: false,
@@ -236,7 +246,10 @@ fn run() -> Result<(), String> {
                 show(&want)
             ));
         }
-        println!("rank {rank}: {n} bytes verified ({:.3} ms)", el.as_secs_f64() * 1e3);
+        println!(
+            "rank {rank}: {n} bytes verified ({:.3} ms)",
+            el.as_secs_f64() * 1e3
+        );
         job.barrier().map_err(|e| e.to_string())?;
     }
     // Bandwidth, the first transfer timed on its own (it may demote and re-plan).
@@ -248,7 +261,11 @@ fn run() -> Result<(), String> {
         job.barrier().map_err(|e| e.to_string())?;
         let t = Instant::now();
         let tag = 5000 + i as u64;
-        let (do_send, do_recv) = if a.oneway { (rank == 0, rank == 1) } else { (true, true) };
+        let (do_send, do_recv) = if a.oneway {
+            (rank == 0, rank == 1)
+        } else {
+            (true, true)
+        };
         w.scope(|s| {
             let r = do_recv.then(|| s.tag_recv(rb.recv_buf(a.bw), tag, TAG_MASK_FULL));
             if do_send {
@@ -271,17 +288,31 @@ fn run() -> Result<(), String> {
         "rank {rank}: {} MiB x {}: {bw:.2} GB/s per direction ({}); first transfer {:.3} ms, steady {:.3} ms",
         a.bw >> 20,
         a.iters,
-        if a.oneway { "rank 0 -> rank 1 only" } else { "both directions at once" },
+        if a.oneway {
+            "rank 0 -> rank 1 only"
+        } else {
+            "both directions at once"
+        },
         times[0] * 1e3,
         steady / a.iters as f64 * 1e3
     );
     if a.bounds && rank == 0 {
         job.barrier().map_err(|e| e.to_string())?;
-        let peer = if ndev > 1 { Some(drv.context(1).map_err(|e| e.to_string())?) } else { None };
+        let peer = if ndev > 1 {
+            Some(drv.context(1).map_err(|e| e.to_string())?)
+        } else {
+            None
+        };
         let (h2d, p2p) = bounds(ctx, peer, a.bw, a.iters)?;
-        println!("rank 0: bound pinned host->device copy {h2d:.2} GB/s; ratio {:.3}", bw / h2d);
+        println!(
+            "rank 0: bound pinned host->device copy {h2d:.2} GB/s; ratio {:.3}",
+            bw / h2d
+        );
         if let Some(p) = p2p {
-            println!("rank 0: bound peer copy GPU0->GPU1 {p:.2} GB/s; ratio {:.3}", bw / p);
+            println!(
+                "rank 0: bound peer copy GPU0->GPU1 {p:.2} GB/s; ratio {:.3}",
+                bw / p
+            );
         }
     } else if a.bounds {
         job.barrier().map_err(|e| e.to_string())?;
@@ -289,7 +320,10 @@ fn run() -> Result<(), String> {
     let c = w.counters();
     println!(
         "rank {rank}: protocols: {}",
-        c.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ")
+        c.iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     for d in job.context().demotions() {
         println!("rank {rank}: demotion: {d} ({})", d.knob);
