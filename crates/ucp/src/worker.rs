@@ -108,6 +108,8 @@ enum TokWhat {
     },
     /// Host staging -> device copy of a received chunk.
     H2D { rfrag: usize, len: usize },
+    /// Copy of a peer's mapped staging fragment straight to the device.
+    DirectH2D { len: usize, sfrag: Option<u64> },
 }
 
 /// Pinned host staging fragments for GPU pipelines: one half for sends, one for receives, so
@@ -120,6 +122,8 @@ struct Staging {
     free_send: Vec<usize>,
     free_recv: Vec<usize>,
     base: usize,
+    /// Shared-memory staging (peers on this host map it), and the domain that made it.
+    shared: Option<(usize, rucx_uct::SharedAlloc)>,
     _mem: Vec<u8>,
 }
 
@@ -204,6 +208,9 @@ struct Chunk {
     rkey: RemoteKey,
     /// Staging fragment of the sender to acknowledge once read.
     sfrag: Option<u64>,
+    /// The remote fragment mapped into this process (shared memory), with its registration
+    /// on the copy lane: copied straight to the GPU, without a read into local staging.
+    local: Option<(usize, MemHandle)>,
 }
 
 struct RndvRecv {
@@ -393,6 +400,8 @@ pub(crate) struct State {
     stage_count: usize,
     /// Completions that happened at once, handled after the current step.
     done_q: VecDeque<(Tok, Result<()>)>,
+    /// Peers' shared staging mapped here, registered with the copy lane, by local base.
+    mapped: FxHashMap<usize, MemHandle>,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -533,6 +542,7 @@ impl Worker {
                 staging: None,
                 stage_count: (cfg.uint("RNDV_FRAG_COUNT") as usize).clamp(1, 1024),
                 done_q: VecDeque::new(),
+                mapped: FxHashMap::default(),
             }),
             handlers: RefCell::new(HashMap::new()),
         })
@@ -2830,8 +2840,27 @@ impl State {
         })?;
         let count = self.stage_count;
         let total = self.frag * count * 2;
-        let mem = vec![0u8; total];
-        let base = mem.as_ptr() as usize;
+        // Shared memory when a domain offers it: a receiver on this host then copies straight
+        // from our fragments to its GPU (two DMA copies in all, no CPU copy).
+        let mut shared = None;
+        for d in 0..self.ctx.domain_count() {
+            match self.ctx.domain(d).mem_alloc_shared(total) {
+                Ok(Some(a)) => {
+                    shared = Some((d, a));
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!("shared staging from {}: {e}", self.ctx.domain(d).name()),
+            }
+        }
+        let mem = if shared.is_some() {
+            Vec::new()
+        } else {
+            vec![0u8; total]
+        };
+        let base = shared
+            .as_ref()
+            .map_or(mem.as_ptr() as usize, |(_, a)| a.addr);
         // SAFETY: `mem` is stored in the same `Staging` after this handle (fields drop in
         // order), so the memory outlives the registration; it is never resized.
         let copy_memh = unsafe { self.ctx.domain(mi).mem_reg(MemRegion::host(base, total)) }?;
@@ -2842,6 +2871,7 @@ impl State {
             free_send: (0..count).rev().collect(),
             free_recv: (count..2 * count).rev().collect(),
             base,
+            shared,
             _mem: mem,
         });
         Ok(())
@@ -2855,6 +2885,22 @@ impl State {
             return Ok((g.registration().clone(), k.clone()));
         }
         let total = stg.frag * self.stage_count * 2;
+        if let Some((d, a)) = &stg.shared
+            && *d == mi
+        {
+            let md = self.ctx.domain(mi);
+            let key = NamedKey {
+                md: md.name().to_string(),
+                key: md.mkey_pack(&a.memh)?,
+            };
+            let memh = a.memh.clone();
+            self.staging
+                .as_mut()
+                .expect("staging")
+                .rma
+                .insert(mi, (RegGuard::Direct(memh.clone()), key.clone()));
+            return Ok((memh, key));
+        }
         let g = self.ctx.register(mi, MemRegion::host(stg.base, total))?;
         let md = self.ctx.domain(mi);
         let key = NamedKey {
@@ -3002,6 +3048,20 @@ impl State {
                     }
                     None => self.chunk_landed(id, len),
                 }
+                self.pump(p);
+                Ok(())
+            }
+            TokWhat::DirectH2D { len, sfrag } => {
+                let (p, sreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
+                    Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
+                    _ => return Ok(()),
+                };
+                if let Some(sf) = sfrag {
+                    let mut b = Vec::new();
+                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
+                    self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                }
+                self.chunk_landed(id, len);
                 self.pump(p);
                 Ok(())
             }
@@ -3218,6 +3278,7 @@ impl State {
                             off,
                             rkey: rkey.clone(),
                             sfrag: None,
+                            local: None,
                         });
                         off += n;
                     }
@@ -3403,12 +3464,26 @@ impl State {
             self.pump(p);
             return;
         }
+        let gpu = rs.mem.is_gpu();
+        let local = if gpu {
+            self.map_fragment(mi, &rkey, addr)
+        } else {
+            None
+        };
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rreq)
+        else {
+            return;
+        };
         rs.chunks.push_back(Chunk {
             raddr: addr,
             len: n,
             off,
             rkey,
             sfrag: Some(frag),
+            local,
         });
         if !self.peers[p]
             .queue
@@ -3481,6 +3556,37 @@ impl State {
             );
             let gpu = rs.mem.is_gpu();
             let uaddr = rs.addr;
+            if gpu && let Some((laddr, lmemh)) = c.local.clone() {
+                // The sender's fragment is mapped here: one DMA copy to the GPU.
+                let key = match &rs.dev_memh {
+                    Some((_, k)) => k.clone(),
+                    None => return Err(Error::Internal("GPU receive without its copy key".into())),
+                };
+                let iov = [Iov {
+                    addr: laddr,
+                    len,
+                    memh: &lmemh,
+                }];
+                let token = self.next_token;
+                let ep = &mut self.copy.as_mut().expect("copy lane").1;
+                match ep.put_zcopy(&iov, (uaddr + off) as u64, &key, token) {
+                    Ok(st) => {
+                        self.next_token += 1;
+                        if let Some(Req {
+                            kind: ReqKind::Recv(rs),
+                            ..
+                        }) = self.reqs.get_mut(&rid)
+                        {
+                            rs.chunks.pop_front();
+                        }
+                        self.count("staged fragment copied to the GPU from shared memory");
+                        self.post_tok(rid, token, st, TokWhat::DirectH2D { len, sfrag });
+                        continue;
+                    }
+                    Err(e) if e.is_retryable() => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+            }
             let (iov_addr, memh, rfrag) = if gpu {
                 let md = self.slots[lane].md;
                 let (memh, _) = self.staging_reg(md)?;
@@ -3737,5 +3843,50 @@ impl Worker {
             });
         }
         Ok(out)
+    }
+}
+
+impl State {
+    /// Map a peer's staging fragment into this process when its domain allows (shared memory on
+    /// this host), registered with the copy lane once per mapping. `None`: read it instead.
+    fn map_fragment(
+        &mut self,
+        mi: usize,
+        rkey: &RemoteKey,
+        addr: u64,
+    ) -> Option<(usize, MemHandle)> {
+        let base = match self.ctx.domain(mi).rkey_ptr(rkey) {
+            Ok(Some(b)) => b,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!("cannot map the peer's staging ({e}); reading it instead");
+                return None;
+            }
+        };
+        let memh = match self.mapped.get(&base) {
+            Some(h) => h.clone(),
+            None => {
+                let cmd = self.copy_md()?;
+                // SAFETY: the domain keeps the peer's segment mapped until it is dropped, which
+                // is after this worker (the context outlives its workers), and the mapping
+                // covers the key's whole region.
+                let h = unsafe {
+                    self.ctx
+                        .domain(cmd)
+                        .mem_reg(MemRegion::host(base, rkey.len() as usize))
+                };
+                match h {
+                    Ok(h) => {
+                        self.mapped.insert(base, h.clone());
+                        h
+                    }
+                    Err(e) => {
+                        tracing::debug!("cannot register the mapped staging for copies ({e})");
+                        return None;
+                    }
+                }
+            }
+        };
+        Some((base + (addr - rkey.base()) as usize, memh))
     }
 }
