@@ -44,6 +44,11 @@ use crate::{TL_NAME, TcpOptions, sock};
 const READS_PER_PROGRESS: usize = 4;
 /// Connections accepted per progress call.
 const ACCEPTS_PER_PROGRESS: usize = 16;
+/// Accepted connections whose peer has not said hello yet, at most. There is no hello timeout
+/// (a peer process may be busy for a long time before it progresses and sends its hello, and
+/// keepalive finds dead peers), so this bounds what idle strangers can hold; beyond it the
+/// oldest such connection is closed.
+const MAX_UNIDENTIFIED: usize = 256;
 
 fn lock(c: &Mutex<Conn>) -> MutexGuard<'_, Conn> {
     c.lock().unwrap_or_else(PoisonError::into_inner)
@@ -478,7 +483,6 @@ struct Slot {
     hello: bool,
     /// We opened it (else accepted it).
     dialed: bool,
-    hello_deadline: Instant,
     /// Remove at the end of this progress.
     gone: bool,
 }
@@ -504,9 +508,6 @@ impl Slot {
                 } else if now > c.deadline {
                     c.fail("connect timed out (RUCX_TCP_CONNECT_TIMEOUT)");
                 }
-            }
-            if c.state == State::Open && !self.hello && now > self.hello_deadline {
-                c.fail("no hello from the peer in time (RUCX_TCP_CONNECT_TIMEOUT)");
             }
             if c.closing && now > c.deadline {
                 c.fail("closing timed out");
@@ -897,7 +898,6 @@ impl Iface for TcpIface {
             rx: RxBuf::new(),
             hello: false,
             dialed: true,
-            hello_deadline: now + self.opts.connect_timeout,
             gone: false,
         });
         Ok(self.endpoint(conn))
@@ -960,6 +960,17 @@ impl Iface for TcpIface {
             for _ in 0..ACCEPTS_PER_PROGRESS {
                 match sock::accept_nb(&self.listener, &self.opts) {
                     Ok(Some((fd, remote))) => {
+                        let mut unidentified = self.slots.iter().filter(|s| !s.dialed && !s.hello);
+                        if unidentified.clone().count() >= MAX_UNIDENTIFIED
+                            && let Some(oldest) = unidentified.next()
+                        {
+                            tracing::warn!(
+                                "tcp interface on {}: {MAX_UNIDENTIFIED} connections without hello; \
+                                 closing the oldest",
+                                self.dev.name
+                            );
+                            lock(&oldest.conn).fail("no hello");
+                        }
                         tracing::debug!(
                             "tcp interface on {}: accepted a connection from {remote}",
                             self.dev.name
@@ -972,7 +983,6 @@ impl Iface for TcpIface {
                             rx: RxBuf::new(),
                             hello: false,
                             dialed: false,
-                            hello_deadline: now + self.opts.connect_timeout,
                             gone: false,
                         });
                     }
@@ -1367,6 +1377,42 @@ mod tests {
         settle(&mut a, &mut b, |a, b| {
             a.connections() == 0 && b.connections() == 0
         });
+    }
+
+    #[test]
+    fn silent_strangers_are_bounded() {
+        use std::io::Read;
+        let mut a = open();
+        let addr = a.listen_addr();
+        let extra = 20;
+        let mut raw = Vec::new();
+        for _ in 0..MAX_UNIDENTIFIED + extra {
+            raw.push(std::net::TcpStream::connect(addr).unwrap());
+            a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        }
+        let start = Instant::now();
+        while a.connections() < MAX_UNIDENTIFIED || start.elapsed() < Duration::from_millis(200) {
+            a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        assert_eq!(a.connections(), MAX_UNIDENTIFIED);
+        // The oldest ones were closed (after our hello), the newest are still open.
+        let mut closed = 0;
+        for s in raw.iter_mut() {
+            s.set_nonblocking(true).unwrap();
+            let mut buf = [0u8; 256];
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => {
+                        closed += 1;
+                        break;
+                    }
+                    Ok(_) => continue,
+                    Err(_) => break,
+                }
+            }
+        }
+        assert_eq!(closed, extra);
     }
 
     #[test]

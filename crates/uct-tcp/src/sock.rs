@@ -6,8 +6,8 @@ use std::os::fd::{AsFd, OwnedFd};
 
 use nix::errno::Errno;
 use nix::sys::socket::{
-    AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, getsockopt, setsockopt,
-    socket, sockopt,
+    AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, connect, getsockopt,
+    setsockopt, socket, sockopt,
 };
 use rucx_ucs::{Error, Result};
 
@@ -23,11 +23,8 @@ pub(crate) fn listen(ip: IpAddr, range: (u16, u16), what: &str) -> Result<(TcpLi
     };
     let mut last = None;
     for port in ports {
-        match TcpListener::bind(SocketAddr::new(ip, port)) {
+        match listen_one(SocketAddr::new(ip, port)) {
             Ok(l) => {
-                l.set_nonblocking(true).map_err(|e| {
-                    Error::io(format!("{what}: making the listener non-blocking"), e)
-                })?;
                 let port = l
                     .local_addr()
                     .map_err(|e| Error::io(format!("{what}: reading the listening address"), e))?
@@ -50,6 +47,26 @@ pub(crate) fn listen(ip: IpAddr, range: (u16, u16), what: &str) -> Result<(TcpLi
         ),
         last.unwrap_or_else(|| io::ErrorKind::AddrInUse.into()),
     ))
+}
+
+/// A non-blocking listener with the largest backlog the system allows (std's is 128, which
+/// drops connections when many peers wire up at once).
+fn listen_one(addr: SocketAddr) -> io::Result<TcpListener> {
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
+    };
+    let fd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    use std::os::fd::AsRawFd;
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
+    nix::sys::socket::listen(&fd, Backlog::MAXALLOWABLE)?;
+    Ok(TcpListener::from(fd))
 }
 
 /// Start a non-blocking connect to `peer`, from `local` when given. Returns the socket; the
