@@ -244,6 +244,7 @@ pub fn sweep_panels(series: &[SweepSeries]) -> Vec<Panel> {
                 name: s.0.clone(),
                 color: plot::PALETTE[i % plot::PALETTE.len()].into(),
                 points: pick(s),
+                dashed: false,
             })
             .collect(),
     };

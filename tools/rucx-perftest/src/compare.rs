@@ -463,6 +463,17 @@ fn ucx_version() -> String {
         .unwrap_or_else(|| "version unknown".into())
 }
 
+/// The rucx source this was built from, when run inside its git checkout.
+fn source_version() -> String {
+    Command::new("git")
+        .args(["describe", "--always", "--dirty"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown commit".into())
+}
+
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -504,6 +515,45 @@ impl Row {
         (m(&self.rucx), m(&self.ucx))
     }
 
+    /// Median of the per-repetition ratios rucx/ucx: the two runs of one repetition ran
+    /// back to back, so they share the machine's load; this is what the verdict uses.
+    pub fn paired_ratio(&self) -> f64 {
+        let lat = self.case.is_lat();
+        let r: Vec<f64> = self
+            .rucx
+            .iter()
+            .zip(&self.ucx)
+            .map(|(a, b)| a.key(lat) / b.key(lat))
+            .collect();
+        median(&r).unwrap_or(f64::NAN)
+    }
+
+    /// Best run against best run (lowest latency, highest bandwidth): each tool's figure on
+    /// its least disturbed run.
+    pub fn best_ratio(&self) -> f64 {
+        let lat = self.case.is_lat();
+        let best = |v: &[Sample]| {
+            let it = v.iter().map(|s| s.key(lat)).filter(|x| x.is_finite());
+            if lat {
+                it.fold(f64::INFINITY, f64::min)
+            } else {
+                it.fold(0.0, f64::max)
+            }
+        };
+        best(&self.rucx) / best(&self.ucx)
+    }
+
+    /// True when either tool's runs spread by more than 1.5x (a busy machine).
+    pub fn noisy(&self) -> bool {
+        let lat = self.case.is_lat();
+        [&self.rucx, &self.ucx].iter().any(|v| {
+            let xs: Vec<f64> = v.iter().map(|s| s.key(lat)).filter(|x| *x > 0.0).collect();
+            let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = xs.iter().copied().fold(0.0, f64::max);
+            xs.len() > 1 && hi / lo > 1.5
+        })
+    }
+
     /// Median of the overall latency (latency cases): (rucx, ucx).
     pub fn overall_lat(&self) -> (f64, f64) {
         let m = |v: &[Sample]| {
@@ -518,42 +568,50 @@ pub fn render(rows: &[Row]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<5} {:<8} {:>5}  {:<20} {:>10} {:>10} {:>9}  {:<9} verdict",
-        "tl", "test", "size", "figure (median)", "rucx", "ucx", "rucx/ucx", "goal"
+        "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7}  {:<8} verdict",
+        "tl", "test", "size", "figure", "rucx", "ucx", "ratio", "paired", "best", "goal"
     );
     for r in rows {
         let (a, b) = r.medians();
-        let ratio = a / b;
+        let paired = r.paired_ratio();
         let lat = r.case.is_lat();
-        let (goal, verdict) = match goal_for(&r.case) {
+        let (goal, mut verdict) = match goal_for(&r.case) {
             Some(g) => {
-                let (t, ok) = judge(&g, lat, ratio);
+                let (t, ok) = judge(&g, lat, paired);
                 (t, if ok { "met" } else { "MISSED" }.to_string())
             }
             None => (String::new(), String::new()),
         };
+        if r.noisy() {
+            verdict.push_str(if verdict.is_empty() {
+                "(noisy)"
+            } else {
+                " (noisy)"
+            });
+        }
+        let num = |x: f64| {
+            if lat {
+                format!("{x:.3}")
+            } else {
+                format!("{x:.0}")
+            }
+        };
         let _ = writeln!(
             s,
-            "{:<5} {:<8} {:>5}  {:<20} {:>10} {:>10} {:>8.2}x  {:<9} {}",
+            "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>6.2}x {:>6.2}x {:>6.2}x  {:<8} {}",
             r.case.transport,
             r.case.test,
             plot::size_label(r.case.size as f64),
             if lat {
-                "latency 50% (us)"
+                "latency 50%ile (us)"
             } else {
                 "bandwidth (MB/s)"
             },
-            if lat {
-                format!("{a:.3}")
-            } else {
-                format!("{a:.1}")
-            },
-            if lat {
-                format!("{b:.3}")
-            } else {
-                format!("{b:.1}")
-            },
-            ratio,
+            num(a),
+            num(b),
+            a / b,
+            paired,
+            r.best_ratio(),
             goal,
             verdict
         );
@@ -561,7 +619,7 @@ pub fn render(rows: &[Row]) -> String {
             let (oa, ob) = r.overall_lat();
             let _ = writeln!(
                 s,
-                "{:<5} {:<8} {:>5}  {:<20} {:>10.3} {:>10.3} {:>8.2}x",
+                "{:<4} {:<7} {:>4}  {:<20} {:>9.3} {:>9.3} {:>6.2}x",
                 "",
                 "",
                 "",
@@ -572,6 +630,11 @@ pub fn render(rows: &[Row]) -> String {
             );
         }
     }
+    s.push_str(
+        "rucx, ucx: medians of the runs; ratio: rucx/ucx of the medians; paired: median of the \
+         per-repetition ratios (the verdict); best: best run against best run; (noisy): a \
+         tool's runs spread by more than 1.5x.\n",
+    );
     s
 }
 
@@ -614,7 +677,7 @@ fn json(rows: &[Row], header: &[(&str, String)]) -> String {
     for (i, r) in rows.iter().enumerate() {
         let (a, b) = r.medians();
         let lat = r.case.is_lat();
-        let goal = goal_for(&r.case).map(|g| judge(&g, lat, a / b));
+        let goal = goal_for(&r.case).map(|g| judge(&g, lat, r.paired_ratio()));
         let runs = |v: &[Sample]| {
             v.iter()
                 .map(|x| json_num(x.key(lat)))
@@ -623,7 +686,7 @@ fn json(rows: &[Row], header: &[(&str, String)]) -> String {
         };
         let _ = write!(
             s,
-            "{}{{\"transport\":{},\"test\":{},\"size\":{},\"figure\":{},\"rucx\":{},\"ucx\":{},\"ratio\":{},\"goal\":{},\"met\":{},\"rucx_runs\":[{}],\"ucx_runs\":[{}]}}",
+            "{}{{\"transport\":{},\"test\":{},\"size\":{},\"figure\":{},\"rucx\":{},\"ucx\":{},\"ratio\":{},\"paired_ratio\":{},\"best_ratio\":{},\"noisy\":{},\"goal\":{},\"met\":{},\"rucx_runs\":[{}],\"ucx_runs\":[{}]}}",
             if i > 0 { "," } else { "" },
             json_str(r.case.transport),
             json_str(r.case.test),
@@ -636,6 +699,9 @@ fn json(rows: &[Row], header: &[(&str, String)]) -> String {
             json_num(a),
             json_num(b),
             json_num(a / b),
+            json_num(r.paired_ratio()),
+            json_num(r.best_ratio()),
+            r.noisy(),
             goal.as_ref().map_or("null".into(), |g| json_str(&g.0)),
             goal.as_ref().map_or("null".into(), |g| g.1.to_string()),
             runs(&r.rucx),
@@ -659,7 +725,7 @@ fn panels(rows: &[Row]) -> Vec<Panel> {
         let mut series = Vec::new();
         let mut tls: Vec<&str> = rows.iter().map(|r| r.case.transport).collect();
         tls.dedup();
-        for t in tls {
+        for (ti, t) in tls.into_iter().enumerate() {
             for (k, tool) in ["rucx", "ucx"].iter().enumerate() {
                 let pts: Vec<(f64, f64)> = rows
                     .iter()
@@ -669,11 +735,11 @@ fn panels(rows: &[Row]) -> Vec<Panel> {
                         (r.case.size as f64, if k == 0 { a } else { b })
                     })
                     .collect();
-                let i = series.len();
                 series.push(Series {
                     name: format!("{tool} {t}"),
-                    color: plot::PALETTE[i % plot::PALETTE.len()].into(),
+                    color: plot::PALETTE[ti % plot::PALETTE.len()].into(),
                     points: pts,
+                    dashed: k == 1,
                 });
             }
         }
@@ -930,6 +996,9 @@ mod tests {
         ];
         let t = render(&rows);
         assert!(t.contains("0.86x") && t.contains("met"), "{t}");
+        assert!((rows[0].paired_ratio() - 0.857).abs() < 0.01);
+        assert!((rows[0].best_ratio() - 0.5 / 0.6).abs() < 1e-9);
+        assert!(!rows[0].noisy() && !rows[1].noisy());
         assert!(t.contains("2.00x") && t.contains(">= 1.2x"), "{t}");
         let v: serde_json::Value =
             serde_json::from_str(&json(&rows, &[("k", "v".into())])).unwrap();

@@ -11,6 +11,8 @@ pub struct Series {
     pub color: String,
     /// Points: message size in bytes, value.
     pub points: Vec<(f64, f64)>,
+    /// Draw the line dashed (e.g. the reference tool).
+    pub dashed: bool,
 }
 
 /// One panel: a title, an axis label and its lines.
@@ -209,16 +211,21 @@ fn panel_svg(out: &mut String, p: &Panel, ox: f64) {
                 esc(&s.color)
             );
         }
+        let dash = if s.dashed {
+            r#" stroke-dasharray="6,4""#
+        } else {
+            ""
+        };
         let _ = writeln!(
             out,
-            r#"<path d="{path}" fill="none" stroke="{}" stroke-width="2"/>"#,
+            r#"<path d="{path}" fill="none" stroke="{}" stroke-width="2"{dash}/>"#,
             esc(&s.color)
         );
         let ly = y0 + 14.0 + 16.0 * i as f64;
         let lxp = x0 + 10.0;
         let _ = writeln!(
             out,
-            r#"<line x1="{lxp:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{}" stroke-width="3"/><text x="{:.1}" y="{:.1}" font-size="12">{}</text>"#,
+            r#"<line x1="{lxp:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{}" stroke-width="3"{dash}/><text x="{:.1}" y="{:.1}" font-size="12">{}</text>"#,
             lxp + 18.0,
             esc(&s.color),
             lxp + 24.0,
@@ -265,6 +272,7 @@ mod tests {
                 name: "rucx & co".into(),
                 color: PALETTE[0].into(),
                 points: pts,
+                dashed: true,
             }],
         }
     }
@@ -277,6 +285,7 @@ mod tests {
         assert!(s.contains("latency &lt;us&gt;") && s.contains("rucx &amp; co"));
         assert!(s.contains(">4M<") && s.contains(">1K<"));
         assert_eq!(s.matches("<path").count(), 2);
+        assert!(s.contains("stroke-dasharray"));
         assert_eq!(s.matches("<circle").count(), 46);
         // Every tag opened is closed or self-closed.
         assert_eq!(s.matches("<svg").count(), s.matches("</svg>").count());
