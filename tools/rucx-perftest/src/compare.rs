@@ -801,7 +801,11 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
         ("ucx", format!("{} ({})", ucx_version(), ucx.display())),
         (
             "rucx",
-            format!("rucx-perftest {}", env!("CARGO_PKG_VERSION")),
+            format!(
+                "rucx-perftest {} ({})",
+                env!("CARGO_PKG_VERSION"),
+                source_version()
+            ),
         ),
         ("load_before", load()),
         ("repetitions", reps.to_string()),
