@@ -2,7 +2,7 @@
 //! remote accesses are checked against.
 //!
 //! A remote key carries `md_id` (random per domain instance), `reg_id` (per registration),
-//! `base` and `len`, inside the common [`rkey`](rucx_uct::rkey) envelope. A peer's put or get
+//! `base` and `len`, inside the common [`rucx_uct::rkey`] envelope. A peer's put or get
 //! names `md_id`, `reg_id` and a range; the receiving interface serves it only when that
 //! registration is still live in this domain and covers the whole range, and it touches the
 //! memory while holding the table's read lock, so a registration cannot be dropped (and its
