@@ -24,6 +24,7 @@ pub const MIN_DRIVER_VERSION: i32 = 11030;
 /// Checked before the first call, because the bindings abort the process on a missing symbol.
 pub const REQUIRED_SYMBOLS: &[&str] = &[
     "cuInit",
+    "cuCtxSynchronize",
     "cuDriverGetVersion",
     "cuGetErrorName",
     "cuGetErrorString",
@@ -204,6 +205,15 @@ impl PrimaryContext {
         // SAFETY: `raw` is a retained primary context that is never released.
         let r = unsafe { sys::cuCtxSetCurrent(self.raw) };
         check(r, "cuCtxSetCurrent", Some(self.ordinal))
+    }
+
+    /// Wait for every copy and kernel queued in this context, on any stream, to finish (e.g.
+    /// writes to a buffer made on another stream before handing it to rucx).
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the context is current; cuCtxSynchronize takes no arguments.
+        let r = unsafe { sys::cuCtxSynchronize() };
+        check(r, "cuCtxSynchronize", Some(self.ordinal))
     }
 
     /// Let kernels and copies in this context access memory of `peer`'s device directly.

@@ -226,6 +226,9 @@ fn run() -> Result<(), String> {
         let mut rb = Buf::new(a.recv, ctx, n)?;
         sb.fill(&pattern(rank, n))?;
         rb.fill(&vec![0xa5; n])?;
+        // Like any CUDA-aware MPI, rucx sends what is in the buffer now: writes queued on other
+        // streams (a pageable cuMemcpy may still be in flight) must be finished first.
+        ctx.synchronize().map_err(|e| e.to_string())?;
         let tag = 100 + k as u64;
         let t = Instant::now();
         w.scope(|s| {
@@ -256,6 +259,7 @@ fn run() -> Result<(), String> {
     let mut sb = Buf::new(a.send, ctx, a.bw)?;
     let mut rb = Buf::new(a.recv, ctx, a.bw)?;
     sb.fill(&pattern(rank, a.bw))?;
+    ctx.synchronize().map_err(|e| e.to_string())?;
     let mut times = Vec::new();
     for i in 0..=a.iters {
         job.barrier().map_err(|e| e.to_string())?;
