@@ -534,7 +534,7 @@ mod random_traffic {
 /// Runs `rucx_uct::conformance` (written for connect-to-interface transports) over `rc_verbs`:
 /// the interface address is an in-process id, and the second of two endpoints created between
 /// the same pair of interfaces wires both.
-mod conformance_adapter {
+pub(super) mod conformance_adapter {
     use super::*;
 
     type Shared = Arc<Mutex<Box<dyn Endpoint>>>;
@@ -555,7 +555,7 @@ mod conformance_adapter {
     }
 
     #[derive(Default)]
-    struct BoardDbg(Board);
+    pub(super) struct BoardDbg(Board);
 
     impl std::fmt::Debug for BoardDbg {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -679,6 +679,24 @@ mod conformance_adapter {
         }
     }
 
+    /// A conformance side on `md`'s first port; `id` must be unique per board.
+    pub(super) fn side_on(
+        md: Arc<IbMd>,
+        id: u64,
+        board: &Arc<Mutex<BoardDbg>>,
+        cfg: &Config,
+    ) -> Side {
+        let inner = open_iface(&md, cfg);
+        Side {
+            md,
+            iface: Box::new(WiredIface {
+                inner,
+                id,
+                board: board.clone(),
+            }),
+        }
+    }
+
     fn side(
         fab: &FakeFabric,
         dev: &str,
@@ -719,6 +737,60 @@ mod conformance_adapter {
         let board = Arc::new(Mutex::new(BoardDbg::default()));
         let a = side(&fab, "mlx5_0", 1, &board, &cfg);
         let report = conformance::run_loopback(a).unwrap();
+        report.print();
+        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+    }
+}
+
+/// On a host with an RDMA NIC (neither machine of this project has one): the conformance suite
+/// over the real device, two QPs talking through the NIC. Run with
+/// `cargo test -p rucx-uct-ib -- --ignored --nocapture hardware`; `RUCX_IB_DEVICES=mlx5_0:1`
+/// picks the port, other `RUCX_IB_*`/`RUCX_RC_*` variables apply too.
+mod hardware {
+    use super::conformance_adapter::{BoardDbg, side_on};
+    use super::*;
+
+    fn real_mds(cfg: &Config) -> Vec<Arc<IbMd>> {
+        let c = IbComponent::new();
+        match c.query(cfg) {
+            Availability::Available(names) => names
+                .iter()
+                .map(|n| Arc::new(c.open(n, cfg).unwrap()))
+                .collect(),
+            Availability::Unavailable(r) => {
+                panic!("this test needs an RDMA NIC with an ACTIVE port; ib is unavailable: {r}")
+            }
+        }
+    }
+
+    fn hw_config() -> Config {
+        Config::from_env(&[crate::CONFIG]).unwrap()
+    }
+
+    #[test]
+    #[ignore = "needs an RDMA NIC"]
+    fn conformance_in_process_on_hardware() {
+        let cfg = hw_config();
+        let mds = real_mds(&cfg);
+        for line in IbComponent::new().describe(&cfg).unwrap() {
+            println!("{line}");
+        }
+        let board = Arc::new(Mutex::new(BoardDbg::default()));
+        // Two devices when there are two (traffic crosses the fabric), else two QPs of one port.
+        let a = side_on(mds[0].clone(), 1, &board, &cfg);
+        let b = side_on(mds.get(1).unwrap_or(&mds[0]).clone(), 2, &board, &cfg);
+        let report = conformance::run_in_process(a, b).unwrap();
+        report.print();
+        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+    }
+
+    #[test]
+    #[ignore = "needs an RDMA NIC"]
+    fn conformance_loopback_on_hardware() {
+        let cfg = hw_config();
+        let mds = real_mds(&cfg);
+        let board = Arc::new(Mutex::new(BoardDbg::default()));
+        let report = conformance::run_loopback(side_on(mds[0].clone(), 1, &board, &cfg)).unwrap();
         report.print();
         assert!(report.skipped.is_empty(), "{:?}", report.skipped);
     }
