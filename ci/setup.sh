@@ -7,6 +7,9 @@ need=()
 command -v cargo >/dev/null || { echo "rucx needs a Rust toolchain (cargo, rustc >= 1.90): see https://rustup.rs" >&2; exit 1; }
 command -v ip >/dev/null || need+=(iproute2)
 command -v cc >/dev/null || need+=(gcc)
+# The ib component's verbs binding (sideway / rdma-mummy-sys) runs bindgen and a cmake build.
+command -v cmake >/dev/null || need+=(cmake)
+if ! ldconfig -p 2>/dev/null | grep -q 'libclang[-.0-9]*\.so'; then need+=(libclang-dev); fi
 for pkg in ${RUCX_EXTRA_PACKAGES:-}; do need+=("$pkg"); done
 
 if [ ${#need[@]} -gt 0 ]; then

@@ -40,6 +40,10 @@ fn info(args: &[String]) -> Result<(), String> {
 /// Build the exchange example and run it as two local processes (ranks 0 and 1) that meet on a
 /// free loopback port.
 fn demo(args: &[String]) -> Result<(), String> {
+    // The build needs a few system packages (cmake and libclang for the verbs binding).
+    let mut setup = Command::new("bash");
+    setup.arg(root().join("ci/setup.sh"));
+    run(setup)?;
     let mut c = cargo();
     c.args([
         "build",

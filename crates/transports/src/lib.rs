@@ -8,6 +8,50 @@ use std::sync::Arc;
 use rucx_ucs::OptionSpec;
 use rucx_uct::Registry;
 
+/// What the CUDA side tells the ib component about each GPU (BAR1, GPUDirect and dma-buf
+/// attributes), so that GPU-direct registrations are decided per GPU before the first transfer.
+#[derive(Debug)]
+struct CudaFacts;
+
+impl rucx_uct_ib::gpudirect::GpuSupport for CudaFacts {
+    fn gpus(&self) -> Vec<rucx_uct_ib::gpudirect::GpuFacts> {
+        if rucx_cuda::driver().is_err() {
+            return Vec::new();
+        }
+        rucx_cuda::report()
+            .gpus
+            .into_iter()
+            .map(|g| rucx_uct_ib::gpudirect::GpuFacts {
+                ordinal: g.ordinal,
+                name: g.name,
+                pci_bus_id: Some(g.pci_bus_id),
+                memory_bytes: Some(g.total_mem),
+                bar1_total: g.bar1.as_ref().ok().map(|b| b.total),
+                bar1_free: g.bar1.as_ref().ok().map(|b| b.free),
+                gdr_supported: Some(g.gpu_direct_rdma),
+                dmabuf_supported: Some(g.dma_buf),
+            })
+            .collect()
+    }
+
+    fn can_export_dmabuf(&self) -> bool {
+        // Exporting (cuMemGetHandleForAddressRange) is not wired yet: the domain uses the
+        // peer-memory route where it exists, and says so otherwise.
+        false
+    }
+
+    fn export_dmabuf(
+        &self,
+        region: &rucx_uct::MemRegion,
+    ) -> rucx_ucs::Result<rucx_uct_ib::gpudirect::DmaBuf> {
+        Err(rucx_ucs::Error::Unsupported {
+            what: format!("dma-buf export of {} bytes of GPU memory", region.len),
+            why: "not implemented in this build; GPU-direct RDMA uses the peer-memory module"
+                .into(),
+        })
+    }
+}
+
 /// A registry holding every compiled-in component, in preference order.
 pub fn registry() -> Registry {
     let mut r = Registry::new();
@@ -16,6 +60,9 @@ pub fn registry() -> Registry {
     r.register(Arc::new(rucx_uct_tcp::TcpComponent));
     r.register(Arc::new(rucx_uct_cuda_copy::CudaCopyComponent));
     r.register(Arc::new(rucx_uct_cuda_ipc::CudaIpcComponent));
+    r.register(Arc::new(
+        rucx_uct_ib::IbComponent::new().with_gpu_support(Arc::new(CudaFacts)),
+    ));
     r
 }
 
@@ -30,6 +77,7 @@ pub fn config_tables() -> Vec<&'static [OptionSpec]> {
         rucx_cuda::CONFIG,
         rucx_uct_cuda_copy::CONFIG,
         rucx_uct_cuda_ipc::CONFIG,
+        rucx_uct_ib::CONFIG,
     ]
 }
 
