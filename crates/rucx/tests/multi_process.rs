@@ -381,3 +381,51 @@ fn tcp_across_two_network_namespaces() {
     drop(ns);
     assert_all_ok(&r);
 }
+
+#[test]
+fn aperture_budget_exhausted_on_both_ranks_is_survived_and_queryable() {
+    if in_child() {
+        let job = Job::from_env().unwrap();
+        ring_all_sizes(&job);
+        for d in job.context().demotions() {
+            println!("rank {}: DEMOTED {} {}", job.rank(), d.md, d.mem_type);
+        }
+        let next = job.ep((job.rank() + 1) % job.size());
+        for p in job.worker().path_query(next, None).unwrap() {
+            println!("rank {}: PATH {p}", job.rank());
+        }
+        return;
+    }
+    let boot = format!("127.0.0.1:{}", free_port());
+    // A 2 MiB "BAR1": the 16 MiB rendezvous cannot be registered on either side.
+    let r = run_ranks(
+        "aperture_budget_exhausted_on_both_ranks_is_survived_and_queryable",
+        2,
+        &boot,
+        &[
+            ("RUCX_TLS", "posix"),
+            ("RUCX_RNDV_THRESH", "16K"),
+            ("RUCX_FAULT_INJECT", "md=posix,mem=host,budget=2M"),
+        ],
+        &|_| (vec![], vec![]),
+        Duration::from_secs(120),
+    );
+    assert_all_ok(&r);
+    for (rank, (_, out)) in r.iter().enumerate() {
+        assert!(out.contains("DEMOTED posix host"), "rank {rank}:\n{out}");
+        assert_eq!(
+            out.matches("memory domain posix cannot register host memory")
+                .count(),
+            1,
+            "rank {rank}: exactly one warning:\n{out}"
+        );
+        let host_path = out
+            .lines()
+            .find(|l| l.contains("PATH host -> host"))
+            .unwrap_or_else(|| panic!("rank {rank}: no host path line:\n{out}"));
+        assert!(
+            !host_path.contains("(zero-copy)") && host_path.contains("demotions"),
+            "{host_path}"
+        );
+    }
+}

@@ -868,6 +868,49 @@ impl Worker {
             Some(m) => m,
             None => st.ctx.detect(addr, len)?,
         };
+        // Small GPU messages: copy them to a pinned bounce buffer and send eagerly, rather than
+        // paying a rendezvous round trip.
+        let eager_end = st.peers[ep.0]
+            .table
+            .iter()
+            .filter(|r| matches!(r.proto, Proto::EagerShort | Proto::EagerBcopy))
+            .map(|r| r.to)
+            .max()
+            .unwrap_or(0);
+        if mem.is_gpu() && len > 0 && len <= eager_end && st.copy.is_some() {
+            match self.bounce(&mut st, addr, len, mem, dev) {
+                Ok((host, frag)) => {
+                    let proto = proto::lookup(&st.peers[ep.0].table, len)
+                        .map(|r| r.proto)
+                        .unwrap_or(Proto::EagerBcopy);
+                    let id = st.new_req(ReqKind::Send(SendState {
+                        peer: ep.0,
+                        addr: host,
+                        len,
+                        tag,
+                        proto,
+                        msg_id: 0,
+                        posted: 0,
+                        rndv_to: None,
+                        put: None,
+                        wait: SendWait::Posting,
+                        mem: MemoryType::Host,
+                        dev: None,
+                        stage: None,
+                    }));
+                    st.count("eager through a pinned bounce buffer");
+                    // Eager protocols copy the bytes out before returning.
+                    st.start_send(id);
+                    if let Some(stg) = st.staging.as_mut() {
+                        stg.free_send.push(frag);
+                    }
+                    return Ok(id);
+                }
+                Err(e) => {
+                    tracing::debug!("no bounce buffer for a small GPU message ({e}); rendezvous")
+                }
+            }
+        }
         let proto = if mem.is_gpu() {
             st.gpu_send_proto(ep.0, mem, dev)?
         } else {
@@ -892,6 +935,76 @@ impl Worker {
         }));
         st.start_send(id);
         Ok(id)
+    }
+
+    /// Copy a small GPU buffer into a send staging fragment and wait for the copy (it takes a
+    /// few microseconds); returns the fragment's address and index.
+    fn bounce(
+        &self,
+        st: &mut State,
+        addr: usize,
+        len: usize,
+        mem: MemoryType,
+        dev: Option<u32>,
+    ) -> Result<(usize, usize)> {
+        st.ensure_staging()?;
+        let (memh, key) = st.copy_key(addr, len, mem, dev)?;
+        let stg = st.staging.as_mut().expect("staging");
+        let f = stg
+            .free_send
+            .pop()
+            .ok_or_else(|| Error::NoResource("every send staging fragment is in use".into()))?;
+        if len > stg.frag {
+            stg.free_send.push(f);
+            return Err(Error::InvalidParam("bounce larger than a fragment".into()));
+        }
+        let host = stg.addr(f);
+        let smemh = stg.copy_memh.clone();
+        let iov = [Iov {
+            addr: host,
+            len,
+            memh: &smemh,
+        }];
+        let token = st.next_token;
+        st.next_token += 1;
+        let (ci, ep) = st.copy.as_mut().expect("copy lane");
+        let ci = *ci;
+        let res = match ep.get_zcopy(&iov, addr as u64, &key, token) {
+            Ok(OpStatus::Done) => Ok(()),
+            Ok(OpStatus::InProgress) => {
+                // Wait on the copy interface alone; other completions are kept for later.
+                let mut mine = None;
+                while mine.is_none() {
+                    let mut others = Vec::new();
+                    self.ifaces.borrow_mut()[ci].progress(&mut |ev| {
+                        if let Event::Completion { token: t, result } = ev {
+                            if t == token {
+                                mine = Some(result);
+                            } else {
+                                others.push((t, result));
+                            }
+                        }
+                    });
+                    for (t, r) in others {
+                        if let Some(tok) = st.tokens.remove(&t) {
+                            st.done_q.push_back((tok, r));
+                        }
+                    }
+                }
+                mine.expect("loop ends with a result")
+            }
+            Err(e) => Err(e),
+        };
+        drop(memh);
+        match res {
+            Ok(()) => Ok((host, f)),
+            Err(e) => {
+                if let Some(stg) = st.staging.as_mut() {
+                    stg.free_send.push(f);
+                }
+                Err(e)
+            }
+        }
     }
 
     pub(crate) fn post_recv(&self, buf: RecvBuf<'_>, tag: Tag, mask: Tag) -> u64 {

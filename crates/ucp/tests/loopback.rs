@@ -273,3 +273,69 @@ fn path_query_explains_what_is_missing() {
         "{hh}"
     );
 }
+
+#[test]
+fn client_server_wire_up_through_a_listener() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+    let (tx, rx) = mpsc::channel();
+    let server = std::thread::spawn(move || {
+        let w = worker(&[("RUCX_TLS", "posix")]);
+        let l = w.listen("127.0.0.1:0").unwrap();
+        tx.send(l.local_addr()).unwrap();
+        let ep = loop {
+            if let Some(ep) = w.accept(&l).unwrap() {
+                break ep;
+            }
+            w.progress();
+        };
+        let mut buf = vec![0u8; 100_000];
+        let c = w.tag_recv_wait(&mut buf, 9, TAG_MASK_FULL).unwrap();
+        assert_eq!(c.sender, Some(ep));
+        assert!(buf == pattern(100_000, 3));
+        w.tag_send_wait(ep, b"bye", 10).unwrap();
+    });
+    let w = worker(&[("RUCX_TLS", "posix")]);
+    let addr = rx.recv().unwrap();
+    let ep = w.connect_sockaddr(addr, Duration::from_secs(10)).unwrap();
+    w.tag_send_wait(ep, &pattern(100_000, 3), 9).unwrap();
+    let mut bye = [0u8; 3];
+    w.tag_recv_wait(&mut bye, 10, TAG_MASK_FULL).unwrap();
+    assert_eq!(&bye, b"bye");
+    server.join().unwrap();
+}
+
+#[test]
+fn requests_can_be_awaited() {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context as Cx, Poll, Waker};
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    let data = pattern(50_000, 5);
+    let mut got = vec![0u8; 50_000];
+    w.scope(|s| {
+        let mut r = pin!(s.tag_recv(&mut got, 4, TAG_MASK_FULL));
+        let mut sd = pin!(s.tag_send(ep, &data, 4));
+        let mut cx = Cx::from_waker(Waker::noop());
+        let (mut a, mut b) = (None, None);
+        for _ in 0..100_000 {
+            if a.is_none()
+                && let Poll::Ready(x) = sd.as_mut().poll(&mut cx)
+            {
+                a = Some(x);
+            }
+            if b.is_none()
+                && let Poll::Ready(x) = r.as_mut().poll(&mut cx)
+            {
+                b = Some(x);
+            }
+            if a.is_some() && b.is_some() {
+                break;
+            }
+        }
+        a.expect("send finished").unwrap();
+        assert_eq!(b.expect("receive finished").unwrap().len, 50_000);
+    });
+    assert!(got == data);
+}
