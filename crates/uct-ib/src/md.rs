@@ -4,7 +4,7 @@
 //! atomics where the device has them). GPU memory follows the per-GPU [`GdrPlan`]: through a
 //! dma-buf exported by the CUDA side, through the peer-memory module, or not at all, in which case
 //! registration fails with a typed error *before* the driver is asked. Every driver failure is
-//! mapped to a [`RegError`](rucx_ucs::RegError) by [`crate::regerr`].
+//! mapped to a [`rucx_ucs::RegError`] by [`crate::regerr`].
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;

@@ -1,4 +1,4 @@
-//! The `rc_verbs` transport: reliable-connected queue pairs through the [`Verbs`] seam.
+//! The `rc_verbs` transport: reliable-connected queue pairs through the [`crate::verbs::Verbs`] seam.
 //!
 //! - Connection: endpoint to endpoint. Each side creates an endpoint with an empty interface
 //!   address (its QP is created and moved to INIT, receive buffers are posted), exchanges
