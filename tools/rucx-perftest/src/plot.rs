@@ -34,11 +34,11 @@ pub const PALETTE: [&str; 6] = [
 ];
 
 const PW: f64 = 520.0;
-const PH: f64 = 340.0;
+const PH: f64 = 360.0;
 const ML: f64 = 72.0;
 const MR: f64 = 20.0;
 const MT: f64 = 40.0;
-const MB: f64 = 60.0;
+const MB: f64 = 78.0;
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
@@ -221,8 +221,9 @@ fn panel_svg(out: &mut String, p: &Panel, ox: f64) {
             r#"<path d="{path}" fill="none" stroke="{}" stroke-width="2"{dash}/>"#,
             esc(&s.color)
         );
-        let ly = y0 + 14.0 + 16.0 * i as f64;
-        let lxp = x0 + 10.0;
+        // Legend below the axis label, two entries per row, so it never hides data.
+        let ly = y1 + 54.0 + 16.0 * (i / 2) as f64;
+        let lxp = x0 + 10.0 + 210.0 * (i % 2) as f64;
         let _ = writeln!(
             out,
             r#"<line x1="{lxp:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{}" stroke-width="3"{dash}/><text x="{:.1}" y="{:.1}" font-size="12">{}</text>"#,
