@@ -60,7 +60,7 @@ pub fn registry() -> Registry {
     r.register(Arc::new(rucx_uct_tcp::TcpComponent));
     r.register(Arc::new(rucx_uct_cuda_copy::CudaCopyComponent));
     r.register(Arc::new(rucx_uct_cuda_ipc::CudaIpcComponent));
-    r.register(Arc::new(rucx_uct_gdr_copy::GdrCopyComponent::default()));
+    r.register(Arc::new(rucx_uct_gdr_copy::GdrCopyComponent));
     r.register(Arc::new(
         rucx_uct_ib::IbComponent::new().with_gpu_support(Arc::new(CudaFacts)),
     ));
