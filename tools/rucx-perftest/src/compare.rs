@@ -630,6 +630,8 @@ pub fn render(rows: &[Row]) -> String {
             );
         }
     }
+    // No trailing blanks where a case has no goal.
+    let mut s: String = s.lines().map(|l| format!("{}\n", l.trim_end())).collect();
     s.push_str(
         "rucx, ucx: medians of the runs; ratio: rucx/ucx of the medians; paired: median of the \
          per-repetition ratios (the verdict); best: best run against best run; (noisy): a \
