@@ -1611,6 +1611,31 @@ impl State {
         }
     }
 
+    /// Post one operation on `lane` of peer `p` with a fresh token and count it in request `id`.
+    /// `Ok(false)`: the transport pushed back; progress and call again.
+    fn post_counted(
+        &mut self,
+        id: u64,
+        p: usize,
+        lane: usize,
+        op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
+    ) -> Result<bool> {
+        let token = self.next_token;
+        let ep = self.peers[p]
+            .eps
+            .get_mut(&lane)
+            .ok_or_else(|| Error::Internal(format!("lane {lane} of ep{p} is not connected")))?;
+        match op(ep.as_mut(), token) {
+            Ok(st) => {
+                self.next_token += 1;
+                self.account(id, token, st);
+                Ok(true)
+            }
+            Err(e) if e.is_retryable() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Count an in-progress operation of request `id` posted with `token`, or forget the token
     /// when the operation completed at once.
     fn account(&mut self, id: u64, token: u64, st: OpStatus) {
@@ -1680,15 +1705,9 @@ impl State {
                     len: n,
                     memh: &memh,
                 }];
-                let token = self.next_token;
-                let ep = self.peers[p].eps.get_mut(&am).expect("am lane");
-                match ep.am_zcopy(am_id, &h, if n == 0 { &[] } else { &iov }, token) {
-                    Ok(st) => {
-                        self.next_token += 1;
-                        self.account(id, token, st);
-                    }
-                    Err(e) if e.is_retryable() => return Ok(false),
-                    Err(e) => return Err(e),
+                let iov: &[Iov<'_>] = if n == 0 { &[] } else { &iov };
+                if !self.post_counted(id, p, am, |ep, t| ep.am_zcopy(am_id, &h, iov, t))? {
+                    return Ok(false);
                 }
             } else {
                 n = (limits.am_max_bcopy - room).min(total - off);
@@ -1770,17 +1789,11 @@ impl State {
                 len: n,
                 memh: &memh,
             }];
-            let token = self.next_token;
-            let ep = self.peers[p]
-                .eps
-                .get_mut(&lane)
-                .ok_or_else(|| Error::Internal("rma lane not connected".into()))?;
-            match ep.get_zcopy(&iov, raddr + off as u64, &rkey, token) {
-                Ok(st) => {
-                    self.next_token += 1;
-                    self.account(rid, token, st);
-                }
-                Err(e) if e.is_retryable() => return Ok(false),
+            match self.post_counted(rid, p, lane, |ep, t| {
+                ep.get_zcopy(&iov, raddr + off as u64, &rkey, t)
+            }) {
+                Ok(true) => {}
+                Ok(false) => return Ok(false),
                 Err(e @ Error::EndpointFailure { .. }) => return Err(e),
                 Err(e) => {
                     // Could not read: steer the sender to stream instead (no byte lost).
@@ -1851,15 +1864,8 @@ impl State {
                 ReqKind::Rma(rm) => rm.flush_lanes.last(),
                 _ => None,
             } {
-                let token = self.next_token;
-                let ep = self.peers[p].eps.get_mut(&l).expect("lane");
-                match ep.flush(token) {
-                    Ok(st) => {
-                        self.next_token += 1;
-                        self.account(id, token, st);
-                    }
-                    Err(e) if e.is_retryable() => return Ok(false),
-                    Err(e) => return Err(e),
+                if !self.post_counted(id, p, l, |ep, t| ep.flush(t))? {
+                    return Ok(false);
                 }
                 if let Some(Req {
                     kind: ReqKind::Rma(rm),
@@ -1891,20 +1897,15 @@ impl State {
                     len: n,
                     memh: &memh,
                 }];
-                let token = self.next_token;
-                let ep = self.peers[p].eps.get_mut(&lane).expect("rma lane");
-                let res = if dir == RmaDir::Put {
-                    ep.put_zcopy(&iov, remote + off as u64, &key, token)
-                } else {
-                    ep.get_zcopy(&iov, remote + off as u64, &key, token)
-                };
-                match res {
-                    Ok(st) => {
-                        self.next_token += 1;
-                        self.account(id, token, st);
+                let posted = self.post_counted(id, p, lane, |ep, t| {
+                    if dir == RmaDir::Put {
+                        ep.put_zcopy(&iov, remote + off as u64, &key, t)
+                    } else {
+                        ep.get_zcopy(&iov, remote + off as u64, &key, t)
                     }
-                    Err(e) if e.is_retryable() => return Ok(false),
-                    Err(e) => return Err(e),
+                })?;
+                if !posted {
+                    return Ok(false);
                 }
                 off += n;
                 if let Some(Req {
@@ -1964,15 +1965,10 @@ impl State {
                 len: n,
                 memh: &memh,
             }];
-            let token = self.next_token;
-            let ep = self.peers[p].eps.get_mut(&lane).expect("rma lane");
-            match ep.put_zcopy(&iov, raddr + off as u64, rkey, token) {
-                Ok(st) => {
-                    self.next_token += 1;
-                    self.account(id, token, st);
-                }
-                Err(e) if e.is_retryable() => return Ok(false),
-                Err(e) => return Err(e),
+            if !self.post_counted(id, p, lane, |ep, t| {
+                ep.put_zcopy(&iov, raddr + off as u64, rkey, t)
+            })? {
+                return Ok(false);
             }
             off += n;
             if let Some(Req {
@@ -1984,15 +1980,8 @@ impl State {
             }
         }
         // Make the writes visible before telling the receiver.
-        let token = self.next_token;
-        let ep = self.peers[p].eps.get_mut(&lane).expect("rma lane");
-        match ep.flush(token) {
-            Ok(st) => {
-                self.next_token += 1;
-                self.account(id, token, st);
-            }
-            Err(e) if e.is_retryable() => return Ok(false),
-            Err(e) => return Err(e),
+        if !self.post_counted(id, p, lane, |ep, t| ep.flush(t))? {
+            return Ok(false);
         }
         if let Some(Req {
             kind: ReqKind::Send(s),
