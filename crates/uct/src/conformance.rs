@@ -1020,7 +1020,8 @@ impl Drop for ChildProc {
 
 fn child_role(open: &dyn Fn() -> R<Side>, role: &str) -> R<Report> {
     let side = open()?;
-    println!("{ADDR_LINE}{}", side.address_hex());
+    // Start on a fresh line: libtest may have printed "test NAME ... " without a newline.
+    println!("\n{ADDR_LINE}{}", side.address_hex());
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     let mut line = String::new();
     std::io::stdin()
