@@ -93,6 +93,27 @@ fn demo(args: &[String]) -> Result<(), String> {
     }
 }
 
+/// rucx-perftest against ucx_perftest (installed from Debian's ucx-utils when missing), shm and
+/// tcp, latency and bandwidth, alternated in one sitting; prints each ratio next to the goals.
+fn bench_compare(args: &[String]) -> Result<(), String> {
+    let mut setup = Command::new("bash");
+    setup.arg(root().join("ci/setup.sh"));
+    run(setup)?;
+    let mut c = cargo();
+    c.args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "rucx-perftest",
+        "--bin",
+        "rucx-bench-compare",
+        "--",
+    ])
+    .args(args);
+    run(c)
+}
+
 /// Build release test executables and tools, strip them, copy them into `.device/`.
 fn gpu_pack(packages: &[String]) -> Result<(), String> {
     let dest = root().join(".device");
@@ -147,15 +168,16 @@ fn gpu_pack(packages: &[String]) -> Result<(), String> {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((task, rest)) = args.split_first() else {
-        eprintln!("usage: cargo xtask <info|demo|gpu-pack> [args]");
+        eprintln!("usage: cargo xtask <info|demo|gpu-pack|bench-compare> [args]");
         return ExitCode::from(2);
     };
     let res = match task.as_str() {
         "info" => info(rest),
         "demo" => demo(rest),
         "gpu-pack" => gpu_pack(rest),
+        "bench-compare" => bench_compare(rest),
         other => Err(format!(
-            "unknown task {other:?}; known: info, demo, gpu-pack"
+            "unknown task {other:?}; known: info, demo, gpu-pack, bench-compare"
         )),
     };
     match res {
