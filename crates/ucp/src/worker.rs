@@ -876,14 +876,16 @@ impl Worker {
         };
         // Small GPU messages: copy them to a pinned bounce buffer and send eagerly, rather than
         // paying a rendezvous round trip.
-        let eager_end = st.peers[ep.0]
-            .table
-            .iter()
-            .filter(|r| matches!(r.proto, Proto::EagerShort | Proto::EagerBcopy))
-            .map(|r| r.to)
-            .max()
-            .unwrap_or(0);
-        if mem.is_gpu() && len > 0 && len <= eager_end && st.copy.is_some() {
+        let eager_end = || {
+            st.peers[ep.0]
+                .table
+                .iter()
+                .filter(|r| matches!(r.proto, Proto::EagerShort | Proto::EagerBcopy))
+                .map(|r| r.to)
+                .max()
+                .unwrap_or(0)
+        };
+        if mem.is_gpu() && len > 0 && st.copy.is_some() && len <= eager_end() {
             match self.bounce(&mut st, addr, len, mem, dev) {
                 Ok((host, frag)) => {
                     let proto = proto::lookup(&st.peers[ep.0].table, len)
