@@ -13,7 +13,7 @@ use rucx_ucs::Result;
 
 use crate::buf::{RecvBuf, SendBuf};
 use crate::matching::Tag;
-use crate::worker::{Completion, EpId, RkeyBundle, Worker};
+use crate::worker::{Completion, EpId, Posted, RkeyBundle, Worker};
 
 /// A scope of requests; see [`Worker::scope`].
 pub struct Scope<'scope, 'w: 'scope> {
@@ -37,6 +37,8 @@ pub struct Request<'scope> {
     worker: &'scope Worker,
     id: Option<u64>,
     error: Option<rucx_ucs::Error>,
+    /// Finished when posted (eager sends): no table entry at all.
+    done: Option<Completion>,
 }
 
 impl std::fmt::Debug for Request<'_> {
@@ -55,21 +57,25 @@ impl<'scope, 'w> Scope<'scope, 'w> {
     }
 
     fn track(&'scope self, r: Result<u64>) -> Request<'scope> {
+        self.track_posted(r.map(Posted::Pending))
+    }
+
+    fn track_posted(&'scope self, r: Result<Posted>) -> Request<'scope> {
+        let mut req = Request {
+            worker: self.worker,
+            id: None,
+            error: None,
+            done: None,
+        };
         match r {
-            Ok(id) => {
+            Ok(Posted::Pending(id)) => {
                 self.reqs.borrow_mut().push(id);
-                Request {
-                    worker: self.worker,
-                    id: Some(id),
-                    error: None,
-                }
+                req.id = Some(id);
             }
-            Err(e) => Request {
-                worker: self.worker,
-                id: None,
-                error: Some(e),
-            },
+            Ok(Posted::Done(c)) => req.done = Some(c),
+            Err(e) => req.error = Some(e),
         }
+        req
     }
 
     /// Send `buf` with `tag` to `ep`. `buf` is a host slice (`&[u8]`, `&Vec<u8>`) or any
@@ -80,7 +86,7 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         buf: impl Into<SendBuf<'scope>>,
         tag: Tag,
     ) -> Request<'scope> {
-        self.track(self.worker.post_send(ep, buf.into(), tag))
+        self.track_posted(self.worker.post_send(ep, buf.into(), tag))
     }
 
     /// Receive a message whose tag matches `tag` under `mask` (0 = any) into `buf` (a host
@@ -151,6 +157,9 @@ impl<'scope, 'w> Scope<'scope, 'w> {
 impl Request<'_> {
     /// The result if the request finished, without progressing.
     pub fn test(&self) -> Option<Result<Completion>> {
+        if let Some(c) = self.done {
+            return Some(Ok(c));
+        }
         if let Some(e) = &self.error {
             return Some(Err(rucx_ucs::Error::InvalidParam(e.to_string())));
         }
@@ -159,6 +168,9 @@ impl Request<'_> {
 
     /// Progress until finished.
     pub fn wait(mut self) -> Result<Completion> {
+        if let Some(c) = self.done {
+            return Ok(c);
+        }
         if let Some(e) = self.error.take() {
             return Err(e);
         }
@@ -168,6 +180,9 @@ impl Request<'_> {
 
     /// Progress until finished or `limit` passed ([`Error::Timeout`](rucx_ucs::Error::Timeout)).
     pub fn wait_timeout(mut self, limit: Duration) -> Result<Completion> {
+        if let Some(c) = self.done {
+            return Ok(c);
+        }
         if let Some(e) = self.error.take() {
             return Err(e);
         }
@@ -186,6 +201,9 @@ impl Future for Request<'_> {
     type Output = Result<Completion>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        if let Some(c) = self.done {
+            return Poll::Ready(Ok(c));
+        }
         if let Some(e) = self.error.take() {
             return Poll::Ready(Err(e));
         }

@@ -40,6 +40,15 @@ pub struct Completion {
     pub sender: Option<EpId>,
 }
 
+/// Outcome of posting a request.
+#[derive(Debug)]
+pub(crate) enum Posted {
+    /// Finished on the spot (the bytes are already out of the caller's buffer).
+    Done(Completion),
+    /// In the request table under this id.
+    Pending(u64),
+}
+
 /// A user active message delivered to a handler.
 #[derive(Debug)]
 pub struct AmMessage {
@@ -865,7 +874,7 @@ impl Worker {
 
     // ----- request plumbing used by Scope -----
 
-    pub(crate) fn post_send(&self, ep: EpId, buf: SendBuf<'_>, tag: Tag) -> Result<u64> {
+    pub(crate) fn post_send(&self, ep: EpId, buf: SendBuf<'_>, tag: Tag) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
         st.refresh_table(ep.0);
@@ -912,7 +921,7 @@ impl Worker {
                     if let Some(stg) = st.staging.as_mut() {
                         stg.free_send.push(frag);
                     }
-                    return Ok(id);
+                    return Ok(Posted::Pending(id));
                 }
                 Err(e) => {
                     tracing::debug!("no bounce buffer for a small GPU message ({e}); rendezvous")
@@ -926,6 +935,19 @@ impl Worker {
                 .map(|r| r.proto)
                 .ok_or_else(|| Error::Internal(format!("no protocol covers {len} bytes")))?
         };
+        // Fast path: a small host message that fits one `am_short` and finds the lane idle is
+        // sent at once, without a request in the table.
+        if proto == Proto::EagerShort
+            && !mem.is_gpu()
+            && st.try_eager_short(ep.0, addr, len, tag)?
+        {
+            st.count(proto.name());
+            return Ok(Posted::Done(Completion {
+                len,
+                tag,
+                sender: None,
+            }));
+        }
         let id = st.new_req(ReqKind::Send(SendState {
             peer: ep.0,
             addr,
@@ -942,7 +964,7 @@ impl Worker {
             stage: None,
         }));
         st.start_send(id);
-        Ok(id)
+        Ok(Posted::Pending(id))
     }
 
     /// Copy a small GPU buffer into a send staging fragment and wait for the copy (it takes a
@@ -1422,6 +1444,29 @@ impl State {
         {
             Some((_, n)) => *n += 1,
             None => self.counters.push((what, 1)),
+        }
+    }
+
+    /// Send a small host message with one `am_short` if the AM lane is idle. `Ok(false)`: not
+    /// sent (queue busy, lane not connected, or the transport pushed back).
+    fn try_eager_short(&mut self, p: usize, addr: usize, len: usize, tag: Tag) -> Result<bool> {
+        let peer = &mut self.peers[p];
+        if !peer.queue.is_empty() || !peer.connected {
+            return Ok(false);
+        }
+        let mut small = [0u8; 256];
+        if 8 + len > small.len() {
+            return Ok(false);
+        }
+        // SAFETY: the caller's buffer is borrowed for the call (and the scope).
+        let data = unsafe { host_slice(addr, len) };
+        small[..8].copy_from_slice(&self.address.uuid.to_le_bytes());
+        small[8..8 + len].copy_from_slice(data);
+        let ep = peer.eps.get_mut(&peer.am).expect("am lane");
+        match ep.am_short(wire::AM_EAGER_SHORT, tag, &small[..8 + len]) {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_retryable() => Ok(false),
+            Err(e) => Err(e),
         }
     }
 
