@@ -245,9 +245,15 @@ pub struct Cli {
     /// Outstanding window: requests in flight at once in bandwidth tests (default 16).
     #[arg(short = 'O')]
     pub window: Option<usize>,
-    /// Memory type of the send buffer and optionally the receive buffer: host, cuda.
+    /// Memory type of the send buffer and optionally the receive buffer: host, cuda
+    /// (each rank on GPU rank % device count: the server GPU 0, the client GPU 1).
     #[arg(short = 'm', default_value = "host", value_parser = parse_mem_types)]
     pub mem: (MemoryType, MemoryType),
+    /// With -m cuda: also time a pinned host->device copy, a device->pinned host copy and the
+    /// GPU 0 -> GPU 1 peer copy at the largest size, and print the ratio of the measured
+    /// bandwidth to each.
+    #[arg(long)]
+    pub bounds: bool,
     /// TCP port of the rendezvous (the server listens there).
     #[arg(short = 'p', default_value_t = DEFAULT_PORT)]
     pub port: u16,
@@ -298,6 +304,8 @@ pub struct Options {
     pub window: usize,
     /// Send and receive memory types.
     pub mem: (MemoryType, MemoryType),
+    /// Measure the GPU copy bounds at the largest size.
+    pub bounds: bool,
     /// Run both sides locally.
     pub local: bool,
     /// Output format.
@@ -351,12 +359,41 @@ where
 pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
     let (send, recv) = cli.mem;
     for (side, m) in [("send", send), ("receive", recv)] {
-        if m != MemoryType::Host {
+        if m == MemoryType::CudaManaged {
             return Err(format!(
-                "-m: {side} memory {m}: not supported yet: GPU memory through UCP is issue 6 \
-                 (use -m host)"
+                "-m: {side} memory {m}: not supported by rucx-perftest (managed memory \
+                 migrates on access, which would time the page migration; use -m cuda)"
             ));
         }
+    }
+    let gpu = send == MemoryType::Cuda || recv == MemoryType::Cuda;
+    if gpu {
+        let tests: Vec<TestKind> = if cli.sweep {
+            vec![TestKind::TagLat, TestKind::TagBw]
+        } else {
+            vec![cli.test]
+        };
+        for t in tests {
+            if t.is_rma() {
+                return Err(format!(
+                    "-m {send},{recv}: {t} with GPU memory is not supported: remote memory \
+                     access maps host memory only (Worker::mem_map takes a host slice); run \
+                     tag_lat/tag_bw for GPU memory, or {t} with -m host"
+                ));
+            }
+            if matches!(t, TestKind::AmLat | TestKind::AmBw) {
+                return Err(format!(
+                    "-m {send},{recv}: {t} with GPU memory is not supported: active messages \
+                     carry host slices only (Worker::am_send); run tag_lat/tag_bw for GPU \
+                     memory, or {t} with -m host"
+                ));
+            }
+        }
+    }
+    if cli.bounds && !gpu {
+        return Err(
+            "--bounds measures GPU copy bounds: give -m cuda (or host,cuda / cuda,host)".into(),
+        );
     }
     if cli.local && cli.server.is_some() {
         return Err("--local runs both sides here; do not give a server host too".into());
@@ -402,6 +439,7 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         warmup: cli.warmup,
         window,
         mem: cli.mem,
+        bounds: cli.bounds,
         local: cli.local,
         format,
         sweep: cli.sweep,
@@ -452,17 +490,56 @@ mod tests {
         assert_eq!(parse_mem_types("host").unwrap(), (Host, Host));
         assert_eq!(parse_mem_types("host,cuda").unwrap(), (Host, Cuda));
         assert_eq!(parse_mem_types("CUDA").unwrap(), (Cuda, Cuda));
+        assert_eq!(parse_mem_types("cuda,host").unwrap(), (Cuda, Host));
+        assert_eq!(parse_mem_types(" cuda , cuda ").unwrap(), (Cuda, Cuda));
         let e = parse_mem_types("rocm").unwrap_err();
         assert!(e.contains("rocm") && e.contains("host, cuda"), "{e}");
         assert!(parse_mem_types("host,host,host").is_err());
-        let e = p(&["-m", "cuda"]).unwrap_err();
+        assert!(parse_mem_types("").is_err());
+        assert!(parse_mem_types("cuda,").is_err());
+        assert_eq!(p(&["-m", "host,host"]).unwrap().mem, (Host, Host));
+        // GPU memory: accepted for the tag tests (the driver is checked when the job starts).
+        for (m, want) in [
+            ("cuda", (Cuda, Cuda)),
+            ("cuda,cuda", (Cuda, Cuda)),
+            ("host,cuda", (Host, Cuda)),
+            ("cuda,host", (Cuda, Host)),
+        ] {
+            for t in ["tag_lat", "tag_bw"] {
+                let o = p(&["--local", "-m", m, "-t", t]).unwrap();
+                assert_eq!(o.mem, want, "{m} {t}");
+                assert!(!o.bounds);
+            }
+        }
+        assert!(p(&["--local", "-m", "cuda", "--sweep"]).is_ok());
+        let e = p(&["-m", "cuda-managed"]).unwrap_err();
+        assert!(e.contains("managed") && e.contains("use -m cuda"), "{e}");
+        let e = p(&["-m", "host,cuda", "-t", "ucp_put_bw"]).unwrap_err();
         assert!(
-            e.contains("not supported yet: GPU memory through UCP is issue 6"),
+            e.contains("Worker::mem_map") && e.contains("not supported"),
             "{e}"
         );
-        let e = p(&["-m", "host,cuda"]).unwrap_err();
-        assert!(e.contains("receive memory cuda"), "{e}");
-        assert_eq!(p(&["-m", "host,host"]).unwrap().mem, (Host, Host));
+        for t in ["ucp_put_lat", "ucp_get"] {
+            let e = p(&["-m", "cuda", "-t", t]).unwrap_err();
+            assert!(e.contains("remote memory access"), "{e}");
+        }
+        for t in ["am_lat", "am_bw"] {
+            let e = p(&["-m", "cuda,host", "-t", t]).unwrap_err();
+            assert!(e.contains("active messages"), "{e}");
+        }
+        // Host memory keeps every test.
+        for t in TestKind::ALL {
+            assert!(p(&["-m", "host", "-t", t.name()]).is_ok(), "{t}");
+        }
+    }
+
+    #[test]
+    fn bounds_need_gpu_memory() {
+        let o = p(&["--local", "-m", "cuda", "-t", "tag_bw", "--bounds"]).unwrap();
+        assert!(o.bounds);
+        assert!(p(&["-m", "host,cuda", "--bounds"]).unwrap().bounds);
+        let e = p(&["--local", "--bounds"]).unwrap_err();
+        assert!(e.contains("--bounds") && e.contains("-m cuda"), "{e}");
     }
 
     #[test]

@@ -9,6 +9,7 @@ use clap::Parser;
 use rucx::Job;
 
 use crate::args::{self, Cli, Format, Options, TestKind};
+use crate::mem;
 use crate::plot::{self, Panel, Series};
 use crate::report;
 use crate::run::{self, R};
@@ -107,6 +108,8 @@ fn reap(child: &mut Child, limit: Duration) -> R<()> {
 }
 
 fn client(opts: &Options, self_cmd: &[OsString]) -> R<()> {
+    // Fail before starting anything when GPU memory is asked for and there is no GPU.
+    mem::gpu_for(opts.mem, 1)?;
     let mut opts = opts.clone();
     let mut child = None;
     if opts.local {
@@ -149,7 +152,80 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
     m.extend(run::describe(job, &opts.sizes));
     m.push(("Send memory", opts.mem.0.to_string()));
     m.push(("Recv memory", opts.mem.1.to_string()));
+    if let Ok(Some(g)) = mem::gpu_for(opts.mem, 1) {
+        m.push((
+            "GPUs",
+            format!(
+                "rank r on GPU r % {}: server (rank 0) GPU 0, client (rank 1) {}",
+                g.count,
+                g.describe()
+            ),
+        ));
+    }
     m
+}
+
+/// The bound lines of `--bounds`: the measured bandwidth (`f`, the largest size) against
+/// GPU copies of the same size timed in this run. Returns (label, text) pairs.
+pub fn bounds_lines(f: &Figures, b: &mem::Bounds) -> Vec<(String, String)> {
+    let mbs = |bps: f64| bps / crate::stats::MB;
+    let line = |bps: f64| {
+        format!(
+            "{:.1} MB/s ({:.2} GB/s); {} overall {:.1} MB/s is {:.3} of it",
+            mbs(bps),
+            bps / 1e9,
+            f.test,
+            f.bw_overall_mbs,
+            f.bw_overall_mbs / mbs(bps)
+        )
+    };
+    let mut v = vec![
+        ("pinned host -> GPU 0 copy".to_string(), line(b.h2d)),
+        ("GPU 1 -> pinned host copy".to_string(), line(b.d2h)),
+    ];
+    v.push((
+        "peer copy GPU 0 -> GPU 1".to_string(),
+        match &b.p2p {
+            Ok(p) => line(*p),
+            Err(why) => format!("not measured: {why}"),
+        },
+    ));
+    v
+}
+
+/// Measure and print the bounds at the largest size of `figs` (stdout for the table, stderr
+/// for CSV; JSON gets them as fields). Returns the JSON fields.
+fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, String)>> {
+    let Some(f) = figs.iter().max_by_key(|f| f.size) else {
+        return Ok(Vec::new());
+    };
+    let iters = f.iterations.clamp(10, 1000);
+    let b = mem::measure_bounds(f.size, iters)?;
+    let lines = bounds_lines(f, &b);
+    let head = format!(
+        "Bounds at {} B (copies of one message, {} in a row on one stream, this run):",
+        b.size, b.iters
+    );
+    match opts.format {
+        Format::Table => {
+            println!("{head}");
+            for (k, v) in &lines {
+                println!("  {k:<28} {v}");
+            }
+        }
+        Format::Csv => {
+            eprintln!("{head}");
+            for (k, v) in &lines {
+                eprintln!("  {k:<28} {v}");
+            }
+        }
+        Format::Json => {}
+    }
+    let keys = ["bound_h2d", "bound_d2h", "bound_p2p"];
+    Ok(keys
+        .into_iter()
+        .zip(lines.into_iter().map(|(_, v)| v))
+        .collect())
 }
 
 fn client_body(job: &Job, opts: &Options) -> R<()> {
@@ -180,14 +256,19 @@ fn client_body(job: &Job, opts: &Options) -> R<()> {
         all.push(f);
     }
     run::client_quit(job)?;
-    match opts.format {
-        Format::Table => println!("{}", report::table_footer()),
-        Format::Csv => {}
-        Format::Json => {
-            let mut m: Vec<(&str, String)> = vec![("test", test.name().into())];
-            m.extend(info.iter().skip(1).cloned());
-            println!("{}", report::json_document(&m, &all));
-        }
+    if opts.format == Format::Table {
+        println!("{}", report::table_footer());
+    }
+    let bounds = if opts.bounds {
+        bounds_report(opts, &all)?
+    } else {
+        Vec::new()
+    };
+    if opts.format == Format::Json {
+        let mut m: Vec<(&str, String)> = vec![("test", test.name().into())];
+        m.extend(info.iter().skip(1).cloned());
+        m.extend(bounds);
+        println!("{}", report::json_document(&m, &all));
     }
     Ok(())
 }
@@ -299,11 +380,17 @@ fn sweep(job: &Job, opts: &Options) -> R<()> {
             info.extend(m.iter().filter(|(k, _)| *k != "Tag protocols").cloned());
             println!("{}", report::info_box(&info));
             print!("{}", sweep_table(&lat, &bw));
+            if opts.bounds {
+                bounds_report(opts, &bw)?;
+            }
         }
         Format::Csv => {
             println!("{}", report::CSV_HEADER);
             for f in lat.iter().chain(&bw) {
                 println!("{}", report::csv_row(f));
+            }
+            if opts.bounds {
+                bounds_report(opts, &bw)?;
             }
         }
         Format::Json => {
@@ -311,6 +398,9 @@ fn sweep(job: &Job, opts: &Options) -> R<()> {
             all.extend(bw.iter().cloned());
             let mut mm: Vec<(&str, String)> = vec![("test", "sweep".into())];
             mm.extend(m.iter().filter(|(k, _)| *k != "Tag protocols").cloned());
+            if opts.bounds {
+                mm.extend(bounds_report(opts, &bw)?);
+            }
             println!("{}", report::json_document(&mm, &all));
         }
     }
@@ -358,5 +448,35 @@ mod tests {
         let p = sweep_panels(&[("x".into(), vec![f("tag_lat", 8)], vec![])]);
         assert_eq!(p.len(), 2);
         assert_eq!(p[0].series[0].points, vec![(8.0, 2.0)]);
+    }
+
+    #[test]
+    fn bound_lines_give_the_ratios() {
+        // 1 MiB per 100 us: 10000 MB/s (of 2^20 bytes).
+        let f = Figures::compute(
+            "tag_bw",
+            1 << 20,
+            &[Duration::from_micros(100); 10],
+            Duration::from_micros(1000),
+            false,
+        );
+        let mb = crate::stats::MB;
+        let b = mem::Bounds {
+            size: 1 << 20,
+            iters: 10,
+            h2d: 20_000.0 * mb,
+            d2h: 40_000.0 * mb,
+            p2p: Err("needs two GPUs (1 visible)".into()),
+        };
+        let l = bounds_lines(&f, &b);
+        assert_eq!(l.len(), 3);
+        assert!(l[0].1.contains("20000.0 MB/s") && l[0].1.ends_with("is 0.500 of it"));
+        assert!(l[1].1.ends_with("is 0.250 of it"), "{}", l[1].1);
+        assert_eq!(l[2].1, "not measured: needs two GPUs (1 visible)");
+        let b = mem::Bounds {
+            p2p: Ok(10_000.0 * mb),
+            ..b
+        };
+        assert!(bounds_lines(&f, &b)[2].1.ends_with("is 1.000 of it"));
     }
 }

@@ -10,9 +10,10 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use rucx::bootstrap::Placement;
-use rucx::{Completion, EpId, Error, Job, Request, TAG_MASK_FULL, Tag, Worker};
+use rucx::{Completion, EpId, Error, Job, MemoryType, Request, TAG_MASK_FULL, Tag, Worker};
 
 use crate::args::{Options, TestKind};
+use crate::mem::{self, Buf, Gpu, Ring};
 use crate::stats::{Figures, MB, percentile};
 
 const TAG_CTRL: Tag = 0x7275_6378_0000_0001;
@@ -46,18 +47,22 @@ pub struct Spec {
     pub warmup: usize,
     /// Outstanding window.
     pub window: usize,
+    /// Memory types of the send and receive buffers (on both sides).
+    pub mem: (MemoryType, MemoryType),
 }
 
 impl Spec {
     /// The control message that announces this spec.
     pub fn encode(&self) -> String {
         format!(
-            "run {} {} {} {} {}",
+            "run {} {} {} {} {} {} {}",
             self.test.name(),
             self.size,
             self.iters,
             self.warmup,
-            self.window
+            self.window,
+            self.mem.0,
+            self.mem.1
         )
     }
 
@@ -66,10 +71,14 @@ impl Spec {
         let w: Vec<&str> = s.split_whitespace().collect();
         match w.as_slice() {
             ["quit"] => Ok(None),
-            ["run", t, size, iters, warm, window] => {
+            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 2 => {
                 let num = |x: &str| {
                     x.parse::<usize>()
                         .map_err(|_| format!("bad control message {s:?}"))
+                };
+                let mt = |x: &str| match x.parse::<MemoryType>() {
+                    Ok(m @ (MemoryType::Host | MemoryType::Cuda)) => Ok(m),
+                    _ => Err(format!("bad memory type in control message {s:?}")),
                 };
                 Ok(Some(Spec {
                     test: t.parse()?,
@@ -77,6 +86,7 @@ impl Spec {
                     iters: num(iters)?,
                     warmup: num(warm)?,
                     window: num(window)?.max(1),
+                    mem: (mt(rest[0])?, mt(rest[1])?),
                 }))
             }
             _ => Err(format!(
@@ -276,7 +286,7 @@ fn chunk_len(window: usize) -> usize {
 
 /// A receive buffer with every page already faulted in (a zeroed allocation maps its pages
 /// lazily, and the first transfer into it would pay the page faults), its last byte 0.
-fn touched(size: usize) -> Vec<u8> {
+pub(crate) fn touched(size: usize) -> Vec<u8> {
     let mut v = vec![0xeeu8; size];
     if let Some(b) = v.last_mut() {
         *b = 0;
@@ -284,30 +294,42 @@ fn touched(size: usize) -> Vec<u8> {
     v
 }
 
-fn pattern(size: usize) -> Vec<u8> {
+/// The bytes every sent message carries.
+pub(crate) fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(|i| (i * 7 + 1) as u8).collect()
 }
 
 // ---------------------------------------------------------------------------------------------
 // Client side (measures).
 
-fn tag_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let sbuf = pattern(spec.size);
-    let mut rbuf = touched(spec.size);
+/// Send and receive buffers of a ping-pong, of the spec's memory types.
+fn pingpong_bufs(spec: &Spec, gpu: Option<&Gpu>) -> R<(Buf, Buf)> {
+    Ok((
+        Buf::filled(spec.mem.0, gpu, &pattern(spec.size))?,
+        Buf::touched(spec.mem.1, gpu, spec.size)?,
+    ))
+}
+
+fn tag_lat_client(
+    w: &Worker,
+    ep: EpId,
+    spec: &Spec,
+    (sbuf, mut rbuf): (Buf, Buf),
+    t: &mut Timer,
+) -> R<Buf> {
     for i in 0..spec.warmup + spec.iters {
         t.begin(i);
         w.scope(|s| {
-            let r = s.tag_recv(&mut rbuf, TAG_DATA, TAG_MASK_FULL);
-            wait(w, ep, s.tag_send(ep, &sbuf, TAG_DATA))?;
+            let r = s.tag_recv(rbuf.recv_buf(), TAG_DATA, TAG_MASK_FULL);
+            wait(w, ep, s.tag_send(ep, sbuf.send_buf(), TAG_DATA))?;
             wait(w, ep, r)
         })?;
         t.end(i);
     }
-    Ok(())
+    Ok(rbuf)
 }
 
-fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let sbuf = pattern(spec.size);
+fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) -> R<()> {
     let total = spec.warmup + spec.iters;
     let mut i = 0;
     while i < total {
@@ -320,7 +342,7 @@ fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
                     let r = q.pop_front().expect("window not empty");
                     wait(w, ep, r)?;
                 }
-                q.push_back(s.tag_send(ep, &sbuf, TAG_DATA));
+                q.push_back(s.tag_send(ep, sbuf.send_buf(), TAG_DATA));
                 t.end(j);
             }
             while let Some(r) = q.pop_front() {
@@ -488,13 +510,39 @@ fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
 pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let w = job.worker();
     let ep = job.ep(0);
+    // The client's buffers (GPU ones on GPU 1 % count), set up before anything is timed.
+    let gpu = mem::gpu_for(spec.mem, 1)?;
+    let gpu = gpu.as_ref();
+    let lat_bufs = match spec.test {
+        TestKind::TagLat => Some(pingpong_bufs(spec, gpu)?),
+        _ => None,
+    };
+    let bw_buf = match spec.test {
+        TestKind::TagBw => Some(Buf::filled(spec.mem.0, gpu, &pattern(spec.size))?),
+        _ => None,
+    };
     send(w, ep, spec.encode().as_bytes(), TAG_CTRL)?;
-    // The server set up (buffers, handlers) before anything is timed or sent.
-    recv(w, ep, &mut [], TAG_READY)?;
+    // The server set up (buffers, handlers) before anything is timed or sent; it answers
+    // with why not when it could not.
+    let mut why = vec![0u8; 4096];
+    let n = recv(w, ep, &mut why, TAG_READY)?;
+    if n > 0 {
+        return Err(format!(
+            "the server: {}",
+            String::from_utf8_lossy(&why[..n])
+        ));
+    }
     let mut t = Timer::new(spec, progress);
+    let mut check = None;
     match spec.test {
-        TestKind::TagLat => tag_lat_client(w, ep, spec, &mut t)?,
-        TestKind::TagBw => tag_bw_client(w, ep, spec, &mut t)?,
+        TestKind::TagLat => {
+            let bufs = lat_bufs.expect("set up above");
+            check = Some(tag_lat_client(w, ep, spec, bufs, &mut t)?);
+        }
+        TestKind::TagBw => {
+            let sbuf = bw_buf.as_ref().expect("set up above");
+            tag_bw_client(w, ep, spec, sbuf, &mut t)?
+        }
         TestKind::PutBw => put_bw_client(w, ep, spec, &mut t)?,
         TestKind::Get => get_client(w, ep, spec, &mut t)?,
         TestKind::PutLat => put_lat_client(w, ep, spec, &mut t)?,
@@ -502,6 +550,14 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
         TestKind::AmBw => am_bw_client(w, ep, spec, &mut t)?,
     }
     let (samples, total) = t.finish();
+    if let Some(rbuf) = check {
+        // The last message the server sent, checked after the clock stopped.
+        mem::verify(
+            &format!("{} {} B, client", spec.test, spec.size),
+            &rbuf.read()?,
+            &pattern(spec.size),
+        )?;
+    }
     Ok(Figures::compute(
         spec.test.name(),
         spec.size,
@@ -519,30 +575,54 @@ pub fn client_quit(job: &Job) -> R<()> {
 // ---------------------------------------------------------------------------------------------
 // Server side (responds).
 
+/// Tell the client whether the setup worked: an empty READY, or the reason (and fail).
+fn ready<T>(w: &Worker, ep: EpId, setup: R<T>) -> R<T> {
+    match setup {
+        Ok(v) => {
+            send(w, ep, &[], TAG_READY)?;
+            Ok(v)
+        }
+        Err(e) => {
+            let mut why = e.clone().into_bytes();
+            why.truncate(4000);
+            // Best effort: the error below is what this side reports either way.
+            let _ = send(w, ep, &why, TAG_READY);
+            Err(e)
+        }
+    }
+}
+
 fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let sbuf = pattern(spec.size);
-    let mut rbuf = touched(spec.size);
-    send(w, ep, &[], TAG_READY)?;
+    let setup = mem::gpu_for(spec.mem, 0).and_then(|g| pingpong_bufs(spec, g.as_ref()));
+    let (sbuf, mut rbuf) = ready(w, ep, setup)?;
     for _ in 0..spec.warmup + spec.iters {
         w.scope(|s| {
-            let r = s.tag_recv(&mut rbuf, TAG_DATA, TAG_MASK_FULL);
+            let r = s.tag_recv(rbuf.recv_buf(), TAG_DATA, TAG_MASK_FULL);
             wait(w, ep, r)?;
-            wait(w, ep, s.tag_send(ep, &sbuf, TAG_DATA))
+            wait(w, ep, s.tag_send(ep, sbuf.send_buf(), TAG_DATA))
         })?;
     }
-    Ok(())
+    mem::verify("server", &rbuf.read()?, &pattern(spec.size))
 }
 
 fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let mut bufs = vec![touched(spec.size); ring_len(spec.size, spec.window)];
-    send(w, ep, &[], TAG_READY)?;
+    let setup = mem::gpu_for(spec.mem, 0).and_then(|g| {
+        Ring::new(
+            spec.mem.1,
+            g.as_ref(),
+            spec.size,
+            ring_len(spec.size, spec.window),
+        )
+    });
+    let mut ring = ready(w, ep, setup)?;
     let total = spec.warmup + spec.iters;
     let mut i = 0;
     while i < total {
-        let n = bufs.len().min(total - i);
+        let n = ring.len().min(total - i);
+        let slots = ring.slots(n);
         w.scope(|s| -> R<()> {
             let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
-            for b in bufs.iter_mut().take(n) {
+            for b in slots {
                 if q.len() >= spec.window {
                     let r = q.pop_front().expect("window not empty");
                     wait(w, ep, r)?;
@@ -556,7 +636,17 @@ fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
         })?;
         i += n;
     }
-    send(w, ep, &[], TAG_ACK)
+    send(w, ep, &[], TAG_ACK)?;
+    // Checked after the client's clock stopped (at the acknowledgement).
+    let last = (total - 1) % ring.len().max(1);
+    for k in [0, last] {
+        mem::verify(
+            &format!("server, slot {k}"),
+            &ring.read(k)?,
+            &pattern(spec.size),
+        )?;
+    }
+    Ok(())
 }
 
 fn rma_target_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
@@ -661,6 +751,7 @@ pub fn spec_for(opts: &Options, test: TestKind, size: usize) -> Spec {
         iters: opts.iters_for(test, size),
         warmup: opts.warmup_for(test, size),
         window: if test.is_pingpong() { 1 } else { opts.window },
+        mem: opts.mem,
     }
 }
 
@@ -705,11 +796,22 @@ mod tests {
             iters: 20,
             warmup: 2,
             window: 16,
+            mem: (MemoryType::Host, MemoryType::Host),
         };
         assert_eq!(Spec::decode(&s.encode()).unwrap(), Some(s));
+        for mem in [
+            (MemoryType::Cuda, MemoryType::Cuda),
+            (MemoryType::Host, MemoryType::Cuda),
+            (MemoryType::Cuda, MemoryType::Host),
+        ] {
+            let g = Spec { mem, ..s };
+            assert_eq!(Spec::decode(&g.encode()).unwrap(), Some(g));
+        }
         assert_eq!(Spec::decode("quit").unwrap(), None);
-        assert!(Spec::decode("run tag_bw x 1 1 1").is_err());
-        assert!(Spec::decode("run nope 1 1 1 1").is_err());
+        assert!(Spec::decode("run tag_bw x 1 1 1 host host").is_err());
+        assert!(Spec::decode("run nope 1 1 1 1 host host").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host").is_err());
         assert!(Spec::decode("hello").unwrap_err().contains("versions"));
     }
 

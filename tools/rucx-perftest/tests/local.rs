@@ -127,17 +127,53 @@ fn sweep_writes_a_plot() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let o = perftest(&["--local", "-m", "cuda"]);
+    let o = perftest(&["--local", "-m", "cuda", "-t", "ucp_put_bw"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(
-        text(&o).contains("not supported yet: GPU memory through UCP is issue 6"),
-        "{}",
-        text(&o)
-    );
+    assert!(text(&o).contains("Worker::mem_map"), "{}", text(&o));
+    let o = perftest(&["--local", "--bounds"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("-m cuda"), "{}", text(&o));
     let o = perftest(&["--local", "-s", "8,4Q"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("4Q"), "{}", text(&o));
     let o = perftest(&["--local", "-t", "stream_bw"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("stream API"), "{}", text(&o));
+}
+
+/// GPU memory: without a CUDA driver (this machine, CI) a clear error naming the driver's
+/// reason; with one (the GPU machine), the tests run and every message is verified.
+#[test]
+fn gpu_memory_runs_or_names_the_missing_driver() {
+    let args = [
+        "--local",
+        "-q",
+        "-m",
+        "cuda,cuda",
+        "-t",
+        "tag_lat",
+        "-s",
+        "8,1M",
+        "-n",
+        "20",
+    ];
+    let o = perftest(&args);
+    let out = text(&o);
+    match rucx_cuda::driver() {
+        Err(e) => {
+            assert_eq!(o.status.code(), Some(1), "{out}");
+            let reason = match e {
+                rucx::Error::Unavailable { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            assert!(
+                out.contains(&format!("-m cuda needs a CUDA driver: {reason}")),
+                "{out}"
+            );
+        }
+        Ok(_) => {
+            assert!(o.status.success(), "{out}");
+            assert_eq!(row(&String::from_utf8_lossy(&o.stdout), 8)[1], "20");
+        }
+    }
 }

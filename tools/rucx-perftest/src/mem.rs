@@ -1,0 +1,448 @@
+//! Buffers of the memory type `-m` asks for (host vectors, or GPU allocations from rucx-cuda),
+//! and the GPU copy bounds of `--bounds`.
+//!
+//! Each rank uses GPU `rank % device_count` (the server, rank 0, GPU 0; the client, rank 1,
+//! GPU 1 when two are visible). GPU buffers reach UCP through [`SendBuf::from_raw`] and
+//! [`RecvBuf::from_raw`]; UCP classifies them and picks the GPU path (cuda_ipc zero-copy, a
+//! staged pipeline through pinned host fragments, or eager through a bounce buffer).
+
+use std::time::Instant;
+
+use rucx::MemoryType;
+use rucx::ucp::{RecvBuf, SendBuf};
+use rucx_cuda::{DeviceBuffer, Driver, PinnedHostBuffer, PrimaryContext, Stream};
+
+use crate::run::R;
+
+/// The error of `-m cuda` without a usable CUDA driver, with the driver's reason.
+pub fn no_driver(e: &rucx::Error) -> String {
+    let reason = match e {
+        rucx::Error::Unavailable { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    };
+    format!("-m cuda needs a CUDA driver: {reason}")
+}
+
+/// True when either memory type is GPU memory.
+pub fn needs_gpu(mem: (MemoryType, MemoryType)) -> bool {
+    mem.0 == MemoryType::Cuda || mem.1 == MemoryType::Cuda
+}
+
+/// The GPU of one rank.
+#[derive(Debug, Clone, Copy)]
+pub struct Gpu {
+    /// Its primary context (bound to the calling thread by [`Gpu::open`]).
+    pub ctx: &'static PrimaryContext,
+    /// CUDA ordinal.
+    pub ordinal: u32,
+    /// Visible devices.
+    pub count: u32,
+    /// The loaded driver.
+    pub driver: &'static Driver,
+}
+
+impl Gpu {
+    /// The GPU of `rank` (`rank % device_count`), its context bound to this thread.
+    pub fn open(rank: usize) -> R<Gpu> {
+        Gpu::open_with(rucx_cuda::driver(), rank)
+    }
+
+    /// [`Gpu::open`] with the result of loading the driver given (for tests).
+    pub fn open_with(driver: rucx::Result<&'static Driver>, rank: usize) -> R<Gpu> {
+        let driver = driver.map_err(|e| no_driver(&e))?;
+        let count = driver.device_count().max(1);
+        let ordinal = (rank % count as usize) as u32;
+        let ctx = driver
+            .context(ordinal)
+            .map_err(|e| format!("-m cuda: rank {rank} on GPU {ordinal}: {e}"))?;
+        ctx.bind()
+            .map_err(|e| format!("-m cuda: rank {rank} on GPU {ordinal}: {e}"))?;
+        Ok(Gpu {
+            ctx,
+            ordinal,
+            count,
+            driver,
+        })
+    }
+
+    /// `GPU 1 of 2 (NVIDIA H200)`.
+    pub fn describe(&self) -> String {
+        let name = self
+            .driver
+            .device(self.ordinal)
+            .map(|d| d.name.clone())
+            .unwrap_or_default();
+        format!("GPU {} of {} ({name})", self.ordinal, self.count)
+    }
+}
+
+/// Open the GPU when either memory type needs one.
+pub fn gpu_for(mem: (MemoryType, MemoryType), rank: usize) -> R<Option<Gpu>> {
+    if needs_gpu(mem) {
+        Gpu::open(rank).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+fn dev_alloc(gpu: Option<&Gpu>, len: usize, what: &str) -> R<DeviceBuffer> {
+    let gpu = gpu.ok_or_else(|| format!("{what}: GPU memory asked for but no GPU opened"))?;
+    DeviceBuffer::new(gpu.ctx, len.max(1)).map_err(|e| format!("{what}: {e}"))
+}
+
+/// One buffer of host or GPU memory of `len` bytes.
+#[derive(Debug)]
+pub enum Buf {
+    /// A host vector.
+    Host(Vec<u8>),
+    /// A device allocation (at least one byte; `len` may be 0).
+    Dev {
+        /// The allocation.
+        mem: DeviceBuffer,
+        /// The message size.
+        len: usize,
+    },
+}
+
+impl Buf {
+    /// A send buffer holding `data`, ready to send (device fills are waited for).
+    pub fn filled(mt: MemoryType, gpu: Option<&Gpu>, data: &[u8]) -> R<Buf> {
+        match mt {
+            MemoryType::Host => Ok(Buf::Host(data.to_vec())),
+            _ => {
+                let mem = dev_alloc(gpu, data.len(), "send buffer")?;
+                mem.copy_from_host(0, data)
+                    .map_err(|e| format!("filling the send buffer: {e}"))?;
+                sync(gpu)?;
+                Ok(Buf::Dev {
+                    mem,
+                    len: data.len(),
+                })
+            }
+        }
+    }
+
+    /// A receive buffer with every byte written (host pages faulted in), last byte 0.
+    pub fn touched(mt: MemoryType, gpu: Option<&Gpu>, len: usize) -> R<Buf> {
+        match mt {
+            MemoryType::Host => Ok(Buf::Host(crate::run::touched(len))),
+            _ => {
+                let mem = dev_alloc(gpu, len, "receive buffer")?;
+                mem.fill(0xee)
+                    .map_err(|e| format!("clearing the receive buffer: {e}"))?;
+                sync(gpu)?;
+                Ok(Buf::Dev { mem, len })
+            }
+        }
+    }
+
+    /// The message size.
+    pub fn len(&self) -> usize {
+        match self {
+            Buf::Host(v) => v.len(),
+            Buf::Dev { len, .. } => *len,
+        }
+    }
+
+    /// True for a 0-byte message.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The buffer as a send buffer.
+    pub fn send_buf(&self) -> SendBuf<'_> {
+        match self {
+            Buf::Host(v) => SendBuf::from(v.as_slice()),
+            // SAFETY: the allocation is owned by `self` and outlives the returned borrow; it
+            // is only read while the borrow lives (nothing writes a send buffer).
+            Buf::Dev { mem, len } => unsafe { SendBuf::from_raw(mem.ptr(), *len) },
+        }
+    }
+
+    /// The buffer as a receive buffer.
+    pub fn recv_buf(&mut self) -> RecvBuf<'_> {
+        match self {
+            Buf::Host(v) => RecvBuf::from(v.as_mut_slice()),
+            // SAFETY: the allocation is owned by `self`, borrowed mutably for the returned
+            // buffer's lifetime, so nothing else reads or writes it meanwhile.
+            Buf::Dev { mem, len } => unsafe { RecvBuf::from_raw(mem.ptr(), *len) },
+        }
+    }
+
+    /// The contents, copied to the host.
+    pub fn read(&self) -> R<Vec<u8>> {
+        match self {
+            Buf::Host(v) => Ok(v.clone()),
+            Buf::Dev { mem, len } => {
+                let mut out = vec![0u8; *len];
+                mem.copy_to_host(0, &mut out)
+                    .map_err(|e| format!("reading the receive buffer back: {e}"))?;
+                Ok(out)
+            }
+        }
+    }
+}
+
+fn sync(gpu: Option<&Gpu>) -> R<()> {
+    // A pageable cuMemcpy or a memset may still be in flight when it returns: UCP sends what
+    // the buffer holds now, so wait for them.
+    match gpu {
+        Some(g) => g
+            .ctx
+            .synchronize()
+            .map_err(|e| format!("{}: {e}", g.describe())),
+        None => Ok(()),
+    }
+}
+
+/// `count` receive buffers of `size` bytes: host vectors, or slices of one device allocation
+/// (one allocation, so cuda_ipc maps it once, as a real application's pool would be).
+#[derive(Debug)]
+pub enum Ring {
+    /// Host vectors.
+    Host(Vec<Vec<u8>>),
+    /// One device allocation of `count * size` bytes.
+    Dev {
+        /// The allocation.
+        mem: DeviceBuffer,
+        /// Bytes per slot.
+        size: usize,
+        /// Slots.
+        count: usize,
+    },
+}
+
+impl Ring {
+    /// A ring of `count` touched receive buffers of `size` bytes.
+    pub fn new(mt: MemoryType, gpu: Option<&Gpu>, size: usize, count: usize) -> R<Ring> {
+        match mt {
+            MemoryType::Host => Ok(Ring::Host(vec![crate::run::touched(size); count])),
+            _ => {
+                let total = size.checked_mul(count).ok_or("receive ring too large")?;
+                let mem = dev_alloc(gpu, total, "receive ring")?;
+                mem.fill(0xee)
+                    .map_err(|e| format!("clearing the receive ring: {e}"))?;
+                sync(gpu)?;
+                Ok(Ring::Dev { mem, size, count })
+            }
+        }
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        match self {
+            Ring::Host(v) => v.len(),
+            Ring::Dev { count, .. } => *count,
+        }
+    }
+
+    /// True when there are no slots.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first `n` slots as receive buffers (disjoint ranges).
+    pub fn slots(&mut self, n: usize) -> Vec<RecvBuf<'_>> {
+        match self {
+            Ring::Host(v) => v.iter_mut().take(n).map(RecvBuf::from).collect(),
+            Ring::Dev { mem, size, count } => (0..n.min(*count))
+                .map(|k| {
+                    // SAFETY: slot `k` is `size` bytes at offset `k * size` inside the
+                    // allocation of `count * size` bytes owned by `self`; slots do not overlap,
+                    // and `self` stays mutably borrowed while the buffers live.
+                    unsafe { RecvBuf::from_raw(mem.ptr() + (k * *size) as u64, *size) }
+                })
+                .collect(),
+        }
+    }
+
+    /// Slot `k`'s contents, copied to the host.
+    pub fn read(&self, k: usize) -> R<Vec<u8>> {
+        match self {
+            Ring::Host(v) => v
+                .get(k)
+                .cloned()
+                .ok_or_else(|| format!("no receive slot {k}")),
+            Ring::Dev { mem, size, count } => {
+                if k >= *count {
+                    return Err(format!("no receive slot {k}"));
+                }
+                let mut out = vec![0u8; *size];
+                mem.copy_to_host(k * *size, &mut out)
+                    .map_err(|e| format!("reading receive slot {k} back: {e}"))?;
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// Compare received bytes with what was sent; the error names the first differing byte.
+pub fn verify(what: &str, got: &[u8], want: &[u8]) -> R<()> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: received {} bytes, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: data received wrong at byte {i} of {} (got {:#04x}, sent {:#04x})",
+            want.len(),
+            got[i],
+            want[i]
+        )),
+    }
+}
+
+/// Copy bandwidths measured on streams, in bytes per second.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bounds {
+    /// Message size.
+    pub size: usize,
+    /// Copies timed per bound.
+    pub iters: usize,
+    /// Pinned host -> device of GPU 0 (the staged path's last copy).
+    pub h2d: f64,
+    /// Device of GPU `count - 1` -> pinned host (the staged path's first copy).
+    pub d2h: f64,
+    /// GPU 0 -> GPU 1 peer copy, or why there is none.
+    pub p2p: Result<f64, String>,
+}
+
+/// Measure the copy bounds at `size` bytes: each copy queued `iters` times on one stream
+/// after one untimed copy, timed until the stream is done.
+pub fn measure_bounds(size: usize, iters: usize) -> R<Bounds> {
+    let g0 = Gpu::open(0)?;
+    let size = size.max(1);
+    let iters = iters.max(1);
+    let e = |what: &'static str| move |e: rucx::Error| format!("bounds, {what}: {e}");
+    let host = PinnedHostBuffer::new(g0.ctx, size).map_err(e("pinned host buffer"))?;
+    let dev0 = DeviceBuffer::new(g0.ctx, size).map_err(e("GPU 0 buffer"))?;
+    let timed = |stream: &Stream, dst: u64, src: u64| -> R<f64> {
+        let run = |k: usize| -> R<()> {
+            for _ in 0..k {
+                // SAFETY: `dst` and `src` are live allocations of at least `size` bytes
+                // that outlive this closure, and the stream is synchronized before they can
+                // be dropped.
+                unsafe { rucx_cuda::memcpy_async(dst, src, size, stream) }.map_err(e("copy"))?;
+            }
+            stream.synchronize().map_err(e("stream"))
+        };
+        run(1)?;
+        let t = Instant::now();
+        run(iters)?;
+        Ok((size * iters) as f64 / t.elapsed().as_secs_f64())
+    };
+    let s0 = Stream::new(g0.ctx).map_err(e("stream on GPU 0"))?;
+    let h2d = timed(&s0, dev0.ptr(), host.ptr())?;
+    let last = g0.count - 1;
+    let d2h = if last == 0 {
+        timed(&s0, host.ptr(), dev0.ptr())?
+    } else {
+        let c = g0.driver.context(last).map_err(e("GPU context"))?;
+        let dev = DeviceBuffer::new(c, size).map_err(e("GPU buffer"))?;
+        let s = Stream::new(c).map_err(e("stream"))?;
+        timed(&s, host.ptr(), dev.ptr())?
+    };
+    let p2p = if g0.count < 2 {
+        Err(format!(
+            "needs two GPUs ({} visible)",
+            g0.driver.device_count()
+        ))
+    } else {
+        let c1 = g0.driver.context(1).map_err(e("GPU 1 context"))?;
+        let dev1 = DeviceBuffer::new(c1, size).map_err(e("GPU 1 buffer"))?;
+        let direct = g0.driver.can_access_peer(0, 1).map_err(e("peer query"))?;
+        if direct {
+            g0.ctx.enable_peer_access(c1).map_err(e("peer access"))?;
+        }
+        let r = timed(&s0, dev1.ptr(), dev0.ptr());
+        match (r, direct) {
+            (Ok(v), true) => Ok(v),
+            (Ok(_), false) => Err("GPU 0 cannot access GPU 1 directly (no peer path)".into()),
+            (Err(err), _) => return Err(err),
+        }
+    };
+    g0.ctx.bind().map_err(e("GPU 0 context"))?;
+    Ok(Bounds {
+        size,
+        iters,
+        h2d,
+        d2h,
+        p2p,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_names_the_reason() {
+        let e = rucx::Error::Unavailable {
+            component: "cuda".into(),
+            reason: "no CUDA driver found: libcuda.so could not be loaded".into(),
+        };
+        assert_eq!(
+            no_driver(&e),
+            "-m cuda needs a CUDA driver: no CUDA driver found: libcuda.so could not be loaded"
+        );
+        let err = Gpu::open_with(Err(e), 1).unwrap_err();
+        assert!(err.starts_with("-m cuda needs a CUDA driver: no CUDA driver found"));
+    }
+
+    #[test]
+    fn this_machine_opens_a_gpu_or_says_why_not() {
+        // Without a driver (this machine, CI) the real error carries the loader's reason;
+        // with one (the GPU machine) rank 1 lands on GPU 1 % count.
+        match rucx_cuda::driver() {
+            Err(e) => {
+                let reason = match &e {
+                    rucx::Error::Unavailable { reason, .. } => reason.clone(),
+                    o => o.to_string(),
+                };
+                let err = Gpu::open(1).unwrap_err();
+                assert_eq!(err, format!("-m cuda needs a CUDA driver: {reason}"));
+                let err = gpu_for((MemoryType::Host, MemoryType::Cuda), 0).unwrap_err();
+                assert!(err.starts_with("-m cuda needs a CUDA driver: "), "{err}");
+            }
+            Ok(d) => {
+                let g = Gpu::open(1).unwrap();
+                assert_eq!(g.ordinal, 1 % d.device_count());
+            }
+        }
+        assert!(
+            gpu_for((MemoryType::Host, MemoryType::Host), 0)
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn host_buffers_and_rings() {
+        let b = Buf::filled(MemoryType::Host, None, &[1, 2, 3]).unwrap();
+        assert_eq!(b.read().unwrap(), vec![1, 2, 3]);
+        assert_eq!(b.send_buf().len(), 3);
+        let mut r = Buf::touched(MemoryType::Host, None, 4).unwrap();
+        assert_eq!(r.recv_buf().len(), 4);
+        assert_eq!(r.read().unwrap(), vec![0xee, 0xee, 0xee, 0]);
+        let mut ring = Ring::new(MemoryType::Host, None, 8, 3).unwrap();
+        assert_eq!(ring.slots(2).len(), 2);
+        assert_eq!(ring.slots(9).len(), 3);
+        assert_eq!(ring.read(2).unwrap().len(), 8);
+        assert!(ring.read(3).is_err());
+        // Asking for GPU memory without a GPU is an error, not a panic.
+        let e = Buf::touched(MemoryType::Cuda, None, 4).unwrap_err();
+        assert!(e.contains("no GPU opened"), "{e}");
+    }
+
+    #[test]
+    fn verify_names_the_first_bad_byte() {
+        assert!(verify("x", &[1, 2], &[1, 2]).is_ok());
+        let e = verify("tag_bw", &[1, 9, 3], &[1, 2, 3]).unwrap_err();
+        assert!(e.contains("at byte 1 of 3"), "{e}");
+        assert!(verify("x", &[1], &[1, 2]).unwrap_err().contains("1 bytes"));
+    }
+}
