@@ -149,10 +149,19 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
             std::env::var("RUCX_TLS").unwrap_or_else(|_| "(all)".into()),
         ),
     ];
-    m.extend(run::describe(job, &opts.sizes));
+    let gpu = mem::gpu_for(opts.mem, 1).ok().flatten();
+    for (k, v) in run::describe(job, &opts.sizes) {
+        // The size table is host memory's; GPU buffers take the path below.
+        let k = if gpu.is_some() && k == "Tag protocols" {
+            "Host protocols"
+        } else {
+            k
+        };
+        m.push((k, v));
+    }
     m.push(("Send memory", opts.mem.0.to_string()));
     m.push(("Recv memory", opts.mem.1.to_string()));
-    if let Ok(Some(g)) = mem::gpu_for(opts.mem, 1) {
+    if let Some(g) = gpu {
         m.push((
             "GPUs",
             format!(
@@ -161,8 +170,35 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
                 g.describe()
             ),
         ));
+        if let Ok(paths) = job.worker().path_query(job.ep(0), Some(g.ordinal)) {
+            let want = [opts.mem, (opts.mem.1, opts.mem.0)];
+            let lines: Vec<String> = paths
+                .iter()
+                .filter(|p| want.contains(&(p.send_mem, p.recv_mem)))
+                .map(|p| p.to_string())
+                .collect();
+            if !lines.is_empty() {
+                m.push(("GPU path", lines.join("; ")));
+            }
+        }
     }
     m
+}
+
+/// With GPU memory: the protocols the client's requests took (counters of its worker), one
+/// line, or `None` for host memory.
+fn protocols_used(job: &Job, opts: &Options) -> Option<String> {
+    if !mem::needs_gpu(opts.mem) {
+        return None;
+    }
+    let c = job.worker().counters();
+    Some(format!(
+        "Protocols used by the client: {}",
+        c.iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
 }
 
 /// The bound lines of `--bounds`: the measured bandwidth (`f`, the largest size) against
@@ -258,6 +294,9 @@ fn client_body(job: &Job, opts: &Options) -> R<()> {
     run::client_quit(job)?;
     if opts.format == Format::Table {
         println!("{}", report::table_footer());
+        if let Some(l) = protocols_used(job, opts) {
+            println!("{l}");
+        }
     }
     let bounds = if opts.bounds {
         bounds_report(opts, &all)?
