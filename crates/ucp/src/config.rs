@@ -32,6 +32,13 @@ pub static CONFIG: &[OptionSpec] = &[
         help: "Largest single zero-copy operation of a rendezvous transfer.",
     },
     OptionSpec {
+        name: "RNDV_SPLIT_THRESH",
+        kind: OptKind::MemUnits,
+        default: "256K",
+        help: "Rendezvous reads of at least this size are split: the receiver reads the first half \
+               while the sender writes the second, so both sides copy at once (inf: never).",
+    },
+    OptionSpec {
         name: "RNDV_FRAG_COUNT",
         kind: OptKind::Uint,
         default: "8",

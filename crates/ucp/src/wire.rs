@@ -119,6 +119,8 @@ pub enum Msg<'a> {
         rreq: u64,
         addr: u64,
         size: u64,
+        /// With a key: the sender writes bytes `offset..size` (the receiver reads the rest).
+        offset: u64,
         keys: Vec<NamedKey>,
     },
     /// Streamed rendezvous data.
@@ -269,14 +271,21 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                 let rreq = r.u64()?;
                 let addr = r.u64()?;
                 let size = r.u64()?;
+                let offset = r.u64()?;
                 let keys = keys(&mut r)?;
                 r.finish()?;
+                if offset > size {
+                    return Err(Error::InvalidAddress(format!(
+                        "offset {offset} past size {size}"
+                    )));
+                }
                 Msg::Rtr {
                     src,
                     sreq,
                     rreq,
                     addr,
                     size,
+                    offset,
                     keys,
                 }
             }

@@ -197,6 +197,8 @@ struct SendState {
     dev: Option<u32>,
     /// Staging pipeline (GPU memory sent through host fragments).
     stage: Option<StageSend>,
+    /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
+    split_left: u8,
 }
 
 /// Sender side of a staged pipeline.
@@ -232,6 +234,12 @@ struct RndvRecv {
     get: Option<(usize, u64, RemoteKey, usize)>,
     /// Bytes of reads posted.
     posted: usize,
+    /// Reads cover `0..get_end` (`want` unless split with the sender's writes).
+    get_end: usize,
+    /// Split rendezvous: the sender writes `get_end..want`; set until its finish message.
+    fin_pending: bool,
+    /// The reads are complete (split rendezvous waiting for the finish message).
+    gets_done: bool,
 }
 
 struct RecvState {
@@ -401,6 +409,8 @@ pub(crate) struct State {
     am_inbox: Vec<AmMessage>,
     proto_info: bool,
     frag: usize,
+    /// Rendezvous reads at least this large are split with the sender's writes.
+    split_thresh: usize,
     /// Protocol counters, by static name (a handful; a linear scan beats a map).
     counters: Vec<(&'static str, u64)>,
     closing: bool,
@@ -547,6 +557,14 @@ impl Worker {
                 proto_info: cfg.bool("PROTO_INFO"),
                 frag,
                 counters: Vec::new(),
+                // An explicit RUCX_RNDV_SCHEME is honoured as is: splitting is part of "auto".
+                split_thresh: if cfg.string("RNDV_SCHEME") == "auto" {
+                    cfg.mem_units("RNDV_SPLIT_THRESH")
+                        .resolve(256 << 10)
+                        .min(usize::MAX as u64) as usize
+                } else {
+                    usize::MAX
+                },
                 closing: false,
                 copy,
                 staging: None,
@@ -914,6 +932,7 @@ impl Worker {
                         mem: MemoryType::Host,
                         dev: None,
                         stage: None,
+                        split_left: 0,
                     }));
                     st.count("eager through a pinned bounce buffer");
                     // Eager protocols copy the bytes out before returning.
@@ -962,6 +981,7 @@ impl Worker {
             mem,
             dev,
             stage: None,
+            split_left: 0,
         }));
         st.start_send(id);
         Ok(Posted::Pending(id))
@@ -1843,7 +1863,7 @@ impl State {
         if !rv.via_get {
             return Ok(true);
         }
-        let (p, want, sreq) = (rv.peer, rv.want, rv.sreq);
+        let (p, want, sreq) = (rv.peer, rv.get_end, rv.sreq);
         let mut off = rv.posted;
         // GPU zero-copy lanes move the whole buffer in one operation; host lanes in fragments.
         let frag = if Some(lane) == self.peers[p].rma_cuda {
@@ -1891,10 +1911,46 @@ impl State {
             }
         }
         if self.reqs[&rid].outstanding == 0 {
-            self.send_ats(p, sreq);
-            self.complete_recv(rid);
+            self.gets_finished(rid, p, sreq);
         }
         Ok(true)
+    }
+
+    /// The reads of a rendezvous receive are complete: tell the sender; finish unless the
+    /// sender still writes the tail (split).
+    fn gets_finished(&mut self, rid: u64, p: usize, sreq: u64) {
+        self.send_ats(p, sreq);
+        if let Some(Req {
+            kind: ReqKind::Recv(RecvState { rndv: Some(rv), .. }),
+            ..
+        }) = self.reqs.get_mut(&rid)
+            && rv.fin_pending
+        {
+            rv.gets_done = true;
+            return;
+        }
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.received = rs.total.min(rs.cap);
+        }
+        self.complete_recv(rid);
+    }
+
+    /// One of the two halves of a split send is done; true when the send may finish.
+    fn split_step(&mut self, id: u64) -> bool {
+        match self.reqs.get_mut(&id) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                ..
+            }) if s.split_left > 0 => {
+                s.split_left -= 1;
+                s.split_left == 0
+            }
+            _ => true,
+        }
     }
 
     fn send_ats(&mut self, p: usize, sreq: u64) {
@@ -1916,6 +1972,17 @@ impl State {
         };
         rs.received = 0;
         let Some(rv) = &mut rs.rndv else { return };
+        if rv.fin_pending || rv.gets_done {
+            // The sender is writing the tail into our buffer: streaming the whole message now
+            // could race with those writes. Fail rather than risk a mixed buffer.
+            self.finish(
+                rid,
+                Err(Error::Internal(
+                    "the read half of a split rendezvous failed; the message is lost".into(),
+                )),
+            );
+            return;
+        }
         rv.via_get = false;
         rv.get = None;
         let (p, sreq) = (rv.peer, rv.sreq);
@@ -2076,6 +2143,9 @@ impl State {
         let mut b = Vec::new();
         wire::put_u64s(&mut b, &[self.address.uuid, rreq]);
         self.queue_ctrl(p, wire::AM_RNDV_FIN, b);
+        if !self.split_step(id) {
+            return;
+        }
         self.finish(
             id,
             Ok(Completion {
@@ -2145,11 +2215,10 @@ impl State {
                 }
             }
             ReqKind::Recv(RecvState { rndv: Some(rv), .. })
-                if rv.via_get && rv.posted >= rv.want =>
+                if rv.via_get && rv.posted >= rv.get_end && !rv.gets_done =>
             {
                 let (peer, sreq) = (rv.peer, rv.sreq);
-                self.send_ats(peer, sreq);
-                self.complete_recv(id);
+                self.gets_finished(id, peer, sreq);
             }
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;
@@ -2334,6 +2403,9 @@ impl State {
                 }) = self.reqs.get(&sreq)
                 {
                     let (len, tag) = (s.len, s.tag);
+                    if ok && !self.split_step(sreq) {
+                        return Ok(());
+                    }
                     let res = if ok {
                         Ok(Completion {
                             len,
@@ -2352,10 +2424,11 @@ impl State {
                 rreq,
                 addr,
                 size,
+                offset,
                 keys,
             } => {
                 let p = self.src_peer(src)?;
-                self.on_rtr(p, sreq, rreq, addr, size as usize, keys);
+                self.on_rtr(p, sreq, rreq, addr, size as usize, offset as usize, keys);
             }
             Msg::RndvData {
                 src,
@@ -2374,6 +2447,15 @@ impl State {
                     ..
                 }) = self.reqs.get_mut(&rreq)
                 {
+                    if let Some(rv) = &mut rs.rndv
+                        && rv.fin_pending
+                    {
+                        // Split: the tail is written; finish once our reads are done too.
+                        rv.fin_pending = false;
+                        if !rv.gets_done {
+                            return Ok(());
+                        }
+                    }
                     rs.received = rs.total.min(rs.cap);
                 }
                 self.complete_recv(rreq);
@@ -2603,6 +2685,9 @@ impl State {
                 via_get: false,
                 get: None,
                 posted: 0,
+                get_end: want,
+                fin_pending: false,
+                gets_done: false,
             });
         }
         if self.peers[p].failed.is_some() {
@@ -2641,13 +2726,39 @@ impl State {
                 match self.ctx.register(md, region) {
                     Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
                         Ok(rkey) => {
+                            // Large messages: read the head while the sender writes the tail,
+                            // so both sides' cores copy.
+                            let split_at = (want / 2) & !4095;
+                            let split_key = if want >= self.split_thresh
+                                && split_at > 0
+                                && self.slots[lane].attr.has(IfaceCaps::PUT_ZCOPY)
+                            {
+                                self.ctx.domain(md).mkey_pack(g.registration()).ok()
+                            } else {
+                                None
+                            };
                             let r = self.reqs.get_mut(&rid).expect("req");
                             r.guards.push(g);
                             if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
                                 rv.via_get = true;
                                 rv.get = Some((lane, addr, rkey, raddr));
+                                if split_key.is_some() {
+                                    rv.get_end = split_at;
+                                    rv.fin_pending = true;
+                                }
                             }
-                            self.count("rendezvous receive by read");
+                            if let Some(k) = split_key {
+                                let key = NamedKey {
+                                    md: self.ctx.domain(md).name().to_string(),
+                                    key: k,
+                                };
+                                self.send_rtr(p, sreq, rid, Some((raddr as u64, split_at, key)));
+                                self.count(
+                                    "rendezvous receive split: read head, remote writes tail",
+                                );
+                            } else {
+                                self.count("rendezvous receive by read");
+                            }
                             self.peers[p].queue.push_back(Pending::Stream(rid));
                             self.pump(p);
                             return;
@@ -2678,7 +2789,7 @@ impl State {
                                 key: k,
                             };
                             self.count("rendezvous receive by remote write");
-                            self.send_rtr(p, sreq, rid, Some((raddr as u64, want, key)));
+                            self.send_rtr(p, sreq, rid, Some((raddr as u64, 0, key)));
                             self.pump(p);
                             return;
                         }
@@ -2703,11 +2814,14 @@ impl State {
             _ => 0,
         };
         let mut b = Vec::new();
-        let (addr, keys) = match put {
-            Some((a, _, k)) => (a, vec![k]),
-            None => (0, Vec::new()),
+        let (addr, offset, keys) = match put {
+            Some((a, off, k)) => (a, off as u64, vec![k]),
+            None => (0, 0, Vec::new()),
         };
-        wire::put_u64s(&mut b, &[self.address.uuid, sreq, rreq, addr, want as u64]);
+        wire::put_u64s(
+            &mut b,
+            &[self.address.uuid, sreq, rreq, addr, want as u64, offset],
+        );
         wire::put_keys(&mut b, &keys);
         self.queue_ctrl(p, wire::AM_RNDV_RTR, b);
     }
@@ -2719,6 +2833,7 @@ impl State {
         rreq: u64,
         addr: u64,
         size: usize,
+        offset: usize,
         keys: Vec<NamedKey>,
     ) {
         let Some(Req {
@@ -2744,6 +2859,8 @@ impl State {
         s.len = s.len.min(size);
         s.posted = 0;
         s.wait = SendWait::Posting;
+        // Split: the receiver reads the head itself; we write the tail.
+        let split = !keys.is_empty() && offset > 0 && offset < s.len;
         // Put: the receiver gave us its key; write with our own registration.
         if let Some(k) = keys.first()
             && let Some(lane) = self.peers[p].rma
@@ -2763,6 +2880,10 @@ impl State {
                     }) = self.reqs.get_mut(&sreq)
                     {
                         s.put = Some((addr, rkey));
+                        if split {
+                            s.posted = offset;
+                            s.split_left = 2;
+                        }
                     }
                 }
                 (Err(e), _) => {
@@ -3325,6 +3446,9 @@ impl State {
                 via_get: false,
                 get: None,
                 posted: 0,
+                get_end: want,
+                fin_pending: false,
+                gets_done: false,
             });
         }
         if let Some(reason) = self.peers[p].failed.clone() {
@@ -3701,6 +3825,32 @@ impl State {
         } else {
             self.peers[p].queue.push_back(Pending::Stream(sreq));
             self.pump(p);
+        }
+        // A fragment came free: every staged send still waiting for one may go on (not only
+        // this one, which may just have finished).
+        let waiting: Vec<(usize, u64)> = self
+            .reqs
+            .iter()
+            .filter_map(|(id, r)| match &r.kind {
+                ReqKind::Send(s)
+                    if r.result.is_none()
+                        && *id != sreq
+                        && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
+                {
+                    Some((s.peer, *id))
+                }
+                _ => None,
+            })
+            .collect();
+        for (q, id) in waiting {
+            if !self.peers[q]
+                .queue
+                .iter()
+                .any(|x| matches!(x, Pending::Stream(y) if *y == id))
+            {
+                self.peers[q].queue.push_back(Pending::Stream(id));
+            }
+            self.pump(q);
         }
     }
 

@@ -43,6 +43,11 @@ fn exchange_all_sizes(w: &Worker) {
 fn every_size_default_protocols() {
     let w = worker(&[]);
     exchange_all_sizes(&w);
+    let c = w.counters();
+    assert!(
+        c.keys().any(|k| k.contains("split")),
+        "large messages are split: {c:?}"
+    );
     let table = w.proto_info(w.connect(&w.address()).unwrap()).unwrap();
     assert!(
         table.contains("eager short") && table.contains("rendezvous"),
