@@ -2826,6 +2826,7 @@ impl State {
         self.queue_ctrl(p, wire::AM_RNDV_RTR, b);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn on_rtr(
         &mut self,
         p: usize,
