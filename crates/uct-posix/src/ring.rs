@@ -24,9 +24,9 @@
 //! Bounded-queue sequencing per cell, with the claim recorded in the cell. Cell `i` starts
 //! with `seq = i` and `writer = 0`. A producer reads `pos = head`; the cell `pos % count` is free
 //! for it when `seq == pos`. It claims the cell by a compare-and-swap of the cell's `writer`
-//! from 0 to its pid, checks `seq == pos` again (else it gives the claim back and retries), then
-//! advances `head` to `pos + 1`, writes the data and the meta word, and publishes with
-//! `seq = pos + 1` (release). A cell with `seq < pos` still holds an unconsumed message from the
+//! from 0 to its pid, then checks `seq == pos` (else it gives the claim back and retries, or
+//! reports a full ring), advances `head` to `pos + 1`, writes the data and the meta word, and
+//! publishes with `seq = pos + 1` (release). A cell with `seq < pos` still holds an unconsumed message from the
 //! previous lap: the ring is full and the producer returns `NoResource` (it never waits and never
 //! overwrites). The consumer keeps its own `tail`; the cell at `tail` is ready when
 //! `seq == tail + 1` (acquire); after handing the data out it frees the cell for the next lap
@@ -284,37 +284,40 @@ impl Ring {
         for _ in 0..CLAIM_ATTEMPTS {
             let pos = head.load(Ordering::Acquire);
             let off = self.cell_off(pos);
-            let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
-            let diff = seq.wrapping_sub(pos) as i64;
-            if diff < 0 {
-                return Ok(None);
-            }
-            if diff > 0 {
-                continue; // `head` moved on since we read it
-            }
+            let seq = self.u64_at(off + C_SEQ);
             let writer = self.u32_at(off + C_WRITER);
+            // Claim first (one exclusive access to the cell's line), look afterwards.
             if writer
                 .compare_exchange(0, self.my_pid, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
             {
+                // Held: an unconsumed message of the previous lap (full), or another producer
+                // claiming it right now.
+                if (seq.load(Ordering::Acquire).wrapping_sub(pos) as i64) < 0 {
+                    return Ok(None);
+                }
                 std::hint::spin_loop();
-                continue; // another producer is claiming this cell
+                continue;
             }
-            // Claimed. Still free for `pos`? Then nobody can have moved `head` past `pos`.
-            if self.u64_at(off + C_SEQ).load(Ordering::Acquire) != pos
-                || head
+            // Claimed. Free for `pos`? Then nobody can have moved `head` past `pos`.
+            let diff = seq.load(Ordering::Acquire).wrapping_sub(pos) as i64;
+            if diff == 0
+                && head
                     .compare_exchange(
                         pos,
                         pos.wrapping_add(1),
                         Ordering::AcqRel,
                         Ordering::Relaxed,
                     )
-                    .is_err()
+                    .is_ok()
             {
-                writer.store(0, Ordering::Release);
-                continue;
+                return self.fill_claimed(pos, off, fill).map(Some);
             }
-            return self.fill_claimed(pos, off, fill).map(Some);
+            // Free for a later lap (our `head` was stale) or not ours: give it back.
+            writer.store(0, Ordering::Release);
+            if diff < 0 {
+                return Ok(None);
+            }
         }
         Ok(None)
     }
