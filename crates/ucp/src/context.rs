@@ -70,6 +70,9 @@ pub(crate) struct CtxInner {
     domains: Vec<DomainSlot>,
     pub(crate) unavailable: Vec<(String, String)>,
     demotions: Mutex<Vec<Demotion>>,
+    /// GPU registrations by (domain, address, length), reused only while the domain confirms
+    /// the allocation is unchanged (`MemoryDomain::mem_still_valid`).
+    gpu_regs: Mutex<std::collections::HashMap<(usize, usize, usize), MemHandle>>,
     warned: Mutex<HashSet<(String, MemoryType, Option<u32>)>>,
     epoch: AtomicU64,
 }
@@ -110,6 +113,7 @@ impl Context {
                 domains,
                 unavailable: d.unavailable,
                 demotions: Mutex::new(Vec::new()),
+                gpu_regs: Mutex::new(std::collections::HashMap::new()),
                 warned: Mutex::new(HashSet::new()),
                 epoch: AtomicU64::new(0),
             }),
@@ -223,9 +227,29 @@ impl Context {
         let gpu = region.mem_type.is_gpu();
         let reg = |r: MemRegion| -> Result<RegGuard> {
             if gpu {
+                let key = (i, r.addr, r.len);
+                let mut regs = self
+                    .inner
+                    .gpu_regs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if let Some(h) = regs.get(&key) {
+                    if slot.md.mem_still_valid(h) {
+                        return Ok(RegGuard::Direct(h.clone()));
+                    }
+                    regs.remove(&key);
+                }
                 // SAFETY: callers register only buffers that the request API keeps alive until
-                // the request is finished, and drop this handle with the request.
-                return unsafe { slot.md.mem_reg(r) }.map(RegGuard::Direct);
+                // the request is finished; a kept handle is reused only after the domain has
+                // confirmed the allocation is still the same.
+                let h = unsafe { slot.md.mem_reg(r) }?;
+                if slot.md.mem_still_valid(&h) {
+                    if regs.len() >= 256 {
+                        regs.clear();
+                    }
+                    regs.insert(key, h.clone());
+                }
+                return Ok(RegGuard::Direct(h));
             }
             slot.rcache
                 .get(r.addr, r.len.max(1), |start, len| {

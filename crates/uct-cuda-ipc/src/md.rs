@@ -356,6 +356,20 @@ impl MemoryDomain for CudaIpcMd {
         Ok(MemHandle::new(region, NAME, Arc::new(IpcReg { key })))
     }
 
+    fn mem_still_valid(&self, memh: &MemHandle) -> bool {
+        // The same allocation (CUDA's buffer id, uncached) still holds the registered range.
+        let Some(reg) = memh.inner::<IpcReg>() else {
+            return false;
+        };
+        let r = memh.region();
+        match rucx_cuda::pointer::classify_uncached(r.addr, r.len) {
+            Ok(info) => {
+                info.buffer_id == reg.key.buffer_id && info.base as u64 == reg.key.alloc_base
+            }
+            Err(_) => false,
+        }
+    }
+
     fn mkey_pack(&self, memh: &MemHandle) -> Result<Vec<u8>> {
         let reg = memh.inner::<IpcReg>().ok_or_else(|| {
             Error::InvalidParam(format!("handle from {} given to {NAME}", memh.domain()))

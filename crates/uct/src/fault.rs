@@ -323,6 +323,10 @@ impl MemoryDomain for FaultInjectingMd {
         self.inner.detect_mem_type(addr, len)
     }
 
+    fn mem_still_valid(&self, memh: &MemHandle) -> bool {
+        self.inner.mem_still_valid(memh)
+    }
+
     fn mem_alloc_shared(&self, len: usize) -> Result<Option<crate::md::SharedAlloc>> {
         self.inner.mem_alloc_shared(len)
     }

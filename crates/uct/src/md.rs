@@ -245,6 +245,14 @@ pub trait MemoryDomain: Send + Sync + fmt::Debug {
     /// Unpack a peer's remote key, validating every field; garbage is an error, never a crash.
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey>;
 
+    /// Whether an earlier registration still describes the same memory (its allocation was not
+    /// freed and replaced at the same address). `false` means "cannot tell", and callers do not
+    /// reuse the handle; domains that can check cheaply (a GPU allocation's identity) say `true`
+    /// for handles that are still good.
+    fn mem_still_valid(&self, _memh: &MemHandle) -> bool {
+        false
+    }
+
     /// Allocate `len` bytes of host memory that peers on this host can map through
     /// [`rkey_ptr`](Self::rkey_ptr) (e.g. a shared-memory segment), registered with this
     /// domain. `Ok(None)`: the domain cannot.
