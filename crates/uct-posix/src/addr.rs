@@ -147,6 +147,9 @@ pub struct ShmInfo {
     pub seg_base: u64,
     /// Segment length.
     pub seg_len: u64,
+    /// FNV-1a of the segment's `/proc/<pid>/fd/<fd>` link: checked before mapping, so a reused
+    /// descriptor number never maps another file.
+    pub tag: u64,
 }
 
 /// Envelope name of keys of shared segments.
@@ -173,7 +176,7 @@ impl RkeyData {
         for v in [u64::from(self.pid), self.token, self.base, self.len] {
             p.extend_from_slice(&v.to_le_bytes());
         }
-        for v in [u64::from(shm.fd), shm.seg_base, shm.seg_len] {
+        for v in [u64::from(shm.fd), shm.seg_base, shm.seg_len, shm.tag] {
             p.extend_from_slice(&v.to_le_bytes());
         }
         rkey::pack(SHM_KEY, &p)
@@ -188,12 +191,12 @@ impl RkeyData {
             reason,
         };
         let mut r = Reader::new(p, "posix shared-segment key");
-        let mut v = [0u64; 7];
+        let mut v = [0u64; 8];
         for x in &mut v {
             *x = r.u64().map_err(|e| bad(e.to_string()))?;
         }
         r.finish().map_err(|e| bad(e.to_string()))?;
-        let [pid, token, base, len, fd, seg_base, seg_len] = v;
+        let [pid, token, base, len, fd, seg_base, seg_len, tag] = v;
         if pid == 0 || pid > i32::MAX as u64 || fd > i32::MAX as u64 {
             return Err(bad(format!("bad pid {pid} or descriptor {fd}")));
         }
@@ -215,6 +218,7 @@ impl RkeyData {
                 fd: fd as u32,
                 seg_base,
                 seg_len,
+                tag,
             }),
         })
     }

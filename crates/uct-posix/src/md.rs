@@ -26,6 +26,18 @@ pub struct PosixMemh;
 pub struct PosixShared {
     map: memmap2::MmapMut,
     file: File,
+    tag: u64,
+}
+
+/// FNV-1a 64 of what `/proc/<pid>/fd/<fd>` points to (the segment's unique name).
+fn fd_link_tag(pid: u32, fd: u32) -> std::io::Result<u64> {
+    let link = std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in link.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    Ok(h)
 }
 
 /// The posix memory domain.
@@ -183,6 +195,7 @@ impl MemoryDomain for PosixMd {
                 fd: sys::raw_fd(&sh.file) as u32,
                 seg_base: sh.map.as_ptr() as u64,
                 seg_len: sh.map.len() as u64,
+                tag: sh.tag,
             }));
         }
         if memh.inner::<PosixMemh>().is_none() {
@@ -220,10 +233,12 @@ impl MemoryDomain for PosixMd {
         let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }
             .map_err(|e| Error::io(format!("posix: mapping a {len}-byte shared segment"), e))?;
         let addr = map.as_ptr() as usize;
+        let tag = fd_link_tag(sys::my_pid(), sys::raw_fd(&file) as u32)
+            .map_err(|e| Error::io("posix: naming a shared segment", e))?;
         let memh = MemHandle::new(
             MemRegion::host(addr, len),
             NAME,
-            Arc::new(PosixShared { map, file }),
+            Arc::new(PosixShared { map, file, tag }),
         );
         Ok(Some(SharedAlloc { addr, len, memh }))
     }
@@ -248,6 +263,16 @@ impl MemoryDomain for PosixMd {
                     shm.fd
                 ),
             })?;
+            // The descriptor must still be the segment the key was made for.
+            if fd_link_tag(k.pid, shm.fd).unwrap_or(0) != shm.tag {
+                return Err(Error::InvalidRkey {
+                    domain: NAME.into(),
+                    reason: format!(
+                        "descriptor {} of process {} is no longer the shared segment of this key",
+                        shm.fd, k.pid
+                    ),
+                });
+            }
             let size = file.metadata().map(|m| m.len()).unwrap_or(0);
             if size < shm.seg_len {
                 return Err(Error::InvalidRkey {
