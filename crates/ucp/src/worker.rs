@@ -242,6 +242,23 @@ struct RndvRecv {
     gets_done: bool,
 }
 
+impl RndvRecv {
+    /// A rendezvous receive of `want` bytes from peer `p`'s send request `sreq`.
+    fn new(peer: usize, sreq: u64, want: usize) -> Self {
+        RndvRecv {
+            peer,
+            sreq,
+            want,
+            via_get: false,
+            get: None,
+            posted: 0,
+            get_end: want,
+            fin_pending: false,
+            gets_done: false,
+        }
+    }
+}
+
 struct RecvState {
     addr: usize,
     cap: usize,
@@ -2678,17 +2695,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(RndvRecv {
-                peer: p,
-                sreq,
-                want,
-                via_get: false,
-                get: None,
-                posted: 0,
-                get_end: want,
-                fin_pending: false,
-                gets_done: false,
-            });
+            rs.rndv = Some(RndvRecv::new(p, sreq, want));
         }
         if self.peers[p].failed.is_some() {
             let reason = self.peers[p].failed.clone().unwrap_or_default();
@@ -3440,17 +3447,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(RndvRecv {
-                peer: p,
-                sreq,
-                want,
-                via_get: false,
-                get: None,
-                posted: 0,
-                get_end: want,
-                fin_pending: false,
-                gets_done: false,
-            });
+            rs.rndv = Some(RndvRecv::new(p, sreq, want));
         }
         if let Some(reason) = self.peers[p].failed.clone() {
             let peer = self.peers[p].remote.describe();
