@@ -2275,11 +2275,7 @@ impl State {
                     data: Vec::new(),
                 };
                 match self.matcher.arrive(tag, u) {
-                    Some((rid, _)) => {
-                        self.recv_begin(rid, p, tag, data.len());
-                        self.recv_data(rid, 0, data);
-                        self.recv_complete(rid);
-                    }
+                    Some((rid, _)) => self.deliver_whole(rid, p, tag, data),
                     None => {
                         // Store the data in the queued entry.
                         if let Some(Unexp::Eager { data: d, .. }) =
@@ -2589,6 +2585,50 @@ impl State {
                     self.rndv_recv(rid, src, sreq, size, addr, keys);
                 }
             }
+        }
+    }
+
+    /// A whole eager message matched a posted receive: copy it and finish the receive with one
+    /// lookup of the request (the common small-message path).
+    fn deliver_whole(&mut self, rid: u64, src: usize, tag: Tag, data: &[u8]) {
+        let gpu = match self.reqs.get_mut(&rid) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result,
+                ..
+            }) if result.is_none() => {
+                rs.sender = Some(src);
+                rs.tag = tag;
+                rs.total = data.len();
+                if rs.mem.is_gpu() {
+                    true
+                } else {
+                    let n = data.len().min(rs.cap);
+                    // SAFETY: the receive buffer was lent mutably to the scope, which keeps it
+                    // alive and unaliased until the request is finished; `n <= cap`.
+                    let dst = unsafe { host_slice_mut(rs.addr, n) };
+                    dst.copy_from_slice(&data[..n]);
+                    rs.received = data.len();
+                    *result = Some(if data.len() > rs.cap {
+                        Err(Error::Truncated {
+                            incoming: data.len(),
+                            capacity: rs.cap,
+                        })
+                    } else {
+                        Ok(Completion {
+                            len: data.len(),
+                            tag,
+                            sender: Some(EpId(src)),
+                        })
+                    });
+                    false
+                }
+            }
+            _ => return,
+        };
+        if gpu {
+            self.recv_data(rid, 0, data);
+            self.recv_complete(rid);
         }
     }
 
