@@ -1,0 +1,988 @@
+//! GPU memory: the zero-copy GPU lane, the staged pipeline through pinned host fragments (with
+//! shared-memory staging on one host), the memory-type copy lane and small-message bounce buffers.
+
+use super::*;
+impl State {
+    /// The send protocol for GPU memory: zero-copy read through a lane whose domain registers
+    /// GPU memory (cuda_ipc), else the staged pipeline.
+    pub(super) fn gpu_send_proto(
+        &mut self,
+        p: usize,
+        mem: MemoryType,
+        dev: Option<u32>,
+    ) -> Result<Proto> {
+        if let Some(l) = self.peers[p].rma_cuda
+            && self.ctx.can_register(self.slots[l].md, mem, dev)
+        {
+            return Ok(Proto::RndvGet);
+        }
+        if self.copy.is_none() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "sending {mem} memory to {}",
+                    self.peers[p].remote.describe()
+                ),
+                why: "no zero-copy path reaches it and no copy transport (cuda_copy) is open to \
+                      stage through host memory; check RUCX_TLS and `rucx-info -d`"
+                    .into(),
+            });
+        }
+        Ok(Proto::RndvPipeline)
+    }
+
+    pub(super) fn copy_md(&self) -> Option<usize> {
+        self.copy.as_ref().map(|(i, _)| self.slots[*i].md)
+    }
+
+    /// Register a user buffer with the copy lane's domain and make the key the copy lane's
+    /// endpoint needs to reach it.
+    pub(super) fn copy_key(
+        &self,
+        addr: usize,
+        len: usize,
+        mem: MemoryType,
+        dev: Option<u32>,
+    ) -> Result<(MemHandle, RemoteKey)> {
+        let mi = self.copy_md().ok_or_else(|| Error::Unsupported {
+            what: format!("copying {mem} memory"),
+            why: "no copy transport (cuda_copy) is open".into(),
+        })?;
+        let md = self.ctx.domain(mi);
+        // SAFETY: the buffer belongs to a request of a scope, which keeps it allocated until the
+        // request finished; the handle is dropped with the request.
+        let memh = unsafe {
+            md.mem_reg(MemRegion {
+                addr,
+                len: len.max(1),
+                mem_type: mem,
+                device: dev,
+            })
+        }?;
+        let key = md.rkey_unpack(&md.mkey_pack(&memh)?)?;
+        Ok((memh, key))
+    }
+
+    /// The pinned staging fragments, made on first use.
+    pub(super) fn ensure_staging(&mut self) -> Result<()> {
+        if self.staging.is_some() {
+            return Ok(());
+        }
+        let mi = self.copy_md().ok_or_else(|| Error::Unsupported {
+            what: "staging GPU memory".into(),
+            why: "no copy transport (cuda_copy) is open".into(),
+        })?;
+        let count = self.stage_count;
+        let total = self.frag * count * 2;
+        // Shared memory when a domain offers it: a receiver on this host then copies straight
+        // from our fragments to its GPU (two DMA copies in all, no CPU copy).
+        let mut shared = None;
+        for d in 0..self.ctx.domain_count() {
+            match self.ctx.domain(d).mem_alloc_shared(total) {
+                Ok(Some(a)) => {
+                    shared = Some((d, a));
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!("shared staging from {}: {e}", self.ctx.domain(d).name()),
+            }
+        }
+        let mem = if shared.is_some() {
+            Vec::new()
+        } else {
+            vec![0u8; total]
+        };
+        let base = shared
+            .as_ref()
+            .map_or(mem.as_ptr() as usize, |(_, a)| a.addr);
+        // SAFETY: `mem` is stored in the same `Staging` after this handle (fields drop in
+        // order), so the memory outlives the registration; it is never resized.
+        let copy_memh = unsafe { self.ctx.domain(mi).mem_reg(MemRegion::host(base, total)) }?;
+        self.staging = Some(Staging {
+            copy_memh,
+            rma: FxHashMap::default(),
+            frag: self.frag,
+            free_send: (0..count).rev().collect(),
+            free_recv: (count..2 * count).rev().collect(),
+            base,
+            shared,
+            _mem: mem,
+        });
+        Ok(())
+    }
+
+    /// The staging memory registered with domain `mi`, and its packed key.
+    pub(super) fn staging_reg(&mut self, mi: usize) -> Result<(MemHandle, NamedKey)> {
+        self.ensure_staging()?;
+        let stg = self.staging.as_ref().expect("staging");
+        if let Some((g, k)) = stg.rma.get(&mi) {
+            return Ok((g.registration().clone(), k.clone()));
+        }
+        let total = stg.frag * self.stage_count * 2;
+        if let Some((d, a)) = &stg.shared
+            && *d == mi
+        {
+            let md = self.ctx.domain(mi);
+            let key = NamedKey {
+                md: md.name().to_string(),
+                key: md.mkey_pack(&a.memh)?,
+            };
+            let memh = a.memh.clone();
+            self.staging
+                .as_mut()
+                .expect("staging")
+                .rma
+                .insert(mi, (RegGuard::Direct(memh.clone()), key.clone()));
+            return Ok((memh, key));
+        }
+        let g = self.ctx.register(mi, MemRegion::host(stg.base, total))?;
+        let md = self.ctx.domain(mi);
+        let key = NamedKey {
+            md: md.name().to_string(),
+            key: md.mkey_pack(g.registration())?,
+        };
+        let memh = g.registration().clone();
+        self.staging
+            .as_mut()
+            .expect("staging")
+            .rma
+            .insert(mi, (g, key.clone()));
+        Ok((memh, key))
+    }
+
+    /// Record a posted operation of a pipeline.
+    pub(super) fn post_tok(&mut self, req: u64, token: u64, st: OpStatus, what: TokWhat) {
+        let tok = Tok { req, what };
+        match st {
+            OpStatus::InProgress => {
+                self.tokens.insert(token, tok);
+            }
+            OpStatus::Done => self.done_q.push_back((tok, Ok(()))),
+        }
+    }
+
+    /// A completion arrived (or an operation finished at once).
+    pub(super) fn on_tok(&mut self, tok: Tok, result: Result<()>) {
+        match tok.what {
+            TokWhat::Plain => self.on_completion(tok.req, result),
+            what => {
+                // Give staging fragments back whatever happened.
+                if result.is_err()
+                    && let Some(stg) = self.staging.as_mut()
+                {
+                    match what {
+                        TokWhat::StageD2H { frag, .. } => stg.free_send.push(frag),
+                        TokWhat::PullGet { rfrag: Some(f), .. } | TokWhat::H2D { rfrag: f, .. } => {
+                            stg.free_recv.push(f)
+                        }
+                        _ => {}
+                    }
+                }
+                match result {
+                    Ok(()) => {
+                        if let Err(e) = self.on_pipeline(tok.req, what) {
+                            self.finish(tok.req, Err(e));
+                        }
+                    }
+                    Err(e) => self.finish(tok.req, Err(e)),
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_pipeline(&mut self, id: u64, what: TokWhat) -> Result<()> {
+        match what {
+            TokWhat::Plain => Ok(()),
+            TokWhat::StageD2H { frag, off, len } => {
+                // A fragment is staged: announce it to the receiver.
+                let (p, rreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
+                    Some(ReqKind::Send(SendState {
+                        peer,
+                        stage: Some(st),
+                        ..
+                    })) => (*peer, st.rreq),
+                    _ => {
+                        if let Some(stg) = self.staging.as_mut() {
+                            stg.free_send.push(frag);
+                        }
+                        return Ok(());
+                    }
+                };
+                let lane = self.peers[p].rma.ok_or_else(|| Error::Unsupported {
+                    what: "the staged pipeline".into(),
+                    why: "no transport with remote memory access reaches the receiver".into(),
+                })?;
+                let (_, key) = self.staging_reg(self.slots[lane].md)?;
+                let addr = self.staging.as_ref().expect("staging").addr(frag);
+                let mut b = Vec::new();
+                wire::put_u64s(
+                    &mut b,
+                    &[
+                        self.address.uuid,
+                        rreq,
+                        id,
+                        off as u64,
+                        len as u64,
+                        addr as u64,
+                        frag as u64,
+                    ],
+                );
+                wire::put_keys(&mut b, &[key]);
+                self.queue_ctrl(p, wire::AM_RNDV_FRAG, b);
+                self.pump(p);
+                Ok(())
+            }
+            TokWhat::PullGet {
+                off,
+                len,
+                sfrag,
+                rfrag,
+            } => {
+                let (p, sreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
+                    Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
+                    _ => return Ok(()),
+                };
+                if let Some(sf) = sfrag {
+                    let mut b = Vec::new();
+                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
+                    self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                }
+                match rfrag {
+                    Some(f) => {
+                        // Into the GPU buffer: host staging -> device.
+                        let (addr, key) = match &self.reqs[&id].kind {
+                            ReqKind::Recv(RecvState {
+                                addr,
+                                dev_memh: Some((_, k)),
+                                ..
+                            }) => (*addr, k.clone()),
+                            _ => {
+                                return Err(Error::Internal(
+                                    "GPU receive without its copy key".into(),
+                                ));
+                            }
+                        };
+                        let stg = self.staging.as_ref().expect("staging");
+                        let memh = stg.copy_memh.clone();
+                        let iov = [Iov {
+                            addr: stg.addr(f),
+                            len,
+                            memh: &memh,
+                        }];
+                        let token = self.next_token;
+                        self.next_token += 1;
+                        let ep = &mut self.copy.as_mut().expect("copy lane").1;
+                        let st = loop {
+                            match ep.put_zcopy(&iov, (addr + off) as u64, &key, token) {
+                                Err(e) if e.is_retryable() => std::hint::spin_loop(),
+                                other => break other?,
+                            }
+                        };
+                        self.post_tok(id, token, st, TokWhat::H2D { rfrag: f, len });
+                    }
+                    None => self.chunk_landed(id, len),
+                }
+                self.pump(p);
+                Ok(())
+            }
+            TokWhat::DirectH2D { len, sfrag } => {
+                let (p, sreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
+                    Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
+                    _ => return Ok(()),
+                };
+                if let Some(sf) = sfrag {
+                    let mut b = Vec::new();
+                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
+                    self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                }
+                self.chunk_landed(id, len);
+                self.pump(p);
+                Ok(())
+            }
+            TokWhat::H2D { rfrag, len } => {
+                if let Some(stg) = self.staging.as_mut() {
+                    stg.free_recv.push(rfrag);
+                }
+                self.chunk_landed(id, len);
+                // Chunks that waited for a fragment may go on; so may other receives.
+                let waiting: Vec<(usize, u64)> = self
+                    .reqs
+                    .iter()
+                    .filter_map(|(rid, r)| match &r.kind {
+                        ReqKind::Recv(rs) if r.result.is_none() && !rs.chunks.is_empty() => {
+                            rs.rndv.as_ref().map(|rv| (rv.peer, *rid))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                for (p, rid) in waiting {
+                    if !self.peers[p]
+                        .queue
+                        .iter()
+                        .any(|q| matches!(q, Pending::Stream(x) if *x == rid))
+                    {
+                        self.peers[p].queue.push_back(Pending::Stream(rid));
+                    }
+                    self.pump(p);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Bytes of a chunked receive reached the user buffer; finish when all did.
+    pub(super) fn chunk_landed(&mut self, id: u64, len: usize) {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return;
+        };
+        rs.landed += len;
+        rs.received = rs.landed;
+        let want = rs.rndv.as_ref().map_or(rs.total, |r| r.want);
+        if rs.landed >= want && rs.chunks.is_empty() {
+            let (pull, p, sreq) = (
+                rs.pull,
+                rs.rndv.as_ref().map(|r| r.peer),
+                rs.rndv.as_ref().map(|r| r.sreq),
+            );
+            if !pull && let (Some(p), Some(sreq)) = (p, sreq) {
+                self.send_ats(p, sreq);
+                self.pump(p);
+            }
+            self.complete_recv(id);
+        }
+    }
+
+    /// A rendezvous that involves GPU memory on either side.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rndv_recv_gpu(
+        &mut self,
+        rid: u64,
+        p: usize,
+        sreq: u64,
+        size: usize,
+        saddr: u64,
+        sgpu: bool,
+        keys: Vec<NamedKey>,
+    ) {
+        let (raddr, cap, rmem, rdev) = match &self.reqs[&rid].kind {
+            ReqKind::Recv(rs) => (rs.addr, rs.cap, rs.mem, rs.dev),
+            _ => return,
+        };
+        let want = size.min(cap);
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.rndv = Some(RndvRecv::new(p, sreq, want));
+        }
+        if let Some(reason) = self.peers[p].failed.clone() {
+            let peer = self.peers[p].remote.describe();
+            self.finish(rid, Err(Error::EndpointFailure { peer, reason }));
+            return;
+        }
+        if want == 0 {
+            self.send_ats(p, sreq);
+            self.complete_recv(rid);
+            self.pump(p);
+            return;
+        }
+        let region = MemRegion {
+            addr: raddr,
+            len: want,
+            mem_type: rmem,
+            device: rdev,
+        };
+        // 1. GPU to GPU, zero-copy through a lane whose domain registers GPU memory.
+        if sgpu
+            && rmem.is_gpu()
+            && let Some(lane) = self.peers[p].rma_cuda
+            && self.slots[lane].attr.has(IfaceCaps::GET_ZCOPY)
+            && let Some(k) = keys
+                .iter()
+                .find(|k| Some(&k.md) == self.peers[p].rma_cuda_md.as_ref())
+        {
+            let md = self.slots[lane].md;
+            if self.ctx.can_register(md, rmem, rdev) {
+                match self.ctx.register(md, region) {
+                    Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
+                        Ok(rkey) => {
+                            self.count("rendezvous receive by read (GPU zero-copy)");
+                            let r = self.reqs.get_mut(&rid).expect("req");
+                            r.guards.push(g);
+                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                                rv.via_get = true;
+                                rv.get = Some((lane, saddr, rkey, raddr));
+                            }
+                            self.peers[p].queue.push_back(Pending::Stream(rid));
+                            self.pump(p);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!("sender's GPU key did not unpack ({e}); staging instead")
+                        }
+                    },
+                    Err(e) => {
+                        tracing::debug!("GPU receive registration failed ({e}); staging instead")
+                    }
+                }
+            }
+        }
+        // 2. Staged: read host memory (the sender's buffer, or its staging fragments).
+        let Some(lane) = self.peers[p]
+            .rma
+            .filter(|l| self.slots[*l].attr.has(IfaceCaps::GET_ZCOPY))
+        else {
+            let e = Error::Unsupported {
+                what: format!(
+                    "receiving into {rmem} memory from {}",
+                    self.peers[p].remote.describe()
+                ),
+                why:
+                    "GPU transfers without a zero-copy path are staged through host memory, which \
+                      needs a transport with remote memory access (posix or tcp) in RUCX_TLS"
+                        .into(),
+            };
+            self.finish(rid, Err(e));
+            return;
+        };
+        let md = self.slots[lane].md;
+        // The user buffer: host memory is read into directly; GPU memory through staging.
+        if rmem.is_gpu() {
+            match self
+                .copy_key(raddr, cap, rmem, rdev)
+                .and_then(|k| self.ensure_staging().map(|_| k))
+            {
+                Ok(k) => {
+                    if let Some(Req {
+                        kind: ReqKind::Recv(rs),
+                        ..
+                    }) = self.reqs.get_mut(&rid)
+                    {
+                        rs.dev_memh = Some(k);
+                    }
+                }
+                Err(e) => {
+                    self.finish(rid, Err(e));
+                    return;
+                }
+            }
+        } else {
+            match self.ctx.register(md, region) {
+                Ok(g) => self.reqs.get_mut(&rid).expect("req").guards.push(g),
+                Err(e) => {
+                    self.finish(rid, Err(e));
+                    return;
+                }
+            }
+        }
+        let host_key = keys
+            .iter()
+            .find(|k| Some(&k.md) == self.peers[p].rma_remote_md.as_ref());
+        let r = self.reqs.get_mut(&rid).expect("req");
+        let ReqKind::Recv(rs) = &mut r.kind else {
+            return;
+        };
+        rs.chunk_lane = lane;
+        if !sgpu && let Some(k) = host_key {
+            // Host sender with a key: read it in fragments (into staging, then to the GPU).
+            match self.ctx.domain(md).rkey_unpack(&k.key) {
+                Ok(rkey) => {
+                    let frag = self
+                        .frag
+                        .min(self.slots[lane].attr.limits.get_max_zcopy.max(1));
+                    let mut off = 0;
+                    while off < want {
+                        let n = frag.min(want - off);
+                        rs.chunks.push_back(Chunk {
+                            raddr: saddr + off as u64,
+                            len: n,
+                            off,
+                            rkey: rkey.clone(),
+                            sfrag: None,
+                            local: None,
+                        });
+                        off += n;
+                    }
+                    self.count("rendezvous receive by read, staged to the GPU");
+                    self.peers[p].queue.push_back(Pending::Stream(rid));
+                    self.pump(p);
+                    return;
+                }
+                Err(e) => tracing::warn!("sender's key did not unpack ({e}); asking it to stage"),
+            }
+        }
+        // GPU sender (or no usable key): ask it to stage and announce fragments.
+        rs.pull = true;
+        self.count("rendezvous receive pipelined through host staging");
+        let mut b = Vec::new();
+        wire::put_u64s(&mut b, &[self.address.uuid, sreq, rid]);
+        self.queue_ctrl(p, wire::AM_RNDV_PULL, b);
+        self.pump(p);
+    }
+
+    /// The receiver asked us to stage a (GPU) buffer.
+    pub(super) fn on_pull(&mut self, p: usize, sreq: u64, rreq: u64) {
+        let (addr, len, mem, dev) = match self.reqs.get(&sreq) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) => (s.addr, s.len, s.mem, s.dev),
+            _ => return,
+        };
+        let staged = self
+            .copy_key(addr, len, mem, dev)
+            .and_then(|k| self.ensure_staging().map(|_| k));
+        match staged {
+            Ok((memh, key)) => {
+                let r = self.reqs.get_mut(&sreq).expect("req");
+                // A zero-copy registration made for the RTS is no longer needed.
+                r.guards.clear();
+                if let ReqKind::Send(s) = &mut r.kind {
+                    s.stage = Some(StageSend {
+                        rreq,
+                        next_off: 0,
+                        acked: 0,
+                        _dev_memh: memh,
+                        dev_key: key,
+                    });
+                    s.wait = SendWait::Posting;
+                }
+                self.peers[p].queue.push_back(Pending::Stream(sreq));
+                self.pump(p);
+            }
+            Err(e) => self.finish(sreq, Err(e)),
+        }
+    }
+
+    /// Stage the next fragments of a pipelined send (device -> pinned host).
+    pub(super) fn stream_stage(&mut self, id: u64) -> Result<bool> {
+        loop {
+            let (addr, len, next_off) = match &self.reqs[&id].kind {
+                ReqKind::Send(SendState {
+                    addr,
+                    len,
+                    stage: Some(st),
+                    ..
+                }) => (*addr, *len, st.next_off),
+                _ => return Ok(true),
+            };
+            if next_off >= len {
+                return Ok(true);
+            }
+            let stg = self.staging.as_mut().expect("staging");
+            let Some(f) = stg.free_send.pop() else {
+                // Resumed when the receiver acknowledges a fragment.
+                return Ok(true);
+            };
+            let limit = self.peers[p_of(&self.reqs[&id])]
+                .rma
+                .map_or(usize::MAX, |l| {
+                    self.slots[l].attr.limits.get_max_zcopy.max(1)
+                });
+            let stg = self.staging.as_mut().expect("staging");
+            let n = stg.frag.min(limit).min(len - next_off);
+            let faddr = stg.addr(f);
+            let memh = stg.copy_memh.clone();
+            let key = match &self.reqs[&id].kind {
+                ReqKind::Send(SendState {
+                    stage: Some(st), ..
+                }) => st.dev_key.clone(),
+                _ => unreachable!("checked above"),
+            };
+            let iov = [Iov {
+                addr: faddr,
+                len: n,
+                memh: &memh,
+            }];
+            let token = self.next_token;
+            let ep = &mut self.copy.as_mut().expect("copy lane").1;
+            match ep.get_zcopy(&iov, (addr + next_off) as u64, &key, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    self.post_tok(
+                        id,
+                        token,
+                        st,
+                        TokWhat::StageD2H {
+                            frag: f,
+                            off: next_off,
+                            len: n,
+                        },
+                    );
+                }
+                Err(e) => {
+                    self.staging.as_mut().expect("staging").free_send.push(f);
+                    if e.is_retryable() {
+                        return Ok(false);
+                    }
+                    return Err(e);
+                }
+            }
+            if let Some(Req {
+                kind:
+                    ReqKind::Send(SendState {
+                        stage: Some(st), ..
+                    }),
+                ..
+            }) = self.reqs.get_mut(&id)
+            {
+                st.next_off += n;
+            }
+        }
+    }
+
+    /// A staged fragment of the sender is ready: queue its read.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_frag(
+        &mut self,
+        p: usize,
+        rreq: u64,
+        sreq: u64,
+        off: usize,
+        len: usize,
+        addr: u64,
+        frag: u64,
+        key: NamedKey,
+    ) {
+        let Some(mi) = self.ctx.domain_index(&key.md) else {
+            self.finish(
+                rreq,
+                Err(Error::InvalidRkey {
+                    domain: key.md,
+                    reason: "no such local domain".into(),
+                }),
+            );
+            return;
+        };
+        let rkey = match self.ctx.domain(mi).rkey_unpack(&key.key) {
+            Ok(k) => k,
+            Err(e) => {
+                self.finish(rreq, Err(e));
+                return;
+            }
+        };
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&rreq)
+        else {
+            // The receive is gone (canceled or failed): still release the sender's fragment.
+            let mut b = Vec::new();
+            wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
+            self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+            self.pump(p);
+            return;
+        };
+        // Never read past the receive buffer (truncation): acknowledge the rest unread.
+        let want = rs.rndv.as_ref().map_or(0, |r| r.want);
+        let n = len.min(want.saturating_sub(off));
+        if n == 0 {
+            let mut b = Vec::new();
+            wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
+            self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+            self.pump(p);
+            return;
+        }
+        let gpu = rs.mem.is_gpu();
+        let local = if gpu {
+            self.map_fragment(mi, &rkey, addr)
+        } else {
+            None
+        };
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rreq)
+        else {
+            return;
+        };
+        rs.chunks.push_back(Chunk {
+            raddr: addr,
+            len: n,
+            off,
+            rkey,
+            sfrag: Some(frag),
+            local,
+        });
+        if !self.peers[p]
+            .queue
+            .iter()
+            .any(|q| matches!(q, Pending::Stream(x) if *x == rreq))
+        {
+            self.peers[p].queue.push_back(Pending::Stream(rreq));
+        }
+        self.pump(p);
+    }
+
+    /// The receiver read one of our staged fragments.
+    pub(super) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
+        if let Some(stg) = self.staging.as_mut() {
+            stg.free_send.push(frag);
+        }
+        let Some(Req {
+            kind: ReqKind::Send(s),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&sreq)
+        else {
+            return;
+        };
+        let p = s.peer;
+        let (done, total, tag) = match &mut s.stage {
+            Some(st) => {
+                st.acked += len;
+                (st.acked >= s.len, s.len, s.tag)
+            }
+            None => return,
+        };
+        if done {
+            self.finish(
+                sreq,
+                Ok(Completion {
+                    len: total,
+                    tag,
+                    sender: None,
+                }),
+            );
+        } else {
+            self.peers[p].queue.push_back(Pending::Stream(sreq));
+            self.pump(p);
+        }
+        // A fragment came free: every staged send still waiting for one may go on (not only
+        // this one, which may just have finished).
+        let waiting: Vec<(usize, u64)> = self
+            .reqs
+            .iter()
+            .filter_map(|(id, r)| match &r.kind {
+                ReqKind::Send(s)
+                    if r.result.is_none()
+                        && *id != sreq
+                        && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
+                {
+                    Some((s.peer, *id))
+                }
+                _ => None,
+            })
+            .collect();
+        for (q, id) in waiting {
+            if !self.peers[q]
+                .queue
+                .iter()
+                .any(|x| matches!(x, Pending::Stream(y) if *y == id))
+            {
+                self.peers[q].queue.push_back(Pending::Stream(id));
+            }
+            self.pump(q);
+        }
+    }
+
+    /// Post reads of queued chunks: straight into a host buffer, or into receive staging for a
+    /// GPU buffer (then copied on by the copy lane).
+    pub(super) fn stream_chunks(&mut self, rid: u64) -> Result<bool> {
+        loop {
+            let r = &self.reqs[&rid];
+            if r.result.is_some() {
+                return Ok(true);
+            }
+            let ReqKind::Recv(rs) = &r.kind else {
+                return Ok(true);
+            };
+            let Some(c) = rs.chunks.front() else {
+                return Ok(true);
+            };
+            let (lane, p, raddr, len, off, rkey, sfrag) = (
+                rs.chunk_lane,
+                rs.rndv.as_ref().map_or(0, |v| v.peer),
+                c.raddr,
+                c.len,
+                c.off,
+                c.rkey.clone(),
+                c.sfrag,
+            );
+            let gpu = rs.mem.is_gpu();
+            let uaddr = rs.addr;
+            if gpu && let Some((laddr, lmemh)) = c.local.clone() {
+                // The sender's fragment is mapped here: one DMA copy to the GPU.
+                let key = match &rs.dev_memh {
+                    Some((_, k)) => k.clone(),
+                    None => return Err(Error::Internal("GPU receive without its copy key".into())),
+                };
+                let iov = [Iov {
+                    addr: laddr,
+                    len,
+                    memh: &lmemh,
+                }];
+                let token = self.next_token;
+                let ep = &mut self.copy.as_mut().expect("copy lane").1;
+                match ep.put_zcopy(&iov, (uaddr + off) as u64, &key, token) {
+                    Ok(st) => {
+                        self.next_token += 1;
+                        if let Some(Req {
+                            kind: ReqKind::Recv(rs),
+                            ..
+                        }) = self.reqs.get_mut(&rid)
+                        {
+                            rs.chunks.pop_front();
+                        }
+                        self.count("staged fragment copied to the GPU from shared memory");
+                        self.post_tok(rid, token, st, TokWhat::DirectH2D { len, sfrag });
+                        continue;
+                    }
+                    Err(e) if e.is_retryable() => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+            }
+            let (iov_addr, memh, rfrag) = if gpu {
+                let md = self.slots[lane].md;
+                let (memh, _) = self.staging_reg(md)?;
+                let stg = self.staging.as_mut().expect("staging");
+                let Some(f) = stg.free_recv.pop() else {
+                    // Resumed when a staging fragment frees up.
+                    return Ok(true);
+                };
+                (stg.addr(f), memh, Some(f))
+            } else {
+                (uaddr + off, r.guards[0].registration().clone(), None)
+            };
+            let iov = [Iov {
+                addr: iov_addr,
+                len,
+                memh: &memh,
+            }];
+            let token = self.next_token;
+            let ep = self.peers[p]
+                .eps
+                .get_mut(&lane)
+                .ok_or_else(|| Error::Internal("rma lane not connected".into()))?;
+            match ep.get_zcopy(&iov, raddr, &rkey, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    if let Some(Req {
+                        kind: ReqKind::Recv(rs),
+                        ..
+                    }) = self.reqs.get_mut(&rid)
+                    {
+                        rs.chunks.pop_front();
+                    }
+                    self.post_tok(
+                        rid,
+                        token,
+                        st,
+                        TokWhat::PullGet {
+                            off,
+                            len,
+                            sfrag,
+                            rfrag,
+                        },
+                    );
+                }
+                Err(e) => {
+                    if let (Some(f), Some(stg)) = (rfrag, self.staging.as_mut()) {
+                        stg.free_recv.push(f);
+                    }
+                    if e.is_retryable() {
+                        return Ok(false);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Copy arrived eager bytes into GPU memory through the copy lane (small messages).
+    pub(super) fn copy_to_gpu(&mut self, rid: u64, offset: usize, data: &[u8]) -> Result<()> {
+        let (addr, cap, mem, dev) = match &self.reqs[&rid].kind {
+            ReqKind::Recv(rs) => (rs.addr, rs.cap, rs.mem, rs.dev),
+            _ => return Ok(()),
+        };
+        if !matches!(
+            &self.reqs[&rid].kind,
+            ReqKind::Recv(RecvState {
+                dev_memh: Some(_),
+                ..
+            })
+        ) {
+            let k = self.copy_key(addr, cap, mem, dev)?;
+            if let Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) = self.reqs.get_mut(&rid)
+            {
+                rs.dev_memh = Some(k);
+            }
+        }
+        let key = match &self.reqs[&rid].kind {
+            ReqKind::Recv(RecvState {
+                dev_memh: Some((_, k)),
+                ..
+            }) => k.clone(),
+            _ => unreachable!("set above"),
+        };
+        let (ci, ep) = self.copy.as_mut().expect("copy_key checked the copy lane");
+        let max = self.slots[*ci].attr.limits.put_max_short.max(1);
+        let mut done = 0;
+        while done < data.len() {
+            let n = max.min(data.len() - done);
+            loop {
+                match ep.put_short(&data[done..done + n], (addr + offset + done) as u64, &key) {
+                    Err(e) if e.is_retryable() => std::hint::spin_loop(),
+                    other => break other?,
+                }
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+impl State {
+    /// Map a peer's staging fragment into this process when its domain allows (shared memory on
+    /// this host), registered with the copy lane once per mapping. `None`: read it instead.
+    pub(super) fn map_fragment(
+        &mut self,
+        mi: usize,
+        rkey: &RemoteKey,
+        addr: u64,
+    ) -> Option<(usize, MemHandle)> {
+        let base = match self.ctx.domain(mi).rkey_ptr(rkey) {
+            Ok(Some(b)) => b,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!("cannot map the peer's staging ({e}); reading it instead");
+                return None;
+            }
+        };
+        let memh = match self.mapped.get(&base) {
+            Some(h) => h.clone(),
+            None => {
+                let cmd = self.copy_md()?;
+                // SAFETY: the domain keeps the peer's segment mapped until it is dropped, which
+                // is after this worker (the context outlives its workers), and the mapping
+                // covers the key's whole region.
+                let h = unsafe {
+                    self.ctx
+                        .domain(cmd)
+                        .mem_reg(MemRegion::host(base, rkey.len() as usize))
+                };
+                match h {
+                    Ok(h) => {
+                        self.mapped.insert(base, h.clone());
+                        h
+                    }
+                    Err(e) => {
+                        tracing::debug!("cannot register the mapped staging for copies ({e})");
+                        return None;
+                    }
+                }
+            }
+        };
+        Some((base + (addr - rkey.base()) as usize, memh))
+    }
+}
