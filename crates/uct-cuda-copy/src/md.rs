@@ -17,7 +17,7 @@ use rucx_cuda::{
     DeviceBuffer, Driver, PinnedHostBuffer, PrimaryContext, PtrKind, classify, cuda_error, driver,
     reg_error_kind, sys,
 };
-use rucx_ucs::{Config, Error, MemoryType, RegError, RegErrorKind, Result};
+use rucx_ucs::{Config, Error, MemoryType, RegErrorKind, Result};
 use rucx_uct::rkey::{self, Reader};
 use rucx_uct::{
     Availability, Component, Iface, IfaceParams, LinearCost, MdAttr, MemHandle, MemRegion,
@@ -443,16 +443,7 @@ impl CudaCopyMd {
     }
 
     fn reg_error(region: &MemRegion, kind: RegErrorKind, detail: String) -> Error {
-        Error::registration(RegError {
-            domain: MD_NAME.into(),
-            mem_type: region.mem_type,
-            device: region.device,
-            addr: region.addr,
-            len: region.len,
-            kind,
-            detail,
-            hint: String::new(),
-        })
+        region.reg_error(MD_NAME, kind, detail, "")
     }
 
     /// Page-lock a pageable host range. `Ok(None)` when someone else already did.

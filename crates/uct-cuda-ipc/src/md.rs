@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use rucx_cuda::{Driver, PtrKind, classify, driver, reg_error_kind, result_name, sys};
-use rucx_ucs::{Config, Error, MemoryType, RegError, RegErrorKind, Result};
+use rucx_ucs::{Config, Error, MemoryType, RegErrorKind, Result};
 use rucx_uct::rkey::{self, Reader};
 use rucx_uct::{
     Availability, Component, Iface, IfaceParams, LinearCost, MdAttr, MemHandle, MemRegion,
@@ -224,16 +224,7 @@ impl CudaIpcMd {
     }
 
     fn reg_error(region: &MemRegion, kind: RegErrorKind, detail: String, hint: &str) -> Error {
-        Error::registration(RegError {
-            domain: NAME.into(),
-            mem_type: region.mem_type,
-            device: region.device,
-            addr: region.addr,
-            len: region.len,
-            kind,
-            detail,
-            hint: hint.into(),
-        })
+        region.reg_error(NAME, kind, detail, hint)
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use rucx_cuda::{PtrKind, classify, driver, sys};
-use rucx_ucs::{Config, Error, MemoryType, RegError, RegErrorKind, Result};
+use rucx_ucs::{Config, Error, MemoryType, RegErrorKind, Result};
 use rucx_uct::rkey::{self, Reader};
 use rucx_uct::{
     Availability, Component, Iface, IfaceParams, LinearCost, MdAttr, MemHandle, MemRegion,
@@ -239,20 +239,12 @@ impl GdrCopyMd {
     }
 
     fn reg_error(region: &MemRegion, kind: RegErrorKind, detail: String) -> Error {
-        Error::registration(RegError {
-            domain: NAME.into(),
-            mem_type: region.mem_type,
-            device: region.device,
-            addr: region.addr,
-            len: region.len,
-            kind,
-            detail,
-            hint: if kind == RegErrorKind::ApertureExhausted {
-                "BAR1 space is short; set RUCX_REG_SKIP=gdr_copy:cuda to skip gdrcopy".into()
-            } else {
-                String::new()
-            },
-        })
+        let hint = if kind == RegErrorKind::ApertureExhausted {
+            "BAR1 space is short; set RUCX_REG_SKIP=gdr_copy:cuda to skip gdrcopy"
+        } else {
+            ""
+        };
+        region.reg_error(NAME, kind, detail, hint)
     }
 }
 

@@ -130,16 +130,12 @@ impl MemoryDomain for SelfMd {
 
     unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
         if region.mem_type != MemoryType::Host {
-            return Err(Error::registration(rucx_ucs::RegError {
-                domain: NAME.into(),
-                mem_type: region.mem_type,
-                device: region.device,
-                addr: region.addr,
-                len: region.len,
-                kind: rucx_ucs::RegErrorKind::UnsupportedMemoryType,
-                detail: "self copies with the CPU and handles host memory only".into(),
-                hint: String::new(),
-            }));
+            return Err(region.reg_error(
+                NAME,
+                rucx_ucs::RegErrorKind::UnsupportedMemoryType,
+                "self copies with the CPU and handles host memory only",
+                "",
+            ));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let reg = Arc::new(Reg {

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rucx_ucs::units::parse_memunits;
-use rucx_ucs::{Config, Error, MemUnits, MemoryType, RegError, RegErrorKind, Result};
+use rucx_ucs::{Config, Error, MemUnits, MemoryType, RegErrorKind, Result};
 
 use crate::attr::MdAttr;
 use crate::iface::{Iface, IfaceParams};
@@ -229,16 +229,12 @@ impl FaultInjectingMd {
 
     fn fail(&self, region: &MemRegion, rule: &FaultRule, detail: String) -> Error {
         self.injected.fetch_add(1, Ordering::Relaxed);
-        Error::registration(RegError {
-            domain: self.inner.name().to_string(),
-            mem_type: region.mem_type,
-            device: region.device,
-            addr: region.addr,
-            len: region.len,
-            kind: rule.kind,
-            detail: format!("injected by RUCX_{OPTION}: {detail}"),
-            hint: format!("unset RUCX_{OPTION} to stop injecting"),
-        })
+        region.reg_error(
+            self.inner.name(),
+            rule.kind,
+            format!("injected by RUCX_{OPTION}: {detail}"),
+            format!("unset RUCX_{OPTION} to stop injecting"),
+        )
     }
 }
 

@@ -4,7 +4,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
-use rucx_ucs::{Error, MemoryType, Result};
+use rucx_ucs::{Error, MemoryType, RegError, RegErrorKind, Result};
 
 use crate::attr::MdAttr;
 use crate::iface::{Iface, IfaceParams};
@@ -42,6 +42,27 @@ impl MemRegion {
     /// One past the last byte.
     pub fn end(&self) -> usize {
         self.addr + self.len
+    }
+
+    /// The typed error a domain returns when it cannot register this region: every domain
+    /// builds it here, so the message names buffer, memory type, device and knob the same way.
+    pub fn reg_error(
+        &self,
+        domain: &str,
+        kind: RegErrorKind,
+        detail: impl Into<String>,
+        hint: impl Into<String>,
+    ) -> Error {
+        Error::registration(RegError {
+            domain: domain.to_string(),
+            mem_type: self.mem_type,
+            device: self.device,
+            addr: self.addr,
+            len: self.len,
+            kind,
+            detail: detail.into(),
+            hint: hint.into(),
+        })
     }
 
     /// True when `[addr, addr+len)` lies inside this region.
