@@ -24,6 +24,7 @@ mod listener;
 pub mod matching;
 pub mod proto;
 mod scope;
+mod slab;
 pub mod wire;
 mod worker;
 

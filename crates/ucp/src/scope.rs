@@ -51,7 +51,7 @@ impl<'scope, 'w> Scope<'scope, 'w> {
     pub(crate) fn new(worker: &'w Worker) -> Self {
         Scope {
             worker,
-            reqs: RefCell::new(Vec::new()),
+            reqs: RefCell::new(worker.take_id_list()),
             _scope: PhantomData,
         }
     }
@@ -142,15 +142,7 @@ impl<'scope, 'w> Scope<'scope, 'w> {
     /// End of scope: cancel receives that never matched, wait for everything else.
     pub(crate) fn finish(&self) {
         let ids = std::mem::take(&mut *self.reqs.borrow_mut());
-        for id in &ids {
-            if self.worker.req_result(*id).is_none() {
-                self.worker.cancel_recv(*id);
-            }
-        }
-        for id in &ids {
-            let _ = self.worker.wait_req(*id, None);
-            self.worker.req_release(*id);
-        }
+        self.worker.finish_scope(ids);
     }
 }
 

@@ -344,3 +344,32 @@ fn requests_can_be_awaited() {
     });
     assert!(got == data);
 }
+
+/// Requests leave the worker's table when their scope ends: finished, failed (truncated) and
+/// canceled ones alike, and a request id of an ended scope finds nothing afterwards.
+#[test]
+fn scopes_release_every_request() {
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    assert_eq!(w.live_requests(), 0);
+    for round in 0..50u64 {
+        let n = [8usize, 9000, 300_000][round as usize % 3];
+        let send = pattern(n, round as u8);
+        let mut recv = vec![0u8; n];
+        let mut short = vec![0u8; 4];
+        let mut never = vec![0u8; 16];
+        w.scope(|sc| {
+            let r = sc.tag_recv(&mut recv, round, TAG_MASK_FULL);
+            let t = sc.tag_recv(&mut short, 1 << 40, TAG_MASK_FULL);
+            // Never sent: canceled when the scope ends.
+            let _pending = sc.tag_recv(&mut never, 1 << 41, TAG_MASK_FULL);
+            sc.tag_send(ep, &send, round).wait().unwrap();
+            sc.tag_send(ep, &send[..n.min(16)], 1 << 40).wait().unwrap();
+            assert_eq!(r.wait().unwrap().len, n);
+            assert!(matches!(t.wait(), Err(Error::Truncated { .. })));
+            assert!(w.live_requests() >= 1, "the pending receive is live in its scope");
+        });
+        assert_eq!(w.live_requests(), 0, "round {round}: requests leaked");
+        assert!(recv == send);
+    }
+}

@@ -252,9 +252,9 @@ impl State {
                         let (addr, key) = match &self.reqs[&id].kind {
                             ReqKind::Recv(RecvState {
                                 addr,
-                                dev_memh: Some((_, k)),
+                                dev_memh: Some(dm),
                                 ..
-                            }) => (*addr, k.clone()),
+                            }) => (*addr, dm.1.clone()),
                             _ => {
                                 return Err(Error::Internal(
                                     "GPU receive without its copy key".into(),
@@ -309,7 +309,7 @@ impl State {
                     .iter()
                     .filter_map(|(rid, r)| match &r.kind {
                         ReqKind::Recv(rs) if r.result.is_none() && !rs.chunks.is_empty() => {
-                            rs.rndv.as_ref().map(|rv| (rv.peer, *rid))
+                            rs.rndv.as_ref().map(|rv| (rv.peer, rid))
                         }
                         _ => None,
                     })
@@ -378,7 +378,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(RndvRecv::new(p, sreq, want));
+            rs.rndv = Some(Box::new(RndvRecv::new(p, sreq, want)));
         }
         if let Some(reason) = self.peers[p].failed.clone() {
             let peer = self.peers[p].remote.describe();
@@ -463,7 +463,7 @@ impl State {
                         ..
                     }) = self.reqs.get_mut(&rid)
                     {
-                        rs.dev_memh = Some(k);
+                        rs.dev_memh = Some(Box::new(k));
                     }
                 }
                 Err(e) => {
@@ -544,13 +544,13 @@ impl State {
                 // A zero-copy registration made for the RTS is no longer needed.
                 r.guards.clear();
                 if let ReqKind::Send(s) = &mut r.kind {
-                    s.stage = Some(StageSend {
+                    s.stage = Some(Box::new(StageSend {
                         rreq,
                         next_off: 0,
                         acked: 0,
                         _dev_memh: memh,
                         dev_key: key,
-                    });
+                    }));
                     s.wait = SendWait::Posting;
                 }
                 self.peers[p].queue.push_back(Pending::Stream(sreq));
@@ -763,10 +763,10 @@ impl State {
             .filter_map(|(id, r)| match &r.kind {
                 ReqKind::Send(s)
                     if r.result.is_none()
-                        && *id != sreq
+                        && id != sreq
                         && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
                 {
-                    Some((s.peer, *id))
+                    Some((s.peer, id))
                 }
                 _ => None,
             })
@@ -811,7 +811,7 @@ impl State {
             if gpu && let Some((laddr, lmemh)) = c.local.clone() {
                 // The sender's fragment is mapped here: one DMA copy to the GPU.
                 let key = match &rs.dev_memh {
-                    Some((_, k)) => k.clone(),
+                    Some(dm) => dm.1.clone(),
                     None => return Err(Error::Internal("GPU receive without its copy key".into())),
                 };
                 let iov = [Iov {
@@ -915,14 +915,13 @@ impl State {
                 ..
             }) = self.reqs.get_mut(&rid)
             {
-                rs.dev_memh = Some(k);
+                rs.dev_memh = Some(Box::new(k));
             }
         }
         let key = match &self.reqs[&rid].kind {
             ReqKind::Recv(RecvState {
-                dev_memh: Some((_, k)),
-                ..
-            }) => k.clone(),
+                dev_memh: Some(dm), ..
+            }) => dm.1.clone(),
             _ => unreachable!("set above"),
         };
         let (ci, ep) = self.copy.as_mut().expect("copy_key checked the copy lane");

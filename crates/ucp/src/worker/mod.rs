@@ -17,6 +17,7 @@ use crate::context::{Context, RegGuard};
 use crate::fxhash::FxHashMap;
 use crate::matching::{Tag, TagMatcher};
 use crate::proto::{self, LaneInfo, Proto, Range};
+use crate::slab::Slab;
 use crate::wire::{self, Msg, MsgKind, NamedKey};
 
 mod gpu;
@@ -201,7 +202,7 @@ struct SendState {
     mem: MemoryType,
     dev: Option<u32>,
     /// Staging pipeline (GPU memory sent through host fragments).
-    stage: Option<StageSend>,
+    stage: Option<Box<StageSend>>,
     /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
     split_left: u8,
 }
@@ -271,7 +272,7 @@ struct RecvState {
     received: usize,
     tag: Tag,
     sender: Option<usize>,
-    rndv: Option<RndvRecv>,
+    rndv: Option<Box<RndvRecv>>,
     mem: MemoryType,
     dev: Option<u32>,
     /// Reads still to post (host keyed pull into GPU memory, or staged fragments).
@@ -283,7 +284,7 @@ struct RecvState {
     /// Lane the chunks are read on.
     chunk_lane: usize,
     /// The user buffer registered with the copy lane's domain (GPU memory only).
-    dev_memh: Option<(MemHandle, RemoteKey)>,
+    dev_memh: Option<Box<(MemHandle, RemoteKey)>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -423,8 +424,7 @@ pub(crate) struct State {
     peers: Vec<Peer>,
     by_uuid: FxHashMap<u64, usize>,
     matcher: TagMatcher<u64, Unexp>,
-    reqs: FxHashMap<u64, Req>,
-    next_id: u64,
+    reqs: Slab<Req>,
     tokens: FxHashMap<u64, Tok>,
     next_token: u64,
     rx: FxHashMap<(u64, u64), RxDest>,
@@ -451,6 +451,9 @@ pub struct Worker {
     ifaces: RefCell<Vec<Box<dyn Iface>>>,
     st: RefCell<State>,
     handlers: RefCell<HashMap<u16, AmHandler>>,
+    /// Emptied request-id lists of ended scopes, reused by the next ones (a scope per message
+    /// is the common pattern; this spares an allocation each).
+    id_lists: RefCell<Vec<Vec<u64>>>,
 }
 
 impl fmt::Debug for Worker {
@@ -570,8 +573,7 @@ impl Worker {
                 peers: Vec::new(),
                 by_uuid: FxHashMap::default(),
                 matcher: TagMatcher::new(),
-                reqs: FxHashMap::default(),
-                next_id: 1,
+                reqs: Slab::default(),
                 tokens: FxHashMap::default(),
                 next_token: 1,
                 rx: FxHashMap::default(),
@@ -595,6 +597,7 @@ impl Worker {
                 mapped: FxHashMap::default(),
             }),
             handlers: RefCell::new(HashMap::new()),
+            id_lists: RefCell::new(Vec::new()),
         })
     }
 
@@ -1154,8 +1157,50 @@ impl Worker {
         }
     }
 
-    pub(crate) fn req_release(&self, id: u64) {
-        self.st.borrow_mut().reqs.remove(&id);
+    /// An empty list for a new scope's request ids.
+    pub(crate) fn take_id_list(&self) -> Vec<u64> {
+        self.id_lists.borrow_mut().pop().unwrap_or_default()
+    }
+
+    /// End of a scope: cancel its receives that never matched, wait for everything else, and
+    /// release the requests.
+    pub(crate) fn finish_scope(&self, mut ids: Vec<u64>) {
+        {
+            let mut st = self.st.borrow_mut();
+            for id in &ids {
+                if st.reqs.get(id).is_some_and(|r| r.result.is_none())
+                    && st.matcher.cancel_expected(|e| e == id).is_some()
+                {
+                    st.finish(*id, Err(Error::Canceled));
+                }
+            }
+        }
+        for id in &ids {
+            loop {
+                let mut st = self.st.borrow_mut();
+                match st.reqs.get(id) {
+                    Some(r) if r.result.is_none() => {}
+                    _ => {
+                        st.reqs.remove(id);
+                        break;
+                    }
+                }
+                drop(st);
+                if self.progress() == 0 {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        ids.clear();
+        let mut lists = self.id_lists.borrow_mut();
+        if lists.len() < 8 {
+            lists.push(ids);
+        }
+    }
+
+    /// Requests in the worker's table: those of open scopes (a leak check for tests).
+    pub fn live_requests(&self) -> usize {
+        self.st.borrow().reqs.len()
     }
 
     /// Cancel a receive that has not matched yet. Returns true when it was canceled.
@@ -1215,18 +1260,12 @@ fn clone_err(e: &Error) -> Error {
 
 impl State {
     fn new_req(&mut self, kind: ReqKind) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        self.reqs.insert(
-            id,
-            Req {
-                kind,
-                result: None,
-                outstanding: 0,
-                guards: Vec::new(),
-            },
-        );
-        id
+        self.reqs.insert(Req {
+            kind,
+            result: None,
+            outstanding: 0,
+            guards: Vec::new(),
+        })
     }
 
     fn finish(&mut self, id: u64, res: Result<Completion>) {
@@ -2740,7 +2779,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(RndvRecv::new(p, sreq, want));
+            rs.rndv = Some(Box::new(RndvRecv::new(p, sreq, want)));
         }
         if self.peers[p].failed.is_some() {
             let reason = self.peers[p].failed.clone().unwrap_or_default();
@@ -3100,7 +3139,7 @@ impl State {
                 ReqKind::Recv(rs) => rs.sender == Some(p),
                 ReqKind::Rma(rm) => rm.peer == p,
             })
-            .map(|(id, _)| *id)
+            .map(|(id, _)| id)
             .collect();
         for id in ids {
             self.finish(id, Err(err()));
