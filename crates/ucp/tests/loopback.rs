@@ -367,7 +367,10 @@ fn scopes_release_every_request() {
             sc.tag_send(ep, &send[..n.min(16)], 1 << 40).wait().unwrap();
             assert_eq!(r.wait().unwrap().len, n);
             assert!(matches!(t.wait(), Err(Error::Truncated { .. })));
-            assert!(w.live_requests() >= 1, "the pending receive is live in its scope");
+            assert!(
+                w.live_requests() >= 1,
+                "the pending receive is live in its scope"
+            );
         });
         assert_eq!(w.live_requests(), 0, "round {round}: requests leaked");
         assert!(recv == send);
