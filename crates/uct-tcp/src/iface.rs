@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,7 @@ use rucx_uct::{
 
 use crate::addr::{self, DevAddr, NetIf};
 use crate::md::{RegTable, TcpReg, TcpRkey};
+use crate::sock::Epoll;
 use crate::wire::{self, FdSock, Fill, Header, Kind, RawSock, RxBuf, Sock, TxQueue, code};
 use crate::{TL_NAME, TcpOptions, sock};
 
@@ -52,6 +54,28 @@ const MAX_UNIDENTIFIED: usize = 256;
 
 fn lock(c: &Mutex<Conn>) -> MutexGuard<'_, Conn> {
     c.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Connections that need the interface's attention although their socket may have no event:
+/// an endpoint queued output, failed it or went away. Shared by the interface and every
+/// connection; the interface takes the list in its next progress.
+#[derive(Debug, Default)]
+struct Kick {
+    any: AtomicBool,
+    keys: Mutex<Vec<usize>>,
+}
+
+impl Kick {
+    /// Take the connections kicked since the last call into `out`.
+    fn take(&self, out: &mut Vec<usize>) {
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
+        // Cleared before the list is taken: a kick racing with this either lands in the list
+        // taken now or sets the flag again for the next call.
+        self.any.store(false, Ordering::Release);
+        out.append(&mut self.keys.lock().unwrap_or_else(PoisonError::into_inner));
+    }
 }
 
 /// An event owned until it is handed to the sink.
@@ -121,6 +145,11 @@ pub(crate) struct Conn {
     /// Connect deadline, then the deadline for closing.
     deadline: Instant,
     linger: Duration,
+    /// Where to ask for the interface's attention, and this connection's key there.
+    kick: Arc<Kick>,
+    key: usize,
+    /// In the kick list and not handled yet.
+    kicked: bool,
 }
 
 /// A piece of a frame being posted.
@@ -160,6 +189,19 @@ enum Reply {
 }
 
 impl Conn {
+    /// Ask the interface to handle this connection in its next progress, events or not.
+    fn kick(&mut self) {
+        if !self.kicked {
+            self.kicked = true;
+            self.kick
+                .keys
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(self.key);
+            self.kick.any.store(true, Ordering::Release);
+        }
+    }
+
     fn peer_name(&self) -> String {
         match self.peer {
             Some(p) => format!("tcp {p} (device {})", self.dev),
@@ -252,6 +294,8 @@ impl Conn {
                 }
             }
         }
+        // The interface writes the rest when the socket takes it.
+        self.kick();
         Ok(false)
     }
 
@@ -274,6 +318,8 @@ impl Conn {
                 if let Err(e) = self.tx.write(&mut self.sock) {
                     self.fail(&format!("send: {e}"));
                 }
+                // Watch it for input now.
+                self.kick();
             }
             Err(e) => self.fail(&format!("connect: {e}")),
         }
@@ -290,10 +336,11 @@ impl Conn {
         }
         self.state = State::Failed(reason.to_string());
         let _ = shutdown(self.sock.0.as_raw_fd(), Shutdown::Both);
+        // The interface reports it and lets the connection go.
+        self.kick();
         // Items written completely before the failure did complete.
-        for t in self.tx.drain_done().collect::<Vec<_>>() {
-            self.completions.push(Owned::Completion(t, Ok(())));
-        }
+        self.completions
+            .extend(self.tx.drain_done().map(|t| Owned::Completion(t, Ok(()))));
         let mut tokens = self.tx.clear();
         let pend: Vec<PendingOp> = self.pending.drain(..).collect();
         tokens.extend(pend.into_iter().filter_map(|p| p.token));
@@ -485,31 +532,47 @@ struct Slot {
     dialed: bool,
     /// Remove at the end of this progress.
     gone: bool,
+    /// Epoll events the socket is registered for.
+    interest: u32,
+    /// Epoll events it should be registered for (set by `progress`).
+    want: u32,
+    /// A deadline runs (connecting or closing): checked now and then without events.
+    timed: bool,
+    /// Complete frames wait in the receive buffer (held back by back-pressure): handle them
+    /// in the next progress even without an event.
+    again: bool,
+    /// Creation order.
+    seq: u64,
 }
 
 impl Slot {
+    /// Handle what the socket reported (`rev`, epoll events; 0 when there was none), then
+    /// report completions and errors into `out`.
     fn progress(
         &mut self,
-        rev: i16,
-        now: Instant,
+        rev: u32,
         table: &RegTable,
         sink: &mut dyn FnMut(Event<'_>),
         out: &mut Vec<Owned>,
     ) -> usize {
-        let readable = rev & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
+        const IN: u32 = libc::EPOLLIN as u32;
+        const OUT: u32 = libc::EPOLLOUT as u32;
+        const ERR_HUP: u32 = (libc::EPOLLERR | libc::EPOLLHUP) as u32;
+        let readable = rev & (IN | ERR_HUP) != 0;
         let may_read = {
             let mut c = lock(&self.conn);
+            c.kicked = false;
             if c.state == State::Connecting {
-                if rev & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 {
+                if rev & (OUT | ERR_HUP) != 0 {
                     match sock::connect_result(&c.sock.0) {
                         Ok(()) => c.state = State::Open,
                         Err(e) => c.fail(&format!("connect: {e}")),
                     }
-                } else if now > c.deadline {
+                } else if Instant::now() > c.deadline {
                     c.fail("connect timed out (RUCX_TCP_CONNECT_TIMEOUT)");
                 }
             }
-            if c.closing && now > c.deadline {
+            if c.closing && Instant::now() > c.deadline {
                 c.fail("closing timed out");
             }
             // Back-pressure: while our answers pile up, read no more requests.
@@ -557,18 +620,15 @@ impl Slot {
         if c.state == State::Open && c.ep.is_none() && c.peer_detached && !c.closing {
             // Nobody uses this connection any more: finish sending, then close.
             c.closing = true;
-            c.deadline = now + c.linger;
+            c.deadline = Instant::now() + c.linger;
         }
         if c.closing && !c.shut && c.state == State::Open && c.tx.is_empty() {
             let _ = shutdown(c.sock.0.as_raw_fd(), Shutdown::Write);
             c.shut = true;
         }
-        let done: Vec<u64> = c.tx.drain_done().collect();
         match c.ep {
             Some(uid) => {
-                for t in done {
-                    out.push(Owned::Completion(t, Ok(())));
-                }
+                out.extend(c.tx.drain_done().map(|t| Owned::Completion(t, Ok(()))));
                 out.append(&mut c.completions);
                 if let State::Failed(r) = &c.state
                     && !c.error_reported
@@ -578,9 +638,22 @@ impl Slot {
                     out.push(Owned::EpError(uid, e));
                 }
             }
-            None => c.completions.clear(),
+            None => {
+                c.tx.drain_done().for_each(drop);
+                c.completions.clear();
+            }
         }
         self.gone = matches!(c.state, State::Failed(_)) && (c.ep.is_none() || c.error_reported);
+        let unloaded = c.tx.queued() <= c.tx_limit;
+        self.want = match c.state {
+            State::Connecting => OUT,
+            State::Open => {
+                (if unloaded { IN } else { 0 }) | (if c.tx.is_empty() { 0 } else { OUT })
+            }
+            State::Failed(_) => 0,
+        };
+        self.timed = c.state == State::Connecting || (c.closing && c.state == State::Open);
+        self.again = c.state == State::Open && unloaded && matches!(self.rx.frame(), Ok(Some(_)));
         delivered
     }
 
@@ -691,10 +764,29 @@ pub struct TcpIface {
     opts: TcpOptions,
     listener: TcpListener,
     port: u16,
-    slots: Vec<Slot>,
-    pollfds: Vec<libc::pollfd>,
+    /// Connections by key (the index); `None` marks a free key (listed in `free`).
+    slots: Vec<Option<Slot>>,
+    free: Vec<usize>,
+    /// Slots created so far: orders connections by age.
+    created: u64,
+    epoll: Epoll,
+    kick: Arc<Kick>,
+    /// Slots with a deadline running.
+    timed: usize,
+    /// Progress calls, for checking deadlines now and then.
+    calls: u32,
+    /// Slots to handle in the next progress without an event.
+    again: Vec<usize>,
+    /// This progress's work: `(key, epoll events)`.
+    work: Vec<(usize, u32)>,
+    kicked: Vec<usize>,
     events: Vec<Owned>,
 }
+
+/// Epoll key of the listener (connections use their slot index).
+const LISTENER_KEY: u64 = u64::MAX;
+/// Progress calls between deadline checks of connections with no event.
+const TIMER_EVERY: u32 = 64;
 
 impl TcpIface {
     pub(crate) fn open(
@@ -751,6 +843,12 @@ impl TcpIface {
             ep_addr_len: 0,
             max_eps: None,
         };
+        let epoll = Epoll::new()
+            .and_then(|e| {
+                e.add(listener.as_raw_fd(), libc::EPOLLIN as u32, LISTENER_KEY)?;
+                Ok(e)
+            })
+            .map_err(|e| Error::io(format!("tcp interface on {}: epoll", dev.name), e))?;
         tracing::debug!(
             "tcp interface on {} listening on {}:{port}",
             dev.name,
@@ -765,7 +863,15 @@ impl TcpIface {
             listener,
             port,
             slots: Vec::new(),
-            pollfds: Vec::new(),
+            free: Vec::new(),
+            created: 0,
+            epoll,
+            kick: Arc::new(Kick::default()),
+            timed: 0,
+            calls: 0,
+            again: Vec::new(),
+            work: Vec::new(),
+            kicked: Vec::new(),
             events: Vec::new(),
         })
     }
@@ -777,7 +883,51 @@ impl TcpIface {
 
     /// Open connections (for tests and diagnostics).
     pub fn connections(&self) -> usize {
-        self.slots.len()
+        self.live().count()
+    }
+
+    fn live(&self) -> impl Iterator<Item = &Slot> + Clone {
+        self.slots.iter().flatten()
+    }
+
+    /// The key the next slot gets.
+    fn next_key(&self) -> usize {
+        self.free.last().copied().unwrap_or(self.slots.len())
+    }
+
+    /// Register a connection made by `new_conn` (with key `next_key()`) and add its slot.
+    fn add_slot(&mut self, conn: Conn, dialed: bool) -> io::Result<Arc<Mutex<Conn>>> {
+        let key = self.next_key();
+        debug_assert_eq!(conn.key, key);
+        let fd = conn.sock.0.as_raw_fd();
+        let timed = conn.state == State::Connecting;
+        let want = match conn.state {
+            State::Connecting => libc::EPOLLOUT as u32,
+            // The hello is queued.
+            _ => (libc::EPOLLIN | libc::EPOLLOUT) as u32,
+        };
+        self.epoll.add(fd, want, key as u64)?;
+        let conn = Arc::new(Mutex::new(conn));
+        let slot = Slot {
+            conn: conn.clone(),
+            fd,
+            rx: RxBuf::new(),
+            hello: false,
+            dialed,
+            gone: false,
+            interest: want,
+            want,
+            timed,
+            again: false,
+            seq: self.created,
+        };
+        self.created += 1;
+        self.timed += usize::from(timed);
+        match self.free.pop() {
+            Some(k) => self.slots[k] = Some(slot),
+            None => self.slots.push(Some(slot)),
+        }
+        Ok(conn)
     }
 
     fn new_conn(
@@ -811,6 +961,9 @@ impl TcpIface {
             tx_limit: self.opts.tx_queue,
             deadline: now + self.opts.connect_timeout,
             linger: self.opts.connect_timeout,
+            kick: self.kick.clone(),
+            key: self.next_key(),
+            kicked: false,
         }
     }
 
@@ -868,7 +1021,7 @@ impl Iface for TcpIface {
         }
         let peer = SocketAddrV4::new(peer_dev.ip, port);
         // Take over a connection the peer opened to us, if our side of it is free.
-        for s in &self.slots {
+        for s in self.live() {
             let mut c = lock(&s.conn);
             if s.hello
                 && c.peer == Some(peer)
@@ -888,81 +1041,97 @@ impl Iface for TcpIface {
             &self.opts,
         )?;
         let now = Instant::now();
-        let raw = fd.as_raw_fd();
         let mut conn = self.new_conn(fd, State::Connecting, Some(peer), SocketAddr::V4(peer), now);
         conn.ep = Some(params.user_id);
-        let conn = Arc::new(Mutex::new(conn));
-        self.slots.push(Slot {
-            conn: conn.clone(),
-            fd: raw,
-            rx: RxBuf::new(),
-            hello: false,
-            dialed: true,
-            gone: false,
-        });
+        let conn = self.add_slot(conn, true).map_err(|e| {
+            Error::io(
+                format!(
+                    "tcp interface on {}: watching a new connection",
+                    self.dev.name
+                ),
+                e,
+            )
+        })?;
         Ok(self.endpoint(conn))
     }
 
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
-        let now = Instant::now();
-        // One poll(2) over the listener and every connection.
-        self.pollfds.clear();
-        self.pollfds.push(libc::pollfd {
-            fd: self.listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
-        for s in &self.slots {
-            let c = lock(&s.conn);
-            let ev = match c.state {
-                State::Connecting => libc::POLLOUT,
-                State::Open => libc::POLLIN | if c.tx.is_empty() { 0 } else { libc::POLLOUT },
-                State::Failed(_) => 0,
-            };
-            self.pollfds.push(libc::pollfd {
-                fd: if ev == 0 { -1 } else { s.fd },
-                events: ev,
-                revents: 0,
-            });
-        }
-        // SAFETY: `pollfds` is a valid, initialized array of `len` pollfd structures that lives
-        // across the call; every fd in it is owned by a connection this interface holds (or -1)
-        // and stays open.
-        let rc = unsafe {
-            libc::poll(
-                self.pollfds.as_mut_ptr(),
-                self.pollfds.len() as libc::nfds_t,
-                0,
-            )
-        };
-        if rc < 0 {
-            // EINTR or ENOMEM: treat as "nothing ready"; the next progress retries.
-            for p in &mut self.pollfds {
-                p.revents = 0;
+        // The ready sockets (one epoll_wait), then connections kicked by their endpoints, those
+        // with frames held back, and now and then those with a deadline running.
+        let mut work = std::mem::take(&mut self.work);
+        let mut accept = false;
+        for (key, ev) in self.epoll.wait() {
+            if key == LISTENER_KEY {
+                accept = true;
+            } else {
+                work.push((key as usize, ev));
             }
+        }
+        self.kick.take(&mut self.kicked);
+        work.extend(self.kicked.drain(..).map(|k| (k, 0)));
+        work.extend(self.again.drain(..).map(|k| (k, 0)));
+        self.calls = self.calls.wrapping_add(1);
+        if self.timed > 0 && self.calls.is_multiple_of(TIMER_EVERY) {
+            work.extend(
+                self.slots
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.as_ref().is_some_and(|s| s.timed))
+                    .map(|(k, _)| (k, 0)),
+            );
         }
 
         let mut delivered = 0;
         let mut events = std::mem::take(&mut self.events);
-        for (i, s) in self.slots.iter_mut().enumerate() {
-            delivered += s.progress(
-                self.pollfds[1 + i].revents,
-                now,
-                &self.table,
-                sink,
-                &mut events,
-            );
+        let mut removed = false;
+        for (key, rev) in work.drain(..) {
+            let Some(s) = self.slots.get_mut(key).and_then(Option::as_mut) else {
+                // A key kicked by a connection that is gone.
+                continue;
+            };
+            if s.gone {
+                continue;
+            }
+            let timed = s.timed;
+            delivered += s.progress(rev, &self.table, sink, &mut events);
+            self.timed = self.timed + usize::from(s.timed) - usize::from(timed);
+            if s.gone {
+                // Unwatched before the descriptor can close (when the connection drops).
+                let _ = self.epoll.delete(s.fd);
+                removed = true;
+                continue;
+            }
+            if s.want != s.interest {
+                match self.epoll.modify(s.fd, s.want, key as u64) {
+                    Ok(()) => s.interest = s.want,
+                    Err(e) => {
+                        lock(&s.conn).fail(&format!("epoll: {e}"));
+                    }
+                }
+            }
+            if s.again {
+                self.again.push(key);
+            }
         }
-        self.slots.retain(|s| !s.gone);
+        self.work = work;
+        if removed {
+            for (k, s) in self.slots.iter_mut().enumerate() {
+                if s.as_ref().is_some_and(|s| s.gone) {
+                    let s = s.take().expect("checked");
+                    self.timed -= usize::from(s.timed);
+                    self.free.push(k);
+                }
+            }
+        }
 
         // New connections.
-        if self.pollfds[0].revents & libc::POLLIN != 0 {
+        if accept {
             for _ in 0..ACCEPTS_PER_PROGRESS {
                 match sock::accept_nb(&self.listener, &self.opts) {
                     Ok(Some((fd, remote))) => {
-                        let mut unidentified = self.slots.iter().filter(|s| !s.dialed && !s.hello);
-                        if unidentified.clone().count() >= MAX_UNIDENTIFIED
-                            && let Some(oldest) = unidentified.next()
+                        let unidentified = || self.live().filter(|s| !s.dialed && !s.hello);
+                        if unidentified().count() >= MAX_UNIDENTIFIED
+                            && let Some(oldest) = unidentified().min_by_key(|s| s.seq)
                         {
                             tracing::warn!(
                                 "tcp interface on {}: {MAX_UNIDENTIFIED} connections without hello; \
@@ -975,16 +1144,13 @@ impl Iface for TcpIface {
                             "tcp interface on {}: accepted a connection from {remote}",
                             self.dev.name
                         );
-                        let raw = fd.as_raw_fd();
-                        let conn = self.new_conn(fd, State::Open, None, remote, now);
-                        self.slots.push(Slot {
-                            conn: Arc::new(Mutex::new(conn)),
-                            fd: raw,
-                            rx: RxBuf::new(),
-                            hello: false,
-                            dialed: false,
-                            gone: false,
-                        });
+                        let conn = self.new_conn(fd, State::Open, None, remote, Instant::now());
+                        if let Err(e) = self.add_slot(conn, false) {
+                            tracing::warn!(
+                                "tcp interface on {}: cannot watch an accepted connection: {e}",
+                                self.dev.name
+                            );
+                        }
                     }
                     Ok(None) => break,
                     Err(e) => {
@@ -1009,7 +1175,7 @@ impl Iface for TcpIface {
 
 impl Drop for TcpIface {
     fn drop(&mut self) {
-        for s in &self.slots {
+        for s in self.live() {
             let mut c = lock(&s.conn);
             c.error_reported = true;
             c.fail("the tcp interface was closed");
@@ -1277,6 +1443,7 @@ impl Drop for TcpEndpoint {
         if !matches!(c.state, State::Failed(_)) {
             c.tx.push_owned(&wire::detach_frame(), None);
             c.detach_sent = true;
+            c.kick();
         }
     }
 }
@@ -1287,19 +1454,36 @@ mod tests {
     use crate::md::RegTable;
 
     fn open() -> TcpIface {
+        open_with(TcpOptions::default())
+    }
+
+    fn open_with(opts: TcpOptions) -> TcpIface {
         let lo = addr::interfaces()
             .unwrap()
             .into_iter()
             .find(|d| d.loopback)
             .expect("lo");
-        TcpIface::open(
-            lo,
-            addr::host_id(),
-            Arc::new(RegTable::new()),
-            TcpOptions::default(),
-        )
-        .unwrap()
+        TcpIface::open(lo, addr::host_id(), Arc::new(RegTable::new()), opts).unwrap()
     }
+
+    /// Small socket buffers, so a few messages fill them.
+    fn tiny() -> TcpOptions {
+        TcpOptions {
+            sndbuf: Some(4096),
+            rcvbuf: Some(4096),
+            ..TcpOptions::default()
+        }
+    }
+
+    fn only_slot(i: &TcpIface) -> &Slot {
+        let mut it = i.live();
+        let s = it.next().expect("a connection");
+        assert!(it.next().is_none(), "one connection");
+        s
+    }
+
+    const IN: u32 = libc::EPOLLIN as u32;
+    const OUT: u32 = libc::EPOLLOUT as u32;
 
     fn params(to: &TcpIface, user_id: u64) -> EpParams {
         EpParams {
@@ -1346,7 +1530,9 @@ mod tests {
         deliver(&mut b, &mut a, 2);
         // Either side leaving keeps the connection for the other.
         drop(ab);
-        settle(&mut a, &mut b, |_, b| lock(&b.slots[0].conn).peer_detached);
+        settle(&mut a, &mut b, |_, b| {
+            lock(&b.live().next().unwrap().conn).peer_detached
+        });
         ba.am_short(3, 0, b"still here").unwrap();
         deliver(&mut b, &mut a, 3);
         assert_eq!((a.connections(), b.connections()), (1, 1));
@@ -1429,5 +1615,70 @@ mod tests {
         settle(&mut a, &mut b, |a, b| {
             a.connections() == 1 && b.connections() == 1
         });
+    }
+
+    #[test]
+    fn output_interest_follows_the_send_queue() {
+        let (mut a, mut b) = (open_with(tiny()), open_with(tiny()));
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        ab.am_short(1, 0, b"wire-up").unwrap();
+        deliver(&mut a, &mut b, 1);
+        settle(&mut a, &mut b, |a, _| only_slot(a).interest == IN);
+        // b does not read: the socket buffers fill and a queues the rest, watching for room.
+        let mut sent = 0;
+        while lock(&only_slot(&a).conn).tx.is_empty() {
+            let n = ab
+                .am_bcopy(2, &mut |buf| {
+                    buf.fill(7);
+                    buf.len()
+                })
+                .unwrap();
+            assert_eq!(n, wire::AM_MAX_BCOPY);
+            sent += 1;
+            assert!(sent < 10_000, "the socket never filled");
+        }
+        a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        assert_eq!(only_slot(&a).interest, IN | OUT);
+        // b reads everything; a stops watching for room once its queue is empty.
+        let mut got = 0;
+        let start = Instant::now();
+        while got < sent {
+            a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            b.progress(&mut |ev| match ev {
+                Event::Am { id: 2, data } => {
+                    assert!(data.len() == wire::AM_MAX_BCOPY && data.iter().all(|&x| x == 7));
+                    got += 1;
+                }
+                other => panic!("unexpected {other:?}"),
+            });
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        assert!(lock(&only_slot(&a).conn).tx.is_empty());
+        assert_eq!(only_slot(&a).interest, IN);
+    }
+
+    #[test]
+    fn a_connection_failed_by_its_endpoint_is_reported_and_unwatched() {
+        let (mut a, mut b) = (open(), open());
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        ab.am_short(1, 0, b"wire-up").unwrap();
+        deliver(&mut a, &mut b, 1);
+        settle(&mut a, &mut b, |a, _| only_slot(a).interest == IN);
+        // A failure from the endpoint's side, with no socket event of its own: the kick makes
+        // the next progress report it and drop the connection.
+        lock(&only_slot(&a).conn).fail("test failure");
+        let mut errors = 0;
+        a.progress(&mut |ev| match ev {
+            Event::EpError { user_id: 1, .. } => errors += 1,
+            other => panic!("unexpected {other:?}"),
+        });
+        assert_eq!((errors, a.connections()), (1, 0));
+        assert!(ab.am_short(1, 0, b"x").is_err());
+        // Its key is reused by the next connection, which works.
+        let mut ab2 = a.create_ep(&params(&b, 2)).unwrap();
+        assert_eq!(a.slots.len(), 1);
+        ab2.am_short(3, 0, b"again").unwrap();
+        deliver(&mut a, &mut b, 3);
     }
 }

@@ -2,7 +2,7 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd, RawFd};
 
 use nix::errno::Errno;
 use nix::sys::socket::{
@@ -168,4 +168,80 @@ pub(crate) fn apply_options<F: AsFd>(fd: &F, o: &TcpOptions) -> io::Result<()> {
         set(setsockopt(fd, sockopt::RcvBuf, &b))?;
     }
     Ok(())
+}
+
+/// An epoll instance (level triggered) that the interface registers its listener and
+/// connections with once, so a progress call asks the kernel for the ready ones only.
+#[derive(Debug)]
+pub(crate) struct Epoll {
+    fd: OwnedFd,
+    /// Room for the events one wait returns.
+    buf: Vec<libc::epoll_event>,
+}
+
+/// Most events one [`Epoll::wait`] returns; the rest stay ready for the next call.
+const EPOLL_BATCH: usize = 64;
+
+impl Epoll {
+    pub(crate) fn new() -> io::Result<Epoll> {
+        // SAFETY: plain system call with a valid flag; the result is checked before use.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a descriptor epoll_create1 just returned, owned by nobody else.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Epoll {
+            fd,
+            buf: vec![libc::epoll_event { events: 0, u64: 0 }; EPOLL_BATCH],
+        })
+    }
+
+    fn ctl(&self, op: i32, fd: RawFd, events: u32, key: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut ev = libc::epoll_event { events, u64: key };
+        // SAFETY: `self.fd` is our epoll descriptor, `ev` a valid event that lives across the
+        // call (the kernel copies it); `fd` is a descriptor the caller keeps open.
+        let rc = unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &mut ev) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Watch `fd` for `events`, reported with `key`.
+    pub(crate) fn add(&self, fd: RawFd, events: u32, key: u64) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd, events, key)
+    }
+
+    /// Change what `fd` is watched for.
+    pub(crate) fn modify(&self, fd: RawFd, events: u32, key: u64) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_MOD, fd, events, key)
+    }
+
+    /// Stop watching `fd` (before it may be closed or handed on).
+    pub(crate) fn delete(&self, fd: RawFd) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0)
+    }
+
+    /// The ready descriptors now, without waiting: `(key, events)`. An error (EINTR) reads as
+    /// nothing ready; the next call asks again.
+    pub(crate) fn wait(&mut self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `buf` holds EPOLL_BATCH initialized events and outlives the call; timeout 0.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.fd.as_raw_fd(),
+                self.buf.as_mut_ptr(),
+                EPOLL_BATCH as i32,
+                0,
+            )
+        };
+        let n = usize::try_from(n).unwrap_or(0);
+        self.buf[..n].iter().map(|e| {
+            // Copies: the struct is packed on some targets.
+            let (key, events) = (e.u64, e.events);
+            (key, events)
+        })
+    }
 }
