@@ -25,6 +25,9 @@ mod query;
 
 pub use query::PathInfo;
 
+/// Largest payload (source and data) of the eager-short fast path.
+const SHORT_MAX: usize = 256;
+
 /// Identifies a peer (a UCP endpoint) of a worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EpId(pub(crate) usize);
@@ -423,6 +426,10 @@ pub(crate) struct State {
     address: WorkerAddress,
     peers: Vec<Peer>,
     by_uuid: FxHashMap<u64, usize>,
+    /// The sender of the last message and its peer (a one-entry cache of `by_uuid`).
+    last_src: std::cell::Cell<(u64, usize)>,
+    /// Payload of the eager-short fast path (source and data), reused.
+    short_buf: Vec<u8>,
     matcher: TagMatcher<u64, Unexp>,
     reqs: Slab<Req>,
     tokens: FxHashMap<u64, Tok>,
@@ -572,6 +579,8 @@ impl Worker {
                 address,
                 peers: Vec::new(),
                 by_uuid: FxHashMap::default(),
+                last_src: std::cell::Cell::new((0, 0)),
+                short_buf: Vec::with_capacity(SHORT_MAX),
                 matcher: TagMatcher::new(),
                 reqs: Slab::default(),
                 tokens: FxHashMap::default(),
@@ -630,7 +639,7 @@ impl Worker {
     /// Make progress on every interface; returns the number of events handled.
     pub fn progress(&self) -> usize {
         let mut n = 0;
-        {
+        let inbox = {
             let mut ifaces = self.ifaces.borrow_mut();
             let mut st = self.st.borrow_mut();
             for i in 0..ifaces.len() {
@@ -653,9 +662,12 @@ impl Worker {
                 st.on_tok(tok, res);
                 n += 1;
             }
-        }
-        let inbox = std::mem::take(&mut self.st.borrow_mut().am_inbox);
-        if !inbox.is_empty() {
+            if st.am_inbox.is_empty() {
+                return n;
+            }
+            std::mem::take(&mut st.am_inbox)
+        };
+        {
             let mut handlers = self.handlers.borrow_mut();
             for m in inbox {
                 match handlers.get_mut(&m.id) {
@@ -1535,16 +1547,18 @@ impl State {
         if !peer.queue.is_empty() || !peer.connected {
             return Ok(false);
         }
-        let mut small = [0u8; 256];
-        if 8 + len > small.len() {
+        if 8 + len > SHORT_MAX {
             return Ok(false);
         }
         // SAFETY: the caller's buffer is borrowed for the call (and the scope).
         let data = unsafe { host_slice(addr, len) };
-        small[..8].copy_from_slice(&self.address.uuid.to_le_bytes());
-        small[8..8 + len].copy_from_slice(data);
+        // The source and the data, contiguous (a reused buffer: nothing to zero or allocate).
+        let small = &mut self.short_buf;
+        small.clear();
+        small.extend_from_slice(&self.address.uuid.to_le_bytes());
+        small.extend_from_slice(data);
         let ep = peer.eps.get_mut(&peer.am).expect("am lane");
-        match ep.am_short(wire::AM_EAGER_SHORT, tag, &small[..8 + len]) {
+        match ep.am_short(wire::AM_EAGER_SHORT, tag, small) {
             Ok(()) => Ok(true),
             Err(e) if e.is_retryable() => Ok(false),
             Err(e) => Err(e),
@@ -2297,39 +2311,55 @@ impl State {
     }
 
     fn src_peer(&self, src: u64) -> Result<usize> {
-        self.by_uuid.get(&src).copied().ok_or_else(|| {
+        // Messages come in runs from one peer: remember the last one (uuids are never 0).
+        let (last, p) = self.last_src.get();
+        if last == src {
+            return Ok(p);
+        }
+        let p = self.by_uuid.get(&src).copied().ok_or_else(|| {
             Error::InvalidAddress(format!(
                 "message from unknown worker {src:#x} (no wire-up yet)"
             ))
-        })
+        })?;
+        self.last_src.set((src, p));
+        Ok(p)
+    }
+
+    /// A whole tagged message in one packet (eager short or single-fragment copy-in).
+    fn on_eager_one(&mut self, src: u64, tag: Tag, data: &[u8]) -> Result<()> {
+        let p = self.src_peer(src)?;
+        let u = Unexp::Eager {
+            src: p,
+            msg_id: None,
+            total: data.len(),
+            data: Vec::new(),
+        };
+        match self.matcher.arrive(tag, u) {
+            Some((rid, _)) => self.deliver_whole(rid, p, tag, data),
+            None => {
+                // Store the data in the queued entry.
+                if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
+                    d.extend_from_slice(data);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn on_am(&mut self, id: AmId, data: &[u8]) -> Result<()> {
+        // The most frequent message, decoded in place (`wire::parse` reads the same layout).
+        if id == wire::AM_EAGER_SHORT
+            && let Some((tag, rest)) = data.split_first_chunk::<8>()
+            && let Some((src, payload)) = rest.split_first_chunk::<8>()
+        {
+            return self.on_eager_one(u64::from_le_bytes(*src), u64::from_le_bytes(*tag), payload);
+        }
         match wire::parse(id, data)? {
             Msg::Wireup { addr } => {
                 let remote = WorkerAddress::unpack(addr)?;
                 self.peer_for(remote)?;
             }
-            Msg::EagerOne { src, tag, data } => {
-                let p = self.src_peer(src)?;
-                let u = Unexp::Eager {
-                    src: p,
-                    msg_id: None,
-                    total: data.len(),
-                    data: Vec::new(),
-                };
-                match self.matcher.arrive(tag, u) {
-                    Some((rid, _)) => self.deliver_whole(rid, p, tag, data),
-                    None => {
-                        // Store the data in the queued entry.
-                        if let Some(Unexp::Eager { data: d, .. }) =
-                            self.matcher.unexpected_mut().last()
-                        {
-                            d.extend_from_slice(data);
-                        }
-                    }
-                }
-            }
+            Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data)?,
             Msg::EagerFirst {
                 src,
                 kind,
