@@ -4,7 +4,8 @@
 //!
 //! - `tcp/am_short_pingpong/8`: round trip of an active message with its 8-byte header (one-way
 //!   latency is half of it); `tcp/am_short_pingpong_1thread/8`: the same with both sides
-//!   progressed by one thread;
+//!   progressed by one thread (a steadier figure on a busy machine); `..._2conn...`: the same
+//!   with the two endpoints created at once, so each direction has its own connection;
 //! - `tcp/am_bcopy_bw/<size>` and `tcp/am_zcopy_bw/<size>`: streaming active messages, the
 //!   receiver reading every cache line of each message;
 //! - `tcp/put_zcopy_bw/<size>`: remote writes with up to 16 in flight, each complete when the
@@ -46,24 +47,40 @@ fn open_side() -> Side {
     Side { md, iface }
 }
 
-/// Endpoints both ways between `a` and `b`, wired up as UCP does (the second side creates its
-/// endpoint after the first side's message arrived), so they share one connection.
-fn connect_pair(a: &mut Side, b: &mut Side) -> (Box<dyn Endpoint>, Box<dyn Endpoint>) {
+/// Endpoints both ways between `a` and `b`. `shared`: wired up as UCP does when one side
+/// starts (the second side creates its endpoint after the first side's message arrived), so
+/// they share one connection; else both are created at once, as when both sides start
+/// together, and each direction has its own connection.
+fn connect_pair(
+    a: &mut Side,
+    b: &mut Side,
+    shared: bool,
+) -> (Box<dyn Endpoint>, Box<dyn Endpoint>) {
     let mut ab = a
         .iface
         .create_ep(&ep_params_from_hex(&b.address_hex(), 1).unwrap())
         .unwrap();
-    ab.am_short(AM_DATA, 0, b"wire-up").unwrap();
-    let mut got = false;
-    while !got {
-        a.iface.progress(&mut |_| {});
+    let mut early = (!shared).then(|| {
         b.iface
-            .progress(&mut |ev| got |= matches!(ev, Event::Am { id: AM_DATA, .. }));
+            .create_ep(&ep_params_from_hex(&a.address_hex(), 2).unwrap())
+            .unwrap()
+    });
+    ab.am_short(AM_DATA, 0, b"wire-up").unwrap();
+    if let Some(ba) = early.as_mut() {
+        ba.am_short(AM_DATA, 0, b"wire-up").unwrap();
     }
-    let ba = b
-        .iface
-        .create_ep(&ep_params_from_hex(&a.address_hex(), 2).unwrap())
-        .unwrap();
+    let (mut at_a, mut at_b) = (shared, false);
+    while !(at_a && at_b) {
+        a.iface
+            .progress(&mut |ev| at_a |= matches!(ev, Event::Am { id: AM_DATA, .. }));
+        b.iface
+            .progress(&mut |ev| at_b |= matches!(ev, Event::Am { id: AM_DATA, .. }));
+    }
+    let ba = early.unwrap_or_else(|| {
+        b.iface
+            .create_ep(&ep_params_from_hex(&a.address_hex(), 2).unwrap())
+            .unwrap()
+    });
     (ab, ba)
 }
 
@@ -78,10 +95,11 @@ struct Peer {
 }
 
 impl Peer {
-    /// Start the peer; returns it and an endpoint from `local` to it.
-    fn start(local: &mut Side) -> (Peer, Box<dyn Endpoint>) {
+    /// Start the peer; returns it and an endpoint from `local` to it (see [`connect_pair`] for
+    /// `shared`).
+    fn start(local: &mut Side, shared: bool) -> (Peer, Box<dyn Endpoint>) {
         let mut remote = open_side();
-        let (to_remote, mut back) = connect_pair(local, &mut remote);
+        let (to_remote, mut back) = connect_pair(local, &mut remote, shared);
         let target = vec![0u8; TARGET];
         // SAFETY: `target` moves into the peer thread together with the handle, and the thread
         // drops it explicitly after the handle (and after the interface serving puts into it).
@@ -153,10 +171,15 @@ impl Drop for Peer {
 }
 
 fn am_short_pingpong(c: &mut Criterion) {
+    pingpong(c, "am_short_pingpong", true);
+    pingpong(c, "am_short_pingpong_2conn", false);
+}
+
+fn pingpong(c: &mut Criterion, name: &str, shared: bool) {
     let mut local = open_side();
-    let (peer, mut ep) = Peer::start(&mut local);
+    let (peer, mut ep) = Peer::start(&mut local, shared);
     let mut g = c.benchmark_group("tcp");
-    g.bench_function(BenchmarkId::new("am_short_pingpong", 8), |b| {
+    g.bench_function(BenchmarkId::new(name, 8), |b| {
         b.iter(|| {
             while let Err(e) = ep.am_short(AM_PING, black_box(0x1234), &[]) {
                 assert!(e.is_retryable(), "{e}");
@@ -177,11 +200,16 @@ fn am_short_pingpong(c: &mut Criterion) {
 /// The same round trip with both interfaces progressed by one thread: no scheduler in the
 /// way, so it is a steadier figure on a busy machine (the two sides' work adds up).
 fn am_short_pingpong_one_thread(c: &mut Criterion) {
+    pingpong_one_thread(c, "am_short_pingpong_1thread", true);
+    pingpong_one_thread(c, "am_short_pingpong_2conn_1thread", false);
+}
+
+fn pingpong_one_thread(c: &mut Criterion, name: &str, shared: bool) {
     let mut a = open_side();
     let mut b = open_side();
-    let (mut ab, mut ba) = connect_pair(&mut a, &mut b);
+    let (mut ab, mut ba) = connect_pair(&mut a, &mut b, shared);
     let mut g = c.benchmark_group("tcp");
-    g.bench_function(BenchmarkId::new("am_short_pingpong_1thread", 8), |bench| {
+    g.bench_function(BenchmarkId::new(name, 8), |bench| {
         bench.iter(|| {
             ab.am_short(AM_PING, black_box(0x1234), &[]).unwrap();
             let mut got = false;
@@ -202,7 +230,7 @@ fn am_short_pingpong_one_thread(c: &mut Criterion) {
 
 fn am_bw(c: &mut Criterion) {
     let mut local = open_side();
-    let (peer, mut ep) = Peer::start(&mut local);
+    let (peer, mut ep) = Peer::start(&mut local, true);
     let mut sent = 0u64;
     let mut g = c.benchmark_group("tcp");
     for size in [64usize, 1024, 8192] {
@@ -278,7 +306,7 @@ fn am_bw(c: &mut Criterion) {
 fn put_zcopy_bw(c: &mut Criterion) {
     const WINDOW: u64 = 16;
     let mut local = open_side();
-    let (peer, mut ep) = Peer::start(&mut local);
+    let (peer, mut ep) = Peer::start(&mut local, true);
     let buf = vec![0x3cu8; TARGET];
     // SAFETY: `buf` outlives the handle (both dropped at the end of this function, handle first).
     let memh = unsafe { local.md.mem_reg(MemRegion::of_slice(&buf)) }.unwrap();
