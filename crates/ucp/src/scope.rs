@@ -35,15 +35,28 @@ impl std::fmt::Debug for Scope<'_, '_> {
 #[must_use = "a request does nothing useful unless waited for or tested"]
 pub struct Request<'scope> {
     worker: &'scope Worker,
-    id: Option<u64>,
-    error: Option<rucx_ucs::Error>,
+    state: ReqState,
+}
+
+/// Where a request stands (small: it is returned by value from every post).
+enum ReqState {
+    /// In the worker's table.
+    Pending(u64),
     /// Finished when posted (eager sends): no table entry at all.
-    done: Option<Completion>,
+    Done(Completion),
+    /// Refused when posted.
+    Failed(Box<rucx_ucs::Error>),
+    /// Its failure was handed out already (by `.await`).
+    Taken,
 }
 
 impl std::fmt::Debug for Request<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Request").field("id", &self.id).finish()
+        let id = match self.state {
+            ReqState::Pending(id) => Some(id),
+            _ => None,
+        };
+        f.debug_struct("Request").field("id", &id).finish()
     }
 }
 
@@ -61,21 +74,18 @@ impl<'scope, 'w> Scope<'scope, 'w> {
     }
 
     fn track_posted(&'scope self, r: Result<Posted>) -> Request<'scope> {
-        let mut req = Request {
-            worker: self.worker,
-            id: None,
-            error: None,
-            done: None,
-        };
-        match r {
+        let state = match r {
             Ok(Posted::Pending(id)) => {
                 self.reqs.borrow_mut().push(id);
-                req.id = Some(id);
+                ReqState::Pending(id)
             }
-            Ok(Posted::Done(c)) => req.done = Some(c),
-            Err(e) => req.error = Some(e),
+            Ok(Posted::Done(c)) => ReqState::Done(c),
+            Err(e) => ReqState::Failed(Box::new(e)),
+        };
+        Request {
+            worker: self.worker,
+            state,
         }
-        req
     }
 
     /// Send `buf` with `tag` to `ep`. `buf` is a host slice (`&[u8]`, `&Vec<u8>`) or any
@@ -149,60 +159,63 @@ impl<'scope, 'w> Scope<'scope, 'w> {
 impl Request<'_> {
     /// The result if the request finished, without progressing.
     pub fn test(&self) -> Option<Result<Completion>> {
-        if let Some(c) = self.done {
-            return Some(Ok(c));
+        match &self.state {
+            ReqState::Pending(id) => self.worker.req_result(*id),
+            ReqState::Done(c) => Some(Ok(*c)),
+            ReqState::Failed(e) => Some(Err(rucx_ucs::Error::InvalidParam(e.to_string()))),
+            ReqState::Taken => Some(Err(taken())),
         }
-        if let Some(e) = &self.error {
-            return Some(Err(rucx_ucs::Error::InvalidParam(e.to_string())));
+    }
+
+    /// Progress until finished, or until `limit` passed when one is given.
+    fn wait_inner(self, limit: Option<Duration>) -> Result<Completion> {
+        match self.state {
+            ReqState::Pending(id) => self.worker.wait_req(id, limit),
+            ReqState::Done(c) => Ok(c),
+            ReqState::Failed(e) => Err(*e),
+            ReqState::Taken => Err(taken()),
         }
-        self.worker.req_result(self.id?)
     }
 
     /// Progress until finished.
-    pub fn wait(mut self) -> Result<Completion> {
-        if let Some(c) = self.done {
-            return Ok(c);
-        }
-        if let Some(e) = self.error.take() {
-            return Err(e);
-        }
-        let id = self.id.expect("a request without an error has an id");
-        self.worker.wait_req(id, None)
+    pub fn wait(self) -> Result<Completion> {
+        self.wait_inner(None)
     }
 
     /// Progress until finished or `limit` passed ([`Error::Timeout`](rucx_ucs::Error::Timeout)).
-    pub fn wait_timeout(mut self, limit: Duration) -> Result<Completion> {
-        if let Some(c) = self.done {
-            return Ok(c);
-        }
-        if let Some(e) = self.error.take() {
-            return Err(e);
-        }
-        let id = self.id.expect("a request without an error has an id");
-        self.worker.wait_req(id, Some(limit))
+    pub fn wait_timeout(self, limit: Duration) -> Result<Completion> {
+        self.wait_inner(Some(limit))
     }
 
     /// Cancel a receive that has not matched yet; returns true when it was canceled (it then
     /// completes with [`Error::Canceled`](rucx_ucs::Error::Canceled)).
     pub fn cancel(&self) -> bool {
-        self.id.is_some_and(|id| self.worker.cancel_recv(id))
+        match self.state {
+            ReqState::Pending(id) => self.worker.cancel_recv(id),
+            _ => false,
+        }
     }
+}
+
+fn taken() -> rucx_ucs::Error {
+    rucx_ucs::Error::Internal("request polled after completion".into())
 }
 
 impl Future for Request<'_> {
     type Output = Result<Completion>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
-        if let Some(c) = self.done {
-            return Poll::Ready(Ok(c));
-        }
-        if let Some(e) = self.error.take() {
-            return Poll::Ready(Err(e));
-        }
-        let Some(id) = self.id else {
-            return Poll::Ready(Err(rucx_ucs::Error::Internal(
-                "request polled after completion".into(),
-            )));
+        let id = match &self.state {
+            ReqState::Pending(id) => *id,
+            ReqState::Done(c) => return Poll::Ready(Ok(*c)),
+            ReqState::Failed(_) => {
+                let ReqState::Failed(e) = std::mem::replace(&mut self.state, ReqState::Taken)
+                else {
+                    unreachable!("matched just above")
+                };
+                return Poll::Ready(Err(*e));
+            }
+            ReqState::Taken => return Poll::Ready(Err(taken())),
         };
         if let Some(r) = self.worker.req_result(id) {
             return Poll::Ready(r);

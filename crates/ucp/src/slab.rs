@@ -45,6 +45,7 @@ impl<T> Default for Slab<T> {
 
 impl<T> Slab<T> {
     /// Store `value`; returns its id.
+    #[inline]
     pub(crate) fn insert(&mut self, value: T) -> u64 {
         self.live += 1;
         if self.free != NONE {
