@@ -5,9 +5,15 @@
 //! takes over a connection that P opened to us (and announced with its listening address in
 //! `Hello`) when our side of it has no endpoint yet; otherwise it opens a new connection to P.
 //! So two processes that create endpoints to each other usually share one connection (the
-//! second endpoint finds the first one's connection), and when both create them at the same
-//! moment they hold two, one used by each side; both are correct. Requests received on a
-//! connection are answered on it, in order, whichever side opened it.
+//! second endpoint finds the first one's connection). When both create them at the same
+//! moment they hold two, one used by each side, until the side with the larger listening
+//! address moves its endpoint onto the peer's connection (`TcpIface::try_merge`; the peer
+//! keeps the order with `Joined`) and closes its own. Requests received on a connection are
+//! answered on it, in order, whichever side opened it.
+//!
+//! Sockets are registered with an epoll instance once; a progress call handles the ready
+//! ones, those whose endpoint asked for attention (`Kick`: output queued, failure, endpoint
+//! gone), those with frames held back, and now and then those with a deadline running.
 //!
 //! Each connection has two halves with different owners: the interface owns the receive
 //! buffer and reads without a lock, so active messages are handed to the sink straight from
@@ -189,6 +195,25 @@ enum Reply {
 }
 
 impl Conn {
+    /// Trade everything that belongs to the socket (the socket, its send queue, its state and
+    /// its interface key) with `other`; the endpoint's part (who is on it, its requests and
+    /// counters) stays.
+    fn trade_socket(&mut self, other: &mut Conn) {
+        use std::mem::swap;
+        swap(&mut self.sock, &mut other.sock);
+        swap(&mut self.tx, &mut other.tx);
+        swap(&mut self.state, &mut other.state);
+        swap(&mut self.peer, &mut other.peer);
+        swap(&mut self.remote, &mut other.remote);
+        swap(&mut self.detach_sent, &mut other.detach_sent);
+        swap(&mut self.peer_detached, &mut other.peer_detached);
+        swap(&mut self.closing, &mut other.closing);
+        swap(&mut self.shut, &mut other.shut);
+        swap(&mut self.deadline, &mut other.deadline);
+        swap(&mut self.key, &mut other.key);
+        swap(&mut self.kicked, &mut other.kicked);
+    }
+
     /// Ask the interface to handle this connection in its next progress, events or not.
     fn kick(&mut self) {
         if !self.kicked {
@@ -543,6 +568,11 @@ struct Slot {
     again: bool,
     /// Creation order.
     seq: u64,
+    /// The peer's endpoint joined this connection from the one it had with this local
+    /// address: frames after `Joined` wait until that one is resolved into `wait`.
+    joined: Option<SocketAddrV4>,
+    /// The connection the peer's endpoint left: frames here wait for its `Detach`.
+    wait: Option<Arc<Mutex<Conn>>>,
 }
 
 impl Slot {
@@ -653,7 +683,9 @@ impl Slot {
             State::Failed(_) => 0,
         };
         self.timed = c.state == State::Connecting || (c.closing && c.state == State::Open);
-        self.again = c.state == State::Open && unloaded && matches!(self.rx.frame(), Ok(Some(_)));
+        self.again = c.state == State::Open
+            && unloaded
+            && (self.wait.is_some() || matches!(self.rx.frame(), Ok(Some(_))));
         delivered
     }
 
@@ -666,6 +698,17 @@ impl Slot {
     ) -> (usize, bool) {
         let mut delivered = 0;
         loop {
+            if self.joined.is_some() {
+                return (delivered, false);
+            }
+            if let Some(w) = &self.wait {
+                let w = lock(w);
+                if !(w.peer_detached || matches!(w.state, State::Failed(_))) {
+                    return (delivered, false);
+                }
+                drop(w);
+                self.wait = None;
+            }
             let (h, body) = match self.rx.frame() {
                 Ok(None) => return (delivered, true),
                 Ok(Some(f)) => f,
@@ -732,6 +775,16 @@ impl Slot {
                         lock(&self.conn).peer_detached = true;
                         Ok(())
                     }
+                    Kind::Joined => match wire::check_joined(body) {
+                        Ok(left) if self.dialed && self.wait.is_none() => {
+                            self.joined = Some(left);
+                            Ok(())
+                        }
+                        Ok(_) => Err(Reply::Violation(
+                            "joined on a connection the peer opened, or twice".into(),
+                        )),
+                        Err(e) => Err(Reply::Violation(e.0)),
+                    },
                     Kind::Fatal => Err(Reply::Fail(format!(
                         "the peer closed the connection: {}",
                         wire::reason_text(&body[1..])
@@ -780,6 +833,14 @@ pub struct TcpIface {
     /// This progress's work: `(key, epoll events)`.
     work: Vec<(usize, u32)>,
     kicked: Vec<usize>,
+    /// Connection pairs to merge: `(dialed key, accepted key)`, see `try_merge`.
+    merges: Vec<(usize, usize)>,
+    /// Accepted connections whose hello arrived in this progress.
+    greeted: Vec<usize>,
+    /// Connections that got `Joined` in this progress.
+    joining: Vec<usize>,
+    /// Endpoints moved onto the peer's connection so far.
+    merged: u64,
     events: Vec<Owned>,
 }
 
@@ -872,6 +933,10 @@ impl TcpIface {
             again: Vec::new(),
             work: Vec::new(),
             kicked: Vec::new(),
+            merges: Vec::new(),
+            greeted: Vec::new(),
+            joining: Vec::new(),
+            merged: 0,
             events: Vec::new(),
         })
     }
@@ -920,6 +985,8 @@ impl TcpIface {
             timed,
             again: false,
             seq: self.created,
+            joined: None,
+            wait: None,
         };
         self.created += 1;
         self.timed += usize::from(timed);
@@ -973,6 +1040,194 @@ impl TcpIface {
             scratch: vec![0u8; wire::AM_MAX_BCOPY],
         })
     }
+
+    /// Accept up to `max` waiting connections.
+    fn accept_some(&mut self, max: usize) {
+        {
+            for _ in 0..max {
+                match sock::accept_nb(&self.listener, &self.opts) {
+                    Ok(Some((fd, remote))) => {
+                        let unidentified = || self.live().filter(|s| !s.dialed && !s.hello);
+                        if unidentified().count() >= MAX_UNIDENTIFIED
+                            && let Some(oldest) = unidentified().min_by_key(|s| s.seq)
+                        {
+                            tracing::warn!(
+                                "tcp interface on {}: {MAX_UNIDENTIFIED} connections without hello; \
+                                 closing the oldest",
+                                self.dev.name
+                            );
+                            lock(&oldest.conn).fail("no hello");
+                        }
+                        tracing::debug!(
+                            "tcp interface on {}: accepted a connection from {remote}",
+                            self.dev.name
+                        );
+                        let conn = self.new_conn(fd, State::Open, None, remote, Instant::now());
+                        if let Err(e) = self.add_slot(conn, false) {
+                            tracing::warn!(
+                                "tcp interface on {}: cannot watch an accepted connection: {e}",
+                                self.dev.name
+                            );
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!("tcp interface on {}: accept failed: {e}", self.dev.name);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The peer's endpoint moved to connection `key` from the one whose peer-side address
+    /// `Joined` named: frames on `key` wait for that connection's `Detach` (none to wait for
+    /// when it is gone, failed or already detached).
+    fn resolve_joined(&mut self, key: usize) {
+        let Some(left) = self
+            .slots
+            .get_mut(key)
+            .and_then(Option::as_mut)
+            .and_then(|s| s.joined.take())
+        else {
+            return;
+        };
+        let wait = self.live().find_map(|s| {
+            let c = lock(&s.conn);
+            let pending = !s.dialed
+                && c.remote == SocketAddr::V4(left)
+                && !c.peer_detached
+                && !matches!(c.state, State::Failed(_));
+            pending.then(|| s.conn.clone())
+        });
+        if let Some(s) = self.slots.get_mut(key).and_then(Option::as_mut) {
+            s.wait = wait;
+            // Handle what is buffered (or keep checking the wait) in the next progress.
+            self.again.push(key);
+        }
+    }
+
+    /// Accepted connections just identified by their hello: when our endpoint to that peer
+    /// dialed a connection of its own (both sides created their endpoints at once) and our
+    /// listening address is the larger one, plan to move our endpoint onto the accepted
+    /// connection, so both directions share one (acknowledgements then ride on the answers
+    /// instead of costing packets of their own). The peer, with the smaller address, keeps its
+    /// endpoint on the connection it dialed: both pick the same one.
+    fn find_merges(&mut self) {
+        let me = self.listen_addr();
+        let order = |a: SocketAddrV4| (u32::from(*a.ip()), a.port());
+        for a in std::mem::take(&mut self.greeted) {
+            let Some(sa) = self.slots.get(a).and_then(Option::as_ref) else {
+                continue;
+            };
+            let Some(peer) = lock(&sa.conn).peer else {
+                continue;
+            };
+            if order(me) <= order(peer) || self.merges.iter().any(|&(_, x)| x == a) {
+                continue;
+            }
+            let d = self.slots.iter().enumerate().find_map(|(k, s)| {
+                let s = s.as_ref()?;
+                let c = lock(&s.conn);
+                let free = s.dialed
+                    && c.peer == Some(peer)
+                    && c.ep.is_some()
+                    && !c.detach_sent
+                    && !self.merges.iter().any(|&(x, _)| x == k);
+                free.then_some(k)
+            });
+            if let Some(d) = d {
+                self.merges.push((d, a));
+            }
+        }
+    }
+
+    /// One step of moving our endpoint from dialed connection `d` to accepted connection `a`
+    /// (see `find_merges`), taken when no request of the endpoint is outstanding and nothing
+    /// is queued on `d`: the two connection objects trade sockets. The endpoint's object
+    /// takes `a`'s socket (with what is queued on it and its state) and sends `Joined` there
+    /// first; the other takes `d`'s, sends `Detach` and closes it like any connection nobody
+    /// uses. The peer handles `d` up to that `Detach` before what follows `Joined` on `a`, so
+    /// the endpoint's messages keep their order. The endpoint holds the same object
+    /// throughout, locked during the trade.
+    fn try_merge(&mut self, d: usize, a: usize) -> Merge {
+        let (Some(sd), Some(sa)) = (
+            self.slots.get(d).and_then(Option::as_ref),
+            self.slots.get(a).and_then(Option::as_ref),
+        ) else {
+            return Merge::Abort;
+        };
+        if !sd.dialed || sa.dialed || !sa.hello || sd.gone || sa.gone {
+            return Merge::Abort;
+        }
+        let (cd_arc, ca_arc) = (sd.conn.clone(), sa.conn.clone());
+        let mut cd = lock(&cd_arc);
+        let mut ca = lock(&ca_arc);
+        let d_ok = cd.ep.is_some()
+            && !matches!(cd.state, State::Failed(_))
+            && !cd.closing
+            && !cd.detach_sent;
+        let a_ok = ca.ep.is_none()
+            && ca.state == State::Open
+            && !ca.closing
+            && !ca.detach_sent
+            && !ca.peer_detached
+            && ca.pending.is_empty()
+            && ca.peer == cd.peer;
+        if !(d_ok && a_ok) {
+            return Merge::Abort;
+        }
+        if cd.state != State::Open
+            || !cd.tx.is_empty()
+            || !cd.pending.is_empty()
+            || !cd.completions.is_empty()
+            || cd.tx.has_done()
+        {
+            return Merge::Wait;
+        }
+        let left = match nix::sys::socket::getsockname::<nix::sys::socket::SockaddrIn>(sd.fd) {
+            Ok(l) => SocketAddrV4::from(l),
+            Err(_) => return Merge::Abort,
+        };
+        tracing::debug!(
+            "tcp interface on {}: endpoint to {} moves to the connection the peer opened",
+            self.dev.name,
+            cd.peer_name()
+        );
+        cd.trade_socket(&mut ca);
+        cd.tx.push_owned(&wire::joined_frame(left), None);
+        // `ca` now has `d`'s socket and no endpoint on it.
+        ca.tx.push_owned(&wire::detach_frame(), None);
+        ca.detach_sent = true;
+        // Written now, so the endpoint's next message goes straight to the socket as before.
+        for c in [&mut *cd, &mut *ca] {
+            if let Err(e) = c.tx.write(&mut c.sock) {
+                c.fail(&format!("send: {e}"));
+            }
+            c.kick();
+        }
+        drop(ca);
+        drop(cd);
+        let (x, y) = if d < a {
+            let (l, r) = self.slots.split_at_mut(a);
+            (&mut l[d], &mut r[0])
+        } else {
+            let (l, r) = self.slots.split_at_mut(d);
+            (&mut r[0], &mut l[a])
+        };
+        let (x, y) = (x.as_mut().expect("checked"), y.as_mut().expect("checked"));
+        std::mem::swap(&mut x.conn, &mut y.conn);
+        self.merged += 1;
+        Merge::Done
+    }
+}
+
+/// Outcome of one `try_merge` step.
+#[derive(Debug, PartialEq, Eq)]
+enum Merge {
+    Done,
+    Wait,
+    Abort,
 }
 
 fn pci_bus_id(dev: &str) -> Option<String> {
@@ -1092,8 +1347,14 @@ impl Iface for TcpIface {
             if s.gone {
                 continue;
             }
-            let timed = s.timed;
+            let (timed, hello) = (s.timed, s.hello);
             delivered += s.progress(rev, &self.table, sink, &mut events);
+            if !hello && s.hello && !s.dialed {
+                self.greeted.push(key);
+            }
+            if s.joined.is_some() {
+                self.joining.push(key);
+            }
             self.timed = self.timed + usize::from(s.timed) - usize::from(timed);
             if s.gone {
                 // Unwatched before the descriptor can close (when the connection drops).
@@ -1114,6 +1375,14 @@ impl Iface for TcpIface {
             }
         }
         self.work = work;
+        if !self.greeted.is_empty() {
+            self.find_merges();
+        }
+        if !self.merges.is_empty() {
+            let mut merges = std::mem::take(&mut self.merges);
+            merges.retain(|&(d, a)| self.try_merge(d, a) == Merge::Wait);
+            self.merges = merges;
+        }
         if removed {
             for (k, s) in self.slots.iter_mut().enumerate() {
                 if s.as_ref().is_some_and(|s| s.gone) {
@@ -1126,38 +1395,14 @@ impl Iface for TcpIface {
 
         // New connections.
         if accept {
-            for _ in 0..ACCEPTS_PER_PROGRESS {
-                match sock::accept_nb(&self.listener, &self.opts) {
-                    Ok(Some((fd, remote))) => {
-                        let unidentified = || self.live().filter(|s| !s.dialed && !s.hello);
-                        if unidentified().count() >= MAX_UNIDENTIFIED
-                            && let Some(oldest) = unidentified().min_by_key(|s| s.seq)
-                        {
-                            tracing::warn!(
-                                "tcp interface on {}: {MAX_UNIDENTIFIED} connections without hello; \
-                                 closing the oldest",
-                                self.dev.name
-                            );
-                            lock(&oldest.conn).fail("no hello");
-                        }
-                        tracing::debug!(
-                            "tcp interface on {}: accepted a connection from {remote}",
-                            self.dev.name
-                        );
-                        let conn = self.new_conn(fd, State::Open, None, remote, Instant::now());
-                        if let Err(e) = self.add_slot(conn, false) {
-                            tracing::warn!(
-                                "tcp interface on {}: cannot watch an accepted connection: {e}",
-                                self.dev.name
-                            );
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!("tcp interface on {}: accept failed: {e}", self.dev.name);
-                        break;
-                    }
-                }
+            self.accept_some(ACCEPTS_PER_PROGRESS);
+        }
+        if !self.joining.is_empty() {
+            // The connection a peer's endpoint left may still wait to be accepted (the peer
+            // connected it before it moved): take them all first.
+            self.accept_some(usize::MAX);
+            for key in std::mem::take(&mut self.joining) {
+                self.resolve_joined(key);
             }
         }
 
@@ -1544,20 +1789,53 @@ mod tests {
     }
 
     #[test]
-    fn simultaneous_endpoints_use_two_connections_and_both_close() {
+    fn simultaneous_endpoints_converge_on_one_connection_and_both_close() {
         let (mut a, mut b) = (open(), open());
         let mut ab = a.create_ep(&params(&b, 1)).unwrap();
         let mut ba = b.create_ep(&params(&a, 2)).unwrap();
-        ab.am_short(1, 0, b"x").unwrap();
-        ba.am_short(2, 0, b"y").unwrap();
-        let (mut at_a, mut at_b) = (false, false);
+        // Both dialed; the side with the larger address moves its endpoint onto the other's
+        // connection while messages flow both ways, and every message arrives, in order.
+        let n = 2000u64;
+        let (mut sent_a, mut sent_b, mut got_a, mut got_b) = (0u64, 0u64, 0u64, 0u64);
         let start = Instant::now();
-        while !(at_a && at_b) {
-            a.progress(&mut |ev| at_a |= matches!(ev, Event::Am { id: 2, .. }));
-            b.progress(&mut |ev| at_b |= matches!(ev, Event::Am { id: 1, .. }));
+        let mut merged_at = None;
+        while got_a < n || got_b < n {
+            if merged_at.is_none() && a.merged + b.merged > 0 {
+                merged_at = Some((sent_a, sent_b));
+            }
+            if sent_a < n && ab.am_short(1, sent_a, b"x").is_ok() {
+                sent_a += 1;
+            }
+            if sent_b < n && ba.am_short(2, sent_b, b"y").is_ok() {
+                sent_b += 1;
+            }
+            a.progress(&mut |ev| match ev {
+                Event::Am { id: 2, data } => {
+                    assert_eq!(wire::word(data, 0), got_a, "in order");
+                    got_a += 1;
+                }
+                other => panic!("unexpected {other:?}"),
+            });
+            b.progress(&mut |ev| match ev {
+                Event::Am { id: 1, data } => {
+                    assert_eq!(wire::word(data, 0), got_b, "in order");
+                    got_b += 1;
+                }
+                other => panic!("unexpected {other:?}"),
+            });
             assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
         }
-        assert_eq!((a.connections(), b.connections()), (2, 2));
+        // One side moved, while messages were still being sent both ways.
+        assert_eq!(a.merged + b.merged, 1);
+        let (sa, sb) = merged_at.expect("merged during the stream");
+        assert!(sa < n && sb < n, "merged at {sa}/{sb} of {n}");
+        settle(&mut a, &mut b, |a, b| {
+            a.connections() == 1 && b.connections() == 1
+        });
+        ab.am_short(3, 0, b"after").unwrap();
+        deliver(&mut a, &mut b, 3);
+        ba.am_short(4, 0, b"after").unwrap();
+        deliver(&mut b, &mut a, 4);
         drop(ab);
         drop(ba);
         settle(&mut a, &mut b, |a, b| {
@@ -1680,5 +1958,84 @@ mod tests {
         assert_eq!(a.slots.len(), 1);
         ab2.am_short(3, 0, b"again").unwrap();
         deliver(&mut a, &mut b, 3);
+    }
+
+    /// A raw peer speaking the wire protocol (with the larger address, so it is the side that
+    /// moves): its messages on the connection it dialed to `b`, then `Joined` and more
+    /// messages on the connection `b` dialed to it. `b` must deliver nothing after `Joined`
+    /// until the first connection's `Detach`.
+    #[test]
+    fn frames_after_joined_wait_for_the_detach_of_the_connection_left() {
+        use std::io::{Read, Write};
+        let mut b = open();
+        let ip2 = std::net::Ipv4Addr::new(127, 0, 0, 2);
+        assert!(*b.listen_addr().ip() < ip2);
+        let lst = std::net::TcpListener::bind((ip2, 0)).unwrap();
+        let me = match lst.local_addr().unwrap() {
+            SocketAddr::V4(a) => a,
+            _ => unreachable!(),
+        };
+        let raw_params = EpParams {
+            dev_addr: DevAddr {
+                ip: *me.ip(),
+                loopback_host: Some(addr::host_id()),
+            }
+            .pack(),
+            iface_addr: addr::pack_iface_addr(me.port()),
+            user_id: 1,
+        };
+        // b's endpoint dials us (connection A); we dial b (connection D).
+        let mut ep = b.create_ep(&raw_params).unwrap();
+        ep.am_short(9, 0, b"hi").unwrap();
+        b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        let (mut conn_a, _) = lst.accept().unwrap();
+        let fd = sock::connect_nb(
+            Some(IpAddr::V4(ip2)),
+            SocketAddr::V4(b.listen_addr()),
+            &TcpOptions::default(),
+        )
+        .unwrap();
+        let mut conn_d = std::net::TcpStream::from(fd);
+        conn_d.set_nonblocking(false).unwrap();
+        let left = match conn_d.local_addr().unwrap() {
+            SocketAddr::V4(a) => a,
+            _ => unreachable!(),
+        };
+        let am = |id: u8, v: u64| {
+            let mut f = wire::header(Kind::Am, id, 8).to_vec();
+            f.extend_from_slice(&v.to_le_bytes());
+            f
+        };
+        let mut d_bytes = wire::hello_frame(me);
+        d_bytes.extend(am(1, 1));
+        conn_d.write_all(&d_bytes).unwrap();
+        let mut a_bytes = wire::hello_frame(me);
+        a_bytes.extend(wire::joined_frame(left));
+        a_bytes.extend(am(2, 2));
+        conn_a.write_all(&a_bytes).unwrap();
+        // b's hello and am on A, so A is open on both sides.
+        let mut buf = [0u8; 256];
+        let _ = conn_a.read(&mut buf).unwrap();
+        let mut got = Vec::new();
+        let start = Instant::now();
+        while got.is_empty() || start.elapsed() < Duration::from_millis(100) {
+            b.progress(&mut |ev| match ev {
+                Event::Am { id, data } => got.push((id, wire::word(data, 0))),
+                other => panic!("unexpected {other:?}"),
+            });
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        assert_eq!(got, vec![(1, 1)], "the message after joined waits");
+        conn_d.write_all(&wire::detach_frame()).unwrap();
+        let start = Instant::now();
+        while got.len() < 2 {
+            b.progress(&mut |ev| match ev {
+                Event::Am { id, data } => got.push((id, wire::word(data, 0))),
+                other => panic!("unexpected {other:?}"),
+            });
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        assert_eq!(got, vec![(1, 1), (2, 2)]);
+        drop(ep);
     }
 }

@@ -18,9 +18,12 @@
 //! that P opened to us (P's `Hello` names its listening address) if our side of it has no
 //! endpoint yet, else it opens its own. With the usual wire-up (one side creates its endpoint,
 //! sends, and the other side creates its endpoint after receiving) both directions share one
-//! connection, which halves the packets of a ping-pong (acknowledgements ride on the answers);
-//! endpoints created at the same moment on both sides get one connection each, which is just
-//! as correct. Requests are answered on the connection they came on, in order. When an
+//! connection, which halves the packets of a ping-pong (acknowledgements ride on the answers).
+//! Endpoints created at the same moment on both sides first get one connection each; then the
+//! side with the larger listening address moves its endpoint onto the connection the other
+//! side opened (between two requests, keeping its messages in order: `Joined` in [`wire`]),
+//! and its own connection closes. Requests are answered on the connection they came on, in
+//! order. When an
 //! endpoint is dropped, what it posted is still sent, followed by `Detach`; a connection with
 //! no endpoint left on either side is closed. Details in the `iface` module and [`wire`].
 //!

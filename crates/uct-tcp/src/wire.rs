@@ -26,6 +26,11 @@
 //! - `Detach`: empty. The sender's endpoint on this connection is gone; it sends no more
 //!   requests here. A side that has no endpoint on the connection and got the peer's `Detach`
 //!   sends what it still has queued and closes.
+//! - `Joined`: `ip: [u8; 4]`, `port: u16`, `reserved: u16 = 0`, the sender's local address of
+//!   another connection between the same two interfaces. The sender's endpoint moved from that
+//!   connection (which it left with `Detach`) to this one: the receiver handles that
+//!   connection's frames up to its `Detach` before the frames after `Joined` here, so the
+//!   endpoint's messages keep their order.
 //!
 //! A connection is full duplex: each side may have an endpoint on it that sends requests
 //! (`Am`, `Put`, `GetReq`, `Flush`), and each side answers the requests it receives (`Ack`,
@@ -51,7 +56,7 @@ pub const MARK: u16 = 0x7c5a;
 /// First word of a `Hello` body ("RXTC").
 pub const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"RXTC");
 /// Wire protocol version.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 
 /// Largest `am_short` payload (after the 8-byte header).
 pub const AM_MAX_SHORT: usize = 256;
@@ -103,6 +108,8 @@ pub enum Kind {
     Fatal = 9,
     /// The sender's endpoint on this connection is gone.
     Detach = 10,
+    /// The sender's endpoint moved here from another connection.
+    Joined = 11,
 }
 
 impl Kind {
@@ -118,6 +125,7 @@ impl Kind {
             8 => Kind::OpError,
             9 => Kind::Fatal,
             10 => Kind::Detach,
+            11 => Kind::Joined,
             _ => return None,
         })
     }
@@ -127,6 +135,7 @@ impl Kind {
         match self {
             Kind::Hello => (HELLO_LEN, HELLO_LEN),
             Kind::Detach => (0, 0),
+            Kind::Joined => (JOINED_LEN, JOINED_LEN),
             Kind::Am => (0, AM_MAX_BODY),
             Kind::Put => (PUT_FIXED, PUT_FIXED + RMA_MAX_ZCOPY),
             Kind::GetReq => (GET_REQ_LEN, GET_REQ_LEN),
@@ -251,6 +260,29 @@ pub fn check_hello(body: &[u8]) -> Result<SocketAddrV4, WireError> {
             "hello announces an invalid listening address {ip}:{port}"
         )));
     }
+    Ok(SocketAddrV4::new(ip, port))
+}
+
+/// `Joined` body length.
+pub const JOINED_LEN: usize = 8;
+
+/// Encode a `Joined` frame naming the connection (by the sender's local address) the
+/// sender's endpoint left.
+pub fn joined_frame(left: SocketAddrV4) -> [u8; HDR_LEN + JOINED_LEN] {
+    let mut f = [0u8; HDR_LEN + JOINED_LEN];
+    f[..HDR_LEN].copy_from_slice(&header(Kind::Joined, 0, JOINED_LEN));
+    f[HDR_LEN..HDR_LEN + 4].copy_from_slice(&left.ip().octets());
+    f[HDR_LEN + 4..HDR_LEN + 6].copy_from_slice(&left.port().to_le_bytes());
+    f
+}
+
+/// Validate a `Joined` body; returns the address it names.
+pub fn check_joined(body: &[u8]) -> Result<SocketAddrV4, WireError> {
+    if body[6] != 0 || body[7] != 0 {
+        return Err(WireError("nonzero reserved bytes in joined".into()));
+    }
+    let ip = Ipv4Addr::new(body[0], body[1], body[2], body[3]);
+    let port = u16::from_le_bytes([body[4], body[5]]);
     Ok(SocketAddrV4::new(ip, port))
 }
 
@@ -658,6 +690,11 @@ impl TxQueue {
         Some(self.done.remove(pos).1)
     }
 
+    /// Items written completely whose tokens were not drained yet.
+    pub fn has_done(&self) -> bool {
+        !self.done.is_empty()
+    }
+
     /// Tokens of items written completely since the last call.
     pub fn drain_done(&mut self) -> impl Iterator<Item = u64> + '_ {
         self.done.drain(..).map(|(_, t)| t)
@@ -806,6 +843,21 @@ mod tests {
         drop(a);
         let mut rx = RxBuf::new();
         assert_eq!(rx.fill(&mut r).unwrap(), Fill::Eof);
+    }
+
+    #[test]
+    fn joined_round_trip_and_validation() {
+        let left = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 1), 40123);
+        let f = joined_frame(left);
+        let h = parse_header(f[..HDR_LEN].try_into().unwrap()).unwrap();
+        assert_eq!((h.kind, h.body_len), (Kind::Joined, JOINED_LEN));
+        assert_eq!(check_joined(&f[HDR_LEN..]).unwrap(), left);
+        let mut body = f[HDR_LEN..].to_vec();
+        body[7] = 1;
+        assert!(check_joined(&body).unwrap_err().0.contains("reserved"));
+        let mut h = header(Kind::Joined, 0, 0);
+        h[..4].copy_from_slice(&9u32.to_le_bytes());
+        assert!(parse_header(&h).is_err(), "long joined");
     }
 
     #[test]
