@@ -1305,6 +1305,7 @@ fn clone_err(e: &Error) -> Error {
 }
 
 impl State {
+    #[inline(always)]
     fn new_req(&mut self, kind: ReqKind) -> u64 {
         self.reqs.insert(Req {
             kind,
@@ -2362,14 +2363,14 @@ impl State {
     /// A whole tagged message in one packet (eager short or single-fragment copy-in).
     fn on_eager_one(&mut self, src: u64, tag: Tag, data: &[u8]) -> Result<()> {
         let p = self.src_peer(src)?;
-        let u = Unexp::Eager {
+        let queued = || Unexp::Eager {
             src: p,
             msg_id: None,
             total: data.len(),
             data: Vec::new(),
         };
-        match self.matcher.arrive(tag, u) {
-            Some((rid, _)) => self.deliver_whole(rid, p, tag, data),
+        match self.matcher.arrive_with(tag, queued) {
+            Some(rid) => self.deliver_whole(rid, p, tag, data),
             None => {
                 // Store the data in the queued entry.
                 if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
