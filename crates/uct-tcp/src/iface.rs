@@ -472,6 +472,23 @@ impl Conn {
         Ok(())
     }
 
+    /// Queue the answer to a `Put` of `len` bytes at `addr`.
+    fn answer_put(&mut self, op: u64, addr: u64, len: usize, r: std::result::Result<(), String>) {
+        match r {
+            Ok(()) => {
+                self.tx
+                    .push_owned(&wire::words_frame(Kind::Ack, &[op], &[]), None);
+            }
+            Err(reason) => {
+                tracing::debug!("tcp: refused put {addr:#x}+{len}: {reason}");
+                self.tx.push_owned(
+                    &wire::op_error_frame(op, code::ACCESS_DENIED, &reason),
+                    None,
+                );
+            }
+        }
+    }
+
     /// Serve a request of the peer; the answer is queued.
     fn serve(
         &mut self,
@@ -488,19 +505,8 @@ impl Conn {
                     wire::word(body, 3),
                 );
                 let data = &body[wire::PUT_FIXED..];
-                match table.write(md_id, reg_id, addr, data) {
-                    Ok(()) => {
-                        self.tx
-                            .push_owned(&wire::words_frame(Kind::Ack, &[op], &[]), None);
-                    }
-                    Err(reason) => {
-                        tracing::debug!("tcp: refused put {addr:#x}+{}: {reason}", data.len());
-                        self.tx.push_owned(
-                            &wire::op_error_frame(op, code::ACCESS_DENIED, &reason),
-                            None,
-                        );
-                    }
-                }
+                let r = table.write(md_id, reg_id, addr, data);
+                self.answer_put(op, addr, data.len(), r);
             }
             Kind::GetReq => {
                 let (op, md_id, reg_id, addr, len) = (
@@ -573,6 +579,27 @@ struct Slot {
     joined: Option<SocketAddrV4>,
     /// The connection the peer's endpoint left: frames here wait for its `Detach`.
     wait: Option<Arc<Mutex<Conn>>>,
+    /// A `Put` whose body is being received straight into its destination.
+    direct: Option<DirectPut>,
+    /// Where the body of a refused `Put` is received and dropped.
+    scratch: Vec<u8>,
+}
+
+/// A `Put` whose header and fixed fields arrived: the rest of its body goes from the socket
+/// to the destination (validated against the registration table for every read), so it is
+/// copied once, by the kernel. A destination that is not (or no longer) a live registration
+/// is never written: the rest is received into scratch space and the put refused.
+#[derive(Debug)]
+struct DirectPut {
+    op: u64,
+    md_id: u64,
+    reg_id: u64,
+    addr: u64,
+    /// Data length, and how much of it arrived.
+    len: usize,
+    off: usize,
+    /// Why the put is refused.
+    denied: Option<String>,
 }
 
 impl Slot {
@@ -618,7 +645,12 @@ impl Slot {
                     if !go {
                         break;
                     }
-                    let more = match self.rx.fill(&mut RawSock(self.fd)) {
+                    let read = if self.direct.is_some() {
+                        self.recv_direct(table)
+                    } else {
+                        self.rx.fill(&mut RawSock(self.fd))
+                    };
+                    let more = match read {
                         Ok(Fill::Data(_)) => true,
                         Ok(Fill::Drained(_)) => false,
                         Ok(Fill::WouldBlock) => break,
@@ -633,6 +665,15 @@ impl Slot {
                             break;
                         }
                     };
+                    if self.direct.as_ref().is_some_and(|d| d.off == d.len) {
+                        let d = self.direct.take().expect("checked");
+                        let mut c = lock(&self.conn);
+                        c.answer_put(d.op, d.addr, d.len, d.denied.map_or(Ok(()), Err));
+                        if c.tx.queued() > c.tx_limit {
+                            // Stop reading requests until the answers drain.
+                            break;
+                        }
+                    }
                     let (n, g) = self.handle_frames(table, sink);
                     delivered += n;
                     go = g && more;
@@ -689,6 +730,85 @@ impl Slot {
         delivered
     }
 
+    /// A `Put` of which only the start is buffered: write what arrived to its destination and
+    /// receive the rest straight there (`recv_direct`).
+    fn start_direct(&mut self, table: &RegTable) {
+        let Some((h, body)) = self.rx.partial() else {
+            return;
+        };
+        if h.kind != Kind::Put || body.len() < wire::PUT_FIXED {
+            return;
+        }
+        let (op, md_id, reg_id, addr) = (
+            wire::word(body, 0),
+            wire::word(body, 1),
+            wire::word(body, 2),
+            wire::word(body, 3),
+        );
+        let len = h.body_len - wire::PUT_FIXED;
+        let data = &body[wire::PUT_FIXED..];
+        let denied = table
+            .check(md_id, reg_id, addr, len as u64)
+            .and_then(|()| table.write(md_id, reg_id, addr, data))
+            .err();
+        let off = data.len();
+        self.rx.consume_partial(wire::PUT_FIXED + off);
+        self.direct = Some(DirectPut {
+            op,
+            md_id,
+            reg_id,
+            addr,
+            len,
+            off,
+            denied,
+        });
+    }
+
+    /// Receive more of the direct `Put`'s body (into its destination, or into scratch space
+    /// when refused).
+    fn recv_direct(&mut self, table: &RegTable) -> io::Result<Fill> {
+        let d = self.direct.as_mut().expect("a direct put");
+        let want = d.len - d.off;
+        let fd = self.fd;
+        let (asked, r) = if d.denied.is_none() {
+            let at = d.addr + d.off as u64;
+            match table.write_with(d.md_id, d.reg_id, at, want, |p| {
+                // SAFETY: `write_with` checked that [at, at+want) lies inside a live host
+                // registration and holds the table's read lock while this runs, so the memory
+                // stays allocated and writable (`mem_reg`'s contract); no Rust reference to it
+                // exists here, and the kernel writes at most `want` bytes.
+                unsafe { wire::recv_raw(fd, p, want) }
+            }) {
+                Ok(r) => (want, r),
+                Err(reason) => {
+                    // Deregistered in the middle: drop the rest and refuse the put.
+                    d.denied = Some(reason);
+                    return Ok(Fill::Data(0));
+                }
+            }
+        } else {
+            if self.scratch.is_empty() {
+                self.scratch = vec![0u8; wire::READ_CHUNK];
+            }
+            let n = want.min(self.scratch.len());
+            (n, RawSock(fd).recv(&mut self.scratch[..n]))
+        };
+        match r {
+            Ok(0) => Ok(Fill::Eof),
+            Ok(n) => {
+                d.off += n;
+                Ok(if n < asked {
+                    Fill::Drained(n)
+                } else {
+                    Fill::Data(n)
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Handle every complete buffered frame. Returns the active messages delivered and
     /// whether to keep reading.
     fn handle_frames(
@@ -710,7 +830,12 @@ impl Slot {
                 self.wait = None;
             }
             let (h, body) = match self.rx.frame() {
-                Ok(None) => return (delivered, true),
+                Ok(None) => {
+                    if self.hello && self.direct.is_none() {
+                        self.start_direct(table);
+                    }
+                    return (delivered, true);
+                }
                 Ok(Some(f)) => f,
                 Err(e) => {
                     lock(&self.conn).violation(&e.0);
@@ -976,7 +1101,7 @@ impl TcpIface {
         let slot = Slot {
             conn: conn.clone(),
             fd,
-            rx: RxBuf::new(),
+            rx: RxBuf::with_direct_puts(),
             hello: false,
             dialed,
             gone: false,
@@ -987,6 +1112,8 @@ impl TcpIface {
             seq: self.created,
             joined: None,
             wait: None,
+            direct: None,
+            scratch: Vec::new(),
         };
         self.created += 1;
         self.timed += usize::from(timed);
@@ -2037,5 +2164,127 @@ mod tests {
         }
         assert_eq!(got, vec![(1, 1), (2, 2)]);
         drop(ep);
+    }
+
+    /// Two interfaces with small socket buffers (so a large put arrives over many reads), `b`
+    /// exposing `target` for puts; returns the endpoint a to b and the remote key.
+    fn rma_pair(
+        target: &mut [u8],
+    ) -> (
+        TcpIface,
+        TcpIface,
+        crate::md::TcpMd,
+        crate::md::TcpMd,
+        MemHandle,
+        RemoteKey,
+    ) {
+        use rucx_uct::{MemRegion, MemoryDomain};
+        let lo = addr::interfaces()
+            .unwrap()
+            .into_iter()
+            .find(|d| d.loopback)
+            .unwrap();
+        let small = TcpOptions {
+            sndbuf: Some(64 * 1024),
+            rcvbuf: Some(64 * 1024),
+            ..TcpOptions::default()
+        };
+        let (ma, mb) = (
+            crate::md::TcpMd::new(vec![lo.clone()], small.clone()),
+            crate::md::TcpMd::new(vec![lo.clone()], small.clone()),
+        );
+        let a = TcpIface::open(lo.clone(), addr::host_id(), ma.table(), small.clone()).unwrap();
+        let b = TcpIface::open(lo, addr::host_id(), mb.table(), small).unwrap();
+        // SAFETY: the caller keeps `target` alive and unmoved until after the handle is dropped.
+        let th = unsafe { mb.mem_reg(MemRegion::of_slice(target)) }.unwrap();
+        let rkey = ma.rkey_unpack(&mb.mkey_pack(&th).unwrap()).unwrap();
+        (a, b, ma, mb, th, rkey)
+    }
+
+    /// Progress both until the completion of `token` on `a`; returns its result.
+    fn complete(a: &mut TcpIface, b: &mut TcpIface, token: u64) -> Result<()> {
+        let start = Instant::now();
+        let mut res = None;
+        while res.is_none() {
+            a.progress(&mut |ev| match ev {
+                Event::Completion { token: t, result } if t == token => res = Some(result),
+                other => panic!("unexpected {other:?}"),
+            });
+            b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        res.unwrap()
+    }
+
+    #[test]
+    fn large_puts_are_received_straight_into_the_destination() {
+        use rucx_uct::{MemRegion, MemoryDomain};
+        const LEN: usize = wire::RMA_MAX_ZCOPY;
+        let mut target = vec![0xeeu8; LEN + 2 * 4096];
+        let (mut a, mut b, ma, _mb, th, rkey) = rma_pair(&mut target);
+        let src: Vec<u8> = (0..LEN).map(|i| (i * 7 % 253) as u8).collect();
+        // SAFETY: `src` outlives the handle.
+        let sh = unsafe { ma.mem_reg(MemRegion::of_slice(&src)) }.unwrap();
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        let base = target.as_ptr() as u64 + 4096;
+        for round in 0..3u64 {
+            let iov = [Iov {
+                addr: src.as_ptr() as usize,
+                len: LEN,
+                memh: &sh,
+            }];
+            ab.put_zcopy(&iov, base, &rkey, round).unwrap();
+            complete(&mut a, &mut b, round).unwrap();
+        }
+        // b never buffered a whole put body: it went from the socket to the target.
+        assert!(only_slot(&b).rx.allocated() <= wire::READ_CHUNK);
+        assert!(target[4096..4096 + LEN] == src[..], "data intact");
+        assert!(target[..4096].iter().all(|&x| x == 0xee), "nothing before");
+        assert!(
+            target[4096 + LEN..].iter().all(|&x| x == 0xee),
+            "nothing after"
+        );
+        drop((ab, sh, th));
+    }
+
+    #[test]
+    fn a_put_to_a_destination_that_goes_away_is_drained_and_refused() {
+        use rucx_uct::{MemRegion, MemoryDomain};
+        const LEN: usize = wire::RMA_MAX_ZCOPY;
+        let mut target = vec![0u8; LEN];
+        let (mut a, mut b, ma, _mb, th, rkey) = rma_pair(&mut target);
+        let src = vec![0x42u8; LEN];
+        // SAFETY: `src` outlives the handle.
+        let sh = unsafe { ma.mem_reg(MemRegion::of_slice(&src)) }.unwrap();
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        let iov = [Iov {
+            addr: src.as_ptr() as usize,
+            len: LEN,
+            memh: &sh,
+        }];
+        let base = target.as_ptr() as u64;
+        ab.put_zcopy(&iov, base, &rkey, 1).unwrap();
+        // Deregister once part of the body landed.
+        let start = Instant::now();
+        while !b.live().any(|s| {
+            s.direct
+                .as_ref()
+                .is_some_and(|d| d.off > 0 && d.off < d.len)
+        }) {
+            a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        drop(th);
+        let err = complete(&mut a, &mut b, 1).unwrap_err();
+        assert!(matches!(err, Error::InvalidRkey { .. }), "{err}");
+        // A put to a range that was never registered: refused without a byte written.
+        ab.put_zcopy(&iov, base, &rkey, 2).unwrap();
+        let err = complete(&mut a, &mut b, 2).unwrap_err();
+        assert!(err.to_string().contains("not live"), "{err}");
+        // The stream is still in step.
+        ab.am_short(5, 0, b"after").unwrap();
+        deliver(&mut a, &mut b, 5);
+        drop((ab, sh));
     }
 }

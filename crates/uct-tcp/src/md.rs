@@ -121,6 +121,24 @@ impl RegTable {
         })
     }
 
+    /// Whether `[addr, addr+len)` lies inside live registration `reg_id` of this domain.
+    pub(crate) fn check(&self, md_id: u64, reg_id: u64, addr: u64, len: u64) -> Result<(), Denied> {
+        self.with_range(md_id, reg_id, addr, len, |_| ())
+    }
+
+    /// Run `f` with the address of `[addr, addr+len)` of a live registration, which `f` may
+    /// write through (`len` bytes at most); the registration cannot go away while `f` runs.
+    pub(crate) fn write_with<R>(
+        &self,
+        md_id: u64,
+        reg_id: u64,
+        addr: u64,
+        len: usize,
+        f: impl FnOnce(*mut u8) -> R,
+    ) -> Result<R, Denied> {
+        self.with_range(md_id, reg_id, addr, len as u64, |a| f(a as *mut u8))
+    }
+
     /// Copy `[addr, addr+len)` of a live registration into `out` (appended).
     pub(crate) fn read_into(
         &self,
@@ -195,6 +213,12 @@ impl TcpMd {
             devices,
             options,
         }
+    }
+
+    /// The table remote accesses are checked against (for the interface's tests).
+    #[cfg(test)]
+    pub(crate) fn table(&self) -> Arc<RegTable> {
+        self.table.clone()
     }
 
     /// Live registrations (for tests and diagnostics).

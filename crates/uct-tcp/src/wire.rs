@@ -382,8 +382,23 @@ impl Sock for RawSock {
     }
 }
 
+/// Receive up to `len` bytes from socket `fd` into memory at `ptr`.
+///
+/// # Safety
+/// `ptr` must be valid for writes of `len` bytes for the duration of the call, and no Rust
+/// reference to that memory may be live.
+pub(crate) unsafe fn recv_raw(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    // SAFETY: the caller guarantees `ptr` is writable for `len` bytes; the kernel writes at
+    // most `len` bytes there.
+    let n = unsafe { libc::recv(fd, ptr.cast(), len, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
 /// Minimum free space offered to one read.
-const READ_CHUNK: usize = 64 * 1024;
+pub(crate) const READ_CHUNK: usize = 64 * 1024;
 
 /// Reassembles frames from a byte stream.
 #[derive(Debug, Default)]
@@ -391,6 +406,9 @@ pub struct RxBuf {
     buf: Vec<u8>,
     head: usize,
     tail: usize,
+    /// The owner takes `Put` bodies straight from the socket ([`partial`](Self::partial)):
+    /// room is made for a `Put`'s fixed fields only, never for its whole body.
+    direct_puts: bool,
 }
 
 /// Outcome of [`RxBuf::fill`].
@@ -412,6 +430,22 @@ impl RxBuf {
         Self::default()
     }
 
+    /// An empty buffer whose owner receives `Put` bodies itself: it takes each `Put` as soon
+    /// as [`partial`](Self::partial) shows its fixed fields, and reads the rest of the body
+    /// from the socket into the destination.
+    pub fn with_direct_puts() -> Self {
+        RxBuf {
+            direct_puts: true,
+            ..Self::default()
+        }
+    }
+
+    /// Bytes of buffer space allocated (for tests).
+    #[cfg(test)]
+    pub(crate) fn allocated(&self) -> usize {
+        self.buf.len()
+    }
+
     /// Bytes received and not yet consumed.
     pub fn buffered(&self) -> usize {
         self.tail - self.head
@@ -420,6 +454,7 @@ impl RxBuf {
     /// Read once from `sock`, making room for at least the frame being assembled.
     pub fn fill(&mut self, sock: &mut dyn Sock) -> io::Result<Fill> {
         let need = match self.peek_header() {
+            Some(Ok(h)) if self.direct_puts && h.kind == Kind::Put => HDR_LEN + PUT_FIXED,
             Some(Ok(h)) => HDR_LEN + h.body_len,
             _ => HDR_LEN,
         };
@@ -473,6 +508,29 @@ impl RxBuf {
                     Ok(Some((h, &self.buf[start..start + h.body_len])))
                 }
             }
+        }
+    }
+
+    /// The next frame when only part of it has arrived: its header and the body bytes so far.
+    pub fn partial(&self) -> Option<(Header, &[u8])> {
+        match self.peek_header() {
+            Some(Ok(h)) => {
+                let start = self.head + HDR_LEN;
+                let avail = self.tail - start;
+                (avail < h.body_len).then(|| (h, &self.buf[start..self.tail]))
+            }
+            _ => None,
+        }
+    }
+
+    /// Drop the header and the first `n` body bytes of the frame [`partial`](Self::partial)
+    /// returned (the caller takes the rest of its body from the socket).
+    pub fn consume_partial(&mut self, n: usize) {
+        self.head += HDR_LEN + n;
+        debug_assert!(self.head <= self.tail);
+        if self.head == self.tail {
+            self.head = 0;
+            self.tail = 0;
         }
     }
 
