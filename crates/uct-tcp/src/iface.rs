@@ -523,7 +523,7 @@ impl Conn {
                     )));
                 }
                 let len = len as usize;
-                let mut rep = Vec::with_capacity(wire::HDR_LEN + 8 + len);
+                let mut rep = self.tx.take_buf(wire::HDR_LEN + 8 + len);
                 rep.extend_from_slice(&wire::header(Kind::GetRep, 0, 8 + len));
                 rep.extend_from_slice(&op.to_le_bytes());
                 match table.read_into(md_id, reg_id, addr, len, &mut rep) {

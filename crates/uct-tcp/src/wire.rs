@@ -604,7 +604,12 @@ pub struct TxQueue {
     next_seq: u64,
     /// Items written completely whose token is to be reported: `(item seq, token)`.
     done: Vec<(u64, u64)>,
+    /// A large owned buffer written completely, kept for [`take_buf`](Self::take_buf).
+    spare: Option<Vec<u8>>,
 }
+
+/// Owned buffers at least this large are kept for reuse once written.
+const SPARE_MIN: usize = 64 * 1024;
 
 impl TxQueue {
     /// An empty queue.
@@ -728,6 +733,15 @@ impl TxQueue {
             if let Some(t) = it.token {
                 self.done.push((it.seq, t));
             }
+            if let Chunk::Owned(v) = it.chunk
+                && v.capacity() >= SPARE_MIN
+                && self
+                    .spare
+                    .as_ref()
+                    .is_none_or(|s| s.capacity() < v.capacity())
+            {
+                self.spare = Some(v);
+            }
         }
         self.pop_empty_front();
     }
@@ -756,6 +770,22 @@ impl TxQueue {
     /// Tokens of items written completely since the last call.
     pub fn drain_done(&mut self) -> impl Iterator<Item = u64> + '_ {
         self.done.drain(..).map(|(_, t)| t)
+    }
+
+    /// An empty buffer with room for `cap` bytes, to fill and hand to
+    /// [`push_vec`](Self::push_vec): a large buffer written earlier when one is big enough (so
+    /// a connection serving large gets does not allocate and fault in a fresh one each time).
+    pub fn take_buf(&mut self, cap: usize) -> Vec<u8> {
+        match self.spare.take() {
+            Some(mut v) if v.capacity() >= cap => {
+                v.clear();
+                v
+            }
+            other => {
+                self.spare = other;
+                Vec::with_capacity(cap)
+            }
+        }
     }
 
     /// Drop everything queued; returns the tokens of items that never completed.
@@ -916,6 +946,32 @@ mod tests {
         let mut h = header(Kind::Joined, 0, 0);
         h[..4].copy_from_slice(&9u32.to_le_bytes());
         assert!(parse_header(&h).is_err(), "long joined");
+    }
+
+    #[test]
+    fn large_buffers_are_reused_once_written() {
+        let (mut w, mut r) = pair();
+        let mut tx = TxQueue::new();
+        let mut v = tx.take_buf(100_000);
+        v.resize(100_000, 3);
+        let first = v.as_ptr();
+        tx.push_vec(v, None);
+        let mut sink = vec![0u8; 200_000];
+        let mut got = 0;
+        while got < 100_000 {
+            tx.write(&mut w).unwrap();
+            if let Ok(n) = r.recv(&mut sink) {
+                got += n;
+            }
+        }
+        assert!(tx.is_empty());
+        // A smaller request reuses it; a larger one gets a fresh buffer.
+        let v = tx.take_buf(50_000);
+        assert!(v.is_empty() && v.as_ptr() == first);
+        tx.spare = Some(v);
+        let big = tx.take_buf(200_000);
+        assert!(big.capacity() >= 200_000 && big.as_ptr() != first);
+        assert!(tx.spare.is_some(), "the spare stays for later");
     }
 
     #[test]
