@@ -40,7 +40,7 @@ pub const MEMUNITS_FORMS: &str =
     "a byte count with an optional suffix b, K, M, G, T (powers of 1024), or inf, or auto";
 
 /// Accepted time forms, for error messages.
-pub const TIME_FORMS: &str = "a number with a unit: ns, us, ms, s, m (minutes), or inf";
+pub const TIME_FORMS: &str = "a number with a unit: ns, us, ms, s, m (minutes), h (hours), or inf";
 
 /// Parse `8K`, `4M`, `1g`, `4096`, `inf`, `auto`.
 pub fn parse_memunits(s: &str) -> Result<MemUnits, String> {
@@ -88,7 +88,7 @@ pub fn format_bytes(b: u64) -> String {
     b.to_string()
 }
 
-/// Parse `10us`, `1.5ms`, `2s`, `inf`.
+/// Parse `10us`, `1.5ms`, `2s`, `5m`, `24h`, `inf`.
 ///
 /// The number is read as an exact decimal (no floating-point rounding): whole nanoseconds are
 /// kept, finer fractions are cut off. A value beyond the largest [`Duration`] is an error.
@@ -107,6 +107,7 @@ pub fn parse_time(s: &str) -> Result<Duration, String> {
         "ms" => 1_000_000,
         "s" => 1_000_000_000,
         "m" => 60_000_000_000,
+        "h" => 3_600_000_000_000,
         other => return Err(format!("unknown time unit {other:?}")),
     };
     let (int, frac) = num.split_once('.').unwrap_or((num, ""));
@@ -141,7 +142,8 @@ pub fn format_time(d: Duration) -> String {
         return "inf".into();
     }
     let ns = d.as_nanos();
-    const UNITS: [(u128, &str); 4] = [
+    const UNITS: [(u128, &str); 5] = [
+        (3_600_000_000_000, "h"),
         (60_000_000_000, "m"),
         (1_000_000_000, "s"),
         (1_000_000, "ms"),
@@ -158,6 +160,15 @@ pub fn format_time(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hours_and_minutes() {
+        assert_eq!(parse_time("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_time("1.5h"), Ok(Duration::from_secs(5_400)));
+        assert_eq!(format_time(Duration::from_secs(7_200)), "2h");
+        assert_eq!(format_time(Duration::from_secs(5_400)), "90m");
+        assert!(parse_time("1d").unwrap_err().contains("unknown time unit"));
+    }
     use proptest::prelude::*;
 
     #[test]
@@ -210,7 +221,7 @@ mod tests {
             "10 parsecs",
             "-1s",
             "1e3ms",
-            "10h",
+            "10d",
         ] {
             assert!(parse_time(bad).is_err(), "{bad:?}");
         }
@@ -247,6 +258,7 @@ mod tests {
             ("ms", 1_000_000),
             ("s", 1_000_000_000),
             ("m", 60_000_000_000),
+            ("h", 3_600_000_000_000),
         ])
     }
 

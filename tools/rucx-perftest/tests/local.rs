@@ -177,3 +177,56 @@ fn gpu_memory_runs_or_names_the_missing_driver() {
         }
     }
 }
+
+/// The two-host form, on one host: a server started alone waits for its client (with the
+/// default bootstrap timeout, as a user would run it), the client runs the test and tells the
+/// server to quit, and both exit cleanly.
+#[test]
+fn server_and_client_as_separate_commands() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port().to_string()
+    };
+    let mut server = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
+        .args(["-p", &port, "-q"])
+        .env_remove("RUCX_BOOTSTRAP_TIMEOUT")
+        .env("RUCX_TLS", "posix")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("server starts");
+    let client = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
+        .args([
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-t",
+            "tag_lat",
+            "-s",
+            "8",
+            "-n",
+            "2000",
+        ])
+        .args(["-q", "--csv"])
+        .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+        .env("RUCX_TLS", "posix")
+        .output()
+        .expect("client runs");
+    let out = text(&client);
+    if !client.status.success() {
+        let _ = server.kill();
+    }
+    let srv = server.wait_with_output().expect("server ends");
+    assert!(
+        client.status.success(),
+        "client: {out}\nserver: {}",
+        text(&srv)
+    );
+    assert!(srv.status.success(), "server: {}", text(&srv));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("tag_lat,8,2000,"))
+        .unwrap_or_else(|| panic!("no csv row in:\n{out}"));
+    let p50: f64 = line.split(',').nth(3).unwrap().parse().unwrap();
+    assert!(p50 > 0.0, "{line}");
+}
