@@ -489,6 +489,18 @@ impl Conn {
         }
     }
 
+    /// A get answer was received straight into the get's buffers: complete the get (unless
+    /// the connection failed meanwhile and completed it with the error).
+    fn finish_get(&mut self, op: u64) {
+        if self.pending.front().is_some_and(|p| p.op == op) {
+            let p = self.pending.pop_front().expect("checked");
+            self.acked = p.posted;
+            if let Some(t) = p.token {
+                self.completions.push(Owned::Completion(t, Ok(())));
+            }
+        }
+    }
+
     /// Serve a request of the peer; the answer is queued.
     fn serve(
         &mut self,
@@ -581,6 +593,8 @@ struct Slot {
     wait: Option<Arc<Mutex<Conn>>>,
     /// A `Put` whose body is being received straight into its destination.
     direct: Option<DirectPut>,
+    /// A get answer whose data is being received straight into the requester's buffers.
+    direct_get: Option<DirectGet>,
     /// Where the body of a refused `Put` is received and dropped.
     scratch: Vec<u8>,
 }
@@ -600,6 +614,44 @@ struct DirectPut {
     off: usize,
     /// Why the put is refused.
     denied: Option<String>,
+}
+
+/// A `GetRep` answering our oldest request, a get: its data goes from the socket to the
+/// get's destination buffers (validated when the get was posted, kept registered by the
+/// handles held here).
+#[derive(Debug)]
+struct DirectGet {
+    op: u64,
+    dst: Vec<(MemHandle, usize, usize)>,
+    /// Data length, and how much of it arrived.
+    len: usize,
+    off: usize,
+}
+
+/// Copy `data` to bytes `[off, off + data.len())` of the buffers `dst` laid end to end.
+fn scatter(dst: &[(MemHandle, usize, usize)], off: usize, data: &[u8]) {
+    let (mut end, mut done) = (0, 0);
+    for (m, a, l) in dst {
+        let start = end;
+        end += l;
+        let at = off + done;
+        if done == data.len() {
+            break;
+        }
+        if end <= at {
+            continue;
+        }
+        // Every earlier buffer ends at or before `at`.
+        let skip = at - start;
+        let n = (l - skip).min(data.len() - done);
+        debug_assert!(m.region().contains(a + skip, n));
+        // SAFETY: [a, a+l) was validated against `m`, a live host registration of the tcp
+        // domain, when the get was posted (`check_iov`); `mem_reg`'s contract makes it writable
+        // while the handle lives, and the caller holds it. `data` is in the receive buffer,
+        // which cannot overlap a user registration.
+        unsafe { std::ptr::copy_nonoverlapping(data[done..].as_ptr(), (a + skip) as *mut u8, n) };
+        done += n;
+    }
 }
 
 impl Slot {
@@ -647,6 +699,8 @@ impl Slot {
                     }
                     let read = if self.direct.is_some() {
                         self.recv_direct(table)
+                    } else if self.direct_get.is_some() {
+                        self.recv_direct_get()
                     } else {
                         self.rx.fill(&mut RawSock(self.fd))
                     };
@@ -665,6 +719,10 @@ impl Slot {
                             break;
                         }
                     };
+                    if self.direct_get.as_ref().is_some_and(|g| g.off == g.len) {
+                        let g = self.direct_get.take().expect("checked");
+                        lock(&self.conn).finish_get(g.op);
+                    }
                     if self.direct.as_ref().is_some_and(|d| d.off == d.len) {
                         let d = self.direct.take().expect("checked");
                         let mut c = lock(&self.conn);
@@ -764,6 +822,86 @@ impl Slot {
         });
     }
 
+    /// A get answer of which only the start is buffered: it must answer our oldest request,
+    /// a get of that length; what arrived goes to the get's buffers, and the rest is received
+    /// straight there (`recv_direct_get`).
+    fn start_direct_get(&mut self) -> std::result::Result<(), String> {
+        let Some((h, body)) = self.rx.partial() else {
+            return Ok(());
+        };
+        if h.kind != Kind::GetRep || body.len() < 8 {
+            return Ok(());
+        }
+        let op = wire::word(body, 0);
+        let len = h.body_len - 8;
+        let dst = match lock(&self.conn).pending.front() {
+            Some(PendingOp {
+                op: o,
+                kind: PendKind::Get { dst, len: l },
+                ..
+            }) if *o == op && *l == len => dst.clone(),
+            _ => {
+                return Err(format!(
+                    "get reply of {len} bytes for request {op}, which is not the oldest \
+                     outstanding request or not a get of that length"
+                ));
+            }
+        };
+        let data = &body[8..];
+        scatter(&dst, 0, data);
+        let off = data.len();
+        self.rx.consume_partial(8 + off);
+        self.direct_get = Some(DirectGet { op, dst, len, off });
+        Ok(())
+    }
+
+    /// Receive more of the direct get answer's data.
+    fn recv_direct_get(&mut self) -> io::Result<Fill> {
+        let g = self.direct_get.as_mut().expect("a direct get");
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; wire::MAX_IOV];
+        let (mut cnt, mut skip) = (0, g.off);
+        for (m, a, l) in &g.dst {
+            if skip >= *l {
+                skip -= l;
+                continue;
+            }
+            debug_assert!(m.region().contains(a + skip, l - skip));
+            iov[cnt] = libc::iovec {
+                iov_base: (a + skip) as *mut libc::c_void,
+                iov_len: l - skip,
+            };
+            skip = 0;
+            cnt += 1;
+        }
+        let want = g.len - g.off;
+        // SAFETY: every iovec lies inside a range validated against a live host registration of
+        // the tcp domain when the get was posted (`check_iov`), kept registered (and so, by
+        // `mem_reg`'s contract, writable) by the handle clones in `g.dst`; no Rust reference
+        // to that memory exists, and the kernel writes at most the iovecs' lengths.
+        let n = unsafe { libc::readv(self.fd, iov.as_ptr(), cnt as i32) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
+                io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
+                _ => Err(e),
+            };
+        }
+        let n = n as usize;
+        if n == 0 {
+            return Ok(Fill::Eof);
+        }
+        g.off += n;
+        Ok(if n < want {
+            Fill::Drained(n)
+        } else {
+            Fill::Data(n)
+        })
+    }
+
     /// Receive more of the direct `Put`'s body (into its destination, or into scratch space
     /// when refused).
     fn recv_direct(&mut self, table: &RegTable) -> io::Result<Fill> {
@@ -831,8 +969,12 @@ impl Slot {
             }
             let (h, body) = match self.rx.frame() {
                 Ok(None) => {
-                    if self.hello && self.direct.is_none() {
+                    if self.hello && self.direct.is_none() && self.direct_get.is_none() {
                         self.start_direct(table);
+                        if let Err(v) = self.start_direct_get() {
+                            lock(&self.conn).violation(&v);
+                            return (delivered, false);
+                        }
                     }
                     return (delivered, true);
                 }
@@ -1101,7 +1243,7 @@ impl TcpIface {
         let slot = Slot {
             conn: conn.clone(),
             fd,
-            rx: RxBuf::with_direct_puts(),
+            rx: RxBuf::with_direct_bodies(),
             hello: false,
             dialed,
             gone: false,
@@ -1113,6 +1255,7 @@ impl TcpIface {
             joined: None,
             wait: None,
             direct: None,
+            direct_get: None,
             scratch: Vec::new(),
         };
         self.created += 1;
@@ -2286,5 +2429,114 @@ mod tests {
         ab.am_short(5, 0, b"after").unwrap();
         deliver(&mut a, &mut b, 5);
         drop((ab, sh));
+    }
+
+    #[test]
+    fn large_gets_are_received_straight_into_the_requesters_buffers() {
+        use rucx_uct::{MemRegion, MemoryDomain};
+        const LEN: usize = wire::RMA_MAX_ZCOPY;
+        let mut target: Vec<u8> = (0..LEN).map(|i| (i * 13 % 251) as u8).collect();
+        let (mut a, mut b, ma, _mb, th, rkey) = rma_pair(&mut target);
+        // Three destination pieces with guard bytes around each.
+        let sizes = [100_000usize, 1, LEN - 100_001];
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xeeu8; n + 64]).collect();
+        let handles: Vec<MemHandle> = bufs
+            .iter()
+            .map(|v| {
+                // SAFETY: `bufs` outlives the handles (dropped first below).
+                unsafe { ma.mem_reg(MemRegion::of_slice(v)) }.unwrap()
+            })
+            .collect();
+        let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+        for round in 0..2u64 {
+            let iov: Vec<Iov<'_>> = bufs
+                .iter_mut()
+                .zip(&handles)
+                .zip(sizes)
+                .map(|((v, h), n)| Iov {
+                    addr: v.as_mut_ptr() as usize + 32,
+                    len: n,
+                    memh: h,
+                })
+                .collect();
+            ab.get_zcopy(&iov, target.as_ptr() as u64, &rkey, round)
+                .unwrap();
+            complete(&mut a, &mut b, round).unwrap();
+        }
+        assert!(only_slot(&a).rx.allocated() <= wire::READ_CHUNK);
+        let got: Vec<u8> = bufs
+            .iter()
+            .zip(sizes)
+            .flat_map(|(v, n)| v[32..32 + n].to_vec())
+            .collect();
+        assert!(got == target, "data intact");
+        for (v, n) in bufs.iter().zip(sizes) {
+            assert!(
+                v[..32].iter().chain(&v[32 + n..]).all(|&x| x == 0xee),
+                "guards"
+            );
+        }
+        drop((ab, handles, th));
+    }
+
+    #[test]
+    fn scatter_fills_pieces_from_any_offset() {
+        use rucx_uct::{MemRegion, MemoryDomain};
+        let md = crate::md::TcpMd::new(Vec::new(), TcpOptions::default());
+        let mut bufs = [vec![0u8; 3], vec![0u8; 1], vec![0u8; 5]];
+        let dst: Vec<(MemHandle, usize, usize)> = bufs
+            .iter_mut()
+            .map(|v| {
+                // SAFETY: `bufs` outlives the handles.
+                let h = unsafe { md.mem_reg(MemRegion::of_slice(v)) }.unwrap();
+                (h, v.as_mut_ptr() as usize, v.len())
+            })
+            .collect();
+        scatter(&dst, 0, &[1, 2]);
+        scatter(&dst, 2, &[3, 4, 5]);
+        scatter(&dst, 5, &[6, 7, 8, 9]);
+        drop(dst);
+        assert_eq!(bufs, [vec![1, 2, 3], vec![4], vec![5, 6, 7, 8, 9]]);
+    }
+
+    /// The start of a large get answer that answers nothing outstanding is refused as soon as
+    /// its fixed fields arrive (the rest is never buffered).
+    #[test]
+    fn a_partial_get_answer_for_no_get_fails_the_endpoint() {
+        use std::io::Write;
+        let mut b = open();
+        let lst = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let me = match lst.local_addr().unwrap() {
+            SocketAddr::V4(a) => a,
+            _ => unreachable!(),
+        };
+        let p = EpParams {
+            dev_addr: DevAddr {
+                ip: *me.ip(),
+                loopback_host: Some(addr::host_id()),
+            }
+            .pack(),
+            iface_addr: addr::pack_iface_addr(me.port()),
+            user_id: 7,
+        };
+        let ep = b.create_ep(&p).unwrap();
+        b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        let (mut raw, _) = lst.accept().unwrap();
+        let mut bytes = wire::hello_frame(me);
+        bytes.extend(wire::header(Kind::GetRep, 0, 8 + 500_000));
+        bytes.extend(77u64.to_le_bytes());
+        bytes.extend([0u8; 1000]);
+        raw.write_all(&bytes).unwrap();
+        let mut failed = None;
+        let start = Instant::now();
+        while failed.is_none() {
+            b.progress(&mut |ev| match ev {
+                Event::EpError { user_id: 7, error } => failed = Some(error.to_string()),
+                other => panic!("unexpected {other:?}"),
+            });
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        assert!(failed.unwrap().contains("not the oldest outstanding"));
+        drop(ep);
     }
 }

@@ -406,9 +406,10 @@ pub struct RxBuf {
     buf: Vec<u8>,
     head: usize,
     tail: usize,
-    /// The owner takes `Put` bodies straight from the socket ([`partial`](Self::partial)):
-    /// room is made for a `Put`'s fixed fields only, never for its whole body.
-    direct_puts: bool,
+    /// The owner takes `Put` and `GetRep` bodies straight from the socket
+    /// ([`partial`](Self::partial)): room is made for their fixed fields only, never for the
+    /// whole body.
+    direct_bodies: bool,
 }
 
 /// Outcome of [`RxBuf::fill`].
@@ -430,12 +431,12 @@ impl RxBuf {
         Self::default()
     }
 
-    /// An empty buffer whose owner receives `Put` bodies itself: it takes each `Put` as soon
-    /// as [`partial`](Self::partial) shows its fixed fields, and reads the rest of the body
-    /// from the socket into the destination.
-    pub fn with_direct_puts() -> Self {
+    /// An empty buffer whose owner receives `Put` and `GetRep` bodies itself: it takes each
+    /// such frame as soon as [`partial`](Self::partial) shows its fixed fields, and reads the
+    /// rest of the body from the socket into the destination.
+    pub fn with_direct_bodies() -> Self {
         RxBuf {
-            direct_puts: true,
+            direct_bodies: true,
             ..Self::default()
         }
     }
@@ -454,7 +455,8 @@ impl RxBuf {
     /// Read once from `sock`, making room for at least the frame being assembled.
     pub fn fill(&mut self, sock: &mut dyn Sock) -> io::Result<Fill> {
         let need = match self.peek_header() {
-            Some(Ok(h)) if self.direct_puts && h.kind == Kind::Put => HDR_LEN + PUT_FIXED,
+            Some(Ok(h)) if self.direct_bodies && h.kind == Kind::Put => HDR_LEN + PUT_FIXED,
+            Some(Ok(h)) if self.direct_bodies && h.kind == Kind::GetRep => HDR_LEN + 8,
             Some(Ok(h)) => HDR_LEN + h.body_len,
             _ => HDR_LEN,
         };
