@@ -139,13 +139,20 @@ fn posix_two_processes_every_size() {
         return ring_all_sizes(&Job::from_env().unwrap());
     }
     let r = ring_test("posix_two_processes_every_size", &[("RUCX_TLS", "posix")]);
-    // 64 KiB is read by the receiver; 1 MiB + 3 and 16 MiB are split (head read, tail written).
-    assert!(r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
+    // 64 KiB goes eagerly (below the split threshold a read does not pay on shared memory);
+    // 1 MiB + 3 and 16 MiB are split (head read, tail written).
+    assert!(!r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
     assert!(
         r[0].1.contains("read head, remote writes tail"),
         "{}",
         r[0].1
     );
+    // With a lower threshold, 64 KiB is a whole read by the receiver.
+    let r = ring_test(
+        "posix_two_processes_every_size",
+        &[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "32K")],
+    );
+    assert!(r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
 }
 
 #[test]

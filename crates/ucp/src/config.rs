@@ -9,7 +9,8 @@ pub static CONFIG: &[OptionSpec] = &[
         kind: OptKind::MemUnits,
         default: "auto",
         help: "Messages of at least this size use the rendezvous protocol; auto derives it from \
-               the transports' performance models.",
+               the transports' performance models (on shared memory, not below \
+               RNDV_SPLIT_THRESH).",
     },
     OptionSpec {
         name: "ZCOPY_THRESH",

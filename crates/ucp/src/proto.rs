@@ -127,11 +127,30 @@ fn rndv_threshold(l: &LaneInfo<'_>, cfg: &Config) -> usize {
                 0.0
             };
         if rndv < eager {
-            return n;
+            break;
         }
         n *= 2;
     }
-    n
+    n.max(split_floor(l, cfg))
+}
+
+/// Smallest rendezvous worth it on a lane whose rendezvous is a split read (shared memory, the
+/// `auto` scheme): below `RNDV_SPLIT_THRESH` the read is one core copying after a round trip,
+/// which the pipelined eager copy beats (posix, measured: 128 KiB eager 7.8 GB/s and 6.6 us one
+/// way, rendezvous 4.8 GB/s and 13.7 us; 256 KiB split rendezvous 12.0 GB/s, eager 7.4).
+fn split_floor(l: &LaneInfo<'_>, cfg: &Config) -> usize {
+    match l.rma {
+        Some(r)
+            if cfg.string("RNDV_SCHEME") == "auto"
+                && r.dev_type != rucx_uct::DeviceType::Network
+                && r.has(IfaceCaps::GET_ZCOPY | IfaceCaps::PUT_ZCOPY) =>
+        {
+            cfg.mem_units("RNDV_SPLIT_THRESH")
+                .resolve(256 << 10)
+                .min(usize::MAX as u64) as usize
+        }
+        _ => 0,
+    }
 }
 
 fn zcopy_threshold(l: &LaneInfo<'_>, cfg: &Config) -> usize {
