@@ -11,8 +11,9 @@
 //! keeps the order with `Joined`) and closes its own. Requests received on a connection are
 //! answered on it, in order, whichever side opened it.
 //!
-//! Sockets are registered with an epoll instance once; a progress call handles the ready
-//! ones, those whose endpoint asked for attention (`Kick`: output queued, failure, endpoint
+//! Sockets are registered once (`sock::Watch`: epoll, mirrored in a `poll(2)` array used
+//! while there are a few); a progress call handles the ready ones, those whose endpoint asked
+//! for attention (`Kick`: output queued, failure, endpoint
 //! gone), those with frames held back, and now and then those with a deadline running.
 //!
 //! Each connection has two halves with different owners: the interface owns the receive
@@ -44,7 +45,7 @@ use rucx_uct::{
 
 use crate::addr::{self, DevAddr, NetIf};
 use crate::md::{RegTable, TcpReg, TcpRkey};
-use crate::sock::Epoll;
+use crate::sock::Watch;
 use crate::wire::{self, FdSock, Fill, Header, Kind, RawSock, RxBuf, Sock, TxQueue, code};
 use crate::{TL_NAME, TcpOptions, sock};
 
@@ -1089,7 +1090,7 @@ pub struct TcpIface {
     free: Vec<usize>,
     /// Slots created so far: orders connections by age.
     created: u64,
-    epoll: Epoll,
+    watch: Watch,
     kick: Arc<Kick>,
     /// Slots with a deadline running.
     timed: usize,
@@ -1171,10 +1172,10 @@ impl TcpIface {
             ep_addr_len: 0,
             max_eps: None,
         };
-        let epoll = Epoll::new()
-            .and_then(|e| {
-                e.add(listener.as_raw_fd(), libc::EPOLLIN as u32, LISTENER_KEY)?;
-                Ok(e)
+        let watch = Watch::new()
+            .and_then(|mut w| {
+                w.add(listener.as_raw_fd(), libc::EPOLLIN as u32, LISTENER_KEY)?;
+                Ok(w)
             })
             .map_err(|e| Error::io(format!("tcp interface on {}: epoll", dev.name), e))?;
         tracing::debug!(
@@ -1193,7 +1194,7 @@ impl TcpIface {
             slots: Vec::new(),
             free: Vec::new(),
             created: 0,
-            epoll,
+            watch,
             kick: Arc::new(Kick::default()),
             timed: 0,
             calls: 0,
@@ -1238,7 +1239,7 @@ impl TcpIface {
             // The hello is queued.
             _ => (libc::EPOLLIN | libc::EPOLLOUT) as u32,
         };
-        self.epoll.add(fd, want, key as u64)?;
+        self.watch.add(fd, want, key as u64)?;
         let conn = Arc::new(Mutex::new(conn));
         let slot = Slot {
             conn: conn.clone(),
@@ -1585,13 +1586,13 @@ impl Iface for TcpIface {
         // with frames held back, and now and then those with a deadline running.
         let mut work = std::mem::take(&mut self.work);
         let mut accept = false;
-        for (key, ev) in self.epoll.wait() {
+        self.watch.wait(|key, ev| {
             if key == LISTENER_KEY {
                 accept = true;
             } else {
                 work.push((key as usize, ev));
             }
-        }
+        });
         self.kick.take(&mut self.kicked);
         work.extend(self.kicked.drain(..).map(|k| (k, 0)));
         work.extend(self.again.drain(..).map(|k| (k, 0)));
@@ -1628,12 +1629,12 @@ impl Iface for TcpIface {
             self.timed = self.timed + usize::from(s.timed) - usize::from(timed);
             if s.gone {
                 // Unwatched before the descriptor can close (when the connection drops).
-                let _ = self.epoll.delete(s.fd);
+                self.watch.delete(s.fd, key as u64);
                 removed = true;
                 continue;
             }
             if s.want != s.interest {
-                match self.epoll.modify(s.fd, s.want, key as u64) {
+                match self.watch.modify(s.fd, s.want, key as u64) {
                     Ok(()) => s.interest = s.want,
                     Err(e) => {
                         lock(&s.conn).fail(&format!("epoll: {e}"));

@@ -7,8 +7,9 @@
 //!   registrations that remote puts and gets are checked against.
 //! - [`TcpIface`]: listens on the device's address (ephemeral port, or one from
 //!   `RUCX_TCP_PORT_RANGE`); endpoints connect to a peer interface. Everything is non-blocking
-//!   and driven by [`Iface::progress`](rucx_uct::Iface::progress): one `epoll_wait(2)` (no
-//!   wait) names the sockets that are ready, and only those are read or written.
+//!   and driven by [`Iface::progress`](rucx_uct::Iface::progress): one call without waiting
+//!   names the sockets that are ready (`poll(2)` over a kept array while there are a few,
+//!   `epoll_wait(2)` beyond), and only those are read or written.
 //! - [`cm`]: the sockaddr connection manager (listen on host:port, accept, connect, exchange
 //!   private data) that UCP uses for client/server wire-up.
 //!
