@@ -932,20 +932,9 @@ impl Slot {
             let n = want.min(self.scratch.len());
             (n, RawSock(fd).recv(&mut self.scratch[..n]))
         };
-        match r {
-            Ok(0) => Ok(Fill::Eof),
-            Ok(n) => {
-                d.off += n;
-                Ok(if n < asked {
-                    Fill::Drained(n)
-                } else {
-                    Fill::Data(n)
-                })
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
-            Err(e) => Err(e),
-        }
+        let f = Fill::of_recv(r, asked)?;
+        d.off += f.bytes();
+        Ok(f)
     }
 
     /// Handle every complete buffered frame. Returns the active messages delivered and

@@ -425,6 +425,28 @@ pub enum Fill {
     Eof,
 }
 
+impl Fill {
+    /// What one `recv` offered `asked` bytes of room returned, for a reader.
+    pub fn of_recv(r: io::Result<usize>, asked: usize) -> io::Result<Fill> {
+        match r {
+            Ok(0) => Ok(Fill::Eof),
+            Ok(n) if n < asked => Ok(Fill::Drained(n)),
+            Ok(n) => Ok(Fill::Data(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Bytes that arrived.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Fill::Data(n) | Fill::Drained(n) => *n,
+            Fill::WouldBlock | Fill::Eof => 0,
+        }
+    }
+}
+
 impl RxBuf {
     /// An empty buffer.
     pub fn new() -> Self {
@@ -474,20 +496,9 @@ impl RxBuf {
             self.tail = 0;
         }
         let room = self.buf.len() - self.tail;
-        match sock.recv(&mut self.buf[self.tail..]) {
-            Ok(0) => Ok(Fill::Eof),
-            Ok(n) => {
-                self.tail += n;
-                Ok(if n < room {
-                    Fill::Drained(n)
-                } else {
-                    Fill::Data(n)
-                })
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
-            Err(e) => Err(e),
-        }
+        let f = Fill::of_recv(sock.recv(&mut self.buf[self.tail..]), room)?;
+        self.tail += f.bytes();
+        Ok(f)
     }
 
     fn peek_header(&self) -> Option<Result<Header, WireError>> {
@@ -802,6 +813,24 @@ impl TxQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recv_outcomes() {
+        let e = |k| Err(io::Error::from(k));
+        assert_eq!(Fill::of_recv(Ok(0), 8).unwrap(), Fill::Eof);
+        assert_eq!(Fill::of_recv(Ok(3), 8).unwrap(), Fill::Drained(3));
+        assert_eq!(Fill::of_recv(Ok(8), 8).unwrap(), Fill::Data(8));
+        assert_eq!(
+            Fill::of_recv(e(io::ErrorKind::WouldBlock), 8).unwrap(),
+            Fill::WouldBlock
+        );
+        assert_eq!(
+            Fill::of_recv(e(io::ErrorKind::Interrupted), 8).unwrap(),
+            Fill::Data(0)
+        );
+        assert!(Fill::of_recv(e(io::ErrorKind::ConnectionReset), 8).is_err());
+        assert_eq!(Fill::Drained(3).bytes() + Fill::Eof.bytes(), 3);
+    }
     use std::os::unix::net::UnixStream;
 
     /// A socket that moves at most one byte per call.
