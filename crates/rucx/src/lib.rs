@@ -25,8 +25,8 @@ pub mod bootstrap;
 pub use bootstrap::Job;
 pub use rucx_ucp as ucp;
 pub use rucx_ucp::{
-    AmMessage, Completion, Context, Demotion, EpId, MemMap, Request, RkeyBundle, Scope,
-    TAG_MASK_ANY, TAG_MASK_FULL, Tag, Worker,
+    AmMessage, Completion, Context, Demotion, EpId, MemMap, RecvBuf, Request, RkeyBundle, Scope,
+    SendBuf, TAG_MASK_ANY, TAG_MASK_FULL, Tag, Worker,
 };
 pub use rucx_ucs as ucs;
 pub use rucx_ucs::{Error, MemoryType, Result};

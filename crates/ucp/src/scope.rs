@@ -96,7 +96,20 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         buf: impl Into<SendBuf<'scope>>,
         tag: Tag,
     ) -> Request<'scope> {
-        self.track_posted(self.worker.post_send(ep, buf.into(), tag))
+        self.track_posted(self.worker.post_send(ep, buf.into(), tag, false))
+    }
+
+    /// A synchronous [`tag_send`](Self::tag_send) (MPI's `MPI_Issend`): the request completes
+    /// only once a receive on the peer matched the message, not merely when the buffer may be
+    /// reused. Small messages carry a request for an acknowledgement; larger ones use the
+    /// rendezvous protocol.
+    pub fn tag_send_sync(
+        &'scope self,
+        ep: EpId,
+        buf: impl Into<SendBuf<'scope>>,
+        tag: Tag,
+    ) -> Request<'scope> {
+        self.track_posted(self.worker.post_send(ep, buf.into(), tag, true))
     }
 
     /// Receive a message whose tag matches `tag` under `mask` (0 = any) into `buf` (a host

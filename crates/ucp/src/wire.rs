@@ -1,4 +1,4 @@
-//! Protocol messages on the wire (active-message ids 1..=15 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=16 belong to UCP).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.
@@ -38,6 +38,9 @@ pub const AM_RNDV_FRAG: AmId = 13;
 /// Rendezvous: the receiver has read a staged fragment; the sender may reuse it: src, sender
 /// request, fragment index, length.
 pub const AM_RNDV_FRAG_ACK: AmId = 14;
+/// Eager, whole message of a synchronous send: src, tag, sender request, data. The receiver
+/// answers with [`AM_RNDV_ATS`] once a receive matched it.
+pub const AM_EAGER_SYNC: AmId = 15;
 
 /// What a multi-fragment eager message carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +67,13 @@ pub enum Msg<'a> {
     Wireup { addr: &'a [u8] },
     /// Whole eager message.
     EagerOne { src: u64, tag: u64, data: &'a [u8] },
+    /// Whole eager message of a synchronous send (acknowledge the match to `sreq`).
+    EagerSync {
+        src: u64,
+        tag: u64,
+        sreq: u64,
+        data: &'a [u8],
+    },
     /// First fragment.
     EagerFirst {
         src: u64,
@@ -207,6 +217,17 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                     src,
                     tag,
                     data: &data[16..],
+                }
+            }
+            AM_EAGER_SYNC => {
+                let src = r.u64()?;
+                let tag = r.u64()?;
+                let sreq = r.u64()?;
+                Msg::EagerSync {
+                    src,
+                    tag,
+                    sreq,
+                    data: &data[24..],
                 }
             }
             AM_EAGER_FIRST => {
@@ -407,6 +428,23 @@ mod tests {
             }
             m => panic!("{m:?}"),
         }
+    }
+
+    #[test]
+    fn eager_sync_round_trip_and_short_ones_refused() {
+        let mut b = Vec::new();
+        put_u64s(&mut b, &[7, 8, 9]);
+        b.extend_from_slice(b"data");
+        match parse(AM_EAGER_SYNC, &b).unwrap() {
+            Msg::EagerSync {
+                src,
+                tag,
+                sreq,
+                data,
+            } => assert_eq!((src, tag, sreq, data), (7, 8, 9, &b"data"[..])),
+            m => panic!("{m:?}"),
+        }
+        assert!(parse(AM_EAGER_SYNC, &b[..20]).is_err(), "truncated header");
     }
 
     proptest! {

@@ -376,3 +376,39 @@ fn scopes_release_every_request() {
         assert!(recv == send);
     }
 }
+
+/// A synchronous send completes only once a receive matched it, at every size class (one eager
+/// message with an acknowledgement, multi-fragment sizes and rendezvous), whether the receive
+/// comes late (the message waits as unexpected) or was posted first.
+#[test]
+fn synchronous_send_completes_after_the_match() {
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    for (i, &n) in [0usize, 8, 5000, 100_000, 1 << 20].iter().enumerate() {
+        let send = pattern(n, i as u8);
+        let mut recv = vec![0u8; n];
+        let tag = 500 + i as u64;
+        w.scope(|sc| {
+            let s = sc.tag_send_sync(ep, &send, tag);
+            for _ in 0..2000 {
+                w.progress();
+            }
+            assert!(s.test().is_none(), "{n} B: completed before any receive");
+            let r = sc.tag_recv(&mut recv, tag, TAG_MASK_FULL);
+            assert_eq!(s.wait().unwrap().len, n);
+            assert_eq!(r.wait().unwrap().len, n);
+        });
+        assert!(recv == send, "{n} B: data differs");
+        // Receive posted first.
+        let mut again = vec![0u8; n];
+        w.scope(|sc| {
+            let r = sc.tag_recv(&mut again, tag, TAG_MASK_FULL);
+            sc.tag_send_sync(ep, &send, tag).wait().unwrap();
+            assert_eq!(r.wait().unwrap().len, n);
+        });
+        assert!(again == send, "{n} B: data differs (receive first)");
+    }
+    assert_eq!(w.live_requests(), 0);
+    let c = w.counters();
+    assert!(c.get("eager copy-in").copied().unwrap_or(0) >= 4, "{c:?}");
+}

@@ -10,7 +10,9 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use rucx::bootstrap::Placement;
-use rucx::{Completion, EpId, Error, Job, MemoryType, Request, TAG_MASK_FULL, Tag, Worker};
+use rucx::{
+    Completion, EpId, Error, Job, MemoryType, Request, Scope, SendBuf, TAG_MASK_FULL, Tag, Worker,
+};
 
 use crate::args::{Options, TestKind};
 use crate::mem::{self, Buf, Gpu, Ring};
@@ -329,6 +331,15 @@ fn pingpong_bufs(spec: &Spec, gpu: Option<&Gpu>) -> R<(Buf, Buf)> {
     ))
 }
 
+/// Post a tag send of the test's kind (synchronous for the `tag_sync_*` tests).
+fn post_send<'s>(s: &'s Scope<'s, '_>, ep: EpId, buf: SendBuf<'s>, sync: bool) -> Request<'s> {
+    if sync {
+        s.tag_send_sync(ep, buf, TAG_DATA)
+    } else {
+        s.tag_send(ep, buf, TAG_DATA)
+    }
+}
+
 fn tag_lat_client(
     w: &Worker,
     ep: EpId,
@@ -336,13 +347,14 @@ fn tag_lat_client(
     (sbuf, mut rbuf): (Buf, Buf),
     t: &mut Timer,
 ) -> R<Buf> {
+    let sync = spec.test == TestKind::TagSyncLat;
     for i in 0..spec.warmup + spec.iters {
         t.begin(i);
         // Send first, then post the receive while the message is on its way (as
         // ucx_perftest's ping-pong does): posting is off the round trip's critical path, and the
         // answer cannot come back before the peer received the message.
         w.scope(|s| {
-            let sent = s.tag_send(ep, sbuf.send_buf(), TAG_DATA);
+            let sent = post_send(s, ep, sbuf.send_buf(), sync);
             let r = s.tag_recv(rbuf.recv_buf(), TAG_DATA, TAG_MASK_FULL);
             wait(w, ep, sent)?;
             wait(w, ep, r)
@@ -353,6 +365,7 @@ fn tag_lat_client(
 }
 
 fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) -> R<()> {
+    let sync = spec.test == TestKind::TagSyncBw;
     let total = spec.warmup + spec.iters;
     let mut i = 0;
     while i < total {
@@ -365,7 +378,7 @@ fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) -
                     let r = q.pop_front().expect("window not empty");
                     wait(w, ep, r)?;
                 }
-                q.push_back(s.tag_send(ep, sbuf.send_buf(), TAG_DATA));
+                q.push_back(post_send(s, ep, sbuf.send_buf(), sync));
                 t.end(j);
             }
             while let Some(r) = q.pop_front() {
@@ -537,11 +550,13 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let gpu = mem::gpu_for(spec.mem, 1)?;
     let gpu = gpu.as_ref();
     let lat_bufs = match spec.test {
-        TestKind::TagLat => Some(pingpong_bufs(spec, gpu)?),
+        TestKind::TagLat | TestKind::TagSyncLat => Some(pingpong_bufs(spec, gpu)?),
         _ => None,
     };
     let bw_buf = match spec.test {
-        TestKind::TagBw => Some(Buf::filled(spec.mem.0, gpu, &pattern(spec.size))?),
+        TestKind::TagBw | TestKind::TagSyncBw => {
+            Some(Buf::filled(spec.mem.0, gpu, &pattern(spec.size))?)
+        }
         _ => None,
     };
     send(w, ep, spec.encode().as_bytes(), TAG_CTRL)?;
@@ -558,11 +573,11 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let mut t = Timer::new(spec, progress);
     let mut check = None;
     match spec.test {
-        TestKind::TagLat => {
+        TestKind::TagLat | TestKind::TagSyncLat => {
             let bufs = lat_bufs.expect("set up above");
             check = Some(tag_lat_client(w, ep, spec, bufs, &mut t)?);
         }
-        TestKind::TagBw => {
+        TestKind::TagBw | TestKind::TagSyncBw => {
             let sbuf = bw_buf.as_ref().expect("set up above");
             tag_bw_client(w, ep, spec, sbuf, &mut t)?
         }
@@ -619,13 +634,14 @@ fn ready<T>(w: &Worker, ep: EpId, setup: R<T>) -> R<T> {
 }
 
 fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let sync = spec.test == TestKind::TagSyncLat;
     let setup = mem::gpu_for(spec.mem, 0).and_then(|g| pingpong_bufs(spec, g.as_ref()));
     let (sbuf, mut rbuf) = ready(w, ep, setup)?;
     for _ in 0..spec.warmup + spec.iters {
         w.scope(|s| {
             let r = s.tag_recv(rbuf.recv_buf(), TAG_DATA, TAG_MASK_FULL);
             wait(w, ep, r)?;
-            wait(w, ep, s.tag_send(ep, sbuf.send_buf(), TAG_DATA))
+            wait(w, ep, post_send(s, ep, sbuf.send_buf(), sync))
         })?;
     }
     mem::verify("server", &rbuf.read()?, &pattern(spec.size))
@@ -758,8 +774,8 @@ pub fn serve(job: &Job) -> R<()> {
             return Ok(());
         };
         let res = match spec.test {
-            TestKind::TagLat => tag_lat_server(w, ep, &spec),
-            TestKind::TagBw => tag_bw_server(w, ep, &spec),
+            TestKind::TagLat | TestKind::TagSyncLat => tag_lat_server(w, ep, &spec),
+            TestKind::TagBw | TestKind::TagSyncBw => tag_bw_server(w, ep, &spec),
             TestKind::PutBw | TestKind::Get => rma_target_server(w, ep, &spec),
             TestKind::PutLat => put_lat_server(w, ep, &spec),
             TestKind::AmLat => am_lat_server(w, ep, &spec),

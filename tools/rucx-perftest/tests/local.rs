@@ -230,3 +230,24 @@ fn server_and_client_as_separate_commands() {
     let p50: f64 = line.split(',').nth(3).unwrap().parse().unwrap();
     assert!(p50 > 0.0, "{line}");
 }
+
+/// The synchronous tests run at an eager size and a rendezvous size, with the data checked by
+/// the tool (it fails on a wrong byte), and print one row per size.
+#[test]
+fn tag_sync_tests_run() {
+    for test in ["tag_sync_lat", "tag_sync_bw"] {
+        let o = perftest(&[
+            "--local", "-t", test, "-s", "8,300K", "-n", "200", "-q", "--csv",
+        ]);
+        let out = text(&o);
+        assert!(o.status.success(), "{test}: {out}");
+        for size in ["8", "307200"] {
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(&format!("{test},{size},200,")))
+                .unwrap_or_else(|| panic!("{test}: no row for {size} in:\n{out}"));
+            let p50: f64 = line.split(',').nth(3).unwrap().parse().unwrap();
+            assert!(p50 > 0.0, "{line}");
+        }
+    }
+}

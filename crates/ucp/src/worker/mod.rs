@@ -233,6 +233,8 @@ struct SendState {
     stage: Option<Box<StageSend>>,
     /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
     split_left: u8,
+    /// Synchronous: complete only once the receiver matched the message.
+    sync: bool,
 }
 
 /// Sender side of a staged pipeline.
@@ -354,6 +356,8 @@ enum Unexp {
         msg_id: Option<u64>,
         total: usize,
         data: Vec<u8>,
+        /// A synchronous send's request, acknowledged when the message is matched.
+        sync: Option<u64>,
     },
     Rts {
         src: usize,
@@ -955,7 +959,16 @@ impl Worker {
 
     // ----- request plumbing used by Scope -----
 
-    pub(crate) fn post_send(&self, ep: EpId, buf: SendBuf<'_>, tag: Tag) -> Result<Posted> {
+    /// Post a tag send; with `sync`, it completes only once the receiver matched it (small
+    /// messages carry a request for an acknowledgement, larger ones use the rendezvous, which
+    /// completes after the match anyway).
+    pub(crate) fn post_send(
+        &self,
+        ep: EpId,
+        buf: SendBuf<'_>,
+        tag: Tag,
+        sync: bool,
+    ) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
         st.refresh_table(ep.0);
@@ -975,7 +988,7 @@ impl Worker {
                 .max()
                 .unwrap_or(0)
         };
-        if mem.is_gpu() && len > 0 && st.copy.is_some() && len <= eager_end() {
+        if !sync && mem.is_gpu() && len > 0 && st.copy.is_some() && len <= eager_end() {
             match self.bounce(&mut st, addr, len, mem, dev) {
                 Ok((host, frag)) => {
                     let proto = proto::lookup(&st.peers[ep.0].table, len)
@@ -996,6 +1009,7 @@ impl Worker {
                         dev: None,
                         stage: None,
                         split_left: 0,
+                        sync: false,
                     }));
                     st.count("eager through a pinned bounce buffer");
                     // Eager protocols copy the bytes out before returning.
@@ -1010,16 +1024,32 @@ impl Worker {
                 }
             }
         }
-        let proto = if mem.is_gpu() {
+        let mut proto = if mem.is_gpu() {
             st.gpu_send_proto(ep.0, mem, dev)?
         } else {
             proto::lookup(&st.peers[ep.0].table, len)
                 .map(|r| r.proto)
                 .ok_or_else(|| Error::Internal(format!("no protocol covers {len} bytes")))?
         };
+        if sync {
+            proto = match proto {
+                // One eager message that asks the receiver to acknowledge its match.
+                Proto::EagerShort | Proto::EagerBcopy => Proto::EagerBcopy,
+                p if p.is_rndv() => p,
+                // Multi-fragment eager: the rendezvous of the table (or streamed), which
+                // completes only after the match.
+                _ => st.peers[ep.0]
+                    .table
+                    .last()
+                    .map(|r| r.proto)
+                    .filter(|p| p.is_rndv())
+                    .unwrap_or(Proto::RndvAm),
+            };
+        }
         // Fast path: a small host message that fits one `am_short` and finds the lane idle is
         // sent at once, without a request in the table.
-        if proto == Proto::EagerShort
+        if !sync
+            && proto == Proto::EagerShort
             && !mem.is_gpu()
             && st.try_eager_short(ep.0, addr, len, tag)?
         {
@@ -1045,6 +1075,7 @@ impl Worker {
             dev,
             stage: None,
             split_left: 0,
+            sync,
         }));
         st.start_send(id);
         Ok(Posted::Pending(id))
@@ -1607,7 +1638,26 @@ impl State {
         };
         self.count(proto.name());
         let src = self.address.uuid;
+        let sync = matches!(&self.reqs[&id].kind, ReqKind::Send(s) if s.sync);
         match proto {
+            Proto::EagerBcopy if sync => {
+                // Copied now; complete when the receiver's acknowledgement of the match comes.
+                // SAFETY: the scope keeps the send buffer alive while this runs.
+                let data = unsafe { host_slice(addr, len) };
+                let tag = self.send_tag(id);
+                let mut b = Vec::with_capacity(24 + len);
+                wire::put_u64s(&mut b, &[src, tag, id]);
+                b.extend_from_slice(data);
+                if let Some(Req {
+                    kind: ReqKind::Send(s),
+                    ..
+                }) = self.reqs.get_mut(&id)
+                {
+                    s.wait = SendWait::Receiver;
+                }
+                self.queue_ctrl(p, wire::AM_EAGER_SYNC, b);
+                self.pump(p);
+            }
             Proto::EagerShort | Proto::EagerBcopy => {
                 // Copy now: the request is complete once the bytes are in our queue or ring.
                 // SAFETY: the scope keeps the send buffer alive while this runs.
@@ -2361,16 +2411,23 @@ impl State {
     }
 
     /// A whole tagged message in one packet (eager short or single-fragment copy-in).
-    fn on_eager_one(&mut self, src: u64, tag: Tag, data: &[u8]) -> Result<()> {
+    fn on_eager_one(&mut self, src: u64, tag: Tag, data: &[u8], sync: Option<u64>) -> Result<()> {
         let p = self.src_peer(src)?;
         let queued = || Unexp::Eager {
             src: p,
             msg_id: None,
             total: data.len(),
             data: Vec::new(),
+            sync,
         };
         match self.matcher.arrive_with(tag, queued) {
-            Some(rid) => self.deliver_whole(rid, p, tag, data),
+            Some(rid) => {
+                self.deliver_whole(rid, p, tag, data);
+                if let Some(sreq) = sync {
+                    self.send_ats(p, sreq);
+                    self.pump(p);
+                }
+            }
             None => {
                 // Store the data in the queued entry.
                 if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
@@ -2387,14 +2444,25 @@ impl State {
             && let Some((tag, rest)) = data.split_first_chunk::<8>()
             && let Some((src, payload)) = rest.split_first_chunk::<8>()
         {
-            return self.on_eager_one(u64::from_le_bytes(*src), u64::from_le_bytes(*tag), payload);
+            return self.on_eager_one(
+                u64::from_le_bytes(*src),
+                u64::from_le_bytes(*tag),
+                payload,
+                None,
+            );
         }
         match wire::parse(id, data)? {
             Msg::Wireup { addr } => {
                 let remote = WorkerAddress::unpack(addr)?;
                 self.peer_for(remote)?;
             }
-            Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data)?,
+            Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
+            Msg::EagerSync {
+                src,
+                tag,
+                sreq,
+                data,
+            } => self.on_eager_one(src, tag, data, Some(sreq))?,
             Msg::EagerFirst {
                 src,
                 kind,
@@ -2422,6 +2490,7 @@ impl State {
                     msg_id: Some(msg_id),
                     total,
                     data: Vec::new(),
+                    sync: None,
                 };
                 match self.matcher.arrive(tag, u) {
                     Some((rid, _)) => {
@@ -2467,6 +2536,7 @@ impl State {
                                 msg_id: Some(m),
                                 total,
                                 data: d,
+                                ..
                             } = u
                                 && *s == p
                                 && *m == msg_id
@@ -2663,10 +2733,16 @@ impl State {
                 msg_id,
                 total,
                 data,
+                sync,
             } => {
                 self.recv_begin(rid, src, tag, total);
                 self.recv_data(rid, 0, &data);
                 let complete = self.recv_complete(rid);
+                if let Some(sreq) = sync {
+                    // A synchronous send completes now that it is matched.
+                    self.send_ats(src, sreq);
+                    self.pump(src);
+                }
                 if let Some(m) = msg_id {
                     let key = (self.peers[src].remote.uuid, m);
                     if complete {
