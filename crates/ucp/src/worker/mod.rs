@@ -317,6 +317,22 @@ struct RecvState {
     dev_memh: Option<Box<(MemHandle, RemoteKey)>>,
 }
 
+/// A fragmented zero-copy transfer between a registered local range and a remote one.
+struct Frags<'a> {
+    /// Write (`put_zcopy`) or read (`get_zcopy`).
+    put: bool,
+    /// Local start address (offset 0 of the transfer).
+    local: usize,
+    /// Remote start address.
+    remote: u64,
+    key: &'a RemoteKey,
+    memh: &'a MemHandle,
+    /// Largest fragment.
+    max: usize,
+    /// End offset.
+    end: usize,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum RmaDir {
     Put,
@@ -2033,41 +2049,40 @@ impl State {
         };
         let max = self.slots[lane].attr.limits.get_max_zcopy.min(frag).max(1);
         let memh = r.guards[0].registration().clone();
-        while off < want {
-            let n = max.min(want - off);
-            let iov = [Iov {
-                addr: laddr + off,
-                len: n,
-                memh: &memh,
-            }];
-            match self.post_counted(rid, p, lane, |ep, t| {
-                ep.get_zcopy(&iov, raddr + off as u64, &rkey, t)
-            }) {
-                Ok(true) => {}
-                Ok(false) => return Ok(false),
-                Err(e @ Error::EndpointFailure { .. }) => return Err(e),
-                Err(e) => {
-                    // Could not read: steer the sender to stream instead (no byte lost).
-                    tracing::warn!(
-                        "rendezvous read failed to start ({e}); asking the sender to stream"
-                    );
-                    self.restart_as_stream(rid);
-                    return Ok(true);
-                }
-            }
-            off += n;
-            if let Some(Req {
-                kind:
-                    ReqKind::Recv(RecvState {
-                        rndv: Some(rv),
-                        received,
-                        ..
-                    }),
-                ..
-            }) = self.reqs.get_mut(&rid)
-            {
-                rv.posted = off;
-                *received = off;
+        let f = Frags {
+            put: false,
+            local: laddr,
+            remote: raddr,
+            key: &rkey,
+            memh: &memh,
+            max,
+            end: want,
+        };
+        let res = self.post_frags(rid, p, lane, &f, &mut off);
+        if let Some(Req {
+            kind:
+                ReqKind::Recv(RecvState {
+                    rndv: Some(rv),
+                    received,
+                    ..
+                }),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rv.posted = off;
+            *received = off;
+        }
+        match res {
+            Ok(true) => {}
+            Ok(false) => return Ok(false),
+            Err(e @ Error::EndpointFailure { .. }) => return Err(e),
+            Err(e) => {
+                // Could not read: steer the sender to stream instead (no byte lost).
+                tracing::warn!(
+                    "rendezvous read failed to start ({e}); asking the sender to stream"
+                );
+                self.restart_as_stream(rid);
+                return Ok(true);
             }
         }
         if self.reqs[&rid].outstanding == 0 {
@@ -2188,31 +2203,25 @@ impl State {
             .min(self.frag)
             .max(1);
             let mut off = posted;
-            while off < len {
-                let n = max.min(len - off);
-                let iov = [Iov {
-                    addr: addr + off,
-                    len: n,
-                    memh: &memh,
-                }];
-                let posted = self.post_counted(id, p, lane, |ep, t| {
-                    if dir == RmaDir::Put {
-                        ep.put_zcopy(&iov, remote + off as u64, &key, t)
-                    } else {
-                        ep.get_zcopy(&iov, remote + off as u64, &key, t)
-                    }
-                })?;
-                if !posted {
-                    return Ok(false);
-                }
-                off += n;
-                if let Some(Req {
-                    kind: ReqKind::Rma(rm),
-                    ..
-                }) = self.reqs.get_mut(&id)
-                {
-                    rm.posted = off;
-                }
+            let f = Frags {
+                put: dir == RmaDir::Put,
+                local: addr,
+                remote,
+                key: &key,
+                memh: &memh,
+                max,
+                end: len,
+            };
+            let res = self.post_frags(id, p, lane, &f, &mut off);
+            if let Some(Req {
+                kind: ReqKind::Rma(rm),
+                ..
+            }) = self.reqs.get_mut(&id)
+            {
+                rm.posted = off;
+            }
+            if !res? {
+                return Ok(false);
             }
         }
         if let Some(Req {
@@ -2231,6 +2240,40 @@ impl State {
                     sender: None,
                 }),
             );
+        }
+        Ok(true)
+    }
+
+    /// Post the zero-copy fragments of `f` from `*off` to `f.end` on `lane`, at most `f.max`
+    /// bytes each, advancing `*off` past every posted one; `Ok(false)`: the transport pushed
+    /// back (resume from `*off`).
+    fn post_frags(
+        &mut self,
+        id: u64,
+        p: usize,
+        lane: usize,
+        f: &Frags<'_>,
+        off: &mut usize,
+    ) -> Result<bool> {
+        while *off < f.end {
+            let n = f.max.min(f.end - *off);
+            let iov = [Iov {
+                addr: f.local + *off,
+                len: n,
+                memh: f.memh,
+            }];
+            let at = f.remote + *off as u64;
+            let posted = self.post_counted(id, p, lane, |ep, t| {
+                if f.put {
+                    ep.put_zcopy(&iov, at, f.key, t)
+                } else {
+                    ep.get_zcopy(&iov, at, f.key, t)
+                }
+            })?;
+            if !posted {
+                return Ok(false);
+            }
+            *off += n;
         }
         Ok(true)
     }
@@ -2256,26 +2299,25 @@ impl State {
             ReqKind::Send(s) => s.posted,
             _ => 0,
         };
-        while off < len {
-            let n = max.min(len - off);
-            let iov = [Iov {
-                addr: addr + off,
-                len: n,
-                memh: &memh,
-            }];
-            if !self.post_counted(id, p, lane, |ep, t| {
-                ep.put_zcopy(&iov, raddr + off as u64, rkey, t)
-            })? {
-                return Ok(false);
-            }
-            off += n;
-            if let Some(Req {
-                kind: ReqKind::Send(s),
-                ..
-            }) = self.reqs.get_mut(&id)
-            {
-                s.posted = off;
-            }
+        let f = Frags {
+            put: true,
+            local: addr,
+            remote: raddr,
+            key: rkey,
+            memh: &memh,
+            max,
+            end: len,
+        };
+        let res = self.post_frags(id, p, lane, &f, &mut off);
+        if let Some(Req {
+            kind: ReqKind::Send(s),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            s.posted = off;
+        }
+        if !res? {
+            return Ok(false);
         }
         // Make the writes visible before telling the receiver.
         if !self.post_counted(id, p, lane, |ep, t| ep.flush(t))? {
