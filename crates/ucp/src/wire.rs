@@ -41,6 +41,8 @@ pub const AM_RNDV_FRAG_ACK: AmId = 14;
 /// Eager, whole message of a synchronous send: src, tag, sender request, data. The receiver
 /// answers with [`AM_RNDV_ATS`] once a receive matched it.
 pub const AM_EAGER_SYNC: AmId = 15;
+/// Bytes of an endpoint's stream, in order: src, data.
+pub const AM_STREAM_DATA: AmId = 16;
 
 /// What a multi-fragment eager message carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +69,8 @@ pub enum Msg<'a> {
     Wireup { addr: &'a [u8] },
     /// Whole eager message.
     EagerOne { src: u64, tag: u64, data: &'a [u8] },
+    /// Stream bytes.
+    StreamData { src: u64, data: &'a [u8] },
     /// Whole eager message of a synchronous send (acknowledge the match to `sreq`).
     EagerSync {
         src: u64,
@@ -217,6 +221,13 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                     src,
                     tag,
                     data: &data[16..],
+                }
+            }
+            AM_STREAM_DATA => {
+                let src = r.u64()?;
+                Msg::StreamData {
+                    src,
+                    data: &data[8..],
                 }
             }
             AM_EAGER_SYNC => {

@@ -412,3 +412,60 @@ fn synchronous_send_completes_after_the_match() {
     let c = w.counters();
     assert!(c.get("eager copy-in").copied().unwrap_or(0) >= 4, "{c:?}");
 }
+
+/// The stream API keeps the bytes and their order, not message boundaries: sends of assorted
+/// sizes are read back through receives of other sizes, and a receive left waiting at the end
+/// of its scope gives the bytes it took back to the stream.
+#[test]
+fn stream_bytes_in_order_any_split() {
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    let sizes = [0usize, 1, 100, 9000, 100_000, 3];
+    let all: Vec<u8> = (0..sizes.iter().sum::<usize>())
+        .map(|i| (i * 7 + i / 251) as u8)
+        .collect();
+    let mut off = 0;
+    for &n in &sizes {
+        let piece = all[off..off + n].to_vec();
+        w.scope(|sc| assert_eq!(sc.stream_send(ep, &piece).wait().unwrap().len, n));
+        off += n;
+    }
+    // The first 2000 bytes span the first four sends.
+    let mut big = vec![0u8; 2000];
+    w.scope(|sc| assert_eq!(sc.stream_recv(ep, &mut big).wait().unwrap().len, 2000));
+    assert!(big[..] == all[..2000]);
+    // ...the rest through receives of odd sizes, the last one left waiting for more.
+    let mut got = big;
+    let mut never = vec![0u8; 500];
+    let rest = all.len() - 2000;
+    let mut parts: Vec<Vec<u8>> = [7usize, 33, 4096, 65536]
+        .iter()
+        .map(|&n| vec![0u8; n])
+        .collect();
+    let tail = rest - parts.iter().map(Vec::len).sum::<usize>();
+    parts.push(vec![0u8; tail - 100]);
+    w.scope(|sc| {
+        let rs: Vec<_> = parts.iter_mut().map(|b| sc.stream_recv(ep, b)).collect();
+        // 100 bytes remain for this one, which wants 500: left waiting, canceled at the end.
+        let _waiting = sc.stream_recv(ep, &mut never);
+        for r in rs {
+            r.wait().unwrap();
+        }
+    });
+    for p in &parts {
+        got.extend_from_slice(p);
+    }
+    // The 100 bytes the canceled receive took are back in the stream.
+    let mut last = vec![0u8; 100];
+    w.scope(|sc| assert_eq!(sc.stream_recv(ep, &mut last).wait().unwrap().len, 100));
+    got.extend_from_slice(&last);
+    assert!(got == all, "stream bytes differ");
+    // An explicit cancel of a waiting receive.
+    let mut one = [0u8; 1];
+    w.scope(|sc| {
+        let r = sc.stream_recv(ep, &mut one);
+        assert!(r.cancel());
+        assert!(matches!(r.wait(), Err(Error::Canceled)));
+    });
+    assert_eq!(w.live_requests(), 0);
+}

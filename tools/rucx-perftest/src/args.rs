@@ -36,11 +36,15 @@ pub enum TestKind {
     TagSyncLat,
     /// Stream of synchronous tag sends.
     TagSyncBw,
+    /// Ping-pong over the byte-stream API.
+    StreamLat,
+    /// One-way byte stream.
+    StreamBw,
 }
 
 impl TestKind {
     /// Every test, in the order of `--help`.
-    pub const ALL: [TestKind; 9] = [
+    pub const ALL: [TestKind; 11] = [
         TestKind::TagLat,
         TestKind::TagBw,
         TestKind::TagSyncLat,
@@ -50,6 +54,8 @@ impl TestKind {
         TestKind::Get,
         TestKind::AmLat,
         TestKind::AmBw,
+        TestKind::StreamLat,
+        TestKind::StreamBw,
     ];
 
     /// The name used by `-t` (the `ucx_perftest` name).
@@ -64,6 +70,8 @@ impl TestKind {
             TestKind::AmBw => "am_bw",
             TestKind::TagSyncLat => "tag_sync_lat",
             TestKind::TagSyncBw => "tag_sync_bw",
+            TestKind::StreamLat => "stream_lat",
+            TestKind::StreamBw => "stream_bw",
         }
     }
 
@@ -79,6 +87,8 @@ impl TestKind {
             TestKind::AmBw => "UCP active message bandwidth / message rate",
             TestKind::TagSyncLat => "UCP tag sync match latency (ping-pong, half round trip)",
             TestKind::TagSyncBw => "UCP tag sync match bandwidth / message rate",
+            TestKind::StreamLat => "UCP stream latency (ping-pong, half round trip)",
+            TestKind::StreamBw => "UCP stream bandwidth / message rate",
         }
     }
 
@@ -86,7 +96,11 @@ impl TestKind {
     pub fn is_pingpong(self) -> bool {
         matches!(
             self,
-            TestKind::TagLat | TestKind::TagSyncLat | TestKind::PutLat | TestKind::AmLat
+            TestKind::TagLat
+                | TestKind::TagSyncLat
+                | TestKind::StreamLat
+                | TestKind::PutLat
+                | TestKind::AmLat
         )
     }
 
@@ -135,9 +149,6 @@ impl FromStr for TestKind {
         }
         let known: Vec<&str> = TestKind::ALL.iter().map(|k| k.name()).collect();
         let why: String = match t.as_str() {
-            "stream_bw" | "stream_lat" => {
-                "not available: rucx's UCP has no stream API (tag and active messages only)".into()
-            }
             "ucp_add" | "ucp_fadd" | "ucp_swap" | "ucp_cswap" | "add_lat" | "add_mr" | "fadd"
             | "swap" | "cswap" => "not available: rucx has no atomic operations".into(),
             "" => "empty test name".into(),
@@ -228,9 +239,9 @@ OSU-style sweep with a plot:
   rucx-perftest --local --sweep --plot sweep.svg
 Transports are chosen like in any rucx program: RUCX_TLS=posix, RUCX_TLS=tcp, ...
 
-Tests: tag_lat, tag_bw, tag_sync_lat, tag_sync_bw, ucp_put_lat, ucp_put_bw, ucp_get, am_lat
-(alias ucp_am_lat), am_bw (alias ucp_am_bw). Not available: stream_bw/stream_lat (no stream
-API), atomics.
+Tests: tag_lat, tag_bw, tag_sync_lat, tag_sync_bw, stream_lat, stream_bw, ucp_put_lat,
+ucp_put_bw, ucp_get, am_lat (alias ucp_am_lat), am_bw (alias ucp_am_bw). Not available:
+atomics.
 Unlike ucx_perftest, -s 8,4K,1M runs each size in turn (rucx has no scatter-gather sends).
 Bandwidth is in MB/s of 2^20 bytes, as ucx_perftest prints it."
 )]
@@ -386,6 +397,13 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
                     "-m {send},{recv}: {t} with GPU memory is not supported: remote memory \
                      access maps host memory only (Worker::mem_map takes a host slice); run \
                      tag_lat/tag_bw for GPU memory, or {t} with -m host"
+                ));
+            }
+            if matches!(t, TestKind::StreamLat | TestKind::StreamBw) {
+                return Err(format!(
+                    "-m {send},{recv}: {t} with GPU memory is not supported: the stream API \
+                     takes host slices (Scope::stream_send/stream_recv); run tag_lat/tag_bw for \
+                     GPU memory, or {t} with -m host"
                 ));
             }
             if matches!(t, TestKind::AmLat | TestKind::AmBw) {
@@ -559,12 +577,13 @@ mod tests {
             "tag_sync_lat".parse::<TestKind>().unwrap(),
             TestKind::TagSyncLat
         );
-        let e = "stream_bw".parse::<TestKind>().unwrap_err();
-        assert!(e.contains("stream API"), "{e}");
+        assert_eq!("stream_bw".parse::<TestKind>().unwrap(), TestKind::StreamBw);
+        let e = "ucp_add".parse::<TestKind>().unwrap_err();
+        assert!(e.contains("atomic"), "{e}");
         let e = "bogus".parse::<TestKind>().unwrap_err();
         assert!(e.contains("unknown test") && e.contains("tag_lat"), "{e}");
-        let e = p(&["-t", "stream_lat"]).unwrap_err();
-        assert!(e.contains("stream API"), "{e}");
+        let e = p(&["-t", "stream_lat", "-m", "cuda"]).unwrap_err();
+        assert!(e.contains("host slices"), "{e}");
     }
 
     #[test]

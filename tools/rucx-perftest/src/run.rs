@@ -505,6 +505,50 @@ fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     send(w, ep, &[], TAG_DONE)
 }
 
+fn stream_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<Vec<u8>> {
+    let sbuf = pattern(spec.size);
+    let mut rbuf = touched(spec.size);
+    for i in 0..spec.warmup + spec.iters {
+        t.begin(i);
+        w.scope(|s| {
+            let sent = s.stream_send(ep, &sbuf);
+            let r = s.stream_recv(ep, &mut rbuf);
+            wait(w, ep, sent)?;
+            wait(w, ep, r)
+        })?;
+        t.end(i);
+    }
+    Ok(rbuf)
+}
+
+fn stream_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+    let sbuf = pattern(spec.size);
+    let total = spec.warmup + spec.iters;
+    let mut i = 0;
+    while i < total {
+        let end = (i + chunk_len(spec.window)).min(total);
+        w.scope(|s| -> R<()> {
+            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
+            for j in i..end {
+                t.begin(j);
+                if q.len() >= spec.window {
+                    let r = q.pop_front().expect("window not empty");
+                    wait(w, ep, r)?;
+                }
+                q.push_back(s.stream_send(ep, &sbuf));
+                t.end(j);
+            }
+            while let Some(r) = q.pop_front() {
+                wait(w, ep, r)?;
+            }
+            Ok(())
+        })?;
+        i = end;
+    }
+    recv(w, ep, &mut [], TAG_ACK)?;
+    Ok(())
+}
+
 fn am_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     let got = Rc::new(Cell::new(0usize));
     let g = got.clone();
@@ -586,6 +630,10 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
         TestKind::PutLat => put_lat_client(w, ep, spec, &mut t)?,
         TestKind::AmLat => am_lat_client(w, ep, spec, &mut t)?,
         TestKind::AmBw => am_bw_client(w, ep, spec, &mut t)?,
+        TestKind::StreamLat => {
+            check = Some(Buf::Host(stream_lat_client(w, ep, spec, &mut t)?));
+        }
+        TestKind::StreamBw => stream_bw_client(w, ep, spec, &mut t)?,
     }
     let (samples, total) = t.finish();
     if let Some(rbuf) = check {
@@ -719,6 +767,64 @@ fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     Ok(())
 }
 
+fn stream_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let sbuf = pattern(spec.size);
+    let mut rbuf = ready(w, ep, Ok(touched(spec.size)))?;
+    for _ in 0..spec.warmup + spec.iters {
+        w.scope(|s| {
+            wait(w, ep, s.stream_recv(ep, &mut rbuf))?;
+            wait(w, ep, s.stream_send(ep, &sbuf))
+        })?;
+    }
+    mem::verify("server", &rbuf, &pattern(spec.size))
+}
+
+fn stream_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
+    let mut ring = ready(
+        w,
+        ep,
+        Ring::new(
+            MemoryType::Host,
+            None,
+            spec.size,
+            ring_len(spec.size, spec.window),
+        ),
+    )?;
+    let total = spec.warmup + spec.iters;
+    let mut i = 0;
+    while i < total {
+        let n = ring.len().min(total - i);
+        let Ring::Host(bufs) = &mut ring else {
+            return Err("stream_bw takes host memory".into());
+        };
+        w.scope(|s| -> R<()> {
+            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
+            for b in bufs.iter_mut().take(n) {
+                if q.len() >= spec.window {
+                    let r = q.pop_front().expect("window not empty");
+                    wait(w, ep, r)?;
+                }
+                q.push_back(s.stream_recv(ep, b));
+            }
+            while let Some(r) = q.pop_front() {
+                wait(w, ep, r)?;
+            }
+            Ok(())
+        })?;
+        i += n;
+    }
+    send(w, ep, &[], TAG_ACK)?;
+    let last = (total - 1) % ring.len().max(1);
+    for k in [0, last] {
+        mem::verify(
+            &format!("server, slot {k}"),
+            &ring.read(k)?,
+            &pattern(spec.size),
+        )?;
+    }
+    Ok(())
+}
+
 fn am_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     let count = Rc::new(Cell::new(0usize));
     let failed: Rc<Cell<Option<Error>>> = Rc::new(Cell::new(None));
@@ -780,6 +886,8 @@ pub fn serve(job: &Job) -> R<()> {
             TestKind::PutLat => put_lat_server(w, ep, &spec),
             TestKind::AmLat => am_lat_server(w, ep, &spec),
             TestKind::AmBw => am_bw_server(w, ep, &spec),
+            TestKind::StreamLat => stream_lat_server(w, ep, &spec),
+            TestKind::StreamBw => stream_bw_server(w, ep, &spec),
         };
         res.map_err(|e| format!("server, {} {} B: {e}", spec.test.name(), spec.size))?;
     }

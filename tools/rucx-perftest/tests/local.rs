@@ -136,9 +136,12 @@ fn bad_input_is_a_clear_error() {
     let o = perftest(&["--local", "-s", "8,4Q"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("4Q"), "{}", text(&o));
-    let o = perftest(&["--local", "-t", "stream_bw"]);
+    let o = perftest(&["--local", "-t", "ucp_fadd"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("stream API"), "{}", text(&o));
+    assert!(text(&o).contains("no atomic operations"), "{}", text(&o));
+    let o = perftest(&["--local", "-m", "cuda", "-t", "stream_bw"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("host slices"), "{}", text(&o));
 }
 
 /// GPU memory: without a CUDA driver (this machine, CI) a clear error naming the driver's
@@ -231,11 +234,12 @@ fn server_and_client_as_separate_commands() {
     assert!(p50 > 0.0, "{line}");
 }
 
-/// The synchronous tests run at an eager size and a rendezvous size, with the data checked by
-/// the tool (it fails on a wrong byte), and print one row per size.
+/// The synchronous and stream tests run at a small and a large size (eager and rendezvous for
+/// the tag tests, one and many pieces for the stream), with the data checked by the tool (it
+/// fails on a wrong byte), and print one row per size.
 #[test]
-fn tag_sync_tests_run() {
-    for test in ["tag_sync_lat", "tag_sync_bw"] {
+fn tag_sync_and_stream_tests_run() {
+    for test in ["tag_sync_lat", "tag_sync_bw", "stream_lat", "stream_bw"] {
         let o = perftest(&[
             "--local", "-t", test, "-s", "8,300K", "-n", "200", "-q", "--csv",
         ]);
@@ -250,4 +254,30 @@ fn tag_sync_tests_run() {
             assert!(p50 > 0.0, "{line}");
         }
     }
+}
+
+/// The byte stream over tcp (many 8 KiB pieces per message, one connection per pair after the
+/// endpoints converge): the data is checked by the tool.
+#[test]
+fn stream_over_tcp() {
+    let o = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
+        .args([
+            "--local",
+            "-t",
+            "stream_bw",
+            "-s",
+            "1M",
+            "-n",
+            "40",
+            "-q",
+            "--csv",
+        ])
+        .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+        .env("RUCX_TLS", "tcp")
+        .env("RUCX_TCP_IFACES", "lo")
+        .output()
+        .expect("rucx-perftest runs");
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("stream_bw,1048576,40,"), "{out}");
 }

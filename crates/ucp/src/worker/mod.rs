@@ -157,6 +157,9 @@ enum Pending {
     Ctrl { id: AmId, bytes: Vec<u8> },
     /// Continue posting the fragments of a request.
     Stream(u64),
+    /// Everything queued before this was handed to the transport: finish request `id` (a
+    /// stream send, `len` bytes).
+    Finish { id: u64, len: usize },
 }
 
 /// A peer's uct endpoints by local interface index: a handful at most, found by a linear scan
@@ -200,6 +203,11 @@ struct Peer {
     failed: Option<String>,
     queue: VecDeque<Pending>,
     next_msg: u64,
+    /// Stream bytes that arrived and no stream receive took yet (front chunk from `stream_off`).
+    stream_rx: VecDeque<Vec<u8>>,
+    stream_off: usize,
+    /// Stream receives waiting for bytes, in the order they were posted.
+    stream_waiting: VecDeque<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -315,6 +323,8 @@ struct RecvState {
     chunk_lane: usize,
     /// The user buffer registered with the copy lane's domain (GPU memory only).
     dev_memh: Option<Box<(MemHandle, RemoteKey)>>,
+    /// A stream receive (filled from the peer's byte stream, not matched by tag).
+    stream: bool,
 }
 
 /// A fragmented zero-copy transfer between a registered local range and a remote one.
@@ -1206,11 +1216,92 @@ impl Worker {
             pull: false,
             chunk_lane: usize::MAX,
             dev_memh: None,
+            stream: false,
         }));
         if let Some((mtag, u, id)) = st.matcher.post_recv(tag, mask, id) {
             st.matched(id, mtag, u);
         }
         id
+    }
+
+    /// Append `buf` to the byte stream to `ep`: copied before this returns; the request
+    /// finishes once every piece was handed to the transport (the sender's flow control).
+    pub(crate) fn post_stream_send(&self, ep: EpId, buf: &[u8]) -> Result<Posted> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        let p = ep.0;
+        let id = st.new_req(ReqKind::Send(SendState {
+            peer: p,
+            addr: buf.as_ptr() as usize,
+            len: buf.len(),
+            tag: 0,
+            proto: Proto::EagerBcopy,
+            msg_id: 0,
+            posted: 0,
+            rndv_to: None,
+            put: None,
+            wait: SendWait::Posting,
+            mem: MemoryType::Host,
+            dev: None,
+            stage: None,
+            split_left: 0,
+            sync: false,
+        }));
+        let am = st.peers[p].am;
+        let piece = st.slots[am]
+            .attr
+            .limits
+            .am_max_bcopy
+            .saturating_sub(8)
+            .max(1);
+        let src = st.address.uuid;
+        for chunk in buf.chunks(piece) {
+            let mut b = Vec::with_capacity(8 + chunk.len());
+            b.extend_from_slice(&src.to_le_bytes());
+            b.extend_from_slice(chunk);
+            st.queue_ctrl(p, wire::AM_STREAM_DATA, b);
+        }
+        let len = buf.len();
+        st.peers[p].queue.push_back(Pending::Finish { id, len });
+        st.pump(p);
+        st.count("stream send");
+        Ok(Posted::Pending(id))
+    }
+
+    /// Receive exactly `cap` bytes at `addr` from the byte stream of `ep`.
+    pub(crate) fn post_stream_recv(&self, ep: EpId, addr: usize, cap: usize) -> Result<u64> {
+        let mut st = self.st.borrow_mut();
+        let p = ep.0;
+        if p >= st.peers.len() {
+            return Err(Error::InvalidParam(format!(
+                "endpoint ep{p} does not exist"
+            )));
+        }
+        let id = st.new_req(ReqKind::Recv(RecvState {
+            addr,
+            cap,
+            total: cap,
+            received: 0,
+            tag: 0,
+            sender: Some(p),
+            rndv: None,
+            mem: MemoryType::Host,
+            dev: None,
+            chunks: VecDeque::new(),
+            landed: 0,
+            pull: false,
+            chunk_lane: usize::MAX,
+            dev_memh: None,
+            stream: true,
+        }));
+        if let Some(reason) = st.peers[p].failed.clone() {
+            let peer = st.peers[p].remote.describe();
+            st.finish(id, Err(Error::EndpointFailure { peer, reason }));
+            return Ok(id);
+        }
+        st.peers[p].stream_waiting.push_back(id);
+        st.stream_fill(p);
+        Ok(id)
     }
 
     pub(crate) fn post_rma(
@@ -1253,10 +1344,12 @@ impl Worker {
         {
             let mut st = self.st.borrow_mut();
             for id in &ids {
-                if st.reqs.get(id).is_some_and(|r| r.result.is_none())
-                    && st.matcher.cancel_expected(|e| e == id).is_some()
-                {
-                    st.finish(*id, Err(Error::Canceled));
+                if st.reqs.get(id).is_some_and(|r| r.result.is_none()) {
+                    if st.matcher.cancel_expected(|e| e == id).is_some() {
+                        st.finish(*id, Err(Error::Canceled));
+                    } else {
+                        st.stream_cancel(*id);
+                    }
                 }
             }
         }
@@ -1295,7 +1388,7 @@ impl Worker {
             st.finish(id, Err(Error::Canceled));
             true
         } else {
-            false
+            st.stream_cancel(id)
         }
     }
 
@@ -1417,6 +1510,9 @@ impl State {
             failed: None,
             queue: VecDeque::new(),
             next_msg: 0,
+            stream_rx: VecDeque::new(),
+            stream_off: 0,
+            stream_waiting: VecDeque::new(),
         });
         Ok(p)
     }
@@ -1597,6 +1693,14 @@ impl State {
                         }
                     }
                 }
+                Pending::Finish { id, len } => self.finish(
+                    id,
+                    Ok(Completion {
+                        len,
+                        tag: 0,
+                        sender: None,
+                    }),
+                ),
                 Pending::Stream(req) => match self.stream(req) {
                     Ok(true) => {}
                     Ok(false) => {
@@ -1609,6 +1713,104 @@ impl State {
                 },
             }
         }
+    }
+
+    /// Hand peer `p`'s arrived stream bytes to its waiting stream receives, in order.
+    fn stream_fill(&mut self, p: usize) {
+        while let Some(&rid) = self.peers[p].stream_waiting.front() {
+            let (addr, cap, got) = match self.reqs.get(&rid) {
+                Some(Req {
+                    kind: ReqKind::Recv(rs),
+                    result: None,
+                    ..
+                }) => (rs.addr, rs.cap, rs.received),
+                _ => {
+                    // Finished otherwise (endpoint failure): no longer waiting.
+                    self.peers[p].stream_waiting.pop_front();
+                    continue;
+                }
+            };
+            let mut got = got;
+            while got < cap {
+                let peer = &mut self.peers[p];
+                let Some(front) = peer.stream_rx.front() else {
+                    break;
+                };
+                let n = (front.len() - peer.stream_off).min(cap - got);
+                // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive
+                // and unaliased until the request is finished; `got + n <= cap`.
+                let dst = unsafe { host_slice_mut(addr + got, n) };
+                dst.copy_from_slice(&front[peer.stream_off..peer.stream_off + n]);
+                got += n;
+                peer.stream_off += n;
+                if peer.stream_off == front.len() {
+                    peer.stream_rx.pop_front();
+                    peer.stream_off = 0;
+                }
+            }
+            if let Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) = self.reqs.get_mut(&rid)
+            {
+                rs.received = got;
+            }
+            if got < cap {
+                return;
+            }
+            self.peers[p].stream_waiting.pop_front();
+            self.finish(
+                rid,
+                Ok(Completion {
+                    len: cap,
+                    tag: 0,
+                    sender: Some(EpId(p)),
+                }),
+            );
+        }
+    }
+
+    /// Cancel a stream receive that is still waiting; the bytes it took so far go back to the
+    /// front of the stream (nothing is lost). True when it was canceled.
+    fn stream_cancel(&mut self, rid: u64) -> bool {
+        let (p, addr, got) = match self.reqs.get(&rid) {
+            Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        stream: true,
+                        sender: Some(p),
+                        addr,
+                        received,
+                        ..
+                    }),
+                result: None,
+                ..
+            }) => (*p, *addr, *received),
+            _ => return false,
+        };
+        let peer = &mut self.peers[p];
+        let Some(pos) = peer.stream_waiting.iter().position(|&r| r == rid) else {
+            return false;
+        };
+        peer.stream_waiting.remove(pos);
+        if got > 0 {
+            // SAFETY: the receive buffer is still lent to the scope (the request is not
+            // finished); `got <= cap` bytes of it were written by `stream_fill`.
+            let taken = unsafe { host_slice(addr, got) }.to_vec();
+            if peer.stream_off > 0 {
+                let front = peer
+                    .stream_rx
+                    .pop_front()
+                    .expect("offset into a front chunk");
+                peer.stream_rx.push_front(front[peer.stream_off..].to_vec());
+                peer.stream_off = 0;
+            }
+            peer.stream_rx.push_front(taken);
+        }
+        self.finish(rid, Err(Error::Canceled));
+        // A receive behind it may take the bytes now.
+        self.stream_fill(p);
+        true
     }
 
     fn count(&mut self, what: &'static str) {
@@ -2499,6 +2701,13 @@ impl State {
                 self.peer_for(remote)?;
             }
             Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
+            Msg::StreamData { src, data } => {
+                let p = self.src_peer(src)?;
+                if !data.is_empty() {
+                    self.peers[p].stream_rx.push_back(data.to_vec());
+                    self.stream_fill(p);
+                }
+            }
             Msg::EagerSync {
                 src,
                 tag,
@@ -3307,6 +3516,9 @@ impl State {
         );
         peer.failed = Some(reason.to_string());
         peer.queue.clear();
+        peer.stream_rx.clear();
+        peer.stream_off = 0;
+        peer.stream_waiting.clear();
         let desc = peer.remote.describe();
         let uuid = peer.remote.uuid;
         let err = || Error::EndpointFailure {
