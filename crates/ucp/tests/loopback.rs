@@ -460,6 +460,24 @@ fn stream_bytes_in_order_any_split() {
     w.scope(|sc| assert_eq!(sc.stream_recv(ep, &mut last).wait().unwrap().len, 100));
     got.extend_from_slice(&last);
     assert!(got == all, "stream bytes differ");
+    // Receives posted before the bytes come are filled straight from the arriving pieces; one
+    // left half-filled gives its bytes back.
+    let fresh: Vec<u8> = (0..20_600u32).map(|i| (i % 253) as u8).collect();
+    let mut first = vec![0u8; 20_000];
+    let mut partial = vec![0u8; 1000];
+    w.scope(|sc| {
+        let r1 = sc.stream_recv(ep, &mut first);
+        let _r2 = sc.stream_recv(ep, &mut partial);
+        sc.stream_send(ep, &fresh).wait().unwrap();
+        assert_eq!(r1.wait().unwrap().len, 20_000);
+    });
+    assert!(first[..] == fresh[..20_000]);
+    let mut rest = vec![0u8; 600];
+    w.scope(|sc| assert_eq!(sc.stream_recv(ep, &mut rest).wait().unwrap().len, 600));
+    assert!(
+        rest[..] == fresh[20_000..],
+        "bytes of the canceled receive lost"
+    );
     // An explicit cancel of a waiting receive.
     let mut one = [0u8; 1];
     w.scope(|sc| {

@@ -1770,6 +1770,53 @@ impl State {
         }
     }
 
+    /// Arrived stream bytes straight into the waiting stream receives when nothing older is
+    /// buffered (no copy into the stream buffer); returns how many bytes they took.
+    fn stream_direct(&mut self, p: usize, data: &[u8]) -> usize {
+        let mut used = 0;
+        while used < data.len() && self.peers[p].stream_rx.is_empty() {
+            let Some(&rid) = self.peers[p].stream_waiting.front() else {
+                break;
+            };
+            let (addr, cap, got) = match self.reqs.get(&rid) {
+                Some(Req {
+                    kind: ReqKind::Recv(rs),
+                    result: None,
+                    ..
+                }) => (rs.addr, rs.cap, rs.received),
+                _ => {
+                    self.peers[p].stream_waiting.pop_front();
+                    continue;
+                }
+            };
+            let n = (cap - got).min(data.len() - used);
+            // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive and
+            // unaliased until the request is finished; `got + n <= cap`.
+            let dst = unsafe { host_slice_mut(addr + got, n) };
+            dst.copy_from_slice(&data[used..used + n]);
+            used += n;
+            if let Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) = self.reqs.get_mut(&rid)
+            {
+                rs.received = got + n;
+            }
+            if got + n == cap {
+                self.peers[p].stream_waiting.pop_front();
+                self.finish(
+                    rid,
+                    Ok(Completion {
+                        len: cap,
+                        tag: 0,
+                        sender: Some(EpId(p)),
+                    }),
+                );
+            }
+        }
+        used
+    }
+
     /// Cancel a stream receive that is still waiting; the bytes it took so far go back to the
     /// front of the stream (nothing is lost). True when it was canceled.
     fn stream_cancel(&mut self, rid: u64) -> bool {
@@ -2703,8 +2750,9 @@ impl State {
             Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
             Msg::StreamData { src, data } => {
                 let p = self.src_peer(src)?;
-                if !data.is_empty() {
-                    self.peers[p].stream_rx.push_back(data.to_vec());
+                let used = self.stream_direct(p, data);
+                if used < data.len() {
+                    self.peers[p].stream_rx.push_back(data[used..].to_vec());
                     self.stream_fill(p);
                 }
             }
