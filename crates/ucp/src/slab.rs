@@ -47,6 +47,13 @@ impl<T> Slab<T> {
     /// Store `value`; returns its id.
     #[inline]
     pub(crate) fn insert(&mut self, value: T) -> u64 {
+        self.insert_with(|| value)
+    }
+
+    /// Store the value `make` builds (built where it is stored when `make` is inlined, rather
+    /// than moved there: requests are a few hundred bytes); returns its id.
+    #[inline(always)]
+    pub(crate) fn insert_with(&mut self, make: impl FnOnce() -> T) -> u64 {
         self.live += 1;
         if self.free != NONE {
             let i = self.free as usize;
@@ -55,14 +62,14 @@ impl<T> Slab<T> {
                 unreachable!("the free list holds free slots only")
             };
             self.free = next;
-            slot.entry = Entry::Live(value);
+            slot.entry = Entry::Live(make());
             return (u64::from(slot.generation) << 32) | i as u64;
         }
         let i = self.slots.len();
         assert!(i < NONE as usize, "more than 2^32-1 live requests");
         self.slots.push(Slot {
             generation: 1,
-            entry: Entry::Live(value),
+            entry: Entry::Live(make()),
         });
         (1u64 << 32) | i as u64
     }

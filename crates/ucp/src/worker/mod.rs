@@ -1201,23 +1201,29 @@ impl Worker {
                 }
             },
         };
-        let id = st.new_req(ReqKind::Recv(RecvState {
-            addr,
-            cap,
-            total: 0,
-            received: 0,
-            tag,
-            sender: None,
-            rndv: None,
-            mem,
-            dev,
-            chunks: VecDeque::new(),
-            landed: 0,
-            pull: false,
-            chunk_lane: usize::MAX,
-            dev_memh: None,
-            stream: false,
-        }));
+        // Built in its slot (the request is a few hundred bytes; a move costs a memcpy call).
+        let id = st.reqs.insert_with(|| Req {
+            kind: ReqKind::Recv(RecvState {
+                addr,
+                cap,
+                total: 0,
+                received: 0,
+                tag,
+                sender: None,
+                rndv: None,
+                mem,
+                dev,
+                chunks: VecDeque::new(),
+                landed: 0,
+                pull: false,
+                chunk_lane: usize::MAX,
+                dev_memh: None,
+                stream: false,
+            }),
+            result: None,
+            outstanding: 0,
+            guards: Vec::new(),
+        });
         if let Some((mtag, u, id)) = st.matcher.post_recv(tag, mask, id) {
             st.matched(id, mtag, u);
         }
