@@ -125,20 +125,26 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         self.track(Ok(id))
     }
 
-    /// Append `buf` to the ordered byte stream to `ep` (UCX's `ucp_stream_send_nbx`). The bytes
-    /// are copied before this returns; the peer reads them with
+    /// Append `buf` to the ordered byte stream to `ep` (UCX's `ucp_stream_send_nbx`). The
+    /// request completes once every byte was handed to the transport (the buffer may then be
+    /// reused); the peer reads them with
     /// [`stream_recv`](Self::stream_recv) in any split (message boundaries are not kept).
-    pub fn stream_send(&'scope self, ep: EpId, buf: &'scope [u8]) -> Request<'scope> {
-        self.track_posted(self.worker.post_stream_send(ep, buf))
+    ///
+    /// `buf` is a host slice or host memory by address ([`SendBuf::from_raw`]); GPU memory is
+    /// refused ([`Error::Unsupported`](rucx_ucs::Error::Unsupported)).
+    pub fn stream_send(&'scope self, ep: EpId, buf: impl Into<SendBuf<'scope>>) -> Request<'scope> {
+        self.track_posted(self.worker.post_stream_send(ep, buf.into()))
     }
 
     /// Receive exactly `buf.len()` bytes of the byte stream from `ep` (UCX's stream receive
     /// with `UCP_STREAM_RECV_FLAG_WAITALL`). Stream receives of one endpoint are filled in the
     /// order they were posted; one canceled (or left at the end of its scope) gives the bytes
     /// it took back to the stream.
-    pub fn stream_recv(&'scope self, ep: EpId, buf: &'scope mut [u8]) -> Request<'scope> {
-        let addr = buf.as_mut_ptr() as usize;
-        self.track(self.worker.post_stream_recv(ep, addr, buf.len()))
+    ///
+    /// `buf` is a host slice or host memory by address ([`RecvBuf::from_raw`]); GPU memory is
+    /// refused ([`Error::Unsupported`](rucx_ucs::Error::Unsupported)).
+    pub fn stream_recv(&'scope self, ep: EpId, buf: impl Into<RecvBuf<'scope>>) -> Request<'scope> {
+        self.track(self.worker.post_stream_recv(ep, buf.into()))
     }
 
     /// Write `buf` to the peer's memory at `remote` (inside `rkey`'s region).

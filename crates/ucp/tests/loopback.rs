@@ -478,10 +478,16 @@ fn stream_bytes_in_order_any_split() {
         rest[..] == fresh[20_000..],
         "bytes of the canceled receive lost"
     );
-    // An explicit cancel of a waiting receive.
+    // A zero-byte receive completes at once, even behind a waiting one.
     let mut one = [0u8; 1];
+    let mut none = [0u8; 0];
     w.scope(|sc| {
-        let r = sc.stream_recv(ep, &mut one);
+        let _w = sc.stream_recv(ep, &mut one[..]);
+        assert_eq!(sc.stream_recv(ep, &mut none[..]).wait().unwrap().len, 0);
+    });
+    // An explicit cancel of a waiting receive.
+    w.scope(|sc| {
+        let r = sc.stream_recv(ep, &mut one[..]);
         assert!(r.cancel());
         assert!(matches!(r.wait(), Err(Error::Canceled)));
     });

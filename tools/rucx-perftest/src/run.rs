@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use rucx::bootstrap::Placement;
 use rucx::{
-    Completion, EpId, Error, Job, MemoryType, Request, Scope, SendBuf, TAG_MASK_FULL, Tag, Worker,
+    Completion, EpId, Error, Job, MemoryType, RecvBuf, Request, Scope, SendBuf, TAG_MASK_FULL, Tag,
+    Worker,
 };
 
 use crate::args::{Options, TestKind};
@@ -331,12 +332,21 @@ fn pingpong_bufs(spec: &Spec, gpu: Option<&Gpu>) -> R<(Buf, Buf)> {
     ))
 }
 
-/// Post a tag send of the test's kind (synchronous for the `tag_sync_*` tests).
-fn post_send<'s>(s: &'s Scope<'s, '_>, ep: EpId, buf: SendBuf<'s>, sync: bool) -> Request<'s> {
-    if sync {
-        s.tag_send_sync(ep, buf, TAG_DATA)
-    } else {
-        s.tag_send(ep, buf, TAG_DATA)
+/// Post a send of the test's kind: a tag send, synchronous for `tag_sync_*`, or bytes of the
+/// stream for `stream_*`.
+fn post_send<'s>(s: &'s Scope<'s, '_>, ep: EpId, buf: SendBuf<'s>, test: TestKind) -> Request<'s> {
+    match test {
+        TestKind::TagSyncLat | TestKind::TagSyncBw => s.tag_send_sync(ep, buf, TAG_DATA),
+        TestKind::StreamLat | TestKind::StreamBw => s.stream_send(ep, buf),
+        _ => s.tag_send(ep, buf, TAG_DATA),
+    }
+}
+
+/// Post a receive of the test's kind (tag or stream).
+fn post_recv<'s>(s: &'s Scope<'s, '_>, ep: EpId, buf: RecvBuf<'s>, test: TestKind) -> Request<'s> {
+    match test {
+        TestKind::StreamLat | TestKind::StreamBw => s.stream_recv(ep, buf),
+        _ => s.tag_recv(buf, TAG_DATA, TAG_MASK_FULL),
     }
 }
 
@@ -347,15 +357,14 @@ fn tag_lat_client(
     (sbuf, mut rbuf): (Buf, Buf),
     t: &mut Timer,
 ) -> R<Buf> {
-    let sync = spec.test == TestKind::TagSyncLat;
     for i in 0..spec.warmup + spec.iters {
         t.begin(i);
         // Send first, then post the receive while the message is on its way (as
         // ucx_perftest's ping-pong does): posting is off the round trip's critical path, and the
         // answer cannot come back before the peer received the message.
         w.scope(|s| {
-            let sent = post_send(s, ep, sbuf.send_buf(), sync);
-            let r = s.tag_recv(rbuf.recv_buf(), TAG_DATA, TAG_MASK_FULL);
+            let sent = post_send(s, ep, sbuf.send_buf(), spec.test);
+            let r = post_recv(s, ep, rbuf.recv_buf(), spec.test);
             wait(w, ep, sent)?;
             wait(w, ep, r)
         })?;
@@ -365,7 +374,6 @@ fn tag_lat_client(
 }
 
 fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) -> R<()> {
-    let sync = spec.test == TestKind::TagSyncBw;
     let total = spec.warmup + spec.iters;
     let mut i = 0;
     while i < total {
@@ -378,7 +386,7 @@ fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) -
                     let r = q.pop_front().expect("window not empty");
                     wait(w, ep, r)?;
                 }
-                q.push_back(post_send(s, ep, sbuf.send_buf(), sync));
+                q.push_back(post_send(s, ep, sbuf.send_buf(), spec.test));
                 t.end(j);
             }
             while let Some(r) = q.pop_front() {
@@ -505,50 +513,6 @@ fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     send(w, ep, &[], TAG_DONE)
 }
 
-fn stream_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<Vec<u8>> {
-    let sbuf = pattern(spec.size);
-    let mut rbuf = touched(spec.size);
-    for i in 0..spec.warmup + spec.iters {
-        t.begin(i);
-        w.scope(|s| {
-            let sent = s.stream_send(ep, &sbuf);
-            let r = s.stream_recv(ep, &mut rbuf);
-            wait(w, ep, sent)?;
-            wait(w, ep, r)
-        })?;
-        t.end(i);
-    }
-    Ok(rbuf)
-}
-
-fn stream_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let sbuf = pattern(spec.size);
-    let total = spec.warmup + spec.iters;
-    let mut i = 0;
-    while i < total {
-        let end = (i + chunk_len(spec.window)).min(total);
-        w.scope(|s| -> R<()> {
-            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
-            for j in i..end {
-                t.begin(j);
-                if q.len() >= spec.window {
-                    let r = q.pop_front().expect("window not empty");
-                    wait(w, ep, r)?;
-                }
-                q.push_back(s.stream_send(ep, &sbuf));
-                t.end(j);
-            }
-            while let Some(r) = q.pop_front() {
-                wait(w, ep, r)?;
-            }
-            Ok(())
-        })?;
-        i = end;
-    }
-    recv(w, ep, &mut [], TAG_ACK)?;
-    Ok(())
-}
-
 fn am_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     let got = Rc::new(Cell::new(0usize));
     let g = got.clone();
@@ -594,11 +558,13 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let gpu = mem::gpu_for(spec.mem, 1)?;
     let gpu = gpu.as_ref();
     let lat_bufs = match spec.test {
-        TestKind::TagLat | TestKind::TagSyncLat => Some(pingpong_bufs(spec, gpu)?),
+        TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat => {
+            Some(pingpong_bufs(spec, gpu)?)
+        }
         _ => None,
     };
     let bw_buf = match spec.test {
-        TestKind::TagBw | TestKind::TagSyncBw => {
+        TestKind::TagBw | TestKind::TagSyncBw | TestKind::StreamBw => {
             Some(Buf::filled(spec.mem.0, gpu, &pattern(spec.size))?)
         }
         _ => None,
@@ -617,11 +583,11 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let mut t = Timer::new(spec, progress);
     let mut check = None;
     match spec.test {
-        TestKind::TagLat | TestKind::TagSyncLat => {
+        TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat => {
             let bufs = lat_bufs.expect("set up above");
             check = Some(tag_lat_client(w, ep, spec, bufs, &mut t)?);
         }
-        TestKind::TagBw | TestKind::TagSyncBw => {
+        TestKind::TagBw | TestKind::TagSyncBw | TestKind::StreamBw => {
             let sbuf = bw_buf.as_ref().expect("set up above");
             tag_bw_client(w, ep, spec, sbuf, &mut t)?
         }
@@ -630,10 +596,6 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
         TestKind::PutLat => put_lat_client(w, ep, spec, &mut t)?,
         TestKind::AmLat => am_lat_client(w, ep, spec, &mut t)?,
         TestKind::AmBw => am_bw_client(w, ep, spec, &mut t)?,
-        TestKind::StreamLat => {
-            check = Some(Buf::Host(stream_lat_client(w, ep, spec, &mut t)?));
-        }
-        TestKind::StreamBw => stream_bw_client(w, ep, spec, &mut t)?,
     }
     let (samples, total) = t.finish();
     if let Some(rbuf) = check {
@@ -682,14 +644,13 @@ fn ready<T>(w: &Worker, ep: EpId, setup: R<T>) -> R<T> {
 }
 
 fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let sync = spec.test == TestKind::TagSyncLat;
     let setup = mem::gpu_for(spec.mem, 0).and_then(|g| pingpong_bufs(spec, g.as_ref()));
     let (sbuf, mut rbuf) = ready(w, ep, setup)?;
     for _ in 0..spec.warmup + spec.iters {
         w.scope(|s| {
-            let r = s.tag_recv(rbuf.recv_buf(), TAG_DATA, TAG_MASK_FULL);
+            let r = post_recv(s, ep, rbuf.recv_buf(), spec.test);
             wait(w, ep, r)?;
-            wait(w, ep, post_send(s, ep, sbuf.send_buf(), sync))
+            wait(w, ep, post_send(s, ep, sbuf.send_buf(), spec.test))
         })?;
     }
     mem::verify("server", &rbuf.read()?, &pattern(spec.size))
@@ -717,7 +678,7 @@ fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
                     let r = q.pop_front().expect("window not empty");
                     wait(w, ep, r)?;
                 }
-                q.push_back(s.tag_recv(b, TAG_DATA, TAG_MASK_FULL));
+                q.push_back(post_recv(s, ep, b, spec.test));
             }
             while let Some(r) = q.pop_front() {
                 wait(w, ep, r)?;
@@ -764,64 +725,6 @@ fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     }
     recv(w, ep, &mut [], TAG_DONE)?;
     drop(map);
-    Ok(())
-}
-
-fn stream_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let sbuf = pattern(spec.size);
-    let mut rbuf = ready(w, ep, Ok(touched(spec.size)))?;
-    for _ in 0..spec.warmup + spec.iters {
-        w.scope(|s| {
-            wait(w, ep, s.stream_recv(ep, &mut rbuf))?;
-            wait(w, ep, s.stream_send(ep, &sbuf))
-        })?;
-    }
-    mem::verify("server", &rbuf, &pattern(spec.size))
-}
-
-fn stream_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let mut ring = ready(
-        w,
-        ep,
-        Ring::new(
-            MemoryType::Host,
-            None,
-            spec.size,
-            ring_len(spec.size, spec.window),
-        ),
-    )?;
-    let total = spec.warmup + spec.iters;
-    let mut i = 0;
-    while i < total {
-        let n = ring.len().min(total - i);
-        let Ring::Host(bufs) = &mut ring else {
-            return Err("stream_bw takes host memory".into());
-        };
-        w.scope(|s| -> R<()> {
-            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
-            for b in bufs.iter_mut().take(n) {
-                if q.len() >= spec.window {
-                    let r = q.pop_front().expect("window not empty");
-                    wait(w, ep, r)?;
-                }
-                q.push_back(s.stream_recv(ep, b));
-            }
-            while let Some(r) = q.pop_front() {
-                wait(w, ep, r)?;
-            }
-            Ok(())
-        })?;
-        i += n;
-    }
-    send(w, ep, &[], TAG_ACK)?;
-    let last = (total - 1) % ring.len().max(1);
-    for k in [0, last] {
-        mem::verify(
-            &format!("server, slot {k}"),
-            &ring.read(k)?,
-            &pattern(spec.size),
-        )?;
-    }
     Ok(())
 }
 
@@ -880,14 +783,16 @@ pub fn serve(job: &Job) -> R<()> {
             return Ok(());
         };
         let res = match spec.test {
-            TestKind::TagLat | TestKind::TagSyncLat => tag_lat_server(w, ep, &spec),
-            TestKind::TagBw | TestKind::TagSyncBw => tag_bw_server(w, ep, &spec),
+            TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat => {
+                tag_lat_server(w, ep, &spec)
+            }
+            TestKind::TagBw | TestKind::TagSyncBw | TestKind::StreamBw => {
+                tag_bw_server(w, ep, &spec)
+            }
             TestKind::PutBw | TestKind::Get => rma_target_server(w, ep, &spec),
             TestKind::PutLat => put_lat_server(w, ep, &spec),
             TestKind::AmLat => am_lat_server(w, ep, &spec),
             TestKind::AmBw => am_bw_server(w, ep, &spec),
-            TestKind::StreamLat => stream_lat_server(w, ep, &spec),
-            TestKind::StreamBw => stream_bw_server(w, ep, &spec),
         };
         res.map_err(|e| format!("server, {} {} B: {e}", spec.test.name(), spec.size))?;
     }

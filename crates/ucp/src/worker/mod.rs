@@ -157,6 +157,9 @@ enum Pending {
     Ctrl { id: AmId, bytes: Vec<u8> },
     /// Continue posting the fragments of a request.
     Stream(u64),
+    /// Bytes `off..off + len` of stream send `id`, packed straight from the caller's buffer
+    /// (lent to the request's scope until the request finishes, after its last piece).
+    StreamPiece { id: u64, off: usize, len: usize },
     /// Everything queued before this was handed to the transport: finish request `id` (a
     /// stream send, `len` bytes).
     Finish { id: u64, len: usize },
@@ -1230,16 +1233,28 @@ impl Worker {
         id
     }
 
-    /// Append `buf` to the byte stream to `ep`: copied before this returns; the request
+    /// Append `buf` to the byte stream to `ep` in pieces packed straight from `buf`; the request
     /// finishes once every piece was handed to the transport (the sender's flow control).
-    pub(crate) fn post_stream_send(&self, ep: EpId, buf: &[u8]) -> Result<Posted> {
+    pub(crate) fn post_stream_send(&self, ep: EpId, buf: SendBuf<'_>) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
         let p = ep.0;
+        let (mem, _) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(buf.addr, buf.len)?,
+        };
+        if mem.is_gpu() {
+            return Err(Error::Unsupported {
+                what: format!("a stream send from {mem} memory"),
+                why: "streams move host memory only; use tag_send for GPU buffers".into(),
+            });
+        }
+        // The pieces are packed from `buf` as the transport takes them: the buffer stays lent
+        // to the request's scope until the request finishes, after the last piece.
         let id = st.new_req(ReqKind::Send(SendState {
             peer: p,
-            addr: buf.as_ptr() as usize,
-            len: buf.len(),
+            addr: buf.addr,
+            len: buf.len,
             tag: 0,
             proto: Proto::EagerBcopy,
             msg_id: 0,
@@ -1260,28 +1275,40 @@ impl Worker {
             .am_max_bcopy
             .saturating_sub(8)
             .max(1);
-        let src = st.address.uuid;
-        for chunk in buf.chunks(piece) {
-            let mut b = Vec::with_capacity(8 + chunk.len());
-            b.extend_from_slice(&src.to_le_bytes());
-            b.extend_from_slice(chunk);
-            st.queue_ctrl(p, wire::AM_STREAM_DATA, b);
+        let len = buf.len;
+        let mut off = 0;
+        while off < len {
+            let n = piece.min(len - off);
+            st.peers[p]
+                .queue
+                .push_back(Pending::StreamPiece { id, off, len: n });
+            off += n;
         }
-        let len = buf.len();
         st.peers[p].queue.push_back(Pending::Finish { id, len });
         st.pump(p);
         st.count("stream send");
         Ok(Posted::Pending(id))
     }
 
-    /// Receive exactly `cap` bytes at `addr` from the byte stream of `ep`.
-    pub(crate) fn post_stream_recv(&self, ep: EpId, addr: usize, cap: usize) -> Result<u64> {
+    /// Receive exactly `buf.len` bytes into `buf` (host memory) from the byte stream of `ep`.
+    pub(crate) fn post_stream_recv(&self, ep: EpId, buf: RecvBuf<'_>) -> Result<u64> {
         let mut st = self.st.borrow_mut();
         let p = ep.0;
         if p >= st.peers.len() {
             return Err(Error::InvalidParam(format!(
                 "endpoint ep{p} does not exist"
             )));
+        }
+        let (addr, cap) = (buf.addr, buf.len);
+        let (mem, _) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, cap)?,
+        };
+        if mem.is_gpu() {
+            return Err(Error::Unsupported {
+                what: format!("a stream receive into {mem} memory"),
+                why: "streams move host memory only; use tag_recv for GPU buffers".into(),
+            });
         }
         let id = st.new_req(ReqKind::Recv(RecvState {
             addr,
@@ -1303,6 +1330,18 @@ impl Worker {
         if let Some(reason) = st.peers[p].failed.clone() {
             let peer = st.peers[p].remote.describe();
             st.finish(id, Err(Error::EndpointFailure { peer, reason }));
+            return Ok(id);
+        }
+        if cap == 0 {
+            // Needs no bytes: complete now rather than wait in line.
+            st.finish(
+                id,
+                Ok(Completion {
+                    len: 0,
+                    tag: 0,
+                    sender: Some(ep),
+                }),
+            );
             return Ok(id);
         }
         st.peers[p].stream_waiting.push_back(id);
@@ -1699,6 +1738,41 @@ impl State {
                         }
                     }
                 }
+                Pending::StreamPiece { id, off, len } => {
+                    let addr = match self.reqs.get(&id) {
+                        Some(Req {
+                            kind: ReqKind::Send(s),
+                            result: None,
+                            ..
+                        }) => s.addr,
+                        // Finished otherwise (endpoint failure): nothing more to send.
+                        _ => continue,
+                    };
+                    let src = self.address.uuid.to_le_bytes();
+                    // SAFETY: the stream send's buffer is lent to its scope until the request
+                    // finishes, which is after its last piece (the `Finish` behind it).
+                    let data = unsafe { host_slice(addr + off, len) };
+                    let am = self.peers[p].am;
+                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane connected");
+                    let res = ep.am_bcopy(wire::AM_STREAM_DATA, &mut |buf: &mut [u8]| {
+                        buf[..8].copy_from_slice(&src);
+                        buf[8..8 + len].copy_from_slice(data);
+                        8 + len
+                    });
+                    match res {
+                        Ok(_) => {}
+                        Err(e) if e.is_retryable() => {
+                            self.peers[p]
+                                .queue
+                                .push_front(Pending::StreamPiece { id, off, len });
+                            return;
+                        }
+                        Err(e) => {
+                            self.fail_peer(p, &format!("sending stream bytes: {e}"));
+                            return;
+                        }
+                    }
+                }
                 Pending::Finish { id, len } => self.finish(
                     id,
                     Ok(Completion {
@@ -1721,66 +1795,36 @@ impl State {
         }
     }
 
-    /// Hand peer `p`'s arrived stream bytes to its waiting stream receives, in order.
+    /// Hand peer `p`'s buffered stream bytes to its waiting stream receives, in order.
     fn stream_fill(&mut self, p: usize) {
-        while let Some(&rid) = self.peers[p].stream_waiting.front() {
-            let (addr, cap, got) = match self.reqs.get(&rid) {
-                Some(Req {
-                    kind: ReqKind::Recv(rs),
-                    result: None,
-                    ..
-                }) => (rs.addr, rs.cap, rs.received),
-                _ => {
-                    // Finished otherwise (endpoint failure): no longer waiting.
-                    self.peers[p].stream_waiting.pop_front();
-                    continue;
-                }
-            };
-            let mut got = got;
-            while got < cap {
-                let peer = &mut self.peers[p];
-                let Some(front) = peer.stream_rx.front() else {
-                    break;
-                };
-                let n = (front.len() - peer.stream_off).min(cap - got);
-                // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive
-                // and unaliased until the request is finished; `got + n <= cap`.
-                let dst = unsafe { host_slice_mut(addr + got, n) };
-                dst.copy_from_slice(&front[peer.stream_off..peer.stream_off + n]);
-                got += n;
-                peer.stream_off += n;
-                if peer.stream_off == front.len() {
-                    peer.stream_rx.pop_front();
-                    peer.stream_off = 0;
-                }
-            }
-            if let Some(Req {
-                kind: ReqKind::Recv(rs),
-                ..
-            }) = self.reqs.get_mut(&rid)
-            {
-                rs.received = got;
-            }
-            if got < cap {
+        while let Some(front) = self.peers[p].stream_rx.pop_front() {
+            let off = self.peers[p].stream_off;
+            let used = self.stream_into(p, &front[off..]);
+            if off + used < front.len() {
+                // The waiting receives are full: keep the rest for later ones.
+                self.peers[p].stream_rx.push_front(front);
+                self.peers[p].stream_off = off + used;
                 return;
             }
-            self.peers[p].stream_waiting.pop_front();
-            self.finish(
-                rid,
-                Ok(Completion {
-                    len: cap,
-                    tag: 0,
-                    sender: Some(EpId(p)),
-                }),
-            );
+            self.peers[p].stream_off = 0;
         }
     }
 
     /// Arrived stream bytes straight into the waiting stream receives when nothing older is
     /// buffered (no copy into the stream buffer); returns how many bytes they took.
     fn stream_direct(&mut self, p: usize, data: &[u8]) -> usize {
+        if self.peers[p].stream_rx.is_empty() {
+            self.stream_into(p, data)
+        } else {
+            0
+        }
+    }
+
+    /// Copy `data` into peer `p`'s waiting stream receives in the order they were posted,
+    /// finishing those it fills; returns how many bytes they took.
+    fn stream_into(&mut self, p: usize, data: &[u8]) -> usize {
         let mut used = 0;
-        while used < data.len() && self.peers[p].stream_rx.is_empty() {
+        while used < data.len() {
             let Some(&rid) = self.peers[p].stream_waiting.front() else {
                 break;
             };
@@ -1791,6 +1835,7 @@ impl State {
                     ..
                 }) => (rs.addr, rs.cap, rs.received),
                 _ => {
+                    // Finished otherwise (endpoint failure): no longer waiting.
                     self.peers[p].stream_waiting.pop_front();
                     continue;
                 }
