@@ -1948,13 +1948,12 @@ impl State {
     }
 
     fn start_send(&mut self, id: u64) {
-        let (p, proto, len, addr) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.peer, s.proto, s.len, s.addr),
+        let (p, proto, len, addr, sync) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.proto, s.len, s.addr, s.sync),
             _ => unreachable!("start_send on a send request"),
         };
         self.count(proto.name());
         let src = self.address.uuid;
-        let sync = matches!(&self.reqs[&id].kind, ReqKind::Send(s) if s.sync);
         match proto {
             Proto::EagerBcopy if sync => {
                 // Copied now; complete when the receiver's acknowledgement of the match comes.
