@@ -361,3 +361,18 @@ impl Context {
         }
     }
 }
+
+impl crate::plan::RegView for Context {
+    fn can_register(&self, md: usize, mem: MemoryType, dev: Option<u32>) -> bool {
+        Context::can_register(self, md, mem, dev)
+    }
+
+    fn why_not(&self, md: usize, mem: MemoryType, dev: Option<u32>) -> String {
+        let name = self.domain(md).name();
+        self.lock_demotions()
+            .iter()
+            .find(|d| d.md == name && d.mem_type == mem && (d.device.is_none() || d.device == dev))
+            .map(|d| format!("demoted: {d}"))
+            .unwrap_or_default()
+    }
+}

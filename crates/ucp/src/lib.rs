@@ -22,6 +22,7 @@ pub mod context;
 mod fxhash;
 mod listener;
 pub mod matching;
+pub mod plan;
 pub mod proto;
 mod scope;
 mod slab;
@@ -33,8 +34,9 @@ pub use config::CONFIG;
 pub use context::{Context, Demotion, RegGuard};
 pub use listener::Listener;
 pub use matching::Tag;
+pub use plan::{EpPlan, PathInfo};
 pub use scope::{Request, Scope};
-pub use worker::{AmMessage, Completion, EpId, MemMap, PathInfo, RkeyBundle, Worker};
+pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};
 
 /// Mask that matches only the exact tag.
 pub const TAG_MASK_FULL: Tag = u64::MAX;

@@ -410,7 +410,9 @@ fn synchronous_send_completes_after_the_match() {
     }
     assert_eq!(w.live_requests(), 0);
     let c = w.counters();
-    assert!(c.get("eager copy-in").copied().unwrap_or(0) >= 4, "{c:?}");
+    // Small synchronous sends are one eager message whose match is acknowledged.
+    let sync_eager = rucx_ucp::proto::Proto::EagerSync.name();
+    assert!(c.get(sync_eager).copied().unwrap_or(0) >= 4, "{c:?}");
 }
 
 /// The stream API keeps the bytes and their order, not message boundaries: sends of assorted
@@ -492,4 +494,47 @@ fn stream_bytes_in_order_any_split() {
         assert!(matches!(r.wait(), Err(Error::Canceled)));
     });
     assert_eq!(w.live_requests(), 0);
+}
+
+/// A demotion re-plans the endpoint and a lane that was not in use before can win: with `self`
+/// refused for host registrations at run time, rendezvous reads move to `posix` (zero-copy
+/// still) instead of falling back to copies, and the query says so.
+#[test]
+fn demotion_replans_onto_the_next_best_lane() {
+    let w = worker(&[
+        ("RUCX_TLS", "self,posix"),
+        ("RUCX_FAULT_INJECT", "md=self,mem=host,after=0"),
+        ("RUCX_RNDV_THRESH", "16K"),
+    ]);
+    let ep = w.connect(&w.address()).unwrap();
+    let before = w.plan(ep).unwrap();
+    assert!(
+        before
+            .lane_name(before.lanes.rma.unwrap())
+            .starts_with("self/")
+    );
+    exchange_all_sizes(&w);
+    let d = w.context_demotions();
+    assert!(d.iter().any(|d| d.md == "self"), "{d:?}");
+    let after = w.plan(ep).unwrap();
+    assert_eq!(after.lanes.am, before.lanes.am, "the AM lane never moves");
+    assert!(
+        after
+            .lane_name(after.lanes.rma.unwrap())
+            .starts_with("posix/")
+    );
+    let c = w.counters();
+    assert!(
+        c.get("rendezvous receive by read").copied().unwrap_or(0)
+            + c.get("rendezvous receive split: read head, remote writes tail")
+                .copied()
+                .unwrap_or(0)
+            >= 1,
+        "{c:?}"
+    );
+    // What the query reports is what the plan does.
+    let hh = &w.path_query(ep, None).unwrap()[0];
+    assert!(hh.zero_copy && hh.lane.starts_with("posix/"), "{hh}");
+    let last = w.proto_table(ep).unwrap().last().unwrap().clone();
+    assert_eq!(hh.protocol, last.proto.name());
 }

@@ -3,33 +3,6 @@
 
 use super::*;
 impl State {
-    /// The send protocol for GPU memory: zero-copy read through a lane whose domain registers
-    /// GPU memory (cuda_ipc), else the staged pipeline.
-    pub(super) fn gpu_send_proto(
-        &mut self,
-        p: usize,
-        mem: MemoryType,
-        dev: Option<u32>,
-    ) -> Result<Proto> {
-        if let Some(l) = self.peers[p].rma_cuda
-            && self.ctx.can_register(self.slots[l].md, mem, dev)
-        {
-            return Ok(Proto::RndvGet);
-        }
-        if self.copy.is_none() {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "sending {mem} memory to {}",
-                    self.peers[p].remote.describe()
-                ),
-                why: "no zero-copy path reaches it and no copy transport (cuda_copy) is open to \
-                      stage through host memory; check RUCX_TLS and `rucx-info -d`"
-                    .into(),
-            });
-        }
-        Ok(Proto::RndvPipeline)
-    }
-
     pub(super) fn copy_md(&self) -> Option<usize> {
         self.copy.as_ref().map(|(i, _)| self.slots[*i].md)
     }
@@ -397,14 +370,29 @@ impl State {
             mem_type: rmem,
             device: rdev,
         };
+        // The plan's steps for this pair, in order.
+        let rkey = MemKey::new(rmem, rdev);
+        if rmem.is_gpu() {
+            self.note_gpu_key(rkey);
+        }
+        self.refresh_plan(p);
+        let smem = if sgpu {
+            MemoryType::Cuda
+        } else {
+            MemoryType::Host
+        };
+        let plan = &self.peers[p].plan;
+        let steps = plan::recv_steps(plan, smem, rkey).to_vec();
+        let notes = plan
+            .recv_plan(smem, rkey)
+            .map(|r| r.notes.join("; "))
+            .unwrap_or_default();
+        let md_name = |st: &Self, lane: usize| st.ctx.domain(st.slots[lane].md).name().to_string();
         // 1. GPU to GPU, zero-copy through a lane whose domain registers GPU memory.
-        if sgpu
-            && rmem.is_gpu()
-            && let Some(lane) = self.peers[p].rma_cuda
-            && self.slots[lane].attr.has(IfaceCaps::GET_ZCOPY)
-            && let Some(k) = keys
-                .iter()
-                .find(|k| Some(&k.md) == self.peers[p].rma_cuda_md.as_ref())
+        if let Some(lane) = steps.iter().find_map(|s| match s {
+            RecvStep::Get { lane } if sgpu && rmem.is_gpu() => Some(*lane),
+            _ => None,
+        }) && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
         {
             let md = self.slots[lane].md;
             if self.ctx.can_register(md, rmem, rdev) {
@@ -433,23 +421,25 @@ impl State {
             }
         }
         // 2. Staged: read host memory (the sender's buffer, or its staging fragments).
-        let Some(lane) = self.peers[p]
-            .rma
-            .filter(|l| self.slots[*l].attr.has(IfaceCaps::GET_ZCOPY))
-        else {
+        let Some(lane) = steps.iter().find_map(|s| match s {
+            RecvStep::StagedRead { lane } | RecvStep::Pull { lane } => Some(*lane),
+            _ => None,
+        }) else {
             let e = Error::Unsupported {
                 what: format!(
                     "receiving into {rmem} memory from {}",
                     self.peers[p].remote.describe()
                 ),
-                why:
-                    "GPU transfers without a zero-copy path are staged through host memory, which \
-                      needs a transport with remote memory access (posix or tcp) in RUCX_TLS"
-                        .into(),
+                why: if notes.is_empty() {
+                    "no path left for this pair of memory types".into()
+                } else {
+                    notes
+                },
             };
             self.finish(rid, Err(e));
             return;
         };
+        let staged_read = steps.contains(&RecvStep::StagedRead { lane });
         let md = self.slots[lane].md;
         // The user buffer: host memory is read into directly; GPU memory through staging.
         if rmem.is_gpu() {
@@ -480,15 +470,14 @@ impl State {
                 }
             }
         }
-        let host_key = keys
-            .iter()
-            .find(|k| Some(&k.md) == self.peers[p].rma_remote_md.as_ref());
+        let host_md = md_name(self, lane);
+        let host_key = keys.iter().find(|k| k.md == host_md);
         let r = self.reqs.get_mut(&rid).expect("req");
         let ReqKind::Recv(rs) = &mut r.kind else {
             return;
         };
         rs.chunk_lane = lane;
-        if !sgpu && let Some(k) = host_key {
+        if staged_read && let Some(k) = host_key {
             // Host sender with a key: read it in fragments (into staging, then to the GPU).
             match self.ctx.domain(md).rkey_unpack(&k.key) {
                 Ok(rkey) => {

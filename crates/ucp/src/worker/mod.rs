@@ -16,14 +16,15 @@ use crate::buf::{RecvBuf, SendBuf};
 use crate::context::{Context, RegGuard};
 use crate::fxhash::FxHashMap;
 use crate::matching::{Tag, TagMatcher};
-use crate::proto::{self, LaneInfo, Proto, Range};
+use crate::plan::{self, EpPlan, LaneCand, MemKey, Op, PlanConfig, RecvStep};
+use crate::proto::{self, Proto, Range};
 use crate::slab::Slab;
 use crate::wire::{self, Msg, MsgKind, NamedKey};
 
 mod gpu;
 mod query;
 
-pub use query::PathInfo;
+pub use crate::plan::PathInfo;
 
 /// Largest payload (source and data) of the eager-short fast path.
 const SHORT_MAX: usize = 256;
@@ -195,14 +196,15 @@ struct Peer {
     /// uct endpoints by local interface index.
     eps: Lanes,
     connected: bool,
+    /// The active-message lane (the plan's; it never changes once connected).
     am: usize,
+    /// The host remote-memory-access lane of the current plan.
     rma: Option<usize>,
-    rma_remote_md: Option<String>,
-    /// Lane for zero-copy access to GPU memory (e.g. cuda_ipc), and the peer's domain name.
-    rma_cuda: Option<usize>,
-    rma_cuda_md: Option<String>,
-    table: Vec<Range>,
-    epoch: u64,
+    /// What this endpoint does, and the (context epoch, local generation) it was made at.
+    plan: EpPlan,
+    plan_at: (u64, u64),
+    /// The peer's interfaces this worker reaches, by local interface index.
+    targets: Vec<(usize, IfaceEntry)>,
     failed: Option<String>,
     queue: VecDeque<Pending>,
     next_msg: u64,
@@ -234,8 +236,8 @@ struct SendState {
     posted: usize,
     /// Streaming rendezvous data to this receive request.
     rndv_to: Option<u64>,
-    /// Remote buffer of a put rendezvous.
-    put: Option<(u64, RemoteKey)>,
+    /// Remote buffer of a put rendezvous, and the lane writing it.
+    put: Option<(u64, RemoteKey, usize)>,
     wait: SendWait,
     /// Memory type and device of the buffer.
     mem: MemoryType,
@@ -244,8 +246,6 @@ struct SendState {
     stage: Option<Box<StageSend>>,
     /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
     split_left: u8,
-    /// Synchronous: complete only once the receiver matched the message.
-    sync: bool,
 }
 
 /// Sender side of a staged pipeline.
@@ -496,8 +496,12 @@ pub(crate) struct State {
     am_inbox: Vec<AmMessage>,
     proto_info: bool,
     frag: usize,
-    /// Rendezvous reads at least this large are split with the sender's writes.
-    split_thresh: usize,
+    /// The planner's configuration.
+    plan_cfg: PlanConfig,
+    /// GPU memory this worker has met (planned for besides host memory).
+    gpu_keys: Vec<MemKey>,
+    /// Bumped when something the plans read changes locally (GPU keys, connected lanes).
+    plan_gen: u64,
     /// Protocol counters, by static name (a handful; a linear scan beats a map).
     counters: Vec<(&'static str, u64)>,
     closing: bool,
@@ -606,14 +610,7 @@ impl Worker {
         let mut copy = None;
         for (i, slot) in slots.iter().enumerate() {
             let a: &IfaceAttr = &slot.attr;
-            if a.dev_type == rucx_uct::DeviceType::Accelerator
-                && a.caps.contains(IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY)
-                && ctx
-                    .domain(slot.md)
-                    .attr()
-                    .access_mem_types()
-                    .has(MemoryType::Cuda)
-            {
+            if plan::is_copy_lane(a, ctx.domain(slot.md).attr()) {
                 let iface = &mut ifaces[i];
                 let params = EpParams {
                     dev_addr: iface.device_address(),
@@ -629,6 +626,16 @@ impl Worker {
                 }
             }
         }
+        // A process that can touch GPU memory plans for it from the start (GPU memory of any
+        // device), so the zero-copy GPU lane is connected with the endpoint.
+        let gpu_keys = if (0..ctx.domain_count()).any(|m| {
+            let a = ctx.domain(m).attr();
+            a.reg_mem_types().has(MemoryType::Cuda) || a.access_mem_types().has(MemoryType::Cuda)
+        }) {
+            vec![MemKey::new(MemoryType::Cuda, None)]
+        } else {
+            Vec::new()
+        };
         Ok(Worker {
             ifaces: RefCell::new(ifaces),
             st: RefCell::new(State {
@@ -648,14 +655,9 @@ impl Worker {
                 proto_info: cfg.bool("PROTO_INFO"),
                 frag,
                 counters: Vec::new(),
-                // An explicit RUCX_RNDV_SCHEME is honoured as is: splitting is part of "auto".
-                split_thresh: if cfg.string("RNDV_SCHEME") == "auto" {
-                    cfg.mem_units("RNDV_SPLIT_THRESH")
-                        .resolve(256 << 10)
-                        .min(usize::MAX as u64) as usize
-                } else {
-                    usize::MAX
-                },
+                plan_cfg: PlanConfig::from_config(cfg),
+                gpu_keys,
+                plan_gen: 0,
                 closing: false,
                 copy,
                 staging: None,
@@ -712,6 +714,9 @@ impl Worker {
                 {
                     st.fail_peer(p, &e.to_string());
                 }
+                if !st.peers[p].plan.wanted.is_empty() {
+                    st.connect_wanted(p, &mut ifaces);
+                }
                 if !st.peers[p].queue.is_empty() {
                     st.pump(p);
                 }
@@ -752,7 +757,7 @@ impl Worker {
     pub fn am_send(&self, ep: EpId, id: u16, header: &[u8], data: &[u8]) -> Result<()> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
-        st.refresh_table(ep.0);
+        st.refresh_plan(ep.0);
         if header.len() > u16::MAX as usize {
             return Err(Error::InvalidParam(
                 "active message header longer than 64 KiB".into(),
@@ -931,23 +936,45 @@ impl Worker {
     pub fn proto_table(&self, ep: EpId) -> Result<Vec<Range>> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
-        st.refresh_table(ep.0);
-        Ok(st.peers[ep.0].table.clone())
+        self.ensure_plan(&mut st, ep.0);
+        Ok(st.peers[ep.0]
+            .plan
+            .table(Op::Tag, MemKey::HOST)
+            .rows
+            .clone())
     }
 
-    /// A printable protocol table for `ep`.
+    /// The plan of `ep` (what [`proto_info`](Self::proto_info) prints).
+    pub fn plan(&self, ep: EpId) -> Result<EpPlan> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        self.ensure_plan(&mut st, ep.0);
+        Ok(st.peers[ep.0].plan.clone())
+    }
+
+    /// The plan of `ep` as text: lanes, a table per operation and memory type, and the
+    /// rendezvous receive steps.
     pub fn proto_info(&self, ep: EpId) -> Result<String> {
-        let rows = self.proto_table(ep)?;
+        let plan = self.plan(ep)?;
         let st = self.st.borrow();
-        Ok(proto::TableDisplay {
-            title: format!(
-                "rucx {} -> {}: tag send, host memory to host memory",
-                ep,
-                st.peers[ep.0].remote.describe()
-            ),
-            rows: &rows,
+        Ok(format!(
+            "rucx {} -> {}\n{plan}",
+            ep,
+            st.peers[ep.0].remote.describe()
+        ))
+    }
+
+    /// Re-plan endpoint `p` if its plan is stale, connecting lanes a new plan wants (when the
+    /// interfaces are free to borrow; otherwise the next progress does it).
+    fn ensure_plan(&self, st: &mut State, p: usize) {
+        st.refresh_plan(p);
+        if st.peers[p].plan.wanted.is_empty() {
+            return;
         }
-        .to_string())
+        if let Ok(mut ifaces) = self.ifaces.try_borrow_mut() {
+            st.connect_wanted(p, &mut ifaces);
+            st.refresh_plan(p);
+        }
     }
 
     /// How often each protocol ran (sends by protocol name, rendezvous receives by how the data
@@ -1000,27 +1027,31 @@ impl Worker {
     ) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
-        st.refresh_table(ep.0);
         let (addr, len) = (buf.addr, buf.len);
         let (mem, dev) = match buf.mem {
             Some(m) => m,
             None => st.ctx.detect(addr, len)?,
         };
+        let key = MemKey::new(mem, dev);
+        if mem.is_gpu() {
+            st.note_gpu_key(key);
+        }
+        self.ensure_plan(&mut st, ep.0);
+        let op = if sync { Op::TagSync } else { Op::Tag };
+        let table = st.peers[ep.0].plan.table(op, key);
+        let proto = match table.lookup(len) {
+            Some(r) => r.proto,
+            None => return Err(table.refusal(&st.peers[ep.0].remote.describe())),
+        };
         // Small GPU messages: copy them to a pinned bounce buffer and send eagerly, rather than
         // paying a rendezvous round trip.
-        let eager_end = || {
-            st.peers[ep.0]
-                .table
-                .iter()
-                .filter(|r| matches!(r.proto, Proto::EagerShort | Proto::EagerBcopy))
-                .map(|r| r.to)
-                .max()
-                .unwrap_or(0)
-        };
-        if !sync && mem.is_gpu() && len > 0 && st.copy.is_some() && len <= eager_end() {
+        if proto == Proto::EagerBounce {
             match self.bounce(&mut st, addr, len, mem, dev) {
                 Ok((host, frag)) => {
-                    let proto = proto::lookup(&st.peers[ep.0].table, len)
+                    let hproto = st.peers[ep.0]
+                        .plan
+                        .table(Op::Tag, MemKey::HOST)
+                        .lookup(len)
                         .map(|r| r.proto)
                         .unwrap_or(Proto::EagerBcopy);
                     let id = st.new_req(ReqKind::Send(SendState {
@@ -1028,7 +1059,7 @@ impl Worker {
                         addr: host,
                         len,
                         tag,
-                        proto,
+                        proto: hproto,
                         msg_id: 0,
                         posted: 0,
                         rndv_to: None,
@@ -1038,9 +1069,8 @@ impl Worker {
                         dev: None,
                         stage: None,
                         split_left: 0,
-                        sync: false,
                     }));
-                    st.count("eager through a pinned bounce buffer");
+                    st.count(Proto::EagerBounce.name());
                     // Eager protocols copy the bytes out before returning.
                     st.start_send(id);
                     if let Some(stg) = st.staging.as_mut() {
@@ -1053,28 +1083,19 @@ impl Worker {
                 }
             }
         }
-        let mut proto = if mem.is_gpu() {
-            st.gpu_send_proto(ep.0, mem, dev)?
-        } else {
-            proto::lookup(&st.peers[ep.0].table, len)
+        let proto = if proto == Proto::EagerBounce {
+            // The large-message protocol of the same table.
+            st.peers[ep.0]
+                .plan
+                .table(op, key)
+                .rows
+                .last()
                 .map(|r| r.proto)
-                .ok_or_else(|| Error::Internal(format!("no protocol covers {len} bytes")))?
+                .filter(|p| p.is_rndv())
+                .ok_or_else(|| Error::Internal("a GPU table without a rendezvous row".into()))?
+        } else {
+            proto
         };
-        if sync {
-            proto = match proto {
-                // One eager message that asks the receiver to acknowledge its match.
-                Proto::EagerShort | Proto::EagerBcopy => Proto::EagerBcopy,
-                p if p.is_rndv() => p,
-                // Multi-fragment eager: the rendezvous of the table (or streamed), which
-                // completes only after the match.
-                _ => st.peers[ep.0]
-                    .table
-                    .last()
-                    .map(|r| r.proto)
-                    .filter(|p| p.is_rndv())
-                    .unwrap_or(Proto::RndvAm),
-            };
-        }
         // Fast path: a small host message that fits one `am_short` and finds the lane idle is
         // sent at once, without a request in the table.
         if !sync
@@ -1104,7 +1125,6 @@ impl Worker {
             dev,
             stage: None,
             split_left: 0,
-            sync,
         }));
         st.start_send(id);
         Ok(Posted::Pending(id))
@@ -1239,15 +1259,18 @@ impl Worker {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
         let p = ep.0;
-        let (mem, _) = match buf.mem {
+        let (mem, dev) = match buf.mem {
             Some(m) => m,
             None => st.ctx.detect(buf.addr, buf.len)?,
         };
+        let key = MemKey::new(mem, dev);
         if mem.is_gpu() {
-            return Err(Error::Unsupported {
-                what: format!("a stream send from {mem} memory"),
-                why: "streams move host memory only; use tag_send for GPU buffers".into(),
-            });
+            st.note_gpu_key(key);
+        }
+        st.refresh_plan(p);
+        let t = st.peers[p].plan.table(Op::Stream, key);
+        if t.rows.is_empty() {
+            return Err(t.refusal(&st.peers[p].remote.describe()));
         }
         // The pieces are packed from `buf` as the transport takes them: the buffer stays lent
         // to the request's scope until the request finishes, after the last piece.
@@ -1266,7 +1289,6 @@ impl Worker {
             dev: None,
             stage: None,
             split_left: 0,
-            sync: false,
         }));
         let am = st.peers[p].am;
         let piece = st.slots[am]
@@ -1547,11 +1569,9 @@ impl State {
             connected: false,
             am: usize::MAX,
             rma: None,
-            rma_remote_md: None,
-            rma_cuda: None,
-            rma_cuda_md: None,
-            table: Vec::new(),
-            epoch: u64::MAX,
+            plan: EpPlan::default(),
+            plan_at: (u64::MAX, u64::MAX),
+            targets: Vec::new(),
             failed: None,
             queue: VecDeque::new(),
             next_msg: 0,
@@ -1562,151 +1582,175 @@ impl State {
         Ok(p)
     }
 
-    /// Choose lanes (a deterministic function of both addresses and the transports' attributes)
-    /// and create the uct endpoints.
+    /// Find the peer's reachable interfaces, plan the endpoint (a deterministic function of
+    /// both addresses, the transports' attributes and the registration view) and create the uct
+    /// endpoints of the lanes the plan uses.
     fn connect_peer(&mut self, p: usize, ifaces: &mut [Box<dyn Iface>]) -> Result<()> {
         if self.peers[p].connected {
             return Ok(());
         }
         let remote = self.peers[p].remote.clone();
-        let mut am: Option<(f64, usize)> = None;
-        let mut rma: Option<(f64, usize)> = None;
-        let mut targets: HashMap<usize, IfaceEntry> = HashMap::new();
-        let mut rma_cuda: Option<(f64, usize)> = None;
+        let mut targets = Vec::new();
         for (i, slot) in self.slots.iter().enumerate() {
             // The copy engine works inside this process only; it is not a lane to peers.
             if self.copy.as_ref().is_some_and(|(c, _)| *c == i) {
                 continue;
             }
-            let Some(entry) = remote.ifaces.iter().find(|e| {
+            if let Some(entry) = remote.ifaces.iter().find(|e| {
                 e.tl_name == slot.attr.tl_name && ifaces[i].is_reachable(&e.dev_addr, &e.iface_addr)
-            }) else {
-                continue;
-            };
-            targets.insert(i, entry.clone());
-            let a = &slot.attr;
-            if a.has(IfaceCaps::AM_BCOPY) {
-                let cost = a.perf.latency_ns + a.perf.overhead_ns - f64::from(a.priority) * 1e-3;
-                if am.is_none_or(|(c, _)| cost < c) {
-                    am = Some((cost, i));
-                }
-            }
-            if a.caps
-                .intersects(IfaceCaps::GET_ZCOPY | IfaceCaps::PUT_ZCOPY)
-                && self
-                    .ctx
-                    .domain(slot.md)
-                    .attr()
-                    .reg_mem_types()
-                    .has(MemoryType::Host)
-                && entry.md_name == self.ctx.domain(slot.md).name()
-            {
-                let bw = a.perf.bandwidth + f64::from(a.priority);
-                if rma.is_none_or(|(b, _)| bw > b) {
-                    rma = Some((bw, i));
-                }
-            }
-            let md_attr = self.ctx.domain(slot.md).attr();
-            if a.caps.contains(IfaceCaps::GET_ZCOPY)
-                && md_attr.reg_mem_types().has(MemoryType::Cuda)
-                && entry.md_name == self.ctx.domain(slot.md).name()
-            {
-                let bw = a.perf.bandwidth + f64::from(a.priority);
-                if rma_cuda.is_none_or(|(b, _)| bw > b) {
-                    rma_cuda = Some((bw, i));
-                }
+            }) {
+                targets.push((i, entry.clone()));
             }
         }
-        let rma_cuda = rma_cuda.map(|r| r.1);
-        let Some((_, am)) = am else {
-            return Err(Error::Unsupported {
-                what: format!("connecting to {}", remote.describe()),
-                why: format!(
-                    "no transport reaches it (local: {:?}; remote: {:?}); check RUCX_TLS and the network",
-                    self.slots
-                        .iter()
-                        .map(|s| format!("{}/{}", s.attr.tl_name, s.attr.dev_name))
-                        .collect::<Vec<_>>(),
-                    remote
-                        .ifaces
-                        .iter()
-                        .map(|e| format!("{}/{}", e.tl_name, e.dev_name))
-                        .collect::<Vec<_>>()
-                ),
-            });
-        };
-        let rma = rma.map(|r| r.1);
-        let mut lanes = vec![am];
-        for r in [rma, rma_cuda].into_iter().flatten() {
-            if !lanes.contains(&r) {
-                lanes.push(r);
-            }
-        }
-        for i in lanes {
-            let entry = &targets[&i];
-            let ep = ifaces[i].create_ep(&EpParams {
-                dev_addr: entry.dev_addr.clone(),
-                iface_addr: entry.iface_addr.clone(),
-                user_id: p as u64,
-            })?;
-            self.peers[p].eps.insert(i, ep);
+        self.peers[p].targets = targets;
+        let plan = self.make_plan(p).map_err(|u| Error::Unsupported {
+            what: format!("connecting to {}", remote.describe()),
+            why: format!(
+                "no transport reaches it (local: {:?}; remote: {:?}); check RUCX_TLS and the network",
+                u.local,
+                remote
+                    .ifaces
+                    .iter()
+                    .map(|e| format!("{}/{}", e.tl_name, e.dev_name))
+                    .collect::<Vec<_>>()
+            ),
+        })?;
+        for i in plan.wanted.clone() {
+            self.connect_lane(p, i, ifaces)?;
         }
         let peer = &mut self.peers[p];
-        peer.am = am;
-        peer.rma = rma;
-        peer.rma_remote_md = rma.map(|r| targets[&r].md_name.clone());
-        peer.rma_cuda = rma_cuda;
-        peer.rma_cuda_md = rma_cuda.map(|r| targets[&r].md_name.clone());
+        peer.am = plan.lanes.am;
         peer.connected = true;
+        peer.plan_at = (u64::MAX, u64::MAX);
         // Introduce ourselves first on the AM lane, so replies can find us.
         let addr = self.address.pack();
         self.peers[p].queue.push_front(Pending::Ctrl {
             id: wire::AM_WIREUP,
             bytes: addr,
         });
-        self.refresh_table(p);
+        self.refresh_plan(p);
         Ok(())
     }
 
-    /// Rebuild the peer's protocol table if the registration table changed.
-    fn refresh_table(&mut self, p: usize) {
-        let epoch = self.ctx.epoch();
-        if self.peers[p].epoch == epoch {
+    /// Create the uct endpoint of local interface `i` to peer `p`.
+    fn connect_lane(&mut self, p: usize, i: usize, ifaces: &mut [Box<dyn Iface>]) -> Result<()> {
+        if self.peers[p].eps.get_mut(&i).is_some() {
+            return Ok(());
+        }
+        let Some((_, entry)) = self.peers[p].targets.iter().find(|(l, _)| *l == i) else {
+            return Err(Error::Internal(format!("lane {i} does not reach ep{p}")));
+        };
+        let ep = ifaces[i].create_ep(&EpParams {
+            dev_addr: entry.dev_addr.clone(),
+            iface_addr: entry.iface_addr.clone(),
+            user_id: p as u64,
+        })?;
+        self.peers[p].eps.insert(i, ep);
+        self.plan_gen += 1;
+        Ok(())
+    }
+
+    /// Connect the lanes peer `p`'s plan wants (a demotion made a lane that was not in use the
+    /// best one); a lane that cannot be connected is logged and left out.
+    fn connect_wanted(&mut self, p: usize, ifaces: &mut [Box<dyn Iface>]) {
+        for i in std::mem::take(&mut self.peers[p].plan.wanted) {
+            if let Err(e) = self.connect_lane(p, i, ifaces) {
+                tracing::info!(
+                    "ep{p}: lane {}/{} not connected: {e}",
+                    self.slots[i].attr.tl_name,
+                    self.slots[i].attr.dev_name
+                );
+                self.peers[p].targets.retain(|(l, _)| *l != i);
+                self.plan_gen += 1;
+            }
+        }
+    }
+
+    /// Plan for GPU memory `key` too (from now on, for every endpoint).
+    fn note_gpu_key(&mut self, key: MemKey) {
+        if !self.gpu_keys.contains(&key) {
+            self.gpu_keys.push(key);
+            self.plan_gen += 1;
+        }
+    }
+
+    /// The plan of peer `p` as the planner makes it from the current state.
+    fn make_plan(&self, p: usize) -> std::result::Result<EpPlan, plan::Unreachable> {
+        let peer = &self.peers[p];
+        let copy = self.copy.as_ref().map(|(c, _)| *c);
+        let lanes: Vec<LaneCand> = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| {
+                let md = self.ctx.domain(slot.md);
+                LaneCand {
+                    attr: slot.attr.clone(),
+                    md: slot.md,
+                    md_name: md.name().to_string(),
+                    md_attr: md.attr().clone(),
+                    remote_md: peer
+                        .targets
+                        .iter()
+                        .find(|(l, _)| *l == i)
+                        .map(|(_, e)| e.md_name.clone()),
+                    connected: peer.eps.0.iter().any(|(l, _)| *l == i),
+                    copy: copy == Some(i),
+                }
+            })
+            .collect();
+        plan::plan(plan::PlanInput {
+            lanes: &lanes,
+            reg: &self.ctx,
+            cfg: &self.plan_cfg,
+            gpu_keys: &self.gpu_keys,
+            peer: &peer.remote.describe(),
+        })
+    }
+
+    /// Re-plan peer `p` if the registration view (a demotion) or the local state changed.
+    #[inline]
+    fn refresh_plan(&mut self, p: usize) {
+        let at = (self.ctx.epoch(), self.plan_gen);
+        if self.peers[p].plan_at == at || !self.peers[p].connected {
             return;
         }
-        let am = self.peers[p].am;
-        let am_md = self.slots[am].md;
-        let rma = self.peers[p].rma.filter(|r| {
-            self.ctx
-                .can_register(self.slots[*r].md, MemoryType::Host, None)
-        });
-        let info = LaneInfo {
-            am: &self.slots[am].attr,
-            am_can_reg: self.ctx.can_register(am_md, MemoryType::Host, None),
-            am_reg_cost: self.ctx.domain(am_md).attr().reg_cost,
-            rma: rma.map(|r| &self.slots[r].attr),
+        self.replan(p, at);
+    }
+
+    #[cold]
+    fn replan(&mut self, p: usize, at: (u64, u64)) {
+        let plan = match self.make_plan(p) {
+            Ok(plan) => plan,
+            Err(u) => {
+                self.fail_peer(
+                    p,
+                    &format!("no lane reaches the peer any more (local: {:?})", u.local),
+                );
+                return;
+            }
         };
-        let table = proto::build_table(&info, self.ctx.config());
-        let changed = self.peers[p].epoch != u64::MAX;
-        self.peers[p].table = table;
-        self.peers[p].epoch = epoch;
-        if self.proto_info || changed {
-            let t = proto::TableDisplay {
-                title: format!(
-                    "rucx ep{p} -> {}: tag send, host memory{}",
-                    self.peers[p].remote.describe(),
-                    if changed {
-                        " (re-planned after a demotion)"
-                    } else {
-                        ""
-                    }
-                ),
-                rows: &self.peers[p].table,
-            };
+        let first = self.peers[p].plan_at.0 == u64::MAX;
+        let changed = !first && self.peers[p].plan.tables != plan.tables;
+        let demoted = !first && self.peers[p].plan_at.0 != at.0;
+        self.peers[p].rma = plan.lanes.rma;
+        self.peers[p].plan = plan;
+        self.peers[p].plan_at = at;
+        if self.proto_info && (first || changed) || demoted && changed {
+            let text = format!(
+                "rucx ep{p} -> {}{}\n{}",
+                self.peers[p].remote.describe(),
+                if demoted {
+                    " (re-planned after a demotion)"
+                } else {
+                    ""
+                },
+                self.peers[p].plan
+            );
             if self.proto_info {
-                eprintln!("{t}");
+                eprintln!("{text}");
             } else {
-                tracing::info!("\n{t}");
+                tracing::info!("\n{text}");
             }
         }
     }
@@ -1948,14 +1992,14 @@ impl State {
     }
 
     fn start_send(&mut self, id: u64) {
-        let (p, proto, len, addr, sync) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.peer, s.proto, s.len, s.addr, s.sync),
+        let (p, proto, len, addr) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.proto, s.len, s.addr),
             _ => unreachable!("start_send on a send request"),
         };
         self.count(proto.name());
         let src = self.address.uuid;
         match proto {
-            Proto::EagerBcopy if sync => {
+            Proto::EagerSync => {
                 // Copied now; complete when the receiver's acknowledgement of the match comes.
                 // SAFETY: the scope keeps the send buffer alive while this runs.
                 let data = unsafe { host_slice(addr, len) };
@@ -2052,7 +2096,7 @@ impl State {
                         && let Err(e) = self.register_send(id, am)
                     {
                         tracing::debug!("zero-copy send falls back to copy-in: {e}");
-                        self.refresh_table(p);
+                        self.refresh_plan(p);
                         if let Some(Req {
                             kind: ReqKind::Send(s),
                             ..
@@ -2064,6 +2108,20 @@ impl State {
                     self.peers[p].queue.push_back(Pending::Stream(id));
                 }
                 self.pump(p);
+            }
+            Proto::EagerBounce
+            | Proto::StreamCopy
+            | Proto::AmCopy
+            | Proto::PutZcopy
+            | Proto::GetZcopy => {
+                // Not tag-send protocols: the plan never puts them in a send request.
+                self.finish(
+                    id,
+                    Err(Error::Internal(format!(
+                        "{} is not a tag-send protocol",
+                        proto.name()
+                    ))),
+                );
             }
         }
     }
@@ -2111,7 +2169,11 @@ impl State {
         };
         let mut keys = Vec::new();
         let lane = if mem.is_gpu() {
-            self.peers[p].rma_cuda
+            let dev = match &self.reqs[&id].kind {
+                ReqKind::Send(s) => s.dev,
+                _ => None,
+            };
+            self.peers[p].plan.lanes.gpu(MemKey::new(mem, dev))
         } else {
             self.peers[p].rma
         };
@@ -2132,7 +2194,7 @@ impl State {
                     tracing::debug!(
                         "rendezvous send registration failed; the receiver will pull through active messages: {e}"
                     );
-                    self.refresh_table(p);
+                    self.refresh_plan(p);
                 }
             },
             (Proto::RndvPut, Some(_)) => keys.push(NamedKey {
@@ -2234,8 +2296,8 @@ impl State {
         let rndv_to = s.rndv_to;
         let put = s.put.clone();
         let src = self.address.uuid;
-        if let Some((raddr, rkey)) = put {
-            return self.stream_put(id, p, addr, len, raddr, &rkey);
+        if let Some((raddr, rkey, lane)) = put {
+            return self.stream_put(id, p, lane, addr, len, raddr, &rkey);
         }
         let am = self.peers[p].am;
         let limits = self.slots[am].attr.limits;
@@ -2341,7 +2403,7 @@ impl State {
         let (p, want, sreq) = (rv.peer, rv.get_end, rv.sreq);
         let mut off = rv.posted;
         // GPU zero-copy lanes move the whole buffer in one operation; host lanes in fragments.
-        let frag = if Some(lane) == self.peers[p].rma_cuda {
+        let frag = if matches!(&r.kind, ReqKind::Recv(rs) if rs.mem.is_gpu()) {
             usize::MAX
         } else {
             self.frag
@@ -2577,16 +2639,17 @@ impl State {
         Ok(true)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn stream_put(
         &mut self,
         id: u64,
         p: usize,
+        lane: usize,
         addr: usize,
         len: usize,
         raddr: u64,
         rkey: &RemoteKey,
     ) -> Result<bool> {
-        let lane = self.peers[p].rma.expect("put needs an rma lane");
         let max = self.slots[lane]
             .attr
             .limits
@@ -3291,16 +3354,25 @@ impl State {
             self.pump(p);
             return;
         }
-        let lane = self.peers[p].rma;
+        self.refresh_plan(p);
+        let steps = plan::recv_steps(&self.peers[p].plan, MemoryType::Host, MemKey::HOST);
+        let get_lane = steps.iter().find_map(|s| match s {
+            RecvStep::Get { lane } => Some(*lane),
+            _ => None,
+        });
+        let put_lane = steps.iter().find_map(|s| match s {
+            RecvStep::Put { lane } => Some(*lane),
+            _ => None,
+        });
+        let split_thresh = self.peers[p].plan.split_thresh;
         let region = MemRegion::host(raddr, want);
-        // Get: the sender offered a key of a domain we share, and we can register.
+        // Get: the sender offered a key of the lane's domain (both sides share it), and we can
+        // register.
         if !wants_put
-            && let Some(lane) = lane
-            && self.peers[p].connected
-            && self.slots[lane].attr.has(IfaceCaps::GET_ZCOPY)
+            && let Some(lane) = get_lane
             && let Some(k) = keys
                 .iter()
-                .find(|k| Some(&k.md) == self.peers[p].rma_remote_md.as_ref())
+                .find(|k| k.md == self.ctx.domain(self.slots[lane].md).name())
         {
             let md = self.slots[lane].md;
             if self.ctx.can_register(md, MemoryType::Host, None) {
@@ -3310,7 +3382,7 @@ impl State {
                             // Large messages: read the head while the sender writes the tail,
                             // so both sides' cores copy.
                             let split_at = (want / 2) & !4095;
-                            let split_key = if want >= self.split_thresh
+                            let split_key = if want >= split_thresh
                                 && split_at > 0
                                 && self.slots[lane].attr.has(IfaceCaps::PUT_ZCOPY)
                             {
@@ -3355,10 +3427,7 @@ impl State {
             }
         }
         // Put: register our buffer and hand the sender a key.
-        if wants_put
-            && let Some(lane) = lane
-            && self.slots[lane].attr.has(IfaceCaps::PUT_ZCOPY)
-        {
+        if wants_put && let Some(lane) = put_lane {
             let md = self.slots[lane].md;
             if self.ctx.can_register(md, MemoryType::Host, None) {
                 match self.ctx.register(md, region) {
@@ -3461,7 +3530,7 @@ impl State {
                         ..
                     }) = self.reqs.get_mut(&sreq)
                     {
-                        s.put = Some((addr, rkey));
+                        s.put = Some((addr, rkey, lane));
                         if split {
                             s.posted = offset;
                             s.split_left = 2;
@@ -3472,7 +3541,7 @@ impl State {
                     tracing::warn!("receiver's key did not unpack ({e}); streaming instead")
                 }
                 (_, false) => {
-                    self.refresh_table(p);
+                    self.refresh_plan(p);
                     tracing::debug!("send registration failed; streaming the rendezvous instead");
                 }
             }
@@ -3512,28 +3581,16 @@ impl State {
         rkey: &RkeyBundle,
     ) -> Result<u64> {
         self.check_peer(p)?;
-        let what = || {
-            format!(
-                "{} to {}",
-                if put { "put" } else { "get" },
-                self.peers[p].remote.describe()
-            )
-        };
-        let lane = self.peers[p].rma.ok_or_else(|| Error::Unsupported {
-            what: what(),
-            why: "no transport to this peer supports remote memory access; check RUCX_TLS".into(),
-        })?;
-        let cap = if put {
-            IfaceCaps::PUT_ZCOPY
-        } else {
-            IfaceCaps::GET_ZCOPY
-        };
-        if !self.slots[lane].attr.has(cap) {
-            return Err(Error::Unsupported {
-                what: what(),
-                why: format!("{} lacks this operation", self.slots[lane].attr.tl_name),
-            });
+        self.refresh_plan(p);
+        let t = self.peers[p]
+            .plan
+            .table(if put { Op::Put } else { Op::Get }, MemKey::HOST);
+        if t.rows.is_empty() {
+            return Err(t.refusal(&self.peers[p].remote.describe()));
         }
+        let lane = self.peers[p]
+            .rma
+            .ok_or_else(|| t.refusal(&self.peers[p].remote.describe()))?;
         let md = self.slots[lane].md;
         let mdname = self.ctx.domain(md).name().to_string();
         let key = rkey

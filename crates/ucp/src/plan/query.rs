@@ -1,0 +1,122 @@
+//! The capability query, read off a plan: which path large messages of each pair of memory
+//! types take, whether it is zero-copy, and why a faster path is not taken.
+
+use rucx_ucs::MemoryType;
+
+use super::{EpPlan, MemKey, Op, RecvStep};
+use crate::proto::Proto;
+
+/// Which path buffers of a given pair of memory types take on an endpoint, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PathInfo {
+    /// Sender's memory type.
+    pub send_mem: MemoryType,
+    /// Receiver's memory type.
+    pub recv_mem: MemoryType,
+    /// Protocol for large messages.
+    pub protocol: String,
+    /// `transport/device` moving the data.
+    pub lane: String,
+    /// True when no intermediate copy is made.
+    pub zero_copy: bool,
+    /// Why a faster path is not taken (empty when zero-copy).
+    pub why_not: Vec<String>,
+}
+
+impl std::fmt::Display for PathInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} -> {}: {} on {}{}",
+            self.send_mem,
+            self.recv_mem,
+            self.protocol,
+            self.lane,
+            if self.zero_copy { " (zero-copy)" } else { "" }
+        )?;
+        for w in &self.why_not {
+            write!(f, "; {w}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The pairs the query answers for, in order.
+pub const PAIRS: [(MemoryType, MemoryType); 4] = [
+    (MemoryType::Host, MemoryType::Host),
+    (MemoryType::Cuda, MemoryType::Cuda),
+    (MemoryType::Cuda, MemoryType::Host),
+    (MemoryType::Host, MemoryType::Cuda),
+];
+
+/// The protocol (and its lane) a large message from `send` into `recv` takes by `plan`: the
+/// sender's row for the largest size, then, for a rendezvous involving GPU memory, the first
+/// step of the receiver's plan.
+pub fn large_path(plan: &EpPlan, send: MemKey, recv: MemKey) -> Option<(Proto, String)> {
+    let t = plan.table(Op::Tag, send);
+    let row = t.rows.last()?;
+    if !send.mem.is_gpu() && !recv.mem.is_gpu() {
+        return Some((row.proto, row.lane.clone()));
+    }
+    let rp = plan.recv_plan(
+        if send.mem.is_gpu() {
+            MemoryType::Cuda
+        } else {
+            MemoryType::Host
+        },
+        recv,
+    )?;
+    let step = *rp.steps.first()?;
+    let proto = match step {
+        RecvStep::Get { .. } if send.mem.is_gpu() && recv.mem.is_gpu() => Proto::RndvGet,
+        RecvStep::Get { .. } => Proto::RndvGet,
+        RecvStep::Put { .. } => Proto::RndvPut,
+        RecvStep::StagedRead { .. } | RecvStep::Pull { .. } => Proto::RndvPipeline,
+        RecvStep::Stream => Proto::RndvAm,
+    };
+    let lane = step
+        .lane()
+        .map_or_else(|| row.lane.clone(), |l| plan.lane_name(l).to_string());
+    Some((proto, lane))
+}
+
+/// The query for every pair of [`PAIRS`], GPU memory of `device`.
+pub fn paths(plan: &EpPlan, device: Option<u32>) -> Vec<PathInfo> {
+    let mut out = Vec::new();
+    for (s, r) in PAIRS {
+        let (sk, rk) = (MemKey::new(s, device), MemKey::new(r, device));
+        let t = plan.table(Op::Tag, sk);
+        let mut why: Vec<String> = t.notes.clone();
+        let rp = plan.recv_plan(
+            if s.is_gpu() {
+                MemoryType::Cuda
+            } else {
+                MemoryType::Host
+            },
+            rk,
+        );
+        let (protocol, lane, zero_copy) = match large_path(plan, sk, rk) {
+            Some((p, l)) => (p.name().to_string(), l, p.is_zcopy()),
+            None => ("unsupported".to_string(), "-".to_string(), false),
+        };
+        if !zero_copy && let Some(rp) = rp {
+            for n in &rp.notes {
+                if !why.contains(n) {
+                    why.push(n.clone());
+                }
+            }
+        }
+        if zero_copy {
+            why.clear();
+        }
+        out.push(PathInfo {
+            send_mem: s,
+            recv_mem: r,
+            protocol,
+            lane,
+            zero_copy,
+            why_not: why,
+        });
+    }
+    out
+}

@@ -1,0 +1,192 @@
+//! The receiver's side of a rendezvous: how the data of a matched request to send comes in.
+
+use rucx_ucs::MemoryType;
+use rucx_uct::IfaceCaps;
+
+use super::{Lanes, MemKey, PlanInput, RecvPlan};
+
+/// One way for a rendezvous receive to get its data, tried in the plan's order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvStep {
+    /// Read the sender's registered buffer straight into ours on `lane` (between GPU buffers:
+    /// a zero-copy GPU lane).
+    Get {
+        /// Lane.
+        lane: usize,
+    },
+    /// Give the sender a key to write into our buffer on `lane` (when it asks for that).
+    Put {
+        /// Lane.
+        lane: usize,
+    },
+    /// Read the sender's host buffer in fragments on `lane` through staging into GPU memory.
+    StagedRead {
+        /// Lane.
+        lane: usize,
+    },
+    /// Ask the sender to stage its buffer in host fragments and announce each; read them on
+    /// `lane`.
+    Pull {
+        /// Lane.
+        lane: usize,
+    },
+    /// Ask the sender to stream the data as active messages (host memory only).
+    Stream,
+}
+
+impl RecvStep {
+    /// Name used in tables and the query.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecvStep::Get { .. } => "read from the sender's buffer",
+            RecvStep::Put { .. } => "sender writes into the receive buffer",
+            RecvStep::StagedRead { .. } => "read through host staging into the GPU",
+            RecvStep::Pull { .. } => "sender stages host fragments, receiver reads each",
+            RecvStep::Stream => "sender streams active messages",
+        }
+    }
+
+    /// The lane moving the data (`None`: the active-message lane).
+    pub fn lane(self) -> Option<usize> {
+        match self {
+            RecvStep::Get { lane }
+            | RecvStep::Put { lane }
+            | RecvStep::StagedRead { lane }
+            | RecvStep::Pull { lane } => Some(lane),
+            RecvStep::Stream => None,
+        }
+    }
+}
+
+/// The steps for a rendezvous from `send` memory into `recv` memory.
+pub(super) fn plan(
+    input: &PlanInput<'_>,
+    lanes: &Lanes,
+    send: MemoryType,
+    recv: MemKey,
+) -> RecvPlan {
+    let has = |l: usize, c: IfaceCaps| input.lanes[l].attr.has(c);
+    let mut steps = Vec::new();
+    let mut notes = Vec::new();
+    let rma_get = lanes.rma.filter(|&l| has(l, IfaceCaps::GET_ZCOPY));
+    if !send.is_gpu() && !recv.mem.is_gpu() {
+        if let Some(l) = rma_get {
+            steps.push(RecvStep::Get { lane: l });
+        }
+        if let Some(l) = lanes.rma.filter(|&l| has(l, IfaceCaps::PUT_ZCOPY)) {
+            steps.push(RecvStep::Put { lane: l });
+        }
+        if lanes.rma.is_none() {
+            notes.push(no_rma_lane(input));
+        }
+        steps.push(RecvStep::Stream);
+        return RecvPlan {
+            send,
+            recv,
+            steps,
+            notes,
+        };
+    }
+    // 1. GPU to GPU, zero-copy through a lane whose domain registers the receive buffer.
+    if send.is_gpu() && recv.mem.is_gpu() {
+        match lanes.gpu(recv) {
+            Some(l) => steps.push(RecvStep::Get { lane: l }),
+            None => notes.push(no_gpu_lane(input, recv)),
+        }
+    } else {
+        notes.push("zero-copy GPU lanes (cuda_ipc) read only between GPU buffers".into());
+    }
+    // 2. Staged through host memory: needs a lane with remote reads, and a copy lane on the
+    // side(s) holding GPU memory (ours is checked here; the sender checks its own).
+    let copy_ok = !recv.mem.is_gpu() || lanes.copy.is_some();
+    match (rma_get, copy_ok) {
+        (Some(l), true) => {
+            if !send.is_gpu() {
+                steps.push(RecvStep::StagedRead { lane: l });
+            }
+            steps.push(RecvStep::Pull { lane: l });
+        }
+        (None, _) => notes.push(
+            "GPU transfers without a zero-copy path are staged through host memory, which needs \
+             a transport with remote memory access (posix or tcp) in RUCX_TLS"
+                .into(),
+        ),
+        (_, false) => {
+            notes.push("no copy transport (cuda_copy) to stage through host memory".into())
+        }
+    }
+    RecvPlan {
+        send,
+        recv,
+        steps,
+        notes,
+    }
+}
+
+/// Why no lane gives remote access to host memory.
+fn no_rma_lane(input: &PlanInput<'_>) -> String {
+    let demoted: Vec<String> = input
+        .lanes
+        .iter()
+        .filter(|l| {
+            !l.copy
+                && l.remote_md.as_deref() == Some(l.md_name.as_str())
+                && l.attr
+                    .caps
+                    .intersects(IfaceCaps::GET_ZCOPY | IfaceCaps::PUT_ZCOPY)
+                && l.md_attr.reg_mem_types().has(MemoryType::Host)
+                && !input.reg.can_register(l.md, MemoryType::Host, None)
+        })
+        .map(|l| {
+            format!(
+                "{} cannot register host memory now (see demotions)",
+                l.md_name
+            )
+        })
+        .collect();
+    if demoted.is_empty() {
+        "no transport to this peer has remote memory access".into()
+    } else {
+        demoted.join("; ")
+    }
+}
+
+/// Why no zero-copy GPU lane serves `key`.
+fn no_gpu_lane(input: &PlanInput<'_>, key: MemKey) -> String {
+    let regs: Vec<&super::LaneCand> = input
+        .lanes
+        .iter()
+        .filter(|l| !l.copy && l.md_attr.reg_mem_types().has(key.mem))
+        .collect();
+    if regs.is_empty() {
+        return "no open transport registers GPU memory (cuda_ipc unavailable or left out by \
+                RUCX_TLS; see `rucx-info -d`)"
+            .into();
+    }
+    let demoted: Vec<String> = regs
+        .iter()
+        .filter(|l| !input.reg.can_register(l.md, key.mem, key.dev))
+        .map(|l| {
+            let why = input.reg.why_not(l.md, key.mem, key.dev);
+            if why.is_empty() {
+                format!("{} is demoted for {key}", l.md_name)
+            } else {
+                why
+            }
+        })
+        .collect();
+    if !demoted.is_empty() {
+        return demoted.join("; ");
+    }
+    let names: Vec<&str> = regs.iter().map(|l| l.attr.tl_name.as_str()).collect();
+    format!(
+        "{} does not reach this peer (another host?)",
+        names.join(", ")
+    )
+}
+
+/// The steps for a receive into `recv` from a sender whose memory is `send` (the plan's, or the
+/// last resort when the plan has none for this pair).
+pub fn recv_steps(plan: &super::EpPlan, send: MemoryType, recv: MemKey) -> &[RecvStep] {
+    plan.recv_plan(send, recv).map_or(&[], |r| &r.steps)
+}
