@@ -17,6 +17,7 @@ use crate::context::{Context, RegGuard};
 use crate::fxhash::FxHashMap;
 use crate::matching::{Tag, TagMatcher};
 use crate::plan::{self, EpPlan, LaneCand, MemKey, Op, PlanConfig, RecvStep};
+use crate::proto::stream::{StreamRecvs, StreamRx};
 use crate::proto::{self, Proto, Range};
 use crate::slab::Slab;
 use crate::wire::{self, Msg, MsgKind, NamedKey};
@@ -208,11 +209,8 @@ struct Peer {
     failed: Option<String>,
     queue: VecDeque<Pending>,
     next_msg: u64,
-    /// Stream bytes that arrived and no stream receive took yet (front chunk from `stream_off`).
-    stream_rx: VecDeque<Vec<u8>>,
-    stream_off: usize,
-    /// Stream receives waiting for bytes, in the order they were posted.
-    stream_waiting: VecDeque<u64>,
+    /// The receive side of the byte stream from this peer.
+    stream_rx: StreamRx,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -1366,8 +1364,9 @@ impl Worker {
             );
             return Ok(id);
         }
-        st.peers[p].stream_waiting.push_back(id);
-        st.stream_fill(p);
+        let st = &mut *st;
+        let (reqs, peer) = (&mut st.reqs, &mut st.peers[p]);
+        peer.stream_rx.post(&mut StreamReqs { reqs, peer: p }, id);
         Ok(id)
     }
 
@@ -1575,9 +1574,7 @@ impl State {
             failed: None,
             queue: VecDeque::new(),
             next_msg: 0,
-            stream_rx: VecDeque::new(),
-            stream_off: 0,
-            stream_waiting: VecDeque::new(),
+            stream_rx: StreamRx::default(),
         });
         Ok(p)
     }
@@ -1839,120 +1836,25 @@ impl State {
         }
     }
 
-    /// Hand peer `p`'s buffered stream bytes to its waiting stream receives, in order.
-    fn stream_fill(&mut self, p: usize) {
-        while let Some(front) = self.peers[p].stream_rx.pop_front() {
-            let off = self.peers[p].stream_off;
-            let used = self.stream_into(p, &front[off..]);
-            if off + used < front.len() {
-                // The waiting receives are full: keep the rest for later ones.
-                self.peers[p].stream_rx.push_front(front);
-                self.peers[p].stream_off = off + used;
-                return;
-            }
-            self.peers[p].stream_off = 0;
-        }
-    }
-
-    /// Arrived stream bytes straight into the waiting stream receives when nothing older is
-    /// buffered (no copy into the stream buffer); returns how many bytes they took.
-    fn stream_direct(&mut self, p: usize, data: &[u8]) -> usize {
-        if self.peers[p].stream_rx.is_empty() {
-            self.stream_into(p, data)
-        } else {
-            0
-        }
-    }
-
-    /// Copy `data` into peer `p`'s waiting stream receives in the order they were posted,
-    /// finishing those it fills; returns how many bytes they took.
-    fn stream_into(&mut self, p: usize, data: &[u8]) -> usize {
-        let mut used = 0;
-        while used < data.len() {
-            let Some(&rid) = self.peers[p].stream_waiting.front() else {
-                break;
-            };
-            let (addr, cap, got) = match self.reqs.get(&rid) {
-                Some(Req {
-                    kind: ReqKind::Recv(rs),
-                    result: None,
-                    ..
-                }) => (rs.addr, rs.cap, rs.received),
-                _ => {
-                    // Finished otherwise (endpoint failure): no longer waiting.
-                    self.peers[p].stream_waiting.pop_front();
-                    continue;
-                }
-            };
-            let n = (cap - got).min(data.len() - used);
-            // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive and
-            // unaliased until the request is finished; `got + n <= cap`.
-            let dst = unsafe { host_slice_mut(addr + got, n) };
-            dst.copy_from_slice(&data[used..used + n]);
-            used += n;
-            if let Some(Req {
-                kind: ReqKind::Recv(rs),
-                ..
-            }) = self.reqs.get_mut(&rid)
-            {
-                rs.received = got + n;
-            }
-            if got + n == cap {
-                self.peers[p].stream_waiting.pop_front();
-                self.finish(
-                    rid,
-                    Ok(Completion {
-                        len: cap,
-                        tag: 0,
-                        sender: Some(EpId(p)),
-                    }),
-                );
-            }
-        }
-        used
-    }
-
     /// Cancel a stream receive that is still waiting; the bytes it took so far go back to the
     /// front of the stream (nothing is lost). True when it was canceled.
     fn stream_cancel(&mut self, rid: u64) -> bool {
-        let (p, addr, got) = match self.reqs.get(&rid) {
+        let p = match self.reqs.get(&rid) {
             Some(Req {
                 kind:
                     ReqKind::Recv(RecvState {
                         stream: true,
                         sender: Some(p),
-                        addr,
-                        received,
                         ..
                     }),
                 result: None,
                 ..
-            }) => (*p, *addr, *received),
+            }) => *p,
             _ => return false,
         };
-        let peer = &mut self.peers[p];
-        let Some(pos) = peer.stream_waiting.iter().position(|&r| r == rid) else {
-            return false;
-        };
-        peer.stream_waiting.remove(pos);
-        if got > 0 {
-            // SAFETY: the receive buffer is still lent to the scope (the request is not
-            // finished); `got <= cap` bytes of it were written by `stream_fill`.
-            let taken = unsafe { host_slice(addr, got) }.to_vec();
-            if peer.stream_off > 0 {
-                let front = peer
-                    .stream_rx
-                    .pop_front()
-                    .expect("offset into a front chunk");
-                peer.stream_rx.push_front(front[peer.stream_off..].to_vec());
-                peer.stream_off = 0;
-            }
-            peer.stream_rx.push_front(taken);
-        }
-        self.finish(rid, Err(Error::Canceled));
-        // A receive behind it may take the bytes now.
-        self.stream_fill(p);
-        true
+        let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
+        peer.stream_rx
+            .cancel(&mut StreamReqs { reqs, peer: p }, rid)
     }
 
     fn count(&mut self, what: &'static str) {
@@ -2863,11 +2765,9 @@ impl State {
             Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
             Msg::StreamData { src, data } => {
                 let p = self.src_peer(src)?;
-                let used = self.stream_direct(p, data);
-                if used < data.len() {
-                    self.peers[p].stream_rx.push_back(data[used..].to_vec());
-                    self.stream_fill(p);
-                }
+                let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
+                peer.stream_rx
+                    .arrive(&mut StreamReqs { reqs, peer: p }, data);
             }
             Msg::EagerSync {
                 src,
@@ -3672,8 +3572,6 @@ impl State {
         peer.failed = Some(reason.to_string());
         peer.queue.clear();
         peer.stream_rx.clear();
-        peer.stream_off = 0;
-        peer.stream_waiting.clear();
         let desc = peer.remote.describe();
         let uuid = peer.remote.uuid;
         let err = || Error::EndpointFailure {
@@ -3702,6 +3600,66 @@ impl State {
             Unexp::Rts { src, .. } => *src == p,
         });
         self.rx.retain(|(s, _), _| *s != uuid);
+    }
+}
+
+/// Stream receives of peer `peer` as the stream protocol fills them.
+struct StreamReqs<'a> {
+    reqs: &'a mut Slab<Req>,
+    peer: usize,
+}
+
+impl StreamRecvs for StreamReqs<'_> {
+    fn room(&mut self, id: u64) -> Option<&mut [u8]> {
+        match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) => {
+                // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive
+                // and unaliased until the request is finished; `received <= cap`, and the slice
+                // lives only while the stream protocol copies into it.
+                Some(unsafe { host_slice_mut(rs.addr + rs.received, rs.cap - rs.received) })
+            }
+            _ => None,
+        }
+    }
+
+    fn filled(&mut self, id: u64, n: usize, full: bool) {
+        if let Some(r) = self.reqs.get_mut(&id)
+            && let ReqKind::Recv(rs) = &mut r.kind
+        {
+            rs.received += n;
+            if full && r.result.is_none() {
+                r.result = Some(Ok(Completion {
+                    len: rs.cap,
+                    tag: 0,
+                    sender: Some(EpId(self.peer)),
+                }));
+                r.guards.clear();
+            }
+        }
+    }
+
+    fn cancel(&mut self, id: u64) -> Vec<u8> {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Vec::new();
+        };
+        let taken = match &r.kind {
+            ReqKind::Recv(rs) if r.result.is_none() => {
+                // SAFETY: the receive buffer is still lent to the scope (the request is not
+                // finished); its first `received <= cap` bytes were written by the stream
+                // protocol.
+                unsafe { host_slice(rs.addr, rs.received) }.to_vec()
+            }
+            _ => Vec::new(),
+        };
+        if r.result.is_none() {
+            r.result = Some(Err(Error::Canceled));
+            r.guards.clear();
+        }
+        taken
     }
 }
 

@@ -1,6 +1,9 @@
-//! The protocols, by name: what a row of a plan's table ([`crate::plan`]) says a size takes.
+//! The protocols: their names (what a row of a plan's table, [`crate::plan`], says a size
+//! takes), and protocol state machines that run without a transport.
 
 use std::fmt;
+
+pub(crate) mod stream;
 
 /// A send protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
