@@ -29,13 +29,11 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
-use std::net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener};
+use std::net::{IpAddr, Shutdown, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{Shutdown, shutdown};
 use rucx_ucs::{Error, MemoryType, Result};
 use rucx_uct::iface::{AM_ID_MAX, check_packed};
 use rucx_uct::{
@@ -45,8 +43,10 @@ use rucx_uct::{
 
 use crate::addr::{self, DevAddr, NetIf};
 use crate::md::{RegTable, TcpReg, TcpRkey};
-use crate::sock::Watch;
-use crate::wire::{self, FdSock, Fill, Header, Kind, RawSock, RxBuf, Sock, TxQueue, code};
+use crate::ready::{ERR_HUP, IN, Kick, OUT, Watch};
+use crate::sock::{FdSock, RawSock};
+use crate::stream::{Fill, OwnedSock, RawRecv, RxBuf, Sock, TxQueue};
+use crate::wire::{self, Header, Kind, code};
 use crate::{TL_NAME, TcpOptions, sock};
 
 /// Reads per connection per progress call, so one busy peer cannot starve the others.
@@ -61,28 +61,6 @@ const MAX_UNIDENTIFIED: usize = 256;
 
 fn lock(c: &Mutex<Conn>) -> MutexGuard<'_, Conn> {
     c.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Connections that need the interface's attention although their socket may have no event:
-/// an endpoint queued output, failed it or went away. Shared by the interface and every
-/// connection; the interface takes the list in its next progress.
-#[derive(Debug, Default)]
-struct Kick {
-    any: AtomicBool,
-    keys: Mutex<Vec<usize>>,
-}
-
-impl Kick {
-    /// Take the connections kicked since the last call into `out`.
-    fn take(&self, out: &mut Vec<usize>) {
-        if !self.any.load(Ordering::Acquire) {
-            return;
-        }
-        // Cleared before the list is taken: a kick racing with this either lands in the list
-        // taken now or sets the flag again for the next call.
-        self.any.store(false, Ordering::Release);
-        out.append(&mut self.keys.lock().unwrap_or_else(PoisonError::into_inner));
-    }
 }
 
 /// An event owned until it is handed to the sink.
@@ -219,12 +197,7 @@ impl Conn {
     fn kick(&mut self) {
         if !self.kicked {
             self.kicked = true;
-            self.kick
-                .keys
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(self.key);
-            self.kick.any.store(true, Ordering::Release);
+            self.kick.push(self.key);
         }
     }
 
@@ -328,18 +301,9 @@ impl Conn {
     /// A connect in progress: finish it if the socket is ready (without waiting), and send the
     /// hello and whatever was queued behind it.
     fn check_connected(&mut self) {
-        let mut p = [libc::pollfd {
-            fd: self.sock.0.as_raw_fd(),
-            events: libc::POLLOUT,
-            revents: 0,
-        }];
-        // SAFETY: one valid pollfd for a descriptor this connection owns; timeout 0.
-        let rc = unsafe { libc::poll(p.as_mut_ptr(), 1, 0) };
-        if rc <= 0 {
-            return;
-        }
-        match sock::connect_result(&self.sock.0) {
-            Ok(()) => {
+        match self.sock.connect_status() {
+            None => {}
+            Some(Ok(())) => {
                 self.state = State::Open;
                 if let Err(e) = self.tx.write(&mut self.sock) {
                     self.fail(&format!("send: {e}"));
@@ -347,7 +311,7 @@ impl Conn {
                 // Watch it for input now.
                 self.kick();
             }
-            Err(e) => self.fail(&format!("connect: {e}")),
+            Some(Err(e)) => self.fail(&format!("connect: {e}")),
         }
     }
 
@@ -361,7 +325,7 @@ impl Conn {
             tracing::debug!("tcp endpoint to {} failed: {reason}", self.peer_name());
         }
         self.state = State::Failed(reason.to_string());
-        let _ = shutdown(self.sock.0.as_raw_fd(), Shutdown::Both);
+        self.sock.shutdown(Shutdown::Both);
         // The interface reports it and lets the connection go.
         self.kick();
         // Items written completely before the failure did complete.
@@ -665,16 +629,13 @@ impl Slot {
         sink: &mut dyn FnMut(Event<'_>),
         out: &mut Vec<Owned>,
     ) -> usize {
-        const IN: u32 = libc::EPOLLIN as u32;
-        const OUT: u32 = libc::EPOLLOUT as u32;
-        const ERR_HUP: u32 = (libc::EPOLLERR | libc::EPOLLHUP) as u32;
         let readable = rev & (IN | ERR_HUP) != 0;
         let may_read = {
             let mut c = lock(&self.conn);
             c.kicked = false;
             if c.state == State::Connecting {
                 if rev & (OUT | ERR_HUP) != 0 {
-                    match sock::connect_result(&c.sock.0) {
+                    match c.sock.connect_result() {
                         Ok(()) => c.state = State::Open,
                         Err(e) => c.fail(&format!("connect: {e}")),
                     }
@@ -753,7 +714,7 @@ impl Slot {
             c.deadline = Instant::now() + c.linger;
         }
         if c.closing && !c.shut && c.state == State::Open && c.tx.is_empty() {
-            let _ = shutdown(c.sock.0.as_raw_fd(), Shutdown::Write);
+            c.sock.shutdown(Shutdown::Write);
             c.shut = true;
         }
         match c.ep {
@@ -859,10 +820,7 @@ impl Slot {
     /// Receive more of the direct get answer's data.
     fn recv_direct_get(&mut self) -> io::Result<Fill> {
         let g = self.direct_get.as_mut().expect("a direct get");
-        let mut iov = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; wire::MAX_IOV];
+        let mut bufs = [(std::ptr::null_mut(), 0); wire::MAX_IOV];
         let (mut cnt, mut skip) = (0, g.off);
         for (m, a, l) in &g.dst {
             if skip >= *l {
@@ -870,37 +828,19 @@ impl Slot {
                 continue;
             }
             debug_assert!(m.region().contains(a + skip, l - skip));
-            iov[cnt] = libc::iovec {
-                iov_base: (a + skip) as *mut libc::c_void,
-                iov_len: l - skip,
-            };
+            bufs[cnt] = ((a + skip) as *mut u8, l - skip);
             skip = 0;
             cnt += 1;
         }
         let want = g.len - g.off;
-        // SAFETY: every iovec lies inside a range validated against a live host registration of
-        // the tcp domain when the get was posted (`check_iov`), kept registered (and so, by
+        // SAFETY: every buffer lies inside a range validated against a live host registration
+        // of the tcp domain when the get was posted (`check_iov`), kept registered (and so, by
         // `mem_reg`'s contract, writable) by the handle clones in `g.dst`; no Rust reference
-        // to that memory exists, and the kernel writes at most the iovecs' lengths.
-        let n = unsafe { libc::readv(self.fd, iov.as_ptr(), cnt as i32) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return match e.kind() {
-                io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
-                io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
-                _ => Err(e),
-            };
-        }
-        let n = n as usize;
-        if n == 0 {
-            return Ok(Fill::Eof);
-        }
-        g.off += n;
-        Ok(if n < want {
-            Fill::Drained(n)
-        } else {
-            Fill::Data(n)
-        })
+        // to that memory exists.
+        let r = unsafe { RawSock(self.fd).recv_raw_vectored(&bufs[..cnt]) };
+        let f = Fill::of_recv(r, want)?;
+        g.off += f.bytes();
+        Ok(f)
     }
 
     /// Receive more of the direct `Put`'s body (into its destination, or into scratch space
@@ -916,7 +856,7 @@ impl Slot {
                 // registration and holds the table's read lock while this runs, so the memory
                 // stays allocated and writable (`mem_reg`'s contract); no Rust reference to it
                 // exists here, and the kernel writes at most `want` bytes.
-                unsafe { wire::recv_raw(fd, p, want) }
+                unsafe { RawSock(fd).recv_raw(p, want) }
             }) {
                 Ok(r) => (want, r),
                 Err(reason) => {
@@ -927,7 +867,7 @@ impl Slot {
             }
         } else {
             if self.scratch.is_empty() {
-                self.scratch = vec![0u8; wire::READ_CHUNK];
+                self.scratch = vec![0u8; crate::stream::READ_CHUNK];
             }
             let n = want.min(self.scratch.len());
             (n, RawSock(fd).recv(&mut self.scratch[..n]))
@@ -1163,7 +1103,7 @@ impl TcpIface {
         };
         let watch = Watch::new()
             .and_then(|mut w| {
-                w.add(listener.as_raw_fd(), libc::EPOLLIN as u32, LISTENER_KEY)?;
+                w.add(listener.as_raw_fd(), IN, LISTENER_KEY)?;
                 Ok(w)
             })
             .map_err(|e| Error::io(format!("tcp interface on {}: epoll", dev.name), e))?;
@@ -1224,9 +1164,9 @@ impl TcpIface {
         let fd = conn.sock.0.as_raw_fd();
         let timed = conn.state == State::Connecting;
         let want = match conn.state {
-            State::Connecting => libc::EPOLLOUT as u32,
+            State::Connecting => OUT,
             // The hello is queued.
-            _ => (libc::EPOLLIN | libc::EPOLLOUT) as u32,
+            _ => IN | OUT,
         };
         self.watch.add(fd, want, key as u64)?;
         let conn = Arc::new(Mutex::new(conn));
@@ -1445,9 +1385,8 @@ impl TcpIface {
         {
             return Merge::Wait;
         }
-        let left = match nix::sys::socket::getsockname::<nix::sys::socket::SockaddrIn>(sd.fd) {
-            Ok(l) => SocketAddrV4::from(l),
-            Err(_) => return Merge::Abort,
+        let Ok(left) = cd.sock.local_addr() else {
+            return Merge::Abort;
         };
         tracing::debug!(
             "tcp interface on {}: endpoint to {} moves to the connection the peer opened",
@@ -2370,7 +2309,7 @@ mod tests {
             complete(&mut a, &mut b, round).unwrap();
         }
         // b never buffered a whole put body: it went from the socket to the target.
-        assert!(only_slot(&b).rx.allocated() <= wire::READ_CHUNK);
+        assert!(only_slot(&b).rx.allocated() <= crate::stream::READ_CHUNK);
         assert!(target[4096..4096 + LEN] == src[..], "data intact");
         assert!(target[..4096].iter().all(|&x| x == 0xee), "nothing before");
         assert!(
@@ -2453,7 +2392,7 @@ mod tests {
                 .unwrap();
             complete(&mut a, &mut b, round).unwrap();
         }
-        assert!(only_slot(&a).rx.allocated() <= wire::READ_CHUNK);
+        assert!(only_slot(&a).rx.allocated() <= crate::stream::READ_CHUNK);
         let got: Vec<u8> = bufs
             .iter()
             .zip(sizes)

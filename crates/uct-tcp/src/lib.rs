@@ -41,7 +41,11 @@ pub mod addr;
 pub mod cm;
 mod iface;
 pub mod md;
+#[cfg(test)]
+mod memsock;
+mod ready;
 mod sock;
+mod stream;
 pub mod wire;
 
 use std::sync::Arc;
