@@ -24,9 +24,21 @@
 //! side with the larger listening address moves its endpoint onto the connection the other
 //! side opened (between two requests, keeping its messages in order: `Joined` in [`wire`]),
 //! and its own connection closes. Requests are answered on the connection they came on, in
-//! order. When an
-//! endpoint is dropped, what it posted is still sent, followed by `Detach`; a connection with
-//! no endpoint left on either side is closed. Details in the `iface` module and [`wire`].
+//! order. When an endpoint is dropped, what it posted is still sent, followed by `Detach`; a
+//! connection with no endpoint left on either side is closed. Details in the `proto` module
+//! and [`wire`].
+//!
+//! # Layout
+//! - [`wire`]: the frame format, pure functions over bytes.
+//! - `stream`: the byte stream under the frames: the socket traits the protocol uses, frame
+//!   reassembly from reads of any size, the send queue.
+//! - `proto`: the connection protocol as pure code (no descriptor, no system call): states,
+//!   `Hello` checks, requests and answers, `Detach` and closing, simultaneous connects. Its
+//!   tests run it over an in-memory stream.
+//! - `sock` (sockets: listen, connect, accept, options, the socket types) and `ready` (epoll,
+//!   `poll(2)`, the kick list): every system call.
+//! - `iface` and `ep`: the interface and endpoint glue on top: the table of connections,
+//!   progress, argument checks.
 //!
 //! # Errors
 //! A peer that closes or resets the connection, a connect that fails or times out, a keepalive
@@ -39,10 +51,12 @@
 
 pub mod addr;
 pub mod cm;
+mod ep;
 mod iface;
 pub mod md;
 #[cfg(test)]
 mod memsock;
+mod proto;
 mod ready;
 mod sock;
 mod stream;
@@ -54,7 +68,8 @@ use std::time::Duration;
 use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result};
 use rucx_uct::{Availability, Component, MemoryDomain};
 
-pub use iface::{TcpEndpoint, TcpIface};
+pub use ep::TcpEndpoint;
+pub use iface::TcpIface;
 pub use md::TcpMd;
 
 /// Component and memory domain name.

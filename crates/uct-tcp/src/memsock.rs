@@ -56,6 +56,35 @@ pub(crate) fn pair(cap: usize, max_io: usize) -> (MemSock, MemSock) {
 }
 
 impl MemSock {
+    /// Another handle on the same end (what the interface's lock-free reader is to the socket
+    /// a connection owns).
+    pub(crate) fn reader(&self) -> MemSock {
+        MemSock {
+            rx: self.rx.clone(),
+            tx: self.tx.clone(),
+            cap: self.cap,
+            max_io: self.max_io,
+            local: self.local,
+            connect: self.connect,
+            connecting: self.connecting,
+        }
+    }
+
+    /// Bytes sent to this end and not read yet.
+    pub(crate) fn pending_in(&self) -> usize {
+        lock(&self.rx).data.len()
+    }
+
+    /// Whether the peer shut down its sending side.
+    pub(crate) fn peer_closed(&self) -> bool {
+        lock(&self.rx).closed
+    }
+
+    /// Everything sent to this end so far, taken.
+    pub(crate) fn take_all(&mut self) -> Vec<u8> {
+        lock(&self.rx).data.drain(..).collect()
+    }
+
     /// Send raw bytes to the peer, ignoring the capacity (a test writing garbage).
     pub(crate) fn inject(&mut self, bytes: &[u8]) {
         lock(&self.tx).data.extend(bytes);
