@@ -1,4 +1,4 @@
-//! rucx tcp transport and sockaddr connection manager.
+//! rucx tcp transport.
 //!
 //! - [`TcpComponent`]: component `tcp`, one memory domain `tcp`, one transport resource per
 //!   network interface that is up and has an IPv4 address (`lo` included); the device name is
@@ -10,8 +10,6 @@
 //!   and driven by [`Iface::progress`](rucx_uct::Iface::progress): one call without waiting
 //!   names the sockets that are ready (`poll(2)` over a kept array while there are a few,
 //!   `epoll_wait(2)` beyond), and only those are read or written.
-//! - [`cm`]: the sockaddr connection manager (listen on host:port, accept, connect, exchange
-//!   private data) that UCP uses for client/server wire-up.
 //!
 //! # Connections
 //! Endpoints connect to a peer interface's listening address. A connection is full duplex and
@@ -50,7 +48,6 @@
 //! the interface are not affected.
 
 pub mod addr;
-pub mod cm;
 mod ep;
 mod iface;
 pub mod md;
@@ -77,7 +74,7 @@ pub const COMPONENT: &str = "tcp";
 /// Transport name.
 pub const TL_NAME: &str = "tcp";
 
-/// Options of the tcp transport and connection manager (names without the `RUCX_` prefix).
+/// Options of the tcp transport (names without the `RUCX_` prefix).
 pub static CONFIG: &[OptionSpec] = &[
     OptionSpec {
         name: "TCP_IFACES",
@@ -146,8 +143,7 @@ pub static CONFIG: &[OptionSpec] = &[
         name: "TCP_CONNECT_TIMEOUT",
         kind: OptKind::Time,
         default: "10s",
-        help: "How long an endpoint's connection (and a connection manager handshake) may take \
-               before it fails.",
+        help: "How long an endpoint's connection may take before it fails.",
     },
     OptionSpec {
         name: "TCP_TX_QUEUE",
