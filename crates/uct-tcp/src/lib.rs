@@ -1,4 +1,4 @@
-//! rucx tcp transport and sockaddr connection manager.
+//! rucx tcp transport.
 //!
 //! - [`TcpComponent`]: component `tcp`, one memory domain `tcp`, one transport resource per
 //!   network interface that is up and has an IPv4 address (`lo` included); the device name is
@@ -10,8 +10,6 @@
 //!   and driven by [`Iface::progress`](rucx_uct::Iface::progress): one call without waiting
 //!   names the sockets that are ready (`poll(2)` over a kept array while there are a few,
 //!   `epoll_wait(2)` beyond), and only those are read or written.
-//! - [`cm`]: the sockaddr connection manager (listen on host:port, accept, connect, exchange
-//!   private data) that UCP uses for client/server wire-up.
 //!
 //! # Connections
 //! Endpoints connect to a peer interface's listening address. A connection is full duplex and
@@ -24,9 +22,21 @@
 //! side with the larger listening address moves its endpoint onto the connection the other
 //! side opened (between two requests, keeping its messages in order: `Joined` in [`wire`]),
 //! and its own connection closes. Requests are answered on the connection they came on, in
-//! order. When an
-//! endpoint is dropped, what it posted is still sent, followed by `Detach`; a connection with
-//! no endpoint left on either side is closed. Details in the `iface` module and [`wire`].
+//! order. When an endpoint is dropped, what it posted is still sent, followed by `Detach`; a
+//! connection with no endpoint left on either side is closed. Details in the `proto` module
+//! and [`wire`].
+//!
+//! # Layout
+//! - [`wire`]: the frame format, pure functions over bytes.
+//! - `stream`: the byte stream under the frames: the socket traits the protocol uses, frame
+//!   reassembly from reads of any size, the send queue.
+//! - `proto`: the connection protocol as pure code (no descriptor, no system call): states,
+//!   `Hello` checks, requests and answers, `Detach` and closing, simultaneous connects. Its
+//!   tests run it over an in-memory stream.
+//! - `sock` (sockets: listen, connect, accept, options, the socket types) and `ready` (epoll,
+//!   `poll(2)`, the kick list): every system call.
+//! - `iface` and `ep`: the interface and endpoint glue on top: the table of connections,
+//!   progress, argument checks.
 //!
 //! # Errors
 //! A peer that closes or resets the connection, a connect that fails or times out, a keepalive
@@ -38,10 +48,15 @@
 //! the interface are not affected.
 
 pub mod addr;
-pub mod cm;
+mod ep;
 mod iface;
 pub mod md;
+#[cfg(test)]
+mod memsock;
+mod proto;
+mod ready;
 mod sock;
+mod stream;
 pub mod wire;
 
 use std::sync::Arc;
@@ -50,7 +65,8 @@ use std::time::Duration;
 use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result};
 use rucx_uct::{Availability, Component, MemoryDomain};
 
-pub use iface::{TcpEndpoint, TcpIface};
+pub use ep::TcpEndpoint;
+pub use iface::TcpIface;
 pub use md::TcpMd;
 
 /// Component and memory domain name.
@@ -58,7 +74,7 @@ pub const COMPONENT: &str = "tcp";
 /// Transport name.
 pub const TL_NAME: &str = "tcp";
 
-/// Options of the tcp transport and connection manager (names without the `RUCX_` prefix).
+/// Options of the tcp transport (names without the `RUCX_` prefix).
 pub static CONFIG: &[OptionSpec] = &[
     OptionSpec {
         name: "TCP_IFACES",
@@ -127,8 +143,7 @@ pub static CONFIG: &[OptionSpec] = &[
         name: "TCP_CONNECT_TIMEOUT",
         kind: OptKind::Time,
         default: "10s",
-        help: "How long an endpoint's connection (and a connection manager handshake) may take \
-               before it fails.",
+        help: "How long an endpoint's connection may take before it fails.",
     },
     OptionSpec {
         name: "TCP_TX_QUEUE",
