@@ -493,3 +493,84 @@ fn stream_bytes_in_order_any_split() {
     });
     assert_eq!(w.live_requests(), 0);
 }
+
+/// A failed request reports one error however it is looked at: `test`, `wait` and `.await` give
+/// the very error it had, whether it was refused when posted (an endpoint this worker does not
+/// have, a put out of the remote region) or failed later (a truncated receive).
+#[test]
+fn a_failed_request_reports_the_same_error_to_test_wait_and_await() {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context as Cx, Poll, Waker};
+
+    let w = worker(&[]);
+    // An endpoint id from another worker: `w` has no endpoint at all.
+    let other = worker(&[]);
+    let stranger = other.connect(&other.address()).unwrap();
+    let data = pattern(300, 9);
+    let mut into = vec![0u8; 300];
+    w.scope(|s| {
+        for r in [
+            s.tag_send(stranger, &data, 1),
+            s.tag_send_sync(stranger, &data, 1),
+            s.stream_send(stranger, &data),
+        ] {
+            let tested = r
+                .test()
+                .expect("a refused request is finished")
+                .unwrap_err();
+            assert!(
+                matches!(&tested, Error::InvalidParam(m) if m.contains("ep0 does not exist")),
+                "{tested:?}"
+            );
+            assert_eq!(r.test().unwrap().unwrap_err(), tested, "test twice");
+            assert_eq!(r.wait().unwrap_err(), tested, "test vs wait");
+        }
+        let r = s.stream_recv(stranger, &mut into);
+        let tested = r.test().expect("refused").unwrap_err();
+        assert_eq!(r.wait().unwrap_err(), tested);
+        // Awaited: the same error, on this poll and on any later one.
+        let mut fut = pin!(s.tag_send(stranger, &data, 2));
+        let tested = fut.test().expect("refused").unwrap_err();
+        let mut cx = Cx::from_waker(Waker::noop());
+        for _ in 0..2 {
+            match fut.as_mut().poll(&mut cx) {
+                Poll::Ready(Err(e)) => assert_eq!(e, tested),
+                other => panic!("{other:?}"),
+            }
+        }
+    });
+
+    let ep = w.connect(&w.address()).unwrap();
+    let mut target = vec![0u8; 4096];
+    let map = w.mem_map(&mut target).unwrap();
+    let rkey = w.rkey_unpack(ep, &map.pack_rkey()).unwrap();
+    let mut short = vec![0u8; 10];
+    w.scope(|s| {
+        // Refused when posted: out of the remote region (and of the pages around it).
+        let r = s.put(ep, &data, rkey.base() + rkey.len() + 8192, &rkey);
+        let tested = r.test().expect("refused").unwrap_err();
+        assert!(matches!(tested, Error::OutOfBounds { .. }), "{tested:?}");
+        assert_eq!(r.wait().unwrap_err(), tested);
+        // Failed in flight: 300 bytes for a 10-byte receive.
+        let r = s.tag_recv(&mut short, 3, TAG_MASK_FULL);
+        s.tag_send(ep, &data, 3).wait().unwrap();
+        let tested = loop {
+            match r.test() {
+                Some(res) => break res.unwrap_err(),
+                None => {
+                    w.progress();
+                }
+            }
+        };
+        assert_eq!(
+            tested,
+            Error::Truncated {
+                incoming: 300,
+                capacity: 10
+            }
+        );
+        assert_eq!(r.wait().unwrap_err(), tested);
+    });
+    assert_eq!(w.live_requests(), 0);
+}
