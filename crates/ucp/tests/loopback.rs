@@ -200,6 +200,57 @@ fn put_get_and_flush() {
     assert_eq!(&map.as_slice()[1000..301_000], &data[..]);
 }
 
+/// Puts and gets stay inside the region the peer mapped, even where the memory domain
+/// registered more (whole pages): an access that runs past either end is refused and nothing
+/// around the region is touched.
+#[test]
+fn remote_access_is_bounded_by_the_mapped_region_not_its_pages() {
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    // A 1000-byte region in the middle of a larger buffer: the bytes around it share its pages.
+    let mut all = vec![0u8; 3 * 4096];
+    let (before, rest) = all.split_at_mut(2000);
+    let (region, after) = rest.split_at_mut(1000);
+    let map = w.mem_map(region).unwrap();
+    let rkey = w.rkey_unpack(ep, &map.pack_rkey()).unwrap();
+    assert_eq!(rkey.len(), 1000);
+    let data = pattern(300, 3);
+    let cases = [
+        (rkey.base() + 1000 - 10, 300u64),
+        (rkey.base() + 1000, 1),
+        (rkey.base() - 10, 300),
+    ];
+    let mut backs = vec![vec![0xeeu8; 300]; cases.len()];
+    w.scope(|s| {
+        for (&(remote, len), back) in cases.iter().zip(backs.iter_mut()) {
+            let want = Error::OutOfBounds {
+                addr: remote,
+                len,
+                base: rkey.base(),
+                region_len: 1000,
+            };
+            let r = s.put(ep, &data[..len as usize], remote, &rkey);
+            assert_eq!(r.wait().unwrap_err(), want, "put");
+            let r = s.get(ep, &mut back[..len as usize], remote, &rkey);
+            assert_eq!(r.wait().unwrap_err(), want, "get");
+        }
+        // The last bytes of the region are fine.
+        s.put(ep, &data[..10], rkey.base() + 990, &rkey)
+            .wait()
+            .unwrap();
+        s.flush(ep).wait().unwrap();
+    });
+    assert!(
+        backs.concat().iter().all(|&b| b == 0xee),
+        "a refused get wrote"
+    );
+    assert_eq!(&map.as_slice()[990..], &data[..10]);
+    assert!(map.as_slice()[..990].iter().all(|&b| b == 0));
+    drop(map);
+    assert!(before.iter().all(|&b| b == 0), "written before the region");
+    assert!(after.iter().all(|&b| b == 0), "written past the region");
+}
+
 #[test]
 fn garbage_addresses_and_keys_are_errors() {
     let w = worker(&[]);

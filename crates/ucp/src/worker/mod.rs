@@ -432,6 +432,21 @@ impl RkeyBundle {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Check that an access of `len` bytes at `addr` stays inside the mapped region.
+    fn check(&self, addr: u64, len: u64) -> Result<()> {
+        let end = self.base.saturating_add(self.len);
+        if addr >= self.base && addr.checked_add(len).is_some_and(|e| e <= end) {
+            Ok(())
+        } else {
+            Err(Error::OutOfBounds {
+                addr,
+                len,
+                base: self.base,
+                region_len: self.len,
+            })
+        }
+    }
 }
 
 /// A local region registered for remote access; see [`Worker::mem_map`].
@@ -3522,6 +3537,10 @@ impl State {
                 domain: mdname.clone(),
                 reason: "the remote key bundle has no key for the transport to this peer".into(),
             })?;
+        // The region the peer mapped, not only the domain's key: a registration is aligned out
+        // to whole pages (and the registration cache may merge it with its neighbours), so the
+        // key alone lets an access run past the mapped buffer.
+        rkey.check(remote, len as u64)?;
         key.check(remote, len as u64)?;
         let g = if len > 0 {
             Some(self.ctx.register(md, MemRegion::host(addr, len))?)
