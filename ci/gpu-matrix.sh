@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU scenarios of rucx, for a machine with NVIDIA GPUs (run there; nothing here needs Rust).
 # Usage: ci/gpu-matrix.sh [BIN_DIR]   (BIN_DIR holds gpu_exchange, exchange, rucx-info;
-#        `cargo xtask gpu-pack` fills .device/ with them).
+#        `cargo xtask gpu-pack` fills .device/ with them, under these names, next to the test
+#        executables named <package>-<test>, e.g. rucx-uct-cuda-ipc-gpu).
 # ONLY=REGEX runs the scenarios whose name matches. Every scenario runs two ranks on this host (GPU 0 and GPU 1 when there are two) and checks
 # every byte; the script exits non-zero if any scenario fails.
 set -u

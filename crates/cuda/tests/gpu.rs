@@ -1,7 +1,8 @@
 //! GPU tests: run only with `RUCX_GPU_TESTS=1` on a machine with a CUDA driver and a GPU.
 //!
 //! Elsewhere each test prints why it skipped and passes. On a GPU machine run with
-//! `RUCX_GPU_TESTS=1 <test binary> --test-threads=1 --nocapture`.
+//! `RUCX_GPU_TESTS=1 <test binary> --test-threads=1 --nocapture` (`cargo xtask gpu-pack` puts
+//! it at `.device/rucx-cuda-gpu`).
 
 use std::ffi::c_void;
 

@@ -44,10 +44,8 @@ enum ReqState {
     Pending(u64),
     /// Finished when posted (eager sends): no table entry at all.
     Done(Completion),
-    /// Refused when posted.
+    /// Refused when posted: every look (`test`, `wait`, `.await`) reports this error.
     Failed(Box<rucx_ucs::Error>),
-    /// Its failure was handed out already (by `.await`).
-    Taken,
 }
 
 impl std::fmt::Debug for Request<'_> {
@@ -197,8 +195,7 @@ impl Request<'_> {
         match &self.state {
             ReqState::Pending(id) => self.worker.req_result(*id),
             ReqState::Done(c) => Some(Ok(*c)),
-            ReqState::Failed(e) => Some(Err(rucx_ucs::Error::InvalidParam(e.to_string()))),
-            ReqState::Taken => Some(Err(taken())),
+            ReqState::Failed(e) => Some(Err(rucx_ucs::Error::clone(e))),
         }
     }
 
@@ -208,7 +205,6 @@ impl Request<'_> {
             ReqState::Pending(id) => self.worker.wait_req(id, limit),
             ReqState::Done(c) => Ok(c),
             ReqState::Failed(e) => Err(*e),
-            ReqState::Taken => Err(taken()),
         }
     }
 
@@ -232,25 +228,16 @@ impl Request<'_> {
     }
 }
 
-fn taken() -> rucx_ucs::Error {
-    rucx_ucs::Error::Internal("request polled after completion".into())
-}
-
 impl Future for Request<'_> {
     type Output = Result<Completion>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        // A finished request answers every poll alike (as `test` does), so polling it again
+        // after it was ready reports the same result rather than a made-up error.
         let id = match &self.state {
             ReqState::Pending(id) => *id,
             ReqState::Done(c) => return Poll::Ready(Ok(*c)),
-            ReqState::Failed(_) => {
-                let ReqState::Failed(e) = std::mem::replace(&mut self.state, ReqState::Taken)
-                else {
-                    unreachable!("matched just above")
-                };
-                return Poll::Ready(Err(*e));
-            }
-            ReqState::Taken => return Poll::Ready(Err(taken())),
+            ReqState::Failed(e) => return Poll::Ready(Err(rucx_ucs::Error::clone(e))),
         };
         if let Some(r) = self.worker.req_result(id) {
             return Poll::Ready(r);

@@ -200,6 +200,57 @@ fn put_get_and_flush() {
     assert_eq!(&map.as_slice()[1000..301_000], &data[..]);
 }
 
+/// Puts and gets stay inside the region the peer mapped, even where the memory domain
+/// registered more (whole pages): an access that runs past either end is refused and nothing
+/// around the region is touched.
+#[test]
+fn remote_access_is_bounded_by_the_mapped_region_not_its_pages() {
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    // A 1000-byte region in the middle of a larger buffer: the bytes around it share its pages.
+    let mut all = vec![0u8; 3 * 4096];
+    let (before, rest) = all.split_at_mut(2000);
+    let (region, after) = rest.split_at_mut(1000);
+    let map = w.mem_map(region).unwrap();
+    let rkey = w.rkey_unpack(ep, &map.pack_rkey()).unwrap();
+    assert_eq!(rkey.len(), 1000);
+    let data = pattern(300, 3);
+    let cases = [
+        (rkey.base() + 1000 - 10, 300u64),
+        (rkey.base() + 1000, 1),
+        (rkey.base() - 10, 300),
+    ];
+    let mut backs = vec![vec![0xeeu8; 300]; cases.len()];
+    w.scope(|s| {
+        for (&(remote, len), back) in cases.iter().zip(backs.iter_mut()) {
+            let want = Error::OutOfBounds {
+                addr: remote,
+                len,
+                base: rkey.base(),
+                region_len: 1000,
+            };
+            let r = s.put(ep, &data[..len as usize], remote, &rkey);
+            assert_eq!(r.wait().unwrap_err(), want, "put");
+            let r = s.get(ep, &mut back[..len as usize], remote, &rkey);
+            assert_eq!(r.wait().unwrap_err(), want, "get");
+        }
+        // The last bytes of the region are fine.
+        s.put(ep, &data[..10], rkey.base() + 990, &rkey)
+            .wait()
+            .unwrap();
+        s.flush(ep).wait().unwrap();
+    });
+    assert!(
+        backs.concat().iter().all(|&b| b == 0xee),
+        "a refused get wrote"
+    );
+    assert_eq!(&map.as_slice()[990..], &data[..10]);
+    assert!(map.as_slice()[..990].iter().all(|&b| b == 0));
+    drop(map);
+    assert!(before.iter().all(|&b| b == 0), "written before the region");
+    assert!(after.iter().all(|&b| b == 0), "written past the region");
+}
+
 #[test]
 fn garbage_addresses_and_keys_are_errors() {
     let w = worker(&[]);
@@ -537,4 +588,84 @@ fn demotion_replans_onto_the_next_best_lane() {
     assert!(hh.zero_copy && hh.lane.starts_with("posix/"), "{hh}");
     let last = w.proto_table(ep).unwrap().last().unwrap().clone();
     assert_eq!(hh.protocol, last.proto.name());
+
+/// A failed request reports one error however it is looked at: `test`, `wait` and `.await` give
+/// the very error it had, whether it was refused when posted (an endpoint this worker does not
+/// have, a put out of the remote region) or failed later (a truncated receive).
+#[test]
+fn a_failed_request_reports_the_same_error_to_test_wait_and_await() {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context as Cx, Poll, Waker};
+
+    let w = worker(&[]);
+    // An endpoint id from another worker: `w` has no endpoint at all.
+    let other = worker(&[]);
+    let stranger = other.connect(&other.address()).unwrap();
+    let data = pattern(300, 9);
+    let mut into = vec![0u8; 300];
+    w.scope(|s| {
+        for r in [
+            s.tag_send(stranger, &data, 1),
+            s.tag_send_sync(stranger, &data, 1),
+            s.stream_send(stranger, &data),
+        ] {
+            let tested = r
+                .test()
+                .expect("a refused request is finished")
+                .unwrap_err();
+            assert!(
+                matches!(&tested, Error::InvalidParam(m) if m.contains("ep0 does not exist")),
+                "{tested:?}"
+            );
+            assert_eq!(r.test().unwrap().unwrap_err(), tested, "test twice");
+            assert_eq!(r.wait().unwrap_err(), tested, "test vs wait");
+        }
+        let r = s.stream_recv(stranger, &mut into);
+        let tested = r.test().expect("refused").unwrap_err();
+        assert_eq!(r.wait().unwrap_err(), tested);
+        // Awaited: the same error, on this poll and on any later one.
+        let mut fut = pin!(s.tag_send(stranger, &data, 2));
+        let tested = fut.test().expect("refused").unwrap_err();
+        let mut cx = Cx::from_waker(Waker::noop());
+        for _ in 0..2 {
+            match fut.as_mut().poll(&mut cx) {
+                Poll::Ready(Err(e)) => assert_eq!(e, tested),
+                other => panic!("{other:?}"),
+            }
+        }
+    });
+
+    let ep = w.connect(&w.address()).unwrap();
+    let mut target = vec![0u8; 4096];
+    let map = w.mem_map(&mut target).unwrap();
+    let rkey = w.rkey_unpack(ep, &map.pack_rkey()).unwrap();
+    let mut short = vec![0u8; 10];
+    w.scope(|s| {
+        // Refused when posted: out of the remote region (and of the pages around it).
+        let r = s.put(ep, &data, rkey.base() + rkey.len() + 8192, &rkey);
+        let tested = r.test().expect("refused").unwrap_err();
+        assert!(matches!(tested, Error::OutOfBounds { .. }), "{tested:?}");
+        assert_eq!(r.wait().unwrap_err(), tested);
+        // Failed in flight: 300 bytes for a 10-byte receive.
+        let r = s.tag_recv(&mut short, 3, TAG_MASK_FULL);
+        s.tag_send(ep, &data, 3).wait().unwrap();
+        let tested = loop {
+            match r.test() {
+                Some(res) => break res.unwrap_err(),
+                None => {
+                    w.progress();
+                }
+            }
+        };
+        assert_eq!(
+            tested,
+            Error::Truncated {
+                incoming: 300,
+                capacity: 10
+            }
+        );
+        assert_eq!(r.wait().unwrap_err(), tested);
+    });
+    assert_eq!(w.live_requests(), 0);
 }

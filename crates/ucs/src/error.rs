@@ -3,6 +3,7 @@
 //! Every message says what failed, on which resource, and what the user can change.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::memtype::MemoryType;
@@ -104,8 +105,77 @@ impl fmt::Display for RegError {
 
 impl std::error::Error for RegError {}
 
+/// An operating-system error that can be cloned and compared, as held by [`Error::Io`].
+///
+/// [`std::io::Error`] is neither `Clone` nor `PartialEq`; this shares one behind an [`Arc`], so
+/// every clone of an [`Error`] reports the very same OS error (kind, code and message). It
+/// displays as the `io::Error` inside and hands on that error's source, so the chain of
+/// [`std::error::Error::source`] reads as it would with the `io::Error` itself;
+/// [`get_ref`](Self::get_ref) gives the `io::Error`.
+#[derive(Clone, Debug)]
+pub struct IoError(Arc<std::io::Error>);
+
+impl IoError {
+    /// Wrap an OS error.
+    pub fn new(e: std::io::Error) -> Self {
+        IoError(Arc::new(e))
+    }
+
+    /// The `io::Error` inside.
+    pub fn get_ref(&self) -> &std::io::Error {
+        &self.0
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> std::io::ErrorKind {
+        self.0.kind()
+    }
+
+    /// The OS error code (`errno`), when it came from one.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        self.0.raw_os_error()
+    }
+}
+
+impl From<std::io::Error> for IoError {
+    fn from(e: std::io::Error) -> Self {
+        IoError::new(e)
+    }
+}
+
+impl AsRef<std::io::Error> for IoError {
+    fn as_ref(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+/// Equal when they are clones of one error, or have the same kind, OS code and message.
+impl PartialEq for IoError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+            || (self.kind() == other.kind()
+                && self.raw_os_error() == other.raw_os_error()
+                && self.0.to_string() == other.0.to_string())
+    }
+}
+
+impl fmt::Display for IoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for IoError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
 /// The one error type of rucx.
-#[derive(Debug, thiserror::Error)]
+///
+/// It is `Clone` and `PartialEq`, so every request that failed for one reason reports that very
+/// error, and tests can compare errors whole.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A caller passed something unusable.
@@ -219,9 +289,9 @@ pub enum Error {
     Io {
         /// What we were doing.
         context: String,
-        /// The OS error.
+        /// The OS error (shared, so that the error can be cloned).
         #[source]
-        source: std::io::Error,
+        source: IoError,
     },
 
     /// A device (GPU, NIC) reported an error.
@@ -241,17 +311,14 @@ pub enum Error {
 impl Error {
     /// Build an [`Error::Io`] from the last OS error.
     pub fn last_os(context: impl Into<String>) -> Self {
-        Error::Io {
-            context: context.into(),
-            source: std::io::Error::last_os_error(),
-        }
+        Error::io(context, std::io::Error::last_os_error())
     }
 
     /// Build an [`Error::Io`] with context.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
-            source,
+            source: IoError::new(source),
         }
     }
 
@@ -310,6 +377,97 @@ mod tests {
         assert!(RegErrorKind::ApertureExhausted.may_recover_by_eviction());
         assert!(!RegErrorKind::BadAddress.may_recover_by_eviction());
         assert!(!RegErrorKind::NotExportable.may_recover_by_eviction());
+    }
+
+    #[test]
+    fn a_cloned_io_error_keeps_kind_code_message_and_source() {
+        use std::error::Error as _;
+        use std::io::{Error as IoErr, ErrorKind};
+
+        // An OS error (errno 2, ENOENT on Linux) and one with a custom message.
+        let os = Error::io("opening /dev/shm/x", IoErr::from_raw_os_error(2));
+        let custom = Error::io(
+            "reading the peer address",
+            IoErr::new(ErrorKind::UnexpectedEof, "peer closed after 3 of 40 bytes"),
+        );
+        for e in [os, custom] {
+            let c = e.clone();
+            assert_eq!(c, e);
+            assert_eq!(c.to_string(), e.to_string());
+            let (Error::Io { source: a, .. }, Error::Io { source: b, .. }) = (&e, &c) else {
+                panic!("not an io error: {c:?}");
+            };
+            assert_eq!(a.kind(), b.kind());
+            assert_eq!(a.raw_os_error(), b.raw_os_error());
+            assert_eq!(a.get_ref().to_string(), b.get_ref().to_string());
+            // The source is the OS error, displayed as the io::Error would be.
+            let src = c.source().expect("an io error has a source");
+            assert_eq!(src.to_string(), a.get_ref().to_string());
+            assert!(src.downcast_ref::<IoError>().is_some());
+        }
+
+        let e = Error::io("opening /dev/shm/x", IoErr::from_raw_os_error(2));
+        let Error::Io { source, .. } = e.clone() else {
+            unreachable!()
+        };
+        assert_eq!(source.kind(), ErrorKind::NotFound);
+        assert_eq!(source.raw_os_error(), Some(2));
+        // The message is unchanged: the context, then the OS error as std prints it.
+        assert_eq!(
+            e.to_string(),
+            format!("opening /dev/shm/x: {}", IoErr::from_raw_os_error(2))
+        );
+        let e = Error::io(
+            "reading the peer address",
+            IoErr::new(ErrorKind::UnexpectedEof, "peer closed after 3 of 40 bytes"),
+        );
+        assert_eq!(
+            e.clone().to_string(),
+            "reading the peer address: peer closed after 3 of 40 bytes"
+        );
+    }
+
+    #[test]
+    fn errors_compare_by_content() {
+        use std::io::Error as IoErr;
+
+        let io = |msg: &str| Error::io("ctx", IoErr::other(msg.to_string()));
+        // Equal content, separately built: equal.
+        assert_eq!(io("a"), io("a"));
+        assert_ne!(io("a"), io("b"));
+        assert_ne!(
+            Error::io("ctx", IoErr::from_raw_os_error(2)),
+            Error::io("ctx", IoErr::from_raw_os_error(13))
+        );
+        assert_ne!(
+            Error::io("one", IoErr::from_raw_os_error(2)),
+            Error::io("two", IoErr::from_raw_os_error(2))
+        );
+        assert_ne!(io("a"), Error::Internal("ctx: a".into()));
+        let t = Error::Truncated {
+            incoming: 10,
+            capacity: 4,
+        };
+        assert_eq!(t.clone(), t);
+        assert_ne!(
+            t,
+            Error::Truncated {
+                incoming: 10,
+                capacity: 5
+            }
+        );
+        let r = Error::registration(RegError {
+            domain: "posix".into(),
+            mem_type: MemoryType::Host,
+            device: None,
+            addr: 0x1000,
+            len: 64,
+            kind: RegErrorKind::NoMemory,
+            detail: "mmap: ENOMEM".into(),
+            hint: String::new(),
+        });
+        assert_eq!(r.clone(), r);
+        assert_eq!(r.clone().to_string(), r.to_string());
     }
 
     #[test]

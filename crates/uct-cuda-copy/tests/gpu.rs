@@ -1,7 +1,8 @@
 //! GPU tests of `cuda_copy`: run only with `RUCX_GPU_TESTS=1` on a machine with a CUDA driver
 //! and a GPU; elsewhere each test prints why it skipped and passes.
 //!
-//! On a GPU machine: `RUCX_GPU_TESTS=1 <this test binary> --test-threads=1 --nocapture`.
+//! On a GPU machine: `RUCX_GPU_TESTS=1 <this test binary> --test-threads=1 --nocapture`
+//! (`cargo xtask gpu-pack` puts it at `.device/rucx-uct-cuda-copy-gpu`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! GPU tests of `cuda_ipc`: run only with `RUCX_GPU_TESTS=1` on a machine with a CUDA driver;
 //! elsewhere each test prints why it skipped and passes.
 //!
-//! On a GPU machine: `RUCX_GPU_TESTS=1 <this test binary> --test-threads=1 --nocapture`.
+//! On a GPU machine: `RUCX_GPU_TESTS=1 <this test binary> --test-threads=1 --nocapture`
+//! (`cargo xtask gpu-pack` puts it at `.device/rucx-uct-cuda-ipc-gpu`).
 //! The two-process test spawns a child of this binary (told apart by `RUCX_IPC_TEST_ROLE`);
 //! the parent uses GPU 0, the child GPU 1, and they exchange addresses and keys over the
 //! child's stdin/stdout.
