@@ -588,6 +588,7 @@ fn demotion_replans_onto_the_next_best_lane() {
     assert!(hh.zero_copy && hh.lane.starts_with("posix/"), "{hh}");
     let last = w.proto_table(ep).unwrap().last().unwrap().clone();
     assert_eq!(hh.protocol, last.proto.name());
+}
 
 /// A failed request reports one error however it is looked at: `test`, `wait` and `.await` give
 /// the very error it had, whether it was refused when posted (an endpoint this worker does not
