@@ -241,9 +241,9 @@ impl State {
                     Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
                     _ => return Ok(()),
                 };
-                if let Some(sf) = sfrag {
+                if let Some((sf, staged)) = sfrag {
                     let mut b = Vec::new();
-                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
+                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, staged as u64]);
                     self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
                 }
                 match rfrag {
@@ -289,9 +289,9 @@ impl State {
                     Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
                     _ => return Ok(()),
                 };
-                if let Some(sf) = sfrag {
+                if let Some((sf, staged)) = sfrag {
                     let mut b = Vec::new();
-                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
+                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, staged as u64]);
                     self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
                 }
                 self.chunk_landed(id, len);
@@ -680,7 +680,8 @@ impl State {
             self.pump(p);
             return;
         };
-        // Never read past the receive buffer (truncation): acknowledge the rest unread.
+        // Never read past the receive buffer (truncation): acknowledge the rest unread. The
+        // acknowledgement of a clamped chunk still carries the whole staged length.
         let want = rs.rndv.as_ref().map_or(0, |r| r.want);
         let n = len.min(want.saturating_sub(off));
         if n == 0 {
@@ -708,7 +709,7 @@ impl State {
             len: n,
             off,
             rkey,
-            sfrag: Some(frag),
+            sfrag: Some((frag, len)),
             local,
         });
         if !self.peers[p]

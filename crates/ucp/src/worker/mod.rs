@@ -121,13 +121,17 @@ enum TokWhat {
     PullGet {
         off: usize,
         len: usize,
-        sfrag: Option<u64>,
+        /// The sender's staging fragment to acknowledge, and the bytes it staged there.
+        sfrag: Option<(u64, usize)>,
         rfrag: Option<usize>,
     },
     /// Host staging -> device copy of a received chunk.
     H2D { rfrag: usize, len: usize },
     /// Copy of a peer's mapped staging fragment straight to the device.
-    DirectH2D { len: usize, sfrag: Option<u64> },
+    DirectH2D {
+        len: usize,
+        sfrag: Option<(u64, usize)>,
+    },
 }
 
 /// Pinned host staging fragments for GPU pipelines: one half for sends, one for receives, so
@@ -264,8 +268,10 @@ struct Chunk {
     len: usize,
     off: usize,
     rkey: RemoteKey,
-    /// Staging fragment of the sender to acknowledge once read.
-    sfrag: Option<u64>,
+    /// Staging fragment of the sender to acknowledge once read, and the length it staged there
+    /// (more than `len` when the receive buffer is smaller: the sender counts acknowledged
+    /// bytes against its whole message).
+    sfrag: Option<(u64, usize)>,
     /// The remote fragment mapped into this process (shared memory), with its registration
     /// on the copy lane: copied straight to the GPU, without a read into local staging.
     local: Option<(usize, MemHandle)>,
