@@ -933,6 +933,11 @@ impl Worker {
         self.st.borrow().ctx.demotions()
     }
 
+    /// Buffers refused so far without a demotion (see [`Context::refusals`]).
+    pub fn context_refusals(&self) -> Vec<crate::context::Refusal> {
+        self.st.borrow().ctx.refusals()
+    }
+
     /// The protocol table endpoint `ep` uses for tag sends of host memory.
     pub fn proto_table(&self, ep: EpId) -> Result<Vec<Range>> {
         let mut st = self.st.borrow_mut();

@@ -15,7 +15,8 @@ pub struct PathInfo {
     pub lane: String,
     /// True when no intermediate copy is made.
     pub zero_copy: bool,
-    /// Why a faster path is not taken (empty when zero-copy).
+    /// Why a faster path is not taken (when zero-copy: only the buffers the lane's domain
+    /// refused, which took another path, if any).
     pub why_not: Vec<String>,
 }
 
@@ -77,6 +78,14 @@ impl Worker {
             .filter(|d| d.mem_type.is_gpu() && (d.device.is_none() || d.device == device))
             .map(|d| format!("demoted: {d}"))
             .collect();
+        // Buffer-scoped refusals: the domain stays in use, those buffers were staged.
+        let refused: Vec<String> = st
+            .ctx
+            .refusals()
+            .into_iter()
+            .filter(|r| r.mem_type.is_gpu() && (r.device.is_none() || r.device == device))
+            .map(|r| format!("buffer refused (not a demotion): {r}"))
+            .collect();
         for (s, r) in [
             (MemoryType::Cuda, MemoryType::Cuda),
             (MemoryType::Cuda, MemoryType::Host),
@@ -97,7 +106,7 @@ impl Worker {
                     protocol: Proto::RndvGet.name().to_string(),
                     lane: name(l),
                     zero_copy: true,
-                    why_not: Vec::new(),
+                    why_not: refused.clone(),
                 });
                 continue;
             }
@@ -123,6 +132,7 @@ impl Worker {
                 });
             }
             why.extend(demoted.iter().cloned());
+            why.extend(refused.iter().cloned());
             let (protocol, lane) = match (st.copy.as_ref(), p.rma) {
                 (Some(_), Some(l)) => (Proto::RndvPipeline.name().to_string(), name(l)),
                 (None, _) => {
