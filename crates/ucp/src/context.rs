@@ -311,8 +311,21 @@ impl Context {
     /// stays in use for others ([`RegScope::Buffer`], remembered per allocation where the domain
     /// can identify it). Either way the error is returned for the caller to re-plan.
     ///
-    /// Every registration a protocol makes goes through here.
+    /// Every registration a protocol makes goes through here or
+    /// [`register_uncached`](Self::register_uncached).
     pub(crate) fn register(&self, i: usize, region: MemRegion) -> Result<RegGuard> {
+        self.register_as(i, region, true)
+    }
+
+    /// [`register`](Self::register), except that host memory is registered for the caller alone
+    /// rather than through the domain's cache: for memory whose lifetime the cache cannot follow
+    /// (the worker's own staging, a peer's mapped segment, a user buffer pinned for one copy).
+    /// GPU memory is handled exactly as by `register`.
+    pub(crate) fn register_uncached(&self, i: usize, region: MemRegion) -> Result<RegGuard> {
+        self.register_as(i, region, false)
+    }
+
+    fn register_as(&self, i: usize, region: MemRegion, cached: bool) -> Result<RegGuard> {
         let slot = &self.inner.domains[i];
         let gpu = region.mem_type.is_gpu();
         if let Some(e) = self.remembered_refusal(i, &region) {
@@ -343,6 +356,11 @@ impl Context {
                     regs.insert(key, h.clone());
                 }
                 return Ok(RegGuard::Direct(h));
+            }
+            if !cached {
+                // SAFETY: callers of `register_uncached` keep the memory allocated for as long
+                // as the returned guard (and every clone of its handle) lives.
+                return unsafe { slot.md.mem_reg(r) }.map(RegGuard::Direct);
             }
             slot.rcache
                 .get(r.addr, r.len.max(1), |start, len| {
@@ -806,7 +824,7 @@ mod tests {
         drv.alloc(base, buf.len(), 1);
         drv.fail(base, RegErrorKind::NotExportable);
         for _ in 0..2 {
-            let r = ctx.register(0, MemRegion::of_slice(&buf));
+            let r = ctx.register_uncached(0, MemRegion::of_slice(&buf));
             assert_eq!(kind_of(r), RegErrorKind::NotExportable);
         }
         assert!(ctx.demotions().is_empty());

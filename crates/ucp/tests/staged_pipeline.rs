@@ -2,7 +2,7 @@
 //! transport (named like the real one, `cuda_copy` on domain `cuda_cpy`, so `RUCX_TLS` and
 //! `RUCX_FAULT_INJECT` name it the same way) that classifies chosen host buffers as "GPU 0"
 //! memory and copies with `memcpy`, completing each copy on the next progress call like a copy
-//! engine. Everything above it (bounce buffers, RTS/PULL/FRAG/FRAG_ACK, demotion) is
+//! engine. Everything above it (bounce buffers, RTS/PULL/FRAG/FRAG_ACK, demotion, aborts) is
 //! the real protocol code.
 //!
 //! Every exchange runs under a deadline: a hang is a test failure, not a stuck test binary.
@@ -359,6 +359,58 @@ fn self_exchange(
     (s, r, dst.0.clone())
 }
 
+/// Two workers (two contexts, each with its own environment) on two threads, connected over
+/// posix; `f0` and `f1` run on them and their outcomes come back.
+fn pair<A: Send + 'static, B: Send + 'static>(
+    env0: Vec<(&'static str, &'static str)>,
+    env1: Vec<(&'static str, &'static str)>,
+    ctl0: Arc<CopyCtl>,
+    ctl1: Arc<CopyCtl>,
+    f0: impl FnOnce(&Worker, EpId) -> A + Send + 'static,
+    f1: impl FnOnce(&Worker, EpId) -> B + Send + 'static,
+) -> (A, B) {
+    let (a_tx, a_rx) = mpsc::channel::<Vec<u8>>();
+    let (b_tx, b_rx) = mpsc::channel::<Vec<u8>>();
+    let finished = Arc::new(AtomicUsize::new(0));
+    let side = move |env: Vec<(&'static str, &'static str)>,
+                     ctl: Arc<CopyCtl>,
+                     tx: mpsc::Sender<Vec<u8>>,
+                     rx: mpsc::Receiver<Vec<u8>>| {
+        let w = worker(&env, ctl);
+        tx.send(w.address()).unwrap();
+        let peer = rx.recv().unwrap();
+        let ep = w.connect(&peer).unwrap();
+        (w, ep)
+    };
+    // Each side keeps progressing after its own part until the other is done too (it may still
+    // need our messages), then both close.
+    let linger = |w: &Worker, finished: &AtomicUsize| {
+        finished.fetch_add(1, Ordering::SeqCst);
+        while finished.load(Ordering::SeqCst) < 2 {
+            w.progress();
+        }
+    };
+    let t0 = std::thread::spawn({
+        let finished = finished.clone();
+        move || {
+            let (w, ep) = side(env0, ctl0, a_tx, b_rx);
+            let out = f0(&w, ep);
+            linger(&w, &finished);
+            out
+        }
+    });
+    let t1 = std::thread::spawn(move || {
+        let (w, ep) = side(env1, ctl1, b_tx, a_rx);
+        let out = f1(&w, ep);
+        linger(&w, &finished);
+        out
+    });
+    (
+        bounded("rank 0", move || t0.join().unwrap()),
+        bounded("rank 1", move || t1.join().unwrap()),
+    )
+}
+
 // ----- hang A: truncation through the staged pipeline -----
 
 #[test]
@@ -427,4 +479,248 @@ fn staged_pipeline_moves_every_size_intact() {
     });
     assert!(out.0.is_empty(), "{:?}", out.0);
     assert!(out.1.is_empty(), "{:?}", out.1);
+}
+
+// ----- hang B: the copy lane's registrations fail -----
+
+#[test]
+fn copy_lane_registration_failures_end_both_sides_in_one_process() {
+    // As `RUCX_TLS=^cuda_ipc RUCX_FAULT_INJECT=md=cuda_cpy,after=3` on a GPU: the first three
+    // registrations of the copy domain succeed (staging, two small messages), every later one
+    // fails; no other path moves device memory, so each transfer must end on both sides.
+    let outcomes = bounded("copy faults", || {
+        let w = worker(
+            &[
+                ("RUCX_TLS", "self,cuda_copy"),
+                ("RUCX_FAULT_INJECT", "md=cuda_cpy,after=3"),
+            ],
+            Arc::default(),
+        );
+        let ep = w.connect(&w.address()).unwrap();
+        let mut out = Vec::new();
+        for (k, n) in [1usize, 4097, 1 << 20, 1 << 20].into_iter().enumerate() {
+            let (s, r, got) = self_exchange(&w, ep, n, n, 10 + k as u64);
+            out.push((n, s, r, got == pattern(n, 10 + k as u8)));
+        }
+        (out, w.context_demotions(), w.live_requests())
+    });
+    let (out, demotions, live) = outcomes;
+    assert_eq!(live, 0);
+    // The first message fits the three allowed registrations and arrives.
+    assert!(
+        out[0].1.is_ok() && out[0].2.is_ok() && out[0].3,
+        "{:?}",
+        out[0]
+    );
+    for (n, s, r, _) in &out[1..] {
+        let (Err(se), Err(re)) = (s, r) else {
+            panic!("{n} bytes: both sides end with an error: {s:?} / {r:?}");
+        };
+        for e in [se, re] {
+            let t = e.to_string();
+            assert!(t.contains("cuda_cpy"), "{n}: names the domain: {t}");
+            assert!(t.contains("RUCX_"), "{n}: names a knob: {t}");
+        }
+    }
+    // One demotion of the copy domain for device memory of GPU 0 (the later failures are
+    // refused at once, without asking the driver again).
+    let d: Vec<_> = demotions.iter().filter(|d| d.md == "cuda_cpy").collect();
+    assert_eq!(d.len(), 1, "{demotions:?}");
+    assert_eq!((d[0].mem_type, d[0].device), (MemoryType::Cuda, Some(0)));
+}
+
+fn two_sided(
+    env0: Vec<(&'static str, &'static str)>,
+    env1: Vec<(&'static str, &'static str)>,
+    ctl0: Arc<CopyCtl>,
+    ctl1: Arc<CopyCtl>,
+    sizes: &'static [usize],
+) -> (Vec<Result<usize>>, Vec<Result<usize>>) {
+    pair(
+        env0,
+        env1,
+        ctl0,
+        ctl1,
+        move |w, ep| {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| {
+                    let src = DevBuf::new(&pattern(n, k as u8));
+                    w.scope(|s| s.tag_send(ep, src.send(), k as u64).wait().map(|c| c.len))
+                })
+                .collect::<Vec<_>>()
+        },
+        move |w, _| {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| {
+                    let mut dst = DevBuf::zeroed(n);
+                    let r = w.scope(|s| s.tag_recv(dst.recv(), k as u64, TAG_MASK_FULL).wait());
+                    r.and_then(|c| {
+                        if dst.0 == pattern(n, k as u8) {
+                            Ok(c.len)
+                        } else {
+                            Err(Error::Internal(format!("{n} bytes arrived wrong")))
+                        }
+                    })
+                })
+                .collect::<Vec<_>>()
+        },
+    )
+}
+
+const POSIX: (&str, &str) = ("RUCX_TLS", "posix,cuda_copy");
+
+#[test]
+fn a_sender_that_cannot_stage_ends_the_receive_too() {
+    // Only the sender's copy domain fails on device memory: the receiver asked it to stage and
+    // waits for fragments; it must end with the sender's reason.
+    let (s, r) = two_sided(
+        vec![POSIX, ("RUCX_FAULT_INJECT", "md=cuda_cpy,mem=cuda,after=0")],
+        vec![POSIX],
+        Arc::default(),
+        Arc::default(),
+        &[1 << 20, 1 << 20],
+    );
+    for (k, (s, r)) in s.iter().zip(&r).enumerate() {
+        let se = s.as_ref().expect_err("the sender cannot stage");
+        match r {
+            Err(Error::PeerAborted { reason, .. }) => {
+                assert!(reason.contains("cuda_cpy"), "{k}: {reason}");
+                assert!(reason.contains("RUCX_"), "{k}: {reason}");
+            }
+            other => panic!(
+                "message {k}: the receive must end with the sender's abort: {other:?} (sender: {se})"
+            ),
+        }
+    }
+}
+
+#[test]
+fn a_receiver_that_cannot_register_ends_the_send_too() {
+    let (s, r) = two_sided(
+        vec![POSIX],
+        vec![POSIX, ("RUCX_FAULT_INJECT", "md=cuda_cpy,mem=cuda,after=0")],
+        Arc::default(),
+        Arc::default(),
+        &[1 << 20, 4097],
+    );
+    for (k, (s, r)) in s.iter().zip(&r).enumerate() {
+        let re = r.as_ref().expect_err("the receiver cannot register");
+        assert!(re.to_string().contains("cuda_cpy"), "{re}");
+        match s {
+            Err(Error::PeerAborted { reason, .. }) => {
+                assert!(reason.contains("cuda_cpy"), "{k}: {reason}")
+            }
+            // A small message goes eagerly and is complete once sent.
+            Ok(n) if *n < 65536 => {}
+            other => panic!("message {k}: the send must end with the receiver's abort: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_receiver_whose_mapped_fragments_cannot_be_registered_reads_them_instead() {
+    // The receiver's copy domain refuses host registrations after its staging: mapping the
+    // sender's shared fragments fails, the domain is demoted for host memory, and the receive
+    // goes on by reading the fragments (another path), intact.
+    let (s, r) = two_sided(
+        vec![POSIX, ("RUCX_RNDV_FRAG_SIZE", "64K")],
+        vec![
+            POSIX,
+            ("RUCX_RNDV_FRAG_SIZE", "64K"),
+            ("RUCX_FAULT_INJECT", "md=cuda_cpy,mem=host,after=1"),
+        ],
+        Arc::default(),
+        Arc::default(),
+        &[1 << 20, 300_000],
+    );
+    assert!(s.iter().all(|x| x.is_ok()), "{s:?}");
+    assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
+}
+
+#[test]
+fn a_copy_failing_mid_pipeline_ends_both_sides_and_frees_every_fragment() {
+    // Small fragments, two per direction: a failed device->host copy on the sender in the
+    // middle of a message must end the receive too, and the fragments in flight must come back
+    // (the next messages need them).
+    let frag = [
+        POSIX,
+        ("RUCX_RNDV_FRAG_SIZE", "16K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    for failing_side in [0, 1] {
+        let ctl: Arc<CopyCtl> = Arc::default();
+        *ctl.fail_copy.lock().unwrap() = Some(4);
+        let (c0, c1) = if failing_side == 0 {
+            (ctl, Arc::default())
+        } else {
+            (Arc::default(), ctl)
+        };
+        let (s, r) = two_sided(
+            frag.to_vec(),
+            frag.to_vec(),
+            c0,
+            c1,
+            &[200_000, 200_000, 1 << 20],
+        );
+        let (mine, theirs) = if failing_side == 0 {
+            (&s[0], &r[0])
+        } else {
+            (&r[0], &s[0])
+        };
+        assert!(
+            matches!(mine, Err(Error::Device { .. })),
+            "side {failing_side}: {mine:?}"
+        );
+        assert!(
+            matches!(theirs, Err(Error::PeerAborted { reason, .. }) if reason.contains("failed on purpose")),
+            "side {failing_side}: {theirs:?}"
+        );
+        assert!(
+            s[1..].iter().chain(&r[1..]).all(|x| x.is_ok()),
+            "side {failing_side}: later messages go through: {s:?} {r:?}"
+        );
+    }
+}
+
+#[test]
+fn the_reported_sequence_ends_on_both_sides_with_the_fault_on_either_or_both() {
+    // `RUCX_TLS=^cuda_ipc RUCX_FAULT_INJECT=md=cuda_cpy,after=3` on both ranks or on one:
+    // whatever a message meets, its send and its receive both end, together (both complete,
+    // or both fail; a small eager message may complete on the sender alone).
+    const F: (&str, &str) = ("RUCX_FAULT_INJECT", "md=cuda_cpy,after=3");
+    for (env0, env1) in [
+        (vec![POSIX, F], vec![POSIX, F]),
+        (vec![POSIX, F], vec![POSIX]),
+        (vec![POSIX], vec![POSIX, F]),
+    ] {
+        let what = format!("{env0:?} / {env1:?}");
+        let (s, r) = two_sided(
+            env0,
+            env1,
+            Arc::default(),
+            Arc::default(),
+            &[1, 4097, 1 << 20, 1 << 20, 1 << 20],
+        );
+        let mut failed = 0;
+        for (k, (s, r)) in s.iter().zip(&r).enumerate() {
+            match (s, r) {
+                (Ok(_), Ok(_)) => {}
+                (Err(_), Err(e)) | (Ok(_), Err(e)) => {
+                    assert!(
+                        s.is_err() || k < 2,
+                        "{what}: message {k}: a rendezvous receive failed alone: {e}"
+                    );
+                    let t = e.to_string();
+                    assert!(t.contains("cuda_cpy") && t.contains("RUCX_"), "{what}: {t}");
+                    failed += 1;
+                }
+                (Err(e), Ok(_)) => panic!("{what}: message {k}: the send failed alone: {e}"),
+            }
+        }
+        assert!(failed > 0, "{what}: the fault was never met: {s:?} {r:?}");
+    }
 }

@@ -231,6 +231,16 @@ pub enum Error {
         capacity: usize,
     },
 
+    /// The peer ended a transfer it could not carry out (a rendezvous whose registrations or
+    /// copies failed on its side with no other path left); the endpoint stays usable.
+    #[error("{peer} ended the transfer: {reason}")]
+    PeerAborted {
+        /// Peer description (address, rank).
+        peer: String,
+        /// The peer's error, as it reported it.
+        reason: String,
+    },
+
     /// The connection to a peer broke.
     #[error("endpoint to {peer} failed: {reason}")]
     EndpointFailure {
@@ -369,6 +379,18 @@ mod tests {
             }
         }
         assert_eq!(RegScope::Buffer.to_string(), "buffer");
+    }
+
+    #[test]
+    fn peer_abort_message_carries_the_reason() {
+        let e = Error::PeerAborted {
+            peer: "rank 1".into(),
+            reason: "cannot register 4096 bytes with memory domain cuda_cpy; set RUCX_REG_SKIP"
+                .into(),
+        };
+        let s = e.to_string();
+        assert!(s.contains("rank 1") && s.contains("cuda_cpy") && s.contains("RUCX_REG_SKIP"));
+        assert!(!e.is_retryable());
     }
 
     #[test]
