@@ -6,7 +6,18 @@
 //! CUDA IPC cannot export, so the zero-copy path is demoted at run time), `--recv-mem cuda|host`,
 //! `--sizes LIST` (default `1,4097,1M,64M+1,256M`), `--bw-size BYTES` (default 64M),
 //! `--iters K` (default 10), `--bounds` (also measure a plain pinned host->device copy and a
-//! plain peer copy in the same run, and print the ratios).
+//! plain peer copy in the same run, and print the ratios), `--min-ratio X` (with `--bounds`:
+//! fail unless the bandwidth reaches X times the peer-copy bound, or the host->device bound on
+//! one GPU).
+//!
+//! Failure scenarios: `--recv-cap BYTES` (receive buffers of the size list hold only this many
+//! bytes: a larger message must end with a truncation error on the receiver, a completed send,
+//! and the part that fits delivered), `--allow-error` (a transfer of the size list may end with
+//! an error, e.g. injected registration failures with no path left: the rank reports it with
+//! the time it took and stops there, successfully; no hang is the point), `--warmup-mem MEM`
+//! (first move one 1 MiB message from a MEM buffer, e.g. `cuda-pool`, which `cuda_ipc` refuses,
+//! then the size list as usual), `--bw-size 0` (no bandwidth part). The run ends by listing the
+//! protocols used, the domain demotions and the buffers refused without a demotion.
 //!
 //! Launch like `exchange` (`RUCX_RANK`, `RUCX_SIZE`, `RUCX_BOOTSTRAP`, or mpirun).
 
@@ -126,6 +137,10 @@ struct Args {
     iters: usize,
     bounds: bool,
     oneway: bool,
+    recv_cap: Option<usize>,
+    allow_error: bool,
+    warmup: Option<Mem>,
+    min_ratio: Option<f64>,
 }
 
 fn args() -> Result<Args, String> {
@@ -140,6 +155,10 @@ fn args() -> Result<Args, String> {
         iters: 10,
         bounds: false,
         oneway: false,
+        recv_cap: None,
+        allow_error: false,
+        warmup: None,
+        min_ratio: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -152,6 +171,12 @@ fn args() -> Result<Args, String> {
             "--iters" => a.iters = v()?.parse().map_err(|e| format!("--iters: {e}"))?,
             "--bounds" => a.bounds = true,
             "--oneway" => a.oneway = true,
+            "--recv-cap" => a.recv_cap = Some(parse_size(&v()?)?),
+            "--allow-error" => a.allow_error = true,
+            "--warmup-mem" => a.warmup = Some(parse_mem(&v()?)?),
+            "--min-ratio" => {
+                a.min_ratio = Some(v()?.parse().map_err(|e| format!("--min-ratio: {e}"))?)
+            }
             o => return Err(format!("unknown argument {o:?}")),
         }
     }
@@ -221,26 +246,86 @@ fn run() -> Result<(), String> {
         w.transports().join(", "),
         rma.unwrap_or_else(|| "-".into())
     );
-    for (k, &n) in a.sizes.iter().enumerate() {
-        let mut sb = Buf::new(a.send, ctx, n)?;
+    if let Some(m) = a.warmup {
+        // One message from a buffer of another kind first (e.g. a pool buffer cuda_ipc
+        // refuses): whatever happens to it must not change the path of the buffers after it.
+        let n = 1 << 20;
+        let mut sb = Buf::new(m, ctx, n)?;
         let mut rb = Buf::new(a.recv, ctx, n)?;
         sb.fill(&pattern(rank, n))?;
-        rb.fill(&vec![0xa5; n])?;
+        ctx.synchronize().map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        w.scope(|s| {
+            let r = s.tag_recv(rb.recv_buf(n), 99, TAG_MASK_FULL);
+            s.tag_send(to, sb.send_buf(n), 99).wait()?;
+            r.wait()
+        })
+        .map_err(|e| format!("rank {rank}: warm-up from {m:?}: {e}"))?;
+        if rb.read(n)? != pattern(prev, n) {
+            return Err(format!(
+                "rank {rank}: warm-up from {m:?}: data received wrong"
+            ));
+        }
+        println!(
+            "rank {rank}: warm-up {n} bytes from {m:?} verified ({:.3} ms); protocols so far: {:?}",
+            t.elapsed().as_secs_f64() * 1e3,
+            w.counters()
+        );
+        job.barrier().map_err(|e| e.to_string())?;
+    }
+    let mut ended = None;
+    for (k, &n) in a.sizes.iter().enumerate() {
+        let cap = a.recv_cap.map_or(n, |c| c.min(n));
+        let mut sb = Buf::new(a.send, ctx, n)?;
+        let mut rb = Buf::new(a.recv, ctx, cap)?;
+        sb.fill(&pattern(rank, n))?;
+        rb.fill(&vec![0xa5; cap])?;
         // Like any CUDA-aware MPI, rucx sends what is in the buffer now: writes queued on other
         // streams (a pageable cuMemcpy may still be in flight) must be finished first.
         ctx.synchronize().map_err(|e| e.to_string())?;
         let tag = 100 + k as u64;
         let t = Instant::now();
-        w.scope(|s| {
-            let r = s.tag_recv(rb.recv_buf(n), tag, TAG_MASK_FULL);
-            s.tag_send(to, sb.send_buf(n), tag).wait()?;
-            r.wait()
-        })
-        .map_err(|e| format!("rank {rank}: {n} bytes: {e}"))?;
+        let (sent, got) = w.scope(|s| {
+            let r = s.tag_recv(rb.recv_buf(cap), tag, TAG_MASK_FULL);
+            let sent = s.tag_send(to, sb.send_buf(n), tag).wait();
+            (sent, r.wait())
+        });
         let el = t.elapsed();
-        let got = rb.read(n)?;
-        if got != pattern(prev, n) {
-            let want = pattern(prev, n);
+        let outcome = match (sent, got) {
+            (Ok(_), Ok(_)) if cap == n => Ok(()),
+            (Ok(_), Err(rucx::Error::Truncated { incoming, capacity }))
+                if cap < n && incoming == n && capacity == cap =>
+            {
+                println!(
+                    "rank {rank}: {n} bytes into a {cap}-byte buffer: truncated as expected, send complete ({:.3} ms)",
+                    el.as_secs_f64() * 1e3
+                );
+                Ok(())
+            }
+            (Ok(_), Ok(c)) => Err(format!(
+                "{n} bytes into a {cap}-byte buffer: completed with {} bytes, expected a truncation error",
+                c.len
+            )),
+            (s, r) => Err(format!(
+                "{n} bytes: send: {}; receive: {}",
+                s.map_or_else(|e| e.to_string(), |_| "ok".into()),
+                r.map_or_else(|e| e.to_string(), |_| "ok".into())
+            )),
+        };
+        if let Err(e) = outcome {
+            if a.allow_error {
+                println!(
+                    "rank {rank}: ended with an error after {:.3} ms: {e}",
+                    el.as_secs_f64() * 1e3
+                );
+                ended = Some(e);
+                break;
+            }
+            return Err(format!("rank {rank}: {e}"));
+        }
+        let got = rb.read(cap)?;
+        let want = pattern(prev, n);
+        if got[..] != want[..cap] {
             let bad = got.iter().zip(&want).position(|(x, y)| x != y);
             let show = |v: &[u8]| format!("{:02x?}", &v[..v.len().min(16)]);
             return Err(format!(
@@ -253,8 +338,24 @@ fn run() -> Result<(), String> {
             "rank {rank}: {n} bytes verified ({:.3} ms)",
             el.as_secs_f64() * 1e3
         );
-        job.barrier().map_err(|e| e.to_string())?;
+        if let Err(e) = job.barrier() {
+            if a.allow_error {
+                // The peer stopped at an error of its own.
+                println!("rank {rank}: ended with an error: barrier: {e}");
+                ended = Some(e.to_string());
+                break;
+            }
+            return Err(e.to_string());
+        }
     }
+    if ended.is_some() || a.bw == 0 {
+        if ended.is_none() {
+            println!("rank {rank}: all sizes verified");
+        }
+        report(rank, &job);
+        return Ok(());
+    }
+    println!("rank {rank}: all sizes verified");
     // Bandwidth, the first transfer timed on its own (it may demote and re-plan).
     let mut sb = Buf::new(a.send, ctx, a.bw)?;
     let mut rb = Buf::new(a.recv, ctx, a.bw)?;
@@ -325,10 +426,29 @@ fn run() -> Result<(), String> {
                 bw / p
             );
         }
+        if let Some(min) = a.min_ratio {
+            let (what, bound) = match p2p {
+                Some(p) => ("peer copy", p),
+                None => ("host->device copy", h2d),
+            };
+            if bw / bound < min {
+                report(rank, &job);
+                return Err(format!(
+                    "rank 0: {bw:.2} GB/s is {:.3} of the {what} bound ({bound:.2} GB/s), below --min-ratio {min}",
+                    bw / bound
+                ));
+            }
+        }
     } else if a.bounds {
         job.barrier().map_err(|e| e.to_string())?;
     }
-    let c = w.counters();
+    report(rank, &job);
+    Ok(())
+}
+
+/// The protocols that ran, the domain demotions and the buffers refused without one.
+fn report(rank: usize, job: &Job) {
+    let c = job.worker().counters();
     println!(
         "rank {rank}: protocols: {}",
         c.iter()
@@ -339,7 +459,9 @@ fn run() -> Result<(), String> {
     for d in job.context().demotions() {
         println!("rank {rank}: demotion: {d} ({})", d.knob);
     }
-    Ok(())
+    for r in job.context().refusals() {
+        println!("rank {rank}: refused buffer: {r} ({})", r.knob);
+    }
 }
 
 fn main() -> ExitCode {

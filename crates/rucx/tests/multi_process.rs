@@ -222,6 +222,85 @@ fn receiver_registration_failures_are_survived() {
 }
 
 #[test]
+fn buffer_refusals_do_not_demote_and_later_transfers_stay_zero_copy() {
+    if in_child() {
+        let job = Job::from_env().unwrap();
+        ring_all_sizes(&job);
+        ring_all_sizes(&job);
+        for d in job.context().demotions() {
+            println!("rank {}: DEMOTED {} {}", job.rank(), d.md, d.mem_type);
+        }
+        for r in job.context().refusals() {
+            println!(
+                "rank {}: REFUSED {} {} x{}",
+                job.rank(),
+                r.md,
+                r.mem_type,
+                r.count
+            );
+        }
+        return;
+    }
+    let boot = format!("127.0.0.1:{}", free_port());
+    // Rank 1's posix domain refuses one buffer as "cannot be exported" (a property of that
+    // buffer, like a stream-ordered pool allocation for cuda_ipc): no demotion, one warning,
+    // and the later rendezvous still move zero-copy.
+    let r = run_ranks(
+        "buffer_refusals_do_not_demote_and_later_transfers_stay_zero_copy",
+        2,
+        &boot,
+        &[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "16K")],
+        &|rank| {
+            let env = if rank == 1 {
+                vec![(
+                    "RUCX_FAULT_INJECT".to_string(),
+                    "md=posix,mem=host,after=2,times=1,kind=not_exportable".to_string(),
+                )]
+            } else {
+                vec![]
+            };
+            (vec![], env)
+        },
+        Duration::from_secs(120),
+    );
+    assert_all_ok(&r);
+    for (rank, (_, out)) in r.iter().enumerate() {
+        assert!(!out.contains("DEMOTED"), "rank {rank}:\n{out}");
+        assert!(!out.contains("cannot register"), "rank {rank}:\n{out}");
+    }
+    assert!(r[1].1.contains("REFUSED posix host x1"), "{}", r[1].1);
+    assert_eq!(
+        r[1].1.matches("memory domain posix refused").count(),
+        1,
+        "exactly one warning:\n{}",
+        r[1].1
+    );
+    // The second ring (after the refusal) received every rendezvous zero-copy: 64 KiB by a
+    // read, 1 MiB + 3 and 16 MiB split (read head, written tail).
+    let count = |line: &str, key: &str| -> u64 {
+        line.split(&format!("\"{key}\": "))
+            .nth(1)
+            .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let lines: Vec<&str> = r[1].1.lines().filter(|l| l.contains("counters")).collect();
+    assert_eq!(lines.len(), 2, "{}", r[1].1);
+    for (key, per_ring) in [
+        ("rendezvous receive by read", 1),
+        ("rendezvous receive split: read head, remote writes tail", 2),
+    ] {
+        assert_eq!(
+            count(lines[1], key) - count(lines[0], key),
+            per_ring,
+            "{key}:\n{}\n{}",
+            lines[0],
+            lines[1]
+        );
+    }
+}
+
+#[test]
 fn peer_dying_mid_transfer_fails_pending_requests_and_others_go_on() {
     if in_child() {
         let job = Job::from_env().unwrap();

@@ -1,14 +1,17 @@
 //! The context: discovered resources, configuration, and the live registration table
 //! (`reg_domains[mem_type]`) that demotion edits.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rucx_ucs::rcache::{Rcache, RcacheConfig, RcacheGuard};
-use rucx_ucs::{Config, Error, MemoryType, OptionSpec, RegError, Result};
-use rucx_uct::{MemHandle, MemRegion, MemoryDomain, Registry};
+use rucx_ucs::{Config, Error, MemoryType, OptionSpec, RegError, RegErrorKind, RegScope, Result};
+use rucx_uct::{AllocId, MemHandle, MemRegion, MemoryDomain, Registry};
+
+/// Most refused allocations remembered per context (oldest forgotten first).
+const MAX_REMEMBERED_REFUSALS: usize = 256;
 
 /// A domain taken out of `reg_domains[mem_type]` for a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,6 +40,54 @@ impl fmt::Display for Demotion {
         }
         write!(f, ": {}", self.reason)
     }
+}
+
+/// Buffers a domain refused for a reason that belongs to the buffer (or its kind of allocation,
+/// [`RegScope::Buffer`]), e.g. stream-ordered pool memory that `cuda_ipc` cannot export: those
+/// buffers took another path, and the domain stays in use for every other buffer. One entry per
+/// (domain, memory type, device, kind).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// Memory domain name.
+    pub md: String,
+    /// Memory type of the refused buffers.
+    pub mem_type: MemoryType,
+    /// GPU ordinal of the refused buffers (`None`: host memory).
+    pub device: Option<u32>,
+    /// Why, as classified.
+    pub kind: RegErrorKind,
+    /// Why, in words (the first refusal's).
+    pub reason: String,
+    /// What to change to avoid it.
+    pub knob: String,
+    /// Buffers (allocations, where the domain can tell them apart) refused so far.
+    pub count: u64,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} refused {} buffer(s) of {} memory",
+            self.md, self.count, self.mem_type
+        )?;
+        if let Some(d) = self.device {
+            write!(f, " of GPU {d}")?;
+        }
+        write!(
+            f,
+            ": {}; only those buffers took another path, {} stays in use for others",
+            self.reason, self.md
+        )
+    }
+}
+
+/// Refusals so far, and the refused allocations remembered (domain index, allocation, error),
+/// so that their later registrations fail at once without asking the driver again.
+#[derive(Default)]
+struct Refusals {
+    by_kind: Vec<Refusal>,
+    allocs: VecDeque<(usize, AllocId, RegError)>,
 }
 
 struct DomainSlot {
@@ -70,6 +121,7 @@ pub(crate) struct CtxInner {
     domains: Vec<DomainSlot>,
     pub(crate) unavailable: Vec<(String, String)>,
     demotions: Mutex<Vec<Demotion>>,
+    refusals: Mutex<Refusals>,
     /// GPU registrations by (domain, address, length), reused only while the domain confirms
     /// the allocation is unchanged (`MemoryDomain::mem_still_valid`).
     gpu_regs: Mutex<std::collections::HashMap<(usize, usize, usize), MemHandle>>,
@@ -113,6 +165,7 @@ impl Context {
                 domains,
                 unavailable: d.unavailable,
                 demotions: Mutex::new(Vec::new()),
+                refusals: Mutex::new(Refusals::default()),
                 gpu_regs: Mutex::new(std::collections::HashMap::new()),
                 warned: Mutex::new(HashSet::new()),
                 epoch: AtomicU64::new(0),
@@ -187,9 +240,42 @@ impl Context {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Every demotion so far (including those configured with `RUCX_REG_SKIP`).
+    /// Every demotion so far (including those configured with `RUCX_REG_SKIP`): failures that
+    /// belong to a domain on a device ([`RegScope::Domain`]).
     pub fn demotions(&self) -> Vec<Demotion> {
         self.lock_demotions().clone()
+    }
+
+    fn lock_refusals(&self) -> std::sync::MutexGuard<'_, Refusals> {
+        self.inner
+            .refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Buffers refused so far for reasons that belong to the buffer ([`RegScope::Buffer`]):
+    /// they took another path, and the domain was not demoted.
+    pub fn refusals(&self) -> Vec<Refusal> {
+        self.lock_refusals().by_kind.clone()
+    }
+
+    /// The demotion that takes domain `i` out for `mem_type` memory of `device`, if any. Unlike
+    /// [`can_register`](Self::can_register) this ignores what the domain registers for peers: a
+    /// copy domain (`cuda_cpy`) registers GPU memory only for its own copies, and is demoted
+    /// when that fails.
+    pub fn demotion_of(
+        &self,
+        i: usize,
+        mem_type: MemoryType,
+        device: Option<u32>,
+    ) -> Option<Demotion> {
+        let name = self.inner.domains[i].md.name();
+        self.lock_demotions()
+            .iter()
+            .find(|d| {
+                d.md == name && d.mem_type == mem_type && (d.device.is_none() || d.device == device)
+            })
+            .cloned()
     }
 
     /// Changes whenever the registration table changes; protocol tables built at an older
@@ -200,13 +286,12 @@ impl Context {
 
     /// Whether domain `i` may register `mem_type` memory of `device` now.
     pub fn can_register(&self, i: usize, mem_type: MemoryType, device: Option<u32>) -> bool {
-        let md = &self.inner.domains[i].md;
-        md.attr().reg_mem_types().has(mem_type)
-            && !self.lock_demotions().iter().any(|d| {
-                d.md == md.name()
-                    && d.mem_type == mem_type
-                    && (d.device.is_none() || d.device == device)
-            })
+        self.inner.domains[i]
+            .md
+            .attr()
+            .reg_mem_types()
+            .has(mem_type)
+            && self.demotion_of(i, mem_type, device).is_none()
     }
 
     /// The live `reg_domains[mem_type]`: names of the domains that register this memory type
@@ -220,11 +305,32 @@ impl Context {
 
     /// Register (through the domain's cache) a region with domain `i`. A registration failure
     /// first evicts unused cached registrations and retries once when the cause may be an
-    /// exhausted aperture; if it still fails, the domain is demoted for that memory type and
-    /// device, and the error is returned for the caller to re-plan.
+    /// exhausted aperture; if it still fails, what happens depends on what the failure is a
+    /// property of ([`RegErrorKind::scope`]): the domain is demoted for that memory type and
+    /// device ([`RegScope::Domain`], one warning), or only this buffer is refused and the domain
+    /// stays in use for others ([`RegScope::Buffer`], remembered per allocation where the domain
+    /// can identify it). Either way the error is returned for the caller to re-plan.
+    ///
+    /// Every registration a protocol makes goes through here or
+    /// [`register_uncached`](Self::register_uncached).
     pub(crate) fn register(&self, i: usize, region: MemRegion) -> Result<RegGuard> {
+        self.register_as(i, region, true)
+    }
+
+    /// [`register`](Self::register), except that host memory is registered for the caller alone
+    /// rather than through the domain's cache: for memory whose lifetime the cache cannot follow
+    /// (the worker's own staging, a peer's mapped segment, a user buffer pinned for one copy).
+    /// GPU memory is handled exactly as by `register`.
+    pub(crate) fn register_uncached(&self, i: usize, region: MemRegion) -> Result<RegGuard> {
+        self.register_as(i, region, false)
+    }
+
+    fn register_as(&self, i: usize, region: MemRegion, cached: bool) -> Result<RegGuard> {
         let slot = &self.inner.domains[i];
         let gpu = region.mem_type.is_gpu();
+        if let Some(e) = self.remembered_refusal(i, &region) {
+            return Err(e);
+        }
         let reg = |r: MemRegion| -> Result<RegGuard> {
             if gpu {
                 let key = (i, r.addr, r.len);
@@ -250,6 +356,11 @@ impl Context {
                     regs.insert(key, h.clone());
                 }
                 return Ok(RegGuard::Direct(h));
+            }
+            if !cached {
+                // SAFETY: callers of `register_uncached` keep the memory allocated for as long
+                // as the returned guard (and every clone of its handle) lives.
+                return unsafe { slot.md.mem_reg(r) }.map(RegGuard::Direct);
             }
             slot.rcache
                 .get(r.addr, r.len.max(1), |start, len| {
@@ -286,10 +397,106 @@ impl Context {
                     e
                 };
                 if let Some(r) = e.as_registration() {
-                    self.demote(r);
+                    match r.kind.scope() {
+                        RegScope::Domain => self.demote(r),
+                        RegScope::Buffer => self.refuse(i, &region, r),
+                    }
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// The error of an earlier refusal of the allocation holding `region` by domain `i`, while
+    /// that allocation is still the one there.
+    fn remembered_refusal(&self, i: usize, region: &MemRegion) -> Option<Error> {
+        if !self.lock_refusals().allocs.iter().any(|(d, ..)| *d == i) {
+            return None;
+        }
+        // Asked outside the lock: it may be a driver call.
+        let now = self.inner.domains[i].md.allocation_of(region)?;
+        let mut r = self.lock_refusals();
+        let pos = r
+            .allocs
+            .iter()
+            .position(|(d, a, _)| *d == i && a.base == now.base)?;
+        if r.allocs[pos].1 != now {
+            // Freed, and the range now belongs to another allocation: forget the refusal.
+            r.allocs.remove(pos);
+            return None;
+        }
+        let mut e = r.allocs[pos].2.clone();
+        e.addr = region.addr;
+        e.len = region.len;
+        Some(Error::registration(e))
+    }
+
+    /// Domain `i` refused this buffer for a reason of the buffer's own: record it (and the
+    /// allocation, when the domain can identify it) and say so once per allocation, without
+    /// demoting the domain.
+    fn refuse(&self, i: usize, region: &MemRegion, r: &RegError) {
+        let md = &self.inner.domains[i].md;
+        let alloc = md.allocation_of(region);
+        let device = if r.mem_type.is_gpu() { r.device } else { None };
+        let knob = knob_for(r);
+        let first_of_kind = {
+            let mut g = self.lock_refusals();
+            if let Some(a) = alloc {
+                if g.allocs.iter().any(|(d, x, _)| *d == i && *x == a) {
+                    // Already said (a registration racing the first refusal).
+                    return;
+                }
+                g.allocs.retain(|(d, x, _)| !(*d == i && x.base == a.base));
+                if g.allocs.len() >= MAX_REMEMBERED_REFUSALS {
+                    g.allocs.pop_front();
+                }
+                g.allocs.push_back((i, a, r.clone()));
+            }
+            match g.by_kind.iter_mut().find(|x| {
+                x.md == r.domain
+                    && x.mem_type == r.mem_type
+                    && x.device == device
+                    && x.kind == r.kind
+            }) {
+                Some(x) => {
+                    x.count += 1;
+                    false
+                }
+                None => {
+                    g.by_kind.push(Refusal {
+                        md: r.domain.clone(),
+                        mem_type: r.mem_type,
+                        device,
+                        kind: r.kind,
+                        reason: format!("{}: {}", r.kind.describe(), r.detail),
+                        knob: knob.clone(),
+                        count: 1,
+                    });
+                    true
+                }
+            }
+        };
+        let what = format!(
+            "memory domain {} refused {} bytes at {:#x} ({} memory{}{}): {} ({}); a property of \
+             this buffer, not of the domain: this buffer takes another path and {} stays in use \
+             for other buffers; {}",
+            r.domain,
+            r.len,
+            r.addr,
+            r.mem_type,
+            device.map(|d| format!(" of GPU {d}")).unwrap_or_default(),
+            alloc
+                .map(|a| format!(", allocation {:#x}+{}", a.base, a.len))
+                .unwrap_or_default(),
+            r.kind.describe(),
+            r.detail,
+            r.domain,
+            knob
+        );
+        if first_of_kind {
+            tracing::warn!("{what}");
+        } else {
+            tracing::info!("{what}");
         }
     }
 
@@ -315,17 +522,11 @@ impl Context {
         Ok((MemoryType::Host, None))
     }
 
-    /// Take a domain out of `reg_domains` for the failed memory type and device.
+    /// Take a domain out of `reg_domains` for the failed memory type and device (a failure
+    /// that belongs to the domain there, [`RegScope::Domain`]); one warning per demotion.
     pub fn demote(&self, r: &RegError) {
         let device = if r.mem_type.is_gpu() { r.device } else { None };
-        let knob = if r.hint.is_empty() || r.hint.contains("RUCX_FAULT_INJECT") {
-            format!(
-                "set RUCX_REG_SKIP={}:{} to skip the attempt",
-                r.domain, r.mem_type
-            )
-        } else {
-            r.hint.clone()
-        };
+        let knob = knob_for(r);
         {
             let mut d = self.lock_demotions();
             if d.iter()
@@ -349,13 +550,16 @@ impl Context {
             .unwrap_or_else(|p| p.into_inner())
             .insert((r.domain.clone(), r.mem_type, device));
         if first {
+            let on = device.map(|d| format!(" of GPU {d}")).unwrap_or_default();
             tracing::warn!(
-                "memory domain {} cannot register {} memory{}: {} ({}); demoted, transfers continue on other paths; {}",
+                "memory domain {} cannot register {} memory{on}: {} ({}); a property of the \
+                 domain, not of one buffer: demoted for all {} memory{on}, transfers continue on \
+                 other paths; {}",
                 r.domain,
                 r.mem_type,
-                device.map(|d| format!(" of GPU {d}")).unwrap_or_default(),
                 r.kind.describe(),
                 r.detail,
+                r.mem_type,
                 knob
             );
         }
@@ -368,11 +572,295 @@ impl crate::plan::RegView for Context {
     }
 
     fn why_not(&self, md: usize, mem: MemoryType, dev: Option<u32>) -> String {
-        let name = self.domain(md).name();
-        self.lock_demotions()
-            .iter()
-            .find(|d| d.md == name && d.mem_type == mem && (d.device.is_none() || d.device == dev))
+        self.demotion_of(md, mem, dev)
             .map(|d| format!("demoted: {d}"))
             .unwrap_or_default()
+    }
+}
+
+/// The knob to name for a failed registration: the domain's own hint, or the generic skip.
+fn knob_for(r: &RegError) -> String {
+    if r.hint.is_empty() || r.hint.contains("RUCX_FAULT_INJECT") {
+        format!(
+            "set RUCX_REG_SKIP={}:{} to skip the attempt",
+            r.domain, r.mem_type
+        )
+    } else {
+        r.hint.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use rucx_ucs::RegErrorKind;
+    use rucx_uct::{
+        Availability, Component, Iface, IfaceParams, MdAttr, MemTypeFlags, RemoteKey, TlResource,
+    };
+
+    use super::*;
+
+    /// What the test domain's "driver" knows: allocations (with ids) and which of them fail
+    /// to register, and how.
+    #[derive(Debug, Default)]
+    struct Driver {
+        allocs: Mutex<Vec<AllocId>>,
+        failing: Mutex<Vec<(usize, RegErrorKind)>>,
+        calls: AtomicUsize,
+    }
+
+    impl Driver {
+        fn alloc(&self, base: usize, len: usize, id: u64) {
+            let mut a = self.allocs.lock().unwrap();
+            a.retain(|x| x.base != base);
+            a.push(AllocId { base, len, id });
+        }
+        fn fail(&self, base: usize, kind: RegErrorKind) {
+            self.failing.lock().unwrap().push((base, kind));
+        }
+        fn heal(&self, base: usize) {
+            self.failing.lock().unwrap().retain(|(b, _)| *b != base);
+        }
+        fn calls(&self) -> usize {
+            self.calls.load(Ordering::SeqCst)
+        }
+        fn find(&self, addr: usize) -> Option<AllocId> {
+            self.allocs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|a| addr >= a.base && addr < a.base + a.len)
+                .copied()
+        }
+    }
+
+    #[derive(Debug)]
+    struct TestMd {
+        attr: MdAttr,
+        drv: Arc<Driver>,
+    }
+
+    impl MemoryDomain for TestMd {
+        fn name(&self) -> &str {
+            "testmd"
+        }
+        fn attr(&self) -> &MdAttr {
+            &self.attr
+        }
+        fn tl_resources(&self) -> Vec<TlResource> {
+            Vec::new()
+        }
+        fn open_iface(&self, _: &TlResource, _: &IfaceParams) -> Result<Box<dyn Iface>> {
+            Err(Error::InvalidParam("no interfaces".into()))
+        }
+        unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
+            self.drv.calls.fetch_add(1, Ordering::SeqCst);
+            // Fails when the range touches a failing allocation (a cached registration of host
+            // memory is widened to whole pages).
+            let allocs = self.drv.allocs.lock().unwrap().clone();
+            let fail = self
+                .drv
+                .failing
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(b, _)| {
+                    let len = allocs.iter().find(|a| a.base == *b).map_or(1, |a| a.len);
+                    *b < region.end() && region.addr < b + len
+                })
+                .map(|(_, k)| *k);
+            match fail {
+                Some(kind) => Err(region.reg_error("testmd", kind, "refused by the test", "")),
+                None => Ok(MemHandle::new(region, "testmd", Arc::new(()))),
+            }
+        }
+        fn mkey_pack(&self, _: &MemHandle) -> Result<Vec<u8>> {
+            Ok(Vec::new())
+        }
+        fn rkey_unpack(&self, _: &[u8]) -> Result<RemoteKey> {
+            Err(Error::InvalidParam("no keys".into()))
+        }
+        fn allocation_of(&self, region: &MemRegion) -> Option<AllocId> {
+            if region.mem_type.is_gpu() {
+                self.drv.find(region.addr)
+            } else {
+                None
+            }
+        }
+    }
+
+    #[derive(Debug)]
+    struct TestComponent(Arc<Driver>);
+
+    impl Component for TestComponent {
+        fn name(&self) -> &'static str {
+            "testmd"
+        }
+        fn transports(&self) -> &'static [&'static str] {
+            &["testmd"]
+        }
+        fn query(&self, _: &Config) -> Availability {
+            Availability::Available(vec!["testmd".into()])
+        }
+        fn open_md(&self, _: &str, _: &Config) -> Result<Arc<dyn MemoryDomain>> {
+            let attr = MdAttr::new("testmd")
+                .with(MemoryType::Host, MemTypeFlags::REG | MemTypeFlags::ACCESS)
+                .with(MemoryType::Cuda, MemTypeFlags::REG | MemTypeFlags::ACCESS);
+            Ok(Arc::new(TestMd {
+                attr,
+                drv: self.0.clone(),
+            }))
+        }
+    }
+
+    fn context(vars: &[(&str, &str)]) -> (Context, Arc<Driver>) {
+        let drv = Arc::new(Driver::default());
+        let mut reg = Registry::new();
+        reg.register(Arc::new(TestComponent(drv.clone())));
+        let tables = [
+            rucx_ucs::rcache::CONFIG,
+            rucx_uct::CONFIG,
+            crate::config::CONFIG,
+        ];
+        let cfg = Config::from_vars(&tables, vars.iter().copied()).unwrap();
+        (Context::new(&reg, cfg).unwrap(), drv)
+    }
+
+    fn gpu(addr: usize, len: usize, device: u32) -> MemRegion {
+        MemRegion {
+            addr,
+            len,
+            mem_type: MemoryType::Cuda,
+            device: Some(device),
+        }
+    }
+
+    fn kind_of(r: Result<RegGuard>) -> RegErrorKind {
+        r.unwrap_err()
+            .as_registration()
+            .expect("a registration error")
+            .kind
+    }
+
+    #[test]
+    fn a_buffer_refusal_steers_that_buffer_and_keeps_the_domain() {
+        let (ctx, drv) = context(&[]);
+        drv.alloc(0x10_0000, 1 << 20, 1); // a pool allocation the domain cannot export
+        drv.alloc(0x20_0000, 1 << 20, 2); // a plain one
+        drv.fail(0x10_0000, RegErrorKind::NotExportable);
+        let epoch = ctx.epoch();
+        let k = kind_of(ctx.register(0, gpu(0x10_0000, 4096, 0)));
+        assert_eq!(k, RegErrorKind::NotExportable);
+        assert!(ctx.demotions().is_empty(), "{:?}", ctx.demotions());
+        assert!(ctx.can_register(0, MemoryType::Cuda, Some(0)));
+        assert_eq!(ctx.epoch(), epoch, "no re-planning of the tables");
+        let r = ctx.refusals();
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert_eq!((r[0].md.as_str(), r[0].count), ("testmd", 1));
+        assert_eq!(r[0].device, Some(0));
+        assert!(r[0].to_string().contains("stays in use"), "{}", r[0]);
+        // The same allocation again (another range of it): refused from memory, without asking
+        // the driver, and counted once.
+        let calls = drv.calls();
+        let again = ctx.register(0, gpu(0x10_0000 + 8192, 100, 0)).unwrap_err();
+        assert_eq!(drv.calls(), calls);
+        let again = again.as_registration().unwrap();
+        assert_eq!((again.addr, again.len), (0x10_0000 + 8192, 100));
+        assert_eq!(ctx.refusals()[0].count, 1);
+        // Other buffers of the same GPU still register with the domain.
+        ctx.register(0, gpu(0x20_0000, 4096, 0)).unwrap();
+        // The pool memory is freed and the range reused by an exportable allocation: the
+        // remembered refusal must not outlive it.
+        drv.alloc(0x10_0000, 1 << 20, 3);
+        drv.heal(0x10_0000);
+        ctx.register(0, gpu(0x10_0000, 4096, 0)).unwrap();
+        assert!(ctx.demotions().is_empty());
+    }
+
+    #[test]
+    fn a_domain_failure_demotes_that_device_once() {
+        let (ctx, drv) = context(&[]);
+        drv.alloc(0x10_0000, 1 << 20, 1);
+        drv.alloc(0x20_0000, 1 << 20, 2);
+        drv.fail(0x10_0000, RegErrorKind::BadAddress);
+        drv.fail(0x20_0000, RegErrorKind::BadAddress);
+        let epoch = ctx.epoch();
+        assert_eq!(
+            kind_of(ctx.register(0, gpu(0x10_0000, 4096, 0))),
+            RegErrorKind::BadAddress
+        );
+        assert_eq!(ctx.epoch(), epoch + 1, "tables are re-planned");
+        let d = ctx.demotions();
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(
+            (d[0].md.as_str(), d[0].mem_type, d[0].device),
+            ("testmd", MemoryType::Cuda, Some(0))
+        );
+        assert!(
+            d[0].knob.contains("RUCX_REG_SKIP=testmd:cuda"),
+            "{:?}",
+            d[0]
+        );
+        assert!(!ctx.can_register(0, MemoryType::Cuda, Some(0)));
+        assert!(ctx.demotion_of(0, MemoryType::Cuda, Some(0)).is_some());
+        // Only that device, and only that memory type.
+        assert!(ctx.can_register(0, MemoryType::Cuda, Some(1)));
+        assert!(ctx.can_register(0, MemoryType::Host, None));
+        // A second failure there adds nothing.
+        let _ = ctx.register(0, gpu(0x20_0000, 4096, 0));
+        assert_eq!(ctx.demotions().len(), 1);
+        assert_eq!(ctx.epoch(), epoch + 1);
+        assert!(ctx.refusals().is_empty());
+    }
+
+    #[test]
+    fn an_exhausted_aperture_is_retried_once_then_demotes() {
+        let (ctx, drv) = context(&[]);
+        drv.alloc(0x10_0000, 1 << 20, 1);
+        drv.fail(0x10_0000, RegErrorKind::ApertureExhausted);
+        let calls = drv.calls();
+        assert_eq!(
+            kind_of(ctx.register(0, gpu(0x10_0000, 4096, 0))),
+            RegErrorKind::ApertureExhausted
+        );
+        assert_eq!(drv.calls(), calls + 2, "one retry after eviction");
+        assert_eq!(ctx.demotions().len(), 1);
+    }
+
+    #[test]
+    fn host_refusals_without_an_allocation_identity_are_counted_not_remembered() {
+        let (ctx, drv) = context(&[]);
+        let buf = vec![0u8; 8192];
+        let base = buf.as_ptr() as usize;
+        drv.alloc(base, buf.len(), 1);
+        drv.fail(base, RegErrorKind::NotExportable);
+        for _ in 0..2 {
+            let r = ctx.register_uncached(0, MemRegion::of_slice(&buf));
+            assert_eq!(kind_of(r), RegErrorKind::NotExportable);
+        }
+        assert!(ctx.demotions().is_empty());
+        assert_eq!(ctx.refusals()[0].count, 2);
+        assert!(ctx.can_register(0, MemoryType::Host, None));
+        drv.heal(base);
+        assert!(ctx.register(0, MemRegion::of_slice(&buf)).is_ok());
+    }
+
+    #[test]
+    fn injected_faults_take_the_same_path() {
+        // The fault injector wraps the test domain: not_exportable refuses the buffer only,
+        // the default kind (bad address) demotes.
+        let (ctx, _) = context(&[(
+            "RUCX_FAULT_INJECT",
+            "md=testmd,mem=host,after=0,times=1,kind=not_exportable",
+        )]);
+        let buf = vec![0u8; 4096];
+        assert!(ctx.register(0, MemRegion::of_slice(&buf)).is_err());
+        assert!(ctx.demotions().is_empty());
+        assert!(ctx.register(0, MemRegion::of_slice(&buf)).is_ok());
+        let (ctx, _) = context(&[("RUCX_FAULT_INJECT", "md=testmd,mem=host,after=0")]);
+        assert!(ctx.register(0, MemRegion::of_slice(&buf)).is_err());
+        assert_eq!(ctx.demotions().len(), 1);
+        assert!(ctx.refusals().is_empty());
     }
 }

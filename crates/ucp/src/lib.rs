@@ -31,7 +31,7 @@ mod worker;
 
 pub use buf::{RecvBuf, SendBuf};
 pub use config::CONFIG;
-pub use context::{Context, Demotion, RegGuard};
+pub use context::{Context, Demotion, Refusal, RegGuard};
 pub use listener::Listener;
 pub use matching::Tag;
 pub use plan::{EpPlan, PathInfo};

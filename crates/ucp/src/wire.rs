@@ -1,4 +1,4 @@
-//! Protocol messages on the wire (active-message ids 1..=16 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=17 belong to UCP).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.
@@ -43,6 +43,15 @@ pub const AM_RNDV_FRAG_ACK: AmId = 14;
 pub const AM_EAGER_SYNC: AmId = 15;
 /// Bytes of an endpoint's stream, in order: src, data.
 pub const AM_STREAM_DATA: AmId = 16;
+/// Rendezvous abort: one side cannot carry the transfer out (a registration or copy failed and
+/// no other path is left), so the other side's request ends too instead of waiting: src, sender
+/// request, receiver request (0 while the sender does not know it), who aborts (1: the sending
+/// side, which ends the receive; 0: the receiving side, which ends the send), and the reason
+/// (length-prefixed UTF-8, at most [`MAX_ABORT_REASON`] bytes).
+pub const AM_RNDV_ABORT: AmId = 17;
+
+/// Longest reason an abort message carries (longer ones are cut at a character boundary).
+pub const MAX_ABORT_REASON: usize = 1024;
 
 /// What a multi-fragment eager message carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,6 +155,16 @@ pub enum Msg<'a> {
     },
     /// Sender done writing.
     Fin { src: u64, rreq: u64 },
+    /// One side gave the rendezvous up.
+    Abort {
+        src: u64,
+        sreq: u64,
+        /// 0 when the sender did not know the receive request yet.
+        rreq: u64,
+        /// The sending side aborts (the receive ends); else the receiving side (the send ends).
+        by_sender: bool,
+        reason: &'a str,
+    },
     /// User active message.
     User {
         src: u64,
@@ -190,6 +209,15 @@ pub fn put_keys(out: &mut Vec<u8>, keys: &[NamedKey]) {
         put_lv(out, k.md.as_bytes());
         put_lv(out, &k.key);
     }
+}
+
+/// Append an abort's reason, cut to [`MAX_ABORT_REASON`] bytes at a character boundary.
+pub fn put_reason(out: &mut Vec<u8>, reason: &str) {
+    let mut end = reason.len().min(MAX_ABORT_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    put_lv(out, &reason.as_bytes()[..end]);
 }
 
 /// Append little-endian u64s.
@@ -338,6 +366,38 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                 r.finish()?;
                 Msg::Fin { src, rreq }
             }
+            AM_RNDV_ABORT => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let rreq = r.u64()?;
+                let by_sender = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    b => return Err(Error::InvalidAddress(format!("abort side {b}"))),
+                };
+                let reason = r.lv()?;
+                r.finish()?;
+                if sreq == 0 || (rreq == 0 && !by_sender) {
+                    return Err(Error::InvalidAddress(
+                        "an abort names no request (request ids are never 0)".into(),
+                    ));
+                }
+                if reason.len() > MAX_ABORT_REASON {
+                    return Err(Error::InvalidAddress(format!(
+                        "abort reason of {} bytes (at most {MAX_ABORT_REASON})",
+                        reason.len()
+                    )));
+                }
+                let reason = std::str::from_utf8(reason)
+                    .map_err(|_| Error::InvalidAddress("abort reason is not UTF-8".into()))?;
+                Msg::Abort {
+                    src,
+                    sreq,
+                    rreq,
+                    by_sender,
+                    reason,
+                }
+            }
             AM_RNDV_PULL => {
                 let src = r.u64()?;
                 let sreq = r.u64()?;
@@ -456,6 +516,60 @@ mod tests {
             m => panic!("{m:?}"),
         }
         assert!(parse(AM_EAGER_SYNC, &b[..20]).is_err(), "truncated header");
+    }
+
+    fn abort(sreq: u64, rreq: u64, side: u8, reason: &[u8]) -> Vec<u8> {
+        let mut b = Vec::new();
+        put_u64s(&mut b, &[7, sreq, rreq]);
+        b.push(side);
+        put_lv(&mut b, reason);
+        b
+    }
+
+    #[test]
+    fn abort_round_trip_and_validation() {
+        let mut b = Vec::new();
+        put_u64s(&mut b, &[7, 8, 0]);
+        b.push(1);
+        put_reason(&mut b, "cuda_cpy refused; set RUCX_REG_SKIP");
+        match parse(AM_RNDV_ABORT, &b).unwrap() {
+            Msg::Abort {
+                src,
+                sreq,
+                rreq,
+                by_sender,
+                reason,
+            } => {
+                assert_eq!((src, sreq, rreq, by_sender), (7, 8, 0, true));
+                assert_eq!(reason, "cuda_cpy refused; set RUCX_REG_SKIP");
+            }
+            m => panic!("{m:?}"),
+        }
+        assert!(parse(AM_RNDV_ABORT, &abort(8, 9, 0, b"x")).is_ok());
+        for (bad, why) in [
+            (abort(8, 9, 2, b"x"), "unknown side"),
+            (abort(0, 9, 1, b"x"), "no sender request"),
+            (abort(8, 0, 0, b"x"), "the receiver always knows the send"),
+            (abort(8, 9, 1, &[0xff, 0xfe]), "not UTF-8"),
+            (abort(8, 9, 1, &[b'a'; MAX_ABORT_REASON + 1]), "too long"),
+        ] {
+            assert!(parse(AM_RNDV_ABORT, &bad).is_err(), "{why}");
+        }
+        let mut trailing = abort(8, 9, 1, b"x");
+        trailing.push(0);
+        assert!(parse(AM_RNDV_ABORT, &trailing).is_err(), "trailing bytes");
+        // Long reasons are cut where a character ends.
+        let long = "é".repeat(MAX_ABORT_REASON);
+        let mut b = Vec::new();
+        put_u64s(&mut b, &[7, 8, 9]);
+        b.push(0);
+        put_reason(&mut b, &long);
+        match parse(AM_RNDV_ABORT, &b).unwrap() {
+            Msg::Abort { reason, .. } => {
+                assert!(reason.len() <= MAX_ABORT_REASON && reason.starts_with('é'))
+            }
+            m => panic!("{m:?}"),
+        }
     }
 
     proptest! {

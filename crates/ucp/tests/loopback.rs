@@ -283,6 +283,64 @@ fn registration_failure_demotes_and_the_transfer_still_completes() {
 }
 
 #[test]
+fn a_buffer_refusal_keeps_the_domain_and_later_transfers_stay_zero_copy() {
+    // One registration of the self domain is refused as "cannot be exported", a property of
+    // that buffer: the buffer's transfer takes another path, the domain is not demoted, and the
+    // later rendezvous still read zero-copy.
+    let w = worker(&[
+        (
+            "RUCX_FAULT_INJECT",
+            "md=self,mem=host,after=1,times=1,kind=not_exportable",
+        ),
+        ("RUCX_RNDV_SCHEME", "get_zcopy"),
+        ("RUCX_RNDV_THRESH", "16K"),
+        ("RUCX_ZCOPY_THRESH", "inf"),
+    ]);
+    exchange_all_sizes(&w);
+    assert!(
+        w.context_demotions().is_empty(),
+        "{:?}",
+        w.context_demotions()
+    );
+    let r = w.context_refusals();
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!((r[0].md.as_str(), r[0].count), ("self", 1));
+    let c = w.counters();
+    // 64 KiB, 1 MiB + 3 and 16 MiB are rendezvous sizes; one of them met the refusal.
+    let reads = c.get("rendezvous receive by read").copied().unwrap_or(0);
+    assert!(reads >= 2, "{c:?}");
+    let t = w.proto_table(w.connect(&w.address()).unwrap()).unwrap();
+    assert!(t.iter().any(|r| r.proto.is_zcopy()), "{t:?}");
+    // And every later message reads zero-copy.
+    let before = reads;
+    exchange_all_sizes(&w);
+    let after = w.counters()["rendezvous receive by read"];
+    assert_eq!(after, before + 3);
+}
+
+#[test]
+fn a_bad_address_demotes_the_domain_once() {
+    let w = worker(&[
+        ("RUCX_FAULT_INJECT", "md=self,mem=host,after=1,times=1"),
+        ("RUCX_RNDV_SCHEME", "get_zcopy"),
+        ("RUCX_RNDV_THRESH", "16K"),
+        ("RUCX_ZCOPY_THRESH", "inf"),
+    ]);
+    exchange_all_sizes(&w);
+    let d = w.context_demotions();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!((d[0].md.as_str(), d[0].device), ("self", None));
+    assert!(w.context_refusals().is_empty());
+    // Demoted: no later read, although the domain would register again.
+    let c = w.counters();
+    exchange_all_sizes(&w);
+    assert_eq!(
+        w.counters().get("rendezvous receive by read"),
+        c.get("rendezvous receive by read")
+    );
+}
+
+#[test]
 fn budget_exhaustion_evicts_then_demotes_and_completes() {
     let w = worker(&[
         ("RUCX_FAULT_INJECT", "md=self,mem=host,budget=1M"),

@@ -54,6 +54,49 @@ impl RegErrorKind {
             RegErrorKind::ApertureExhausted | RegErrorKind::NoMemory
         )
     }
+
+    /// What a failure of this kind says something about: the one buffer (or its kind of
+    /// allocation), or the domain for that memory type on that device. The planner steers a
+    /// [`RegScope::Buffer`] failure's buffer to another path and keeps using the domain for
+    /// everything else; it demotes the domain for a [`RegScope::Domain`] failure (after the
+    /// eviction retry where [`may_recover_by_eviction`](Self::may_recover_by_eviction)).
+    ///
+    /// This is the only place that decides it.
+    pub fn scope(self) -> RegScope {
+        match self {
+            // "Cannot export this allocation" is visible from the pointer's attributes (a
+            // stream-ordered pool, a VMM allocation without an IPC handle type): another buffer
+            // of the same GPU may export fine.
+            RegErrorKind::NotExportable => RegScope::Buffer,
+            // An address the domain cannot translate (device memory without GPU-direct), an
+            // aperture still full after eviction, a spent locked-memory quota, a memory type
+            // the domain does not handle, or an unclassified driver failure: every later buffer
+            // of that type on that device would most likely fail the same way.
+            RegErrorKind::BadAddress
+            | RegErrorKind::ApertureExhausted
+            | RegErrorKind::NoMemory
+            | RegErrorKind::UnsupportedMemoryType
+            | RegErrorKind::Other => RegScope::Domain,
+        }
+    }
+}
+
+/// What a registration failure is a property of; see [`RegErrorKind::scope`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RegScope {
+    /// The buffer (or its kind of allocation): only that buffer takes another path.
+    Buffer,
+    /// The domain, for that memory type on that device: the domain is demoted.
+    Domain,
+}
+
+impl fmt::Display for RegScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RegScope::Buffer => "buffer",
+            RegScope::Domain => "domain",
+        })
+    }
 }
 
 /// A failed memory registration, with everything needed to act on it.
@@ -258,6 +301,16 @@ pub enum Error {
         capacity: usize,
     },
 
+    /// The peer ended a transfer it could not carry out (a rendezvous whose registrations or
+    /// copies failed on its side with no other path left); the endpoint stays usable.
+    #[error("{peer} ended the transfer: {reason}")]
+    PeerAborted {
+        /// Peer description (address, rank).
+        peer: String,
+        /// The peer's error, as it reported it.
+        reason: String,
+    },
+
     /// The connection to a peer broke.
     #[error("endpoint to {peer} failed: {reason}")]
     EndpointFailure {
@@ -369,6 +422,41 @@ mod tests {
             assert!(s.contains(want), "{s:?} lacks {want:?}");
         }
         assert!(e.as_registration().is_some());
+        assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn failure_scope_is_decided_by_kind() {
+        use RegErrorKind::*;
+        assert_eq!(NotExportable.scope(), RegScope::Buffer);
+        for k in [
+            BadAddress,
+            ApertureExhausted,
+            NoMemory,
+            UnsupportedMemoryType,
+            Other,
+        ] {
+            assert_eq!(k.scope(), RegScope::Domain, "{k:?}");
+        }
+        // Kinds an eviction may cure are domain-scoped: when the retry fails too, the domain
+        // is out of room on that device.
+        for k in [BadAddress, ApertureExhausted, NotExportable, NoMemory] {
+            if k.may_recover_by_eviction() {
+                assert_eq!(k.scope(), RegScope::Domain, "{k:?}");
+            }
+        }
+        assert_eq!(RegScope::Buffer.to_string(), "buffer");
+    }
+
+    #[test]
+    fn peer_abort_message_carries_the_reason() {
+        let e = Error::PeerAborted {
+            peer: "rank 1".into(),
+            reason: "cannot register 4096 bytes with memory domain cuda_cpy; set RUCX_REG_SKIP"
+                .into(),
+        };
+        let s = e.to_string();
+        assert!(s.contains("rank 1") && s.contains("cuda_cpy") && s.contains("RUCX_REG_SKIP"));
         assert!(!e.is_retryable());
     }
 

@@ -26,7 +26,7 @@ pub mod tls;
 pub mod units;
 
 pub use config::{Config, OptKind, OptionSpec, Ternary};
-pub use error::{Error, IoError, RegError, RegErrorKind, Result};
+pub use error::{Error, IoError, RegError, RegErrorKind, RegScope, Result};
 pub use interval::IntervalMap;
 pub use memtype::{MemoryType, MemoryTypes};
 pub use memtype_cache::{MemInfo, MemtypeCache};

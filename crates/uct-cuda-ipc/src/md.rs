@@ -11,7 +11,7 @@ use rucx_cuda::{Driver, PtrKind, classify, driver, reg_error_kind, result_name, 
 use rucx_ucs::{Config, Error, MemoryType, RegErrorKind, Result};
 use rucx_uct::rkey::{self, Reader};
 use rucx_uct::{
-    Availability, Component, Iface, IfaceParams, LinearCost, MdAttr, MemHandle, MemRegion,
+    AllocId, Availability, Component, Iface, IfaceParams, LinearCost, MdAttr, MemHandle, MemRegion,
     MemTypeFlags, MemoryDomain, RemoteKey, TlResource,
 };
 
@@ -300,7 +300,7 @@ impl MemoryDomain for CudaIpcMd {
                 info.size,
                 result_name(r)
             );
-            let kind = reg_error_kind(r);
+            let mut kind = reg_error_kind(r);
             if info.from_pool {
                 detail.push_str(&format!(": {pool_why}"));
             } else if !info.ipc_exportable {
@@ -308,6 +308,11 @@ impl MemoryDomain for CudaIpcMd {
                     ": the driver reports the allocation is not legacy-IPC capable (a VMM or \
                      otherwise non-exportable allocation)",
                 );
+            }
+            if info.from_pool || !info.ipc_exportable {
+                // The pointer's attributes say why: a property of this allocation, whatever
+                // code the driver chose (other buffers of the GPU may export fine).
+                kind = RegErrorKind::NotExportable;
             }
             let hint = if kind == RegErrorKind::NotExportable {
                 NOT_EXPORTABLE_HINT
@@ -359,6 +364,20 @@ impl MemoryDomain for CudaIpcMd {
             }
             Err(_) => false,
         }
+    }
+
+    fn allocation_of(&self, region: &MemRegion) -> Option<AllocId> {
+        // The driver's buffer id tells allocations at the same address apart (uncached: the
+        // answer must be about the memory there now).
+        if region.mem_type != MemoryType::Cuda {
+            return None;
+        }
+        let info = rucx_cuda::pointer::classify_uncached(region.addr, region.len.max(1)).ok()?;
+        (info.kind == PtrKind::Cuda && info.size > 0).then_some(AllocId {
+            base: info.base,
+            len: info.size,
+            id: info.buffer_id,
+        })
     }
 
     fn mkey_pack(&self, memh: &MemHandle) -> Result<Vec<u8>> {

@@ -8,6 +8,9 @@
 //! - `md=NAME` (required): the domain to wrap (`posix`, `self`, `cuda_ipc`, ...);
 //! - `mem=TYPE`: only buffers of this memory type (default: every type);
 //! - `after=N`: let the first N registrations succeed, fail every later one;
+//! - `times=N` (with `after`): fail only N registrations after the first `after`, then let them
+//!   succeed again (a refusal of some buffers rather than of the domain; pair it with
+//!   `kind=not_exportable`);
 //! - `budget=SIZE`: fail a registration that would take the live registered bytes past SIZE
 //!   (models a BAR1 aperture; released bytes count again);
 //! - `kind=bad_address|aperture|not_exportable|no_memory`: the error kind to return (default:
@@ -28,7 +31,7 @@ use crate::md::{MemHandle, MemRegion, MemoryDomain, RemoteKey, TlResource};
 /// Name of the option (without the `RUCX_` prefix).
 pub const OPTION: &str = "FAULT_INJECT";
 
-const ACCEPTED: &str = "rules separated by ';', each `md=NAME[,mem=TYPE][,after=N][,budget=SIZE][,kind=bad_address|aperture|not_exportable|no_memory]`, or empty";
+const ACCEPTED: &str = "rules separated by ';', each `md=NAME[,mem=TYPE][,after=N[,times=N]][,budget=SIZE][,kind=bad_address|aperture|not_exportable|no_memory]`, or empty";
 
 /// One injection rule.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,6 +42,8 @@ pub struct FaultRule {
     pub mem: Option<MemoryType>,
     /// Successes allowed before failing.
     pub after: Option<u64>,
+    /// How many registrations fail after `after` (`None`: every later one).
+    pub times: Option<u64>,
     /// Live-bytes budget.
     pub budget: Option<u64>,
     /// Error kind to return.
@@ -68,6 +73,7 @@ impl FaultRules {
             let mut md = None;
             let mut mem = None;
             let mut after = None;
+            let mut times = None;
             let mut budget = None;
             let mut kind = None;
             for kv in rule_text
@@ -90,6 +96,11 @@ impl FaultRules {
                     "after" => {
                         after = Some(v.parse::<u64>().map_err(|_| {
                             cfg_err(text, format!("after={v:?} is not a non-negative integer"))
+                        })?)
+                    }
+                    "times" => {
+                        times = Some(v.parse::<u64>().map_err(|_| {
+                            cfg_err(text, format!("times={v:?} is not a non-negative integer"))
                         })?)
                     }
                     "budget" => {
@@ -122,6 +133,12 @@ impl FaultRules {
                     format!("rule {rule_text:?} needs after=N or budget=SIZE"),
                 ));
             }
+            if times.is_some() && after.is_none() {
+                return Err(cfg_err(
+                    text,
+                    format!("rule {rule_text:?}: times=N needs after=N"),
+                ));
+            }
             let kind = kind.unwrap_or(if budget.is_some() {
                 RegErrorKind::ApertureExhausted
             } else {
@@ -131,6 +148,7 @@ impl FaultRules {
                 md,
                 mem,
                 after,
+                times,
                 budget,
                 kind,
             });
@@ -176,6 +194,8 @@ impl FaultRules {
 struct RuleState {
     rule: FaultRule,
     successes: AtomicU64,
+    /// Registrations this rule failed (for `times`).
+    failures: AtomicU64,
     live_bytes: Arc<AtomicU64>,
 }
 
@@ -211,6 +231,7 @@ impl FaultInjectingMd {
             .map(|rule| RuleState {
                 rule,
                 successes: AtomicU64::new(0),
+                failures: AtomicU64::new(0),
                 live_bytes: Arc::new(AtomicU64::new(0)),
             })
             .collect();
@@ -264,7 +285,12 @@ impl MemoryDomain for FaultInjectingMd {
             }
             if let Some(after) = st.rule.after
                 && st.successes.load(Ordering::Acquire) >= after
+                && st
+                    .rule
+                    .times
+                    .is_none_or(|t| st.failures.load(Ordering::Acquire) < t)
             {
+                st.failures.fetch_add(1, Ordering::AcqRel);
                 return Err(self.fail(
                     &region,
                     &st.rule,
@@ -323,6 +349,10 @@ impl MemoryDomain for FaultInjectingMd {
         self.inner.mem_still_valid(memh)
     }
 
+    fn allocation_of(&self, region: &MemRegion) -> Option<crate::md::AllocId> {
+        self.inner.allocation_of(region)
+    }
+
     fn mem_alloc_shared(&self, len: usize) -> Result<Option<crate::md::SharedAlloc>> {
         self.inner.mem_alloc_shared(len)
     }
@@ -348,6 +378,54 @@ mod tests {
         assert_eq!(r.rules[1].budget, Some(256 << 20));
         assert_eq!(r.rules[1].kind, RegErrorKind::NotExportable);
         assert!(FaultRules::parse("").unwrap().is_empty());
+        let r = FaultRules::parse("md=posix,after=1,times=2,kind=not_exportable").unwrap();
+        assert_eq!((r.rules[0].after, r.rules[0].times), (Some(1), Some(2)));
+        assert_eq!(r.rules[0].times, Some(2));
+    }
+
+    /// A domain that registers anything (bookkeeping only).
+    #[derive(Debug)]
+    struct Plain(MdAttr);
+
+    impl MemoryDomain for Plain {
+        fn name(&self) -> &str {
+            "plain"
+        }
+        fn attr(&self) -> &MdAttr {
+            &self.0
+        }
+        fn tl_resources(&self) -> Vec<TlResource> {
+            Vec::new()
+        }
+        fn open_iface(&self, _: &TlResource, _: &IfaceParams) -> Result<Box<dyn Iface>> {
+            Err(Error::InvalidParam("no interfaces".into()))
+        }
+        unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
+            Ok(MemHandle::new(region, "plain", Arc::new(())))
+        }
+        fn mkey_pack(&self, _: &MemHandle) -> Result<Vec<u8>> {
+            Ok(Vec::new())
+        }
+        fn rkey_unpack(&self, _: &[u8]) -> Result<RemoteKey> {
+            Err(Error::InvalidParam("no keys".into()))
+        }
+    }
+
+    #[test]
+    fn times_fails_some_registrations_then_lets_them_through() {
+        let rules = FaultRules::parse("md=plain,after=1,times=2,kind=not_exportable").unwrap();
+        let md = rules.wrap(Arc::new(Plain(MdAttr::new("plain"))));
+        let buf = [0u8; 64];
+        let outcomes: Vec<Option<RegErrorKind>> = (0..5)
+            // SAFETY: `buf` outlives every handle (each is dropped at once); the domain only
+            // records the region.
+            .map(|_| match unsafe { md.mem_reg(MemRegion::of_slice(&buf)) } {
+                Ok(_) => None,
+                Err(e) => Some(e.as_registration().expect("typed").kind),
+            })
+            .collect();
+        let ne = Some(RegErrorKind::NotExportable);
+        assert_eq!(outcomes, vec![None, ne, ne, None, None]);
     }
 
     #[test]
@@ -360,6 +438,8 @@ mod tests {
             "md=x,after=1,kind=zap",
             "md=x,after=1,mem=vram",
             "md=x,foo=1",
+            "md=x,budget=1M,times=2",
+            "md=x,after=1,times=-1",
             "junk",
         ] {
             let e = FaultRules::parse(bad).unwrap_err().to_string();

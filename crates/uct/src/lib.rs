@@ -25,7 +25,7 @@ pub use attr::{
 };
 pub use component::{Availability, Component, Discovery, Registry};
 pub use iface::{AmId, Endpoint, EpParams, Event, Iface, IfaceParams, Iov, OpStatus};
-pub use md::{MemHandle, MemRegion, MemoryDomain, RemoteKey, SharedAlloc, TlResource};
+pub use md::{AllocId, MemHandle, MemRegion, MemoryDomain, RemoteKey, SharedAlloc, TlResource};
 
 use rucx_ucs::{OptKind, OptionSpec};
 
@@ -44,7 +44,8 @@ pub static CONFIG: &[OptionSpec] = &[
         kind: OptKind::Str,
         default: "",
         help: "Fail memory registrations on purpose, for testing demotion: rules separated by ';', \
-               each md=NAME[,mem=TYPE][,after=N][,budget=SIZE][,kind=bad_address|aperture|\
-               not_exportable|no_memory].",
+               each md=NAME[,mem=TYPE][,after=N[,times=N]][,budget=SIZE][,kind=bad_address|aperture|\
+               not_exportable|no_memory] (times=N: fail only N registrations after the first \
+               `after`, then let them succeed again).",
     },
 ];

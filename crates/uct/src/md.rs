@@ -213,6 +213,19 @@ impl fmt::Debug for RemoteKey {
     }
 }
 
+/// The allocation a buffer belongs to, as a domain's driver identifies it: where it starts, how
+/// long it is, and an id the driver never gives to another allocation (e.g. CUDA's buffer id),
+/// so that a remembered fact about it is dropped once the memory is freed and the range reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AllocId {
+    /// Start address of the allocation.
+    pub base: usize,
+    /// Length of the allocation in bytes.
+    pub len: usize,
+    /// The driver's identity of the allocation.
+    pub id: u64,
+}
+
 /// Host memory allocated by a domain so that peers on the same host can map it
 /// ([`MemoryDomain::mem_alloc_shared`] / [`MemoryDomain::rkey_ptr`]).
 #[derive(Debug, Clone)]
@@ -272,6 +285,14 @@ pub trait MemoryDomain: Send + Sync + fmt::Debug {
     /// for handles that are still good.
     fn mem_still_valid(&self, _memh: &MemHandle) -> bool {
         false
+    }
+
+    /// The allocation holding `region` and its identity, when the domain can tell cheaply
+    /// (GPU allocations). The planner uses it to remember that the domain refused an allocation
+    /// (and to forget that once the range belongs to another allocation). `None`: cannot tell,
+    /// and nothing is remembered.
+    fn allocation_of(&self, _region: &MemRegion) -> Option<AllocId> {
+        None
     }
 
     /// Allocate `len` bytes of host memory that peers on this host can map through

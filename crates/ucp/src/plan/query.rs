@@ -19,7 +19,8 @@ pub struct PathInfo {
     pub lane: String,
     /// True when no intermediate copy is made.
     pub zero_copy: bool,
-    /// Why a faster path is not taken (empty when zero-copy).
+    /// Why a faster path is not taken (when zero-copy: only the buffers the lane's domain
+    /// refused, which took another path, if any).
     pub why_not: Vec<String>,
 }
 

@@ -8,31 +8,51 @@ impl State {
     }
 
     /// Register a user buffer with the copy lane's domain and make the key the copy lane's
-    /// endpoint needs to reach it.
+    /// endpoint needs to reach it. The registration goes through the context (demotion,
+    /// warning, GPU registration reuse) and is made for this request alone: the buffer belongs
+    /// to a request of a scope, which keeps it allocated until the request finished, and the
+    /// guard is dropped with the request.
     pub(super) fn copy_key(
         &self,
         addr: usize,
         len: usize,
         mem: MemoryType,
         dev: Option<u32>,
-    ) -> Result<(MemHandle, RemoteKey)> {
+    ) -> Result<(RegGuard, RemoteKey)> {
         let mi = self.copy_md().ok_or_else(|| Error::Unsupported {
             what: format!("copying {mem} memory"),
             why: "no copy transport (cuda_copy) is open".into(),
         })?;
-        let md = self.ctx.domain(mi);
-        // SAFETY: the buffer belongs to a request of a scope, which keeps it allocated until the
-        // request finished; the handle is dropped with the request.
-        let memh = unsafe {
-            md.mem_reg(MemRegion {
+        self.copy_not_demoted(mi, mem, dev)?;
+        let g = self.ctx.register_uncached(
+            mi,
+            MemRegion {
                 addr,
                 len: len.max(1),
                 mem_type: mem,
                 device: dev,
-            })
-        }?;
-        let key = md.rkey_unpack(&md.mkey_pack(&memh)?)?;
-        Ok((memh, key))
+            },
+        )?;
+        let md = self.ctx.domain(mi);
+        let key = md.rkey_unpack(&md.mkey_pack(g.registration())?)?;
+        Ok((g, key))
+    }
+
+    /// The copy lane's domain `mi` may still register `mem` memory of `dev` for its copies:
+    /// once demoted there, fail at once with the reason and the knob rather than asking the
+    /// driver again.
+    fn copy_not_demoted(&self, mi: usize, mem: MemoryType, dev: Option<u32>) -> Result<()> {
+        match self.ctx.demotion_of(mi, mem, dev) {
+            None => Ok(()),
+            Some(d) => Err(Error::Unsupported {
+                what: format!(
+                    "copying {mem} memory{} with {}",
+                    dev.map(|d| format!(" of GPU {d}")).unwrap_or_default(),
+                    d.md
+                ),
+                why: format!("{d}; {}", d.knob),
+            }),
+        }
     }
 
     /// The pinned staging fragments, made on first use.
@@ -44,6 +64,7 @@ impl State {
             what: "staging GPU memory".into(),
             why: "no copy transport (cuda_copy) is open".into(),
         })?;
+        self.copy_not_demoted(mi, MemoryType::Host, None)?;
         let count = self.stage_count;
         let total = self.frag * count * 2;
         // Shared memory when a domain offers it: a receiver on this host then copies straight
@@ -67,9 +88,14 @@ impl State {
         let base = shared
             .as_ref()
             .map_or(mem.as_ptr() as usize, |(_, a)| a.addr);
-        // SAFETY: `mem` is stored in the same `Staging` after this handle (fields drop in
-        // order), so the memory outlives the registration; it is never resized.
-        let copy_memh = unsafe { self.ctx.domain(mi).mem_reg(MemRegion::host(base, total)) }?;
+        // Registered for the staging alone (not cached: the memory goes with the worker). `mem`
+        // (or the shared allocation) is stored in the same `Staging` after this handle (fields
+        // drop in order), so the memory outlives the registration; it is never resized.
+        let copy_memh = self
+            .ctx
+            .register_uncached(mi, MemRegion::host(base, total))?
+            .registration()
+            .clone();
         self.staging = Some(Staging {
             copy_memh,
             rma: FxHashMap::default(),
@@ -150,13 +176,26 @@ impl State {
                         _ => {}
                     }
                 }
+                if result.is_err() {
+                    // A read or copy of an announced fragment failed: the sender may still
+                    // reuse the fragment (we no longer need it).
+                    if let TokWhat::PullGet {
+                        sfrag: Some(sf), ..
+                    }
+                    | TokWhat::DirectH2D {
+                        sfrag: Some(sf), ..
+                    } = what
+                    {
+                        self.ack_fragment(sf);
+                    }
+                }
                 match result {
                     Ok(()) => {
                         if let Err(e) = self.on_pipeline(tok.req, what) {
-                            self.finish(tok.req, Err(e));
+                            self.fail(tok.req, e);
                         }
                     }
-                    Err(e) => self.finish(tok.req, Err(e)),
+                    Err(e) => self.fail(tok.req, e),
                 }
             }
         }
@@ -167,12 +206,18 @@ impl State {
             TokWhat::Plain => Ok(()),
             TokWhat::StageD2H { frag, off, len } => {
                 // A fragment is staged: announce it to the receiver.
-                let (p, rreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
-                    Some(ReqKind::Send(SendState {
-                        peer,
-                        stage: Some(st),
+                let (p, rreq) = match self.reqs.get(&id) {
+                    Some(Req {
+                        kind:
+                            ReqKind::Send(SendState {
+                                peer,
+                                stage: Some(st),
+                                ..
+                            }),
+                        result: None,
                         ..
-                    })) => (*peer, st.rreq),
+                    }) => (*peer, st.rreq),
+                    // Ended meanwhile (aborted): the fragment is not announced.
                     _ => {
                         if let Some(stg) = self.staging.as_mut() {
                             stg.free_send.push(frag);
@@ -180,11 +225,22 @@ impl State {
                         return Ok(());
                     }
                 };
-                let lane = self.peers[p].rma.ok_or_else(|| Error::Unsupported {
-                    what: "the staged pipeline".into(),
-                    why: "no transport with remote memory access reaches the receiver".into(),
-                })?;
-                let (_, key) = self.staging_reg(self.slots[lane].md)?;
+                let key = match self.peers[p]
+                    .rma
+                    .ok_or_else(|| Error::Unsupported {
+                        what: "the staged pipeline".into(),
+                        why: "no transport with remote memory access reaches the receiver".into(),
+                    })
+                    .and_then(|lane| self.staging_reg(self.slots[lane].md))
+                {
+                    Ok((_, key)) => key,
+                    Err(e) => {
+                        if let Some(stg) = self.staging.as_mut() {
+                            stg.free_send.push(frag);
+                        }
+                        return Err(e);
+                    }
+                };
                 let addr = self.staging.as_ref().expect("staging").addr(frag);
                 let mut b = Vec::new();
                 wire::put_u64s(
@@ -210,14 +266,23 @@ impl State {
                 sfrag,
                 rfrag,
             } => {
-                let (p, sreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
-                    Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
-                    _ => return Ok(()),
+                let (p, live) = match self.reqs.get(&id) {
+                    Some(Req {
+                        kind: ReqKind::Recv(RecvState { rndv: Some(rv), .. }),
+                        result,
+                        ..
+                    }) => (rv.peer, result.is_none()),
+                    _ => (usize::MAX, false),
                 };
                 if let Some(sf) = sfrag {
-                    let mut b = Vec::new();
-                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
-                    self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                    self.ack_fragment(sf);
+                }
+                if !live {
+                    // The receive ended meanwhile: copy nothing more into its buffer.
+                    if let (Some(f), Some(stg)) = (rfrag, self.staging.as_mut()) {
+                        stg.free_recv.push(f);
+                    }
+                    return Ok(());
                 }
                 match rfrag {
                     Some(f) => {
@@ -247,10 +312,18 @@ impl State {
                         let st = loop {
                             match ep.put_zcopy(&iov, (addr + off) as u64, &key, token) {
                                 Err(e) if e.is_retryable() => std::hint::spin_loop(),
-                                other => break other?,
+                                other => break other,
                             }
                         };
-                        self.post_tok(id, token, st, TokWhat::H2D { rfrag: f, len });
+                        match st {
+                            Ok(st) => self.post_tok(id, token, st, TokWhat::H2D { rfrag: f, len }),
+                            Err(e) => {
+                                if let Some(stg) = self.staging.as_mut() {
+                                    stg.free_recv.push(f);
+                                }
+                                return Err(e);
+                            }
+                        }
                     }
                     None => self.chunk_landed(id, len),
                 }
@@ -258,17 +331,10 @@ impl State {
                 Ok(())
             }
             TokWhat::DirectH2D { len, sfrag } => {
-                let (p, sreq) = match &self.reqs.get(&id).map(|r| &r.kind) {
-                    Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => (rv.peer, rv.sreq),
-                    _ => return Ok(()),
-                };
                 if let Some(sf) = sfrag {
-                    let mut b = Vec::new();
-                    wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
-                    self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                    self.ack_fragment(sf);
                 }
                 self.chunk_landed(id, len);
-                self.pump(p);
                 Ok(())
             }
             TokWhat::H2D { rfrag, len } => {
@@ -300,6 +366,17 @@ impl State {
                 Ok(())
             }
         }
+    }
+
+    /// Tell a sender that its staging fragment is free again.
+    pub(super) fn ack_fragment(&mut self, a: FragAck) {
+        let mut b = Vec::new();
+        wire::put_u64s(
+            &mut b,
+            &[self.address.uuid, a.sreq, a.frag, a.staged as u64],
+        );
+        self.queue_ctrl(a.peer, wire::AM_RNDV_FRAG_ACK, b);
+        self.pump(a.peer);
     }
 
     /// Bytes of a chunked receive reached the user buffer; finish when all did.
@@ -436,7 +513,7 @@ impl State {
                     notes
                 },
             };
-            self.finish(rid, Err(e));
+            self.fail(rid, e);
             return;
         };
         let staged_read = steps.contains(&RecvStep::StagedRead { lane });
@@ -456,8 +533,9 @@ impl State {
                         rs.dev_memh = Some(Box::new(k));
                     }
                 }
+                // No other path into this GPU buffer: end both sides with the reason.
                 Err(e) => {
-                    self.finish(rid, Err(e));
+                    self.fail(rid, e);
                     return;
                 }
             }
@@ -465,7 +543,7 @@ impl State {
             match self.ctx.register(md, region) {
                 Ok(g) => self.reqs.get_mut(&rid).expect("req").guards.push(g),
                 Err(e) => {
-                    self.finish(rid, Err(e));
+                    self.fail(rid, e);
                     return;
                 }
             }
@@ -521,8 +599,11 @@ impl State {
                 kind: ReqKind::Send(s),
                 result: None,
                 ..
-            }) => (s.addr, s.len, s.mem, s.dev),
-            _ => return,
+            }) if s.peer == p => (s.addr, s.len, s.mem, s.dev),
+            _ => {
+                self.answer_for_gone_send(p, sreq, rreq);
+                return;
+            }
         };
         let staged = self
             .copy_key(addr, len, mem, dev)
@@ -545,7 +626,17 @@ impl State {
                 self.peers[p].queue.push_back(Pending::Stream(sreq));
                 self.pump(p);
             }
-            Err(e) => self.finish(sreq, Err(e)),
+            // We cannot stage, and the receiver waits for fragments: end both sides.
+            Err(e) => {
+                if let Some(Req {
+                    kind: ReqKind::Send(s),
+                    ..
+                }) = self.reqs.get_mut(&sreq)
+                {
+                    s.rndv_to = Some(rreq);
+                }
+                self.fail(sreq, e);
+            }
         }
     }
 
@@ -639,20 +730,27 @@ impl State {
         frag: u64,
         key: NamedKey,
     ) {
-        let Some(mi) = self.ctx.domain_index(&key.md) else {
-            self.finish(
-                rreq,
-                Err(Error::InvalidRkey {
-                    domain: key.md,
-                    reason: "no such local domain".into(),
-                }),
-            );
-            return;
+        let rkey = match self.ctx.domain_index(&key.md) {
+            Some(mi) => self.ctx.domain(mi).rkey_unpack(&key.key).map(|k| (mi, k)),
+            None => Err(Error::InvalidRkey {
+                domain: key.md.clone(),
+                reason: "no such local domain".into(),
+            }),
         };
-        let rkey = match self.ctx.domain(mi).rkey_unpack(&key.key) {
+        let (mi, rkey) = match rkey {
             Ok(k) => k,
             Err(e) => {
-                self.finish(rreq, Err(e));
+                // Only a live receive of this sender may be ended by its message.
+                if self.reqs.get(&rreq).is_some_and(|r| {
+                    matches!(&r.kind, ReqKind::Recv(RecvState { rndv: Some(rv), .. })
+                        if rv.peer == p && rv.sreq == sreq)
+                }) {
+                    self.fail(rreq, e);
+                }
+                let mut b = Vec::new();
+                wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
+                self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                self.pump(p);
                 return;
             }
         };
@@ -669,7 +767,8 @@ impl State {
             self.pump(p);
             return;
         };
-        // Never read past the receive buffer (truncation): acknowledge the rest unread.
+        // Never read past the receive buffer (truncation): acknowledge the rest unread. The
+        // acknowledgement of a clamped chunk still carries the whole staged length.
         let want = rs.rndv.as_ref().map_or(0, |r| r.want);
         let n = len.min(want.saturating_sub(off));
         if n == 0 {
@@ -697,7 +796,7 @@ impl State {
             len: n,
             off,
             rkey,
-            sfrag: Some(frag),
+            sfrag: Some((frag, len)),
             local,
         });
         if !self.peers[p]
@@ -786,15 +885,15 @@ impl State {
             let Some(c) = rs.chunks.front() else {
                 return Ok(true);
             };
-            let (lane, p, raddr, len, off, rkey, sfrag) = (
-                rs.chunk_lane,
-                rs.rndv.as_ref().map_or(0, |v| v.peer),
-                c.raddr,
-                c.len,
-                c.off,
-                c.rkey.clone(),
-                c.sfrag,
-            );
+            let (p, sreq) = rs.rndv.as_ref().map_or((0, 0), |v| (v.peer, v.sreq));
+            let (lane, raddr, len, off, rkey) =
+                (rs.chunk_lane, c.raddr, c.len, c.off, c.rkey.clone());
+            let sfrag = c.sfrag.map(|(frag, staged)| FragAck {
+                peer: p,
+                sreq,
+                frag,
+                staged,
+            });
             let gpu = rs.mem.is_gpu();
             let uaddr = rs.addr;
             if gpu && let Some((laddr, lmemh)) = c.local.clone() {
@@ -951,14 +1050,14 @@ impl State {
             Some(h) => h.clone(),
             None => {
                 let cmd = self.copy_md()?;
-                // SAFETY: the domain keeps the peer's segment mapped until it is dropped, which
-                // is after this worker (the context outlives its workers), and the mapping
-                // covers the key's whole region.
-                let h = unsafe {
-                    self.ctx
-                        .domain(cmd)
-                        .mem_reg(MemRegion::host(base, rkey.len() as usize))
-                };
+                self.copy_not_demoted(cmd, MemoryType::Host, None).ok()?;
+                // Registered for this mapping alone (not cached): the domain keeps the peer's
+                // segment mapped until it is dropped, which is after this worker (the context
+                // outlives its workers), and the mapping covers the key's whole region.
+                let h = self
+                    .ctx
+                    .register_uncached(cmd, MemRegion::host(base, rkey.len() as usize))
+                    .map(|g| g.registration().clone());
                 match h {
                     Ok(h) => {
                         self.mapped.insert(base, h.clone());

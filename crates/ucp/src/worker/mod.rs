@@ -123,13 +123,25 @@ enum TokWhat {
     PullGet {
         off: usize,
         len: usize,
-        sfrag: Option<u64>,
+        /// The sender's staging fragment to acknowledge.
+        sfrag: Option<FragAck>,
         rfrag: Option<usize>,
     },
     /// Host staging -> device copy of a received chunk.
     H2D { rfrag: usize, len: usize },
     /// Copy of a peer's mapped staging fragment straight to the device.
-    DirectH2D { len: usize, sfrag: Option<u64> },
+    DirectH2D { len: usize, sfrag: Option<FragAck> },
+}
+
+/// A sender's staging fragment to hand back once read (or no longer needed): the peer, its
+/// send request, the fragment, and the bytes it staged there. Kept with the operation that reads
+/// it, so the acknowledgement goes out even if the receive is gone by then.
+#[derive(Clone, Copy, Debug)]
+struct FragAck {
+    peer: usize,
+    sreq: u64,
+    frag: u64,
+    staged: usize,
 }
 
 /// Pinned host staging fragments for GPU pipelines: one half for sends, one for receives, so
@@ -252,7 +264,7 @@ struct StageSend {
     next_off: usize,
     acked: usize,
     /// The user buffer, registered with the copy lane's domain, and its key.
-    _dev_memh: MemHandle,
+    _dev_memh: RegGuard,
     dev_key: RemoteKey,
 }
 
@@ -262,8 +274,10 @@ struct Chunk {
     len: usize,
     off: usize,
     rkey: RemoteKey,
-    /// Staging fragment of the sender to acknowledge once read.
-    sfrag: Option<u64>,
+    /// Staging fragment of the sender to acknowledge once read, and the length it staged there
+    /// (more than `len` when the receive buffer is smaller: the sender counts acknowledged
+    /// bytes against its whole message).
+    sfrag: Option<(u64, usize)>,
     /// The remote fragment mapped into this process (shared memory), with its registration
     /// on the copy lane: copied straight to the GPU, without a read into local staging.
     local: Option<(usize, MemHandle)>,
@@ -323,7 +337,7 @@ struct RecvState {
     /// Lane the chunks are read on.
     chunk_lane: usize,
     /// The user buffer registered with the copy lane's domain (GPU memory only).
-    dev_memh: Option<Box<(MemHandle, RemoteKey)>>,
+    dev_memh: Option<Box<(RegGuard, RemoteKey)>>,
     /// A stream receive (filled from the peer's byte stream, not matched by tag).
     stream: bool,
 }
@@ -945,6 +959,11 @@ impl Worker {
         self.st.borrow().ctx.demotions()
     }
 
+    /// Buffers refused so far without a demotion (see [`Context::refusals`]).
+    pub fn context_refusals(&self) -> Vec<crate::context::Refusal> {
+        self.st.borrow().ctx.refusals()
+    }
+
     /// The protocol table endpoint `ep` uses for tag sends of host memory.
     pub fn proto_table(&self, ep: EpId) -> Result<Vec<Range>> {
         let mut st = self.st.borrow_mut();
@@ -1437,6 +1456,10 @@ impl Worker {
                 let mut st = self.st.borrow_mut();
                 match st.reqs.get(id) {
                     Some(r) if r.result.is_none() => {}
+                    // Ended early (an abort) with copies of the copy lane still running on its
+                    // buffer: they finish first, so the buffer is the caller's again only once
+                    // nothing of ours touches it.
+                    Some(_) if st.copies_in_flight(*id) => {}
                     _ => {
                         st.reqs.remove(id);
                         break;
@@ -1517,9 +1540,161 @@ impl State {
         if let Some(r) = self.reqs.get_mut(&id)
             && r.result.is_none()
         {
+            let failed = res.is_err();
             r.result = Some(res);
             r.guards.clear();
+            if failed {
+                self.release_chunks(id);
+            }
         }
+    }
+
+    /// A pipelined receive ended early: hand the sender back the staging fragments it announced
+    /// and we will not read (it reuses them for other transfers).
+    fn release_chunks(&mut self, id: u64) {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return;
+        };
+        let Some((peer, sreq)) = rs.rndv.as_ref().map(|rv| (rv.peer, rv.sreq)) else {
+            return;
+        };
+        let acks: Vec<FragAck> = rs
+            .chunks
+            .drain(..)
+            .filter_map(|c| c.sfrag)
+            .map(|(frag, staged)| FragAck {
+                peer,
+                sreq,
+                frag,
+                staged,
+            })
+            .collect();
+        for a in acks {
+            self.ack_fragment(a);
+        }
+    }
+
+    /// End request `id` with `e` and, when it is one side of a rendezvous, tell the peer, so
+    /// that the other side's request ends too rather than waiting for messages that will never
+    /// come. Every failure of a rendezvous in progress ends here.
+    fn fail(&mut self, id: u64, e: Error) {
+        let notice = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) if s.proto.is_rndv() => {
+                let rreq = s.stage.as_ref().map(|st| st.rreq).or(s.rndv_to);
+                Some((s.peer, id, rreq.unwrap_or(0), true))
+            }
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) => rs.rndv.as_ref().map(|rv| (rv.peer, rv.sreq, id, false)),
+            Some(Req { result: None, .. }) => None,
+            _ => return,
+        };
+        // A broken endpoint fails the peer's requests on its side by itself.
+        let notify = !matches!(e, Error::EndpointFailure { .. });
+        let reason = e.to_string();
+        self.finish(id, Err(e));
+        if notify && let Some((p, sreq, rreq, by_sender)) = notice {
+            self.send_abort(p, sreq, rreq, by_sender, &reason);
+        }
+    }
+
+    /// Tell peer `p` that rendezvous `sreq` -> `rreq` is given up on this side, and why.
+    fn send_abort(&mut self, p: usize, sreq: u64, rreq: u64, by_sender: bool, reason: &str) {
+        if self.peers.get(p).is_none_or(|x| x.failed.is_some()) {
+            return;
+        }
+        tracing::debug!(
+            "rendezvous {sreq:#x} -> {rreq:#x} with {} aborted on this side: {reason}",
+            self.peers[p].remote.describe()
+        );
+        let mut b = Vec::new();
+        wire::put_u64s(&mut b, &[self.address.uuid, sreq, rreq]);
+        b.push(u8::from(by_sender));
+        wire::put_reason(&mut b, reason);
+        self.queue_ctrl(p, wire::AM_RNDV_ABORT, b);
+        self.pump(p);
+    }
+
+    /// The peer gave a rendezvous up: end our side of it with its reason.
+    fn on_abort(&mut self, p: usize, sreq: u64, rreq: u64, by_sender: bool, reason: &str) {
+        let target = if by_sender {
+            let ours = |r: &Req| {
+                r.result.is_none()
+                    && matches!(&r.kind, ReqKind::Recv(RecvState { rndv: Some(rv), .. })
+                        if rv.peer == p && rv.sreq == sreq)
+            };
+            if rreq != 0 && self.reqs.get(&rreq).is_some_and(ours) {
+                Some(rreq)
+            } else {
+                // The sender did not know our request yet.
+                self.reqs.iter().find(|(_, r)| ours(r)).map(|(id, _)| id)
+            }
+        } else {
+            match self.reqs.get(&sreq) {
+                Some(Req {
+                    kind: ReqKind::Send(s),
+                    result: None,
+                    ..
+                }) if s.peer == p => Some(sreq),
+                _ => None,
+            }
+        };
+        // Not found: finished already, or (sender side) not matched yet; a receive that
+        // matches it later asks the sender, which answers with another abort.
+        let Some(id) = target else {
+            return;
+        };
+        tracing::debug!(
+            "{} aborted the rendezvous {sreq:#x} -> {rreq:#x}: {reason}",
+            self.peers[p].remote.describe()
+        );
+        let peer = self.peers[p].remote.describe();
+        self.finish(
+            id,
+            Err(Error::PeerAborted {
+                peer,
+                reason: reason.to_string(),
+            }),
+        );
+    }
+
+    /// A reply (PULL, RTR) came for send `sreq` that is no longer waiting for it: unless it
+    /// finished well, tell the receiver, whose request would otherwise wait forever.
+    fn answer_for_gone_send(&mut self, p: usize, sreq: u64, rreq: u64) {
+        let reason = match self.reqs.get(&sreq) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: Some(res),
+                ..
+            }) if s.peer == p => match res {
+                Ok(_) => return,
+                Err(e) => e.to_string(),
+            },
+            _ => "the send request is gone (it failed or was canceled)".to_string(),
+        };
+        self.send_abort(p, sreq, rreq, true, &reason);
+    }
+
+    /// Whether copy-lane operations (local copies between a request's buffer and staging,
+    /// which always complete) are still running for request `id`.
+    fn copies_in_flight(&self, id: u64) -> bool {
+        self.tokens.values().any(|t| {
+            t.req == id
+                && matches!(
+                    t.what,
+                    TokWhat::StageD2H { .. } | TokWhat::H2D { .. } | TokWhat::DirectH2D { .. }
+                )
+        })
     }
 
     fn check_peer(&self, p: usize) -> Result<()> {
@@ -1820,9 +1995,7 @@ impl State {
                         self.peers[p].queue.push_front(Pending::Stream(req));
                         return;
                     }
-                    Err(e) => {
-                        self.finish(req, Err(e));
-                    }
+                    Err(e) => self.fail(req, e),
                 },
             }
         }
@@ -2405,11 +2578,11 @@ impl State {
         if rv.fin_pending || rv.gets_done {
             // The sender is writing the tail into our buffer: streaming the whole message now
             // could race with those writes. Fail rather than risk a mixed buffer.
-            self.finish(
+            self.fail(
                 rid,
-                Err(Error::Internal(
+                Error::Internal(
                     "the read half of a split rendezvous failed; the message is lost".into(),
-                )),
+                ),
             );
             return;
         }
@@ -2650,7 +2823,7 @@ impl State {
                 self.restart_as_stream(id);
                 return;
             }
-            self.finish(id, Err(e));
+            self.fail(id, e);
             return;
         }
         if r.outstanding > 0 || r.result.is_some() {
@@ -2892,7 +3065,7 @@ impl State {
                 }
             }
             Msg::Ats { src, sreq, ok } => {
-                let _ = self.src_peer(src)?;
+                let p = self.src_peer(src)?;
                 if let Some(Req {
                     kind: ReqKind::Send(s),
                     ..
@@ -2909,7 +3082,10 @@ impl State {
                             sender: None,
                         })
                     } else {
-                        Err(Error::Internal("receiver aborted the rendezvous".into()))
+                        Err(Error::PeerAborted {
+                            peer: self.peers[p].remote.describe(),
+                            reason: "the receiver gave the rendezvous up".into(),
+                        })
                     };
                     self.finish(sreq, res);
                 }
@@ -2955,6 +3131,16 @@ impl State {
                     rs.received = rs.total.min(rs.cap);
                 }
                 self.complete_recv(rreq);
+            }
+            Msg::Abort {
+                src,
+                sreq,
+                rreq,
+                by_sender,
+                reason,
+            } => {
+                let p = self.src_peer(src)?;
+                self.on_abort(p, sreq, rreq, by_sender, reason);
             }
             Msg::Pull { src, sreq, rreq } => {
                 let p = self.src_peer(src)?;
@@ -3147,7 +3333,7 @@ impl State {
             if rs.mem.is_gpu() {
                 rs.received += data.len();
                 if let Err(e) = self.copy_to_gpu(rid, offset, &data[..n]) {
-                    self.finish(rid, Err(e));
+                    self.fail(rid, e);
                 }
                 return;
             }
@@ -3385,9 +3571,11 @@ impl State {
             ..
         }) = self.reqs.get_mut(&sreq)
         else {
+            self.answer_for_gone_send(p, sreq, rreq);
             return;
         };
         if s.mem.is_gpu() {
+            s.rndv_to = Some(rreq);
             let e = Error::Unsupported {
                 what: "streaming GPU memory through active messages".into(),
                 why: "the receiver asked for a streamed rendezvous; GPU buffers need the staged \
@@ -3395,7 +3583,7 @@ impl State {
                       and cuda_copy in RUCX_TLS on both sides"
                     .into(),
             };
-            self.finish(sreq, Err(e));
+            self.fail(sreq, e);
             return;
         }
         s.rndv_to = Some(rreq);
