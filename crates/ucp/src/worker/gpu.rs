@@ -242,21 +242,19 @@ impl State {
                     }
                 };
                 let addr = self.staging.as_ref().expect("staging").addr(frag);
-                let mut b = Vec::new();
-                wire::put_u64s(
-                    &mut b,
-                    &[
-                        self.address.uuid,
+                self.send_msg(
+                    p,
+                    &Msg::Frag {
+                        src: self.address.uuid,
                         rreq,
-                        id,
-                        off as u64,
-                        len as u64,
-                        addr as u64,
-                        frag as u64,
-                    ],
+                        sreq: id,
+                        offset: off as u64,
+                        len: len as u64,
+                        addr: addr as u64,
+                        frag: frag as u64,
+                        key,
+                    },
                 );
-                wire::put_keys(&mut b, &[key]);
-                self.queue_ctrl(p, wire::AM_RNDV_FRAG, b);
                 self.pump(p);
                 Ok(())
             }
@@ -370,12 +368,15 @@ impl State {
 
     /// Tell a sender that its staging fragment is free again.
     pub(super) fn ack_fragment(&mut self, a: FragAck) {
-        let mut b = Vec::new();
-        wire::put_u64s(
-            &mut b,
-            &[self.address.uuid, a.sreq, a.frag, a.staged as u64],
+        self.send_msg(
+            a.peer,
+            &Msg::FragAck {
+                src: self.address.uuid,
+                sreq: a.sreq,
+                frag: a.frag,
+                len: a.staged as u64,
+            },
         );
-        self.queue_ctrl(a.peer, wire::AM_RNDV_FRAG_ACK, b);
         self.pump(a.peer);
     }
 
@@ -586,9 +587,14 @@ impl State {
         // GPU sender (or no usable key): ask it to stage and announce fragments.
         rs.pull = true;
         self.count("rendezvous receive pipelined through host staging");
-        let mut b = Vec::new();
-        wire::put_u64s(&mut b, &[self.address.uuid, sreq, rid]);
-        self.queue_ctrl(p, wire::AM_RNDV_PULL, b);
+        self.send_msg(
+            p,
+            &Msg::Pull {
+                src: self.address.uuid,
+                sreq,
+                rreq: rid,
+            },
+        );
         self.pump(p);
     }
 
@@ -747,9 +753,15 @@ impl State {
                 }) {
                     self.fail(rreq, e);
                 }
-                let mut b = Vec::new();
-                wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
-                self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+                self.send_msg(
+                    p,
+                    &Msg::FragAck {
+                        src: self.address.uuid,
+                        sreq,
+                        frag,
+                        len: len as u64,
+                    },
+                );
                 self.pump(p);
                 return;
             }
@@ -761,9 +773,15 @@ impl State {
         }) = self.reqs.get_mut(&rreq)
         else {
             // The receive is gone (canceled or failed): still release the sender's fragment.
-            let mut b = Vec::new();
-            wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
-            self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+            self.send_msg(
+                p,
+                &Msg::FragAck {
+                    src: self.address.uuid,
+                    sreq,
+                    frag,
+                    len: len as u64,
+                },
+            );
             self.pump(p);
             return;
         };
@@ -772,9 +790,15 @@ impl State {
         let want = rs.rndv.as_ref().map_or(0, |r| r.want);
         let n = len.min(want.saturating_sub(off));
         if n == 0 {
-            let mut b = Vec::new();
-            wire::put_u64s(&mut b, &[self.address.uuid, sreq, frag, len as u64]);
-            self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
+            self.send_msg(
+                p,
+                &Msg::FragAck {
+                    src: self.address.uuid,
+                    sreq,
+                    frag,
+                    len: len as u64,
+                },
+            );
             self.pump(p);
             return;
         }

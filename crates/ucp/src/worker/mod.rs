@@ -794,12 +794,15 @@ impl Worker {
         let am = st.peers[ep.0].am;
         let one = 12 + header.len() + data.len();
         if one <= st.slots[am].attr.limits.am_max_bcopy {
-            let mut b = Vec::with_capacity(one);
-            wire::put_u64s(&mut b, &[src]);
-            b.extend_from_slice(&id.to_le_bytes());
-            rucx_uct::rkey::put_lv(&mut b, header);
-            b.extend_from_slice(data);
-            st.queue_ctrl(ep.0, wire::AM_USER, b);
+            st.send_msg(
+                ep.0,
+                &Msg::User {
+                    src,
+                    id,
+                    header,
+                    data,
+                },
+            );
             st.pump(ep.0);
             return Ok(());
         }
@@ -812,19 +815,32 @@ impl Worker {
         let mut off = 0;
         let bcopy = st.slots[am].attr.limits.am_max_bcopy;
         while off < total || off == 0 {
-            let mut b = Vec::new();
-            let (id_am, room) = if off == 0 {
-                wire::put_u64s(&mut b, &[src]);
-                b.push(MsgKind::Am as u8);
-                wire::put_u64s(&mut b, &[u64::from(id), msg_id, total as u64]);
-                (wire::AM_EAGER_FIRST, bcopy - proto::FIRST_OVERHEAD)
-            } else {
-                wire::put_u64s(&mut b, &[src, msg_id, off as u64]);
-                (wire::AM_EAGER_MIDDLE, bcopy - proto::MIDDLE_OVERHEAD)
-            };
+            let room = bcopy
+                - if off == 0 {
+                    proto::FIRST_OVERHEAD
+                } else {
+                    proto::MIDDLE_OVERHEAD
+                };
             let n = room.min(total - off);
-            b.extend_from_slice(&payload[off..off + n]);
-            st.queue_ctrl(ep.0, id_am, b);
+            let data = &payload[off..off + n];
+            let m = if off == 0 {
+                Msg::EagerFirst {
+                    src,
+                    kind: MsgKind::Am,
+                    tag: u64::from(id),
+                    msg_id,
+                    total: total as u64,
+                    data,
+                }
+            } else {
+                Msg::EagerMiddle {
+                    src,
+                    msg_id,
+                    offset: off as u64,
+                    data,
+                }
+            };
+            st.send_msg(ep.0, &m);
             off += n;
             if total == 0 {
                 break;
@@ -1617,11 +1633,16 @@ impl State {
             "rendezvous {sreq:#x} -> {rreq:#x} with {} aborted on this side: {reason}",
             self.peers[p].remote.describe()
         );
-        let mut b = Vec::new();
-        wire::put_u64s(&mut b, &[self.address.uuid, sreq, rreq]);
-        b.push(u8::from(by_sender));
-        wire::put_reason(&mut b, reason);
-        self.queue_ctrl(p, wire::AM_RNDV_ABORT, b);
+        self.send_msg(
+            p,
+            &Msg::Abort {
+                src: self.address.uuid,
+                sreq,
+                rreq,
+                by_sender,
+                reason,
+            },
+        );
         self.pump(p);
     }
 
@@ -1919,6 +1940,12 @@ impl State {
         }
     }
 
+    /// Queue a control message to peer `p` (sent in order by [`pump`](Self::pump)).
+    fn send_msg(&mut self, p: usize, m: &Msg<'_>) {
+        let (id, bytes) = m.encode();
+        self.queue_ctrl(p, id, bytes);
+    }
+
     fn queue_ctrl(&mut self, p: usize, id: AmId, bytes: Vec<u8>) {
         self.peers[p].queue.push_back(Pending::Ctrl { id, bytes });
     }
@@ -2071,9 +2098,6 @@ impl State {
                 // SAFETY: the scope keeps the send buffer alive while this runs.
                 let data = unsafe { host_slice(addr, len) };
                 let tag = self.send_tag(id);
-                let mut b = Vec::with_capacity(24 + len);
-                wire::put_u64s(&mut b, &[src, tag, id]);
-                b.extend_from_slice(data);
                 if let Some(Req {
                     kind: ReqKind::Send(s),
                     ..
@@ -2081,7 +2105,15 @@ impl State {
                 {
                     s.wait = SendWait::Receiver;
                 }
-                self.queue_ctrl(p, wire::AM_EAGER_SYNC, b);
+                self.send_msg(
+                    p,
+                    &Msg::EagerSync {
+                        src,
+                        tag,
+                        sreq: id,
+                        data,
+                    },
+                );
                 self.pump(p);
             }
             Proto::EagerShort | Proto::EagerBcopy => {
@@ -2127,10 +2159,7 @@ impl State {
                         }
                     }
                 }
-                let mut b = Vec::with_capacity(16 + len);
-                wire::put_u64s(&mut b, &[src, tag]);
-                b.extend_from_slice(data);
-                self.queue_ctrl(p, wire::AM_EAGER_ONE, b);
+                self.send_msg(p, &Msg::EagerOne { src, tag, data });
                 self.finish(
                     id,
                     Ok(Completion {
@@ -2270,11 +2299,6 @@ impl State {
             }),
             _ => {}
         }
-        let src = self.address.uuid;
-        let mut b = Vec::new();
-        wire::put_u64s(&mut b, &[src, tag, id, len as u64, addr as u64]);
-        b.push(wire::mem_code(mem));
-        wire::put_keys(&mut b, &keys);
         if let Some(Req {
             kind: ReqKind::Send(s),
             ..
@@ -2282,7 +2306,18 @@ impl State {
         {
             s.wait = SendWait::Receiver;
         }
-        self.queue_ctrl(p, wire::AM_RNDV_RTS, b);
+        self.send_msg(
+            p,
+            &Msg::Rts {
+                src: self.address.uuid,
+                tag,
+                sreq: id,
+                size: len as u64,
+                addr: addr as u64,
+                smem: wire::mem_code(mem),
+                keys,
+            },
+        );
     }
 
     /// Post the next operations of a request. Ok(true): all posted; Ok(false): the transport
@@ -2373,24 +2408,40 @@ impl State {
         let total = len;
         let mut off = posted;
         loop {
-            // Header for this fragment.
-            let mut h = Vec::with_capacity(40);
-            let (am_id, room) = match rndv_to {
-                Some(rreq) => {
-                    wire::put_u64s(&mut h, &[src, rreq, off as u64]);
-                    (wire::AM_RNDV_DATA, proto::MIDDLE_OVERHEAD)
-                }
-                None if off == 0 => {
-                    wire::put_u64s(&mut h, &[src]);
-                    h.push(MsgKind::Tag as u8);
-                    wire::put_u64s(&mut h, &[tag, msg_id, total as u64]);
-                    (wire::AM_EAGER_FIRST, proto::FIRST_OVERHEAD)
-                }
-                None => {
-                    wire::put_u64s(&mut h, &[src, msg_id, off as u64]);
-                    (wire::AM_EAGER_MIDDLE, proto::MIDDLE_OVERHEAD)
-                }
+            // Header for this fragment: the message without its data.
+            let (head, room) = match rndv_to {
+                Some(rreq) => (
+                    Msg::RndvData {
+                        src,
+                        rreq,
+                        offset: off as u64,
+                        data: &[],
+                    },
+                    proto::MIDDLE_OVERHEAD,
+                ),
+                None if off == 0 => (
+                    Msg::EagerFirst {
+                        src,
+                        kind: MsgKind::Tag,
+                        tag,
+                        msg_id,
+                        total: total as u64,
+                        data: &[],
+                    },
+                    proto::FIRST_OVERHEAD,
+                ),
+                None => (
+                    Msg::EagerMiddle {
+                        src,
+                        msg_id,
+                        offset: off as u64,
+                        data: &[],
+                    },
+                    proto::MIDDLE_OVERHEAD,
+                ),
             };
+            let mut h = Vec::with_capacity(40);
+            let am_id = head.encode_into(&mut h);
             let n;
             if zcopy {
                 n = limits.am_max_zcopy.min(self.frag).min(total - off);
@@ -2557,10 +2608,14 @@ impl State {
     }
 
     fn send_ats(&mut self, p: usize, sreq: u64) {
-        let mut b = Vec::new();
-        wire::put_u64s(&mut b, &[self.address.uuid, sreq]);
-        b.push(1);
-        self.queue_ctrl(p, wire::AM_RNDV_ATS, b);
+        self.send_msg(
+            p,
+            &Msg::Ats {
+                src: self.address.uuid,
+                sreq,
+                ok: true,
+            },
+        );
     }
 
     /// A read-based receive could not proceed: drop its registration and ask the sender to
@@ -2771,9 +2826,13 @@ impl State {
             ReqKind::Send(s) => (s.peer, s.len, s.tag, s.rndv_to.unwrap_or(0)),
             _ => return,
         };
-        let mut b = Vec::new();
-        wire::put_u64s(&mut b, &[self.address.uuid, rreq]);
-        self.queue_ctrl(p, wire::AM_RNDV_FIN, b);
+        self.send_msg(
+            p,
+            &Msg::Fin {
+                src: self.address.uuid,
+                rreq,
+            },
+        );
         if !self.split_step(id) {
             return;
         }
@@ -3424,10 +3483,7 @@ impl State {
             return;
         }
         if want == 0 {
-            let mut b = Vec::new();
-            wire::put_u64s(&mut b, &[self.address.uuid, sreq]);
-            b.push(1);
-            self.queue_ctrl(p, wire::AM_RNDV_ATS, b);
+            self.send_ats(p, sreq);
             self.complete_recv(rid);
             self.pump(p);
             return;
@@ -3541,17 +3597,22 @@ impl State {
             Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => rv.want,
             _ => 0,
         };
-        let mut b = Vec::new();
         let (addr, offset, keys) = match put {
             Some((a, off, k)) => (a, off as u64, vec![k]),
             None => (0, 0, Vec::new()),
         };
-        wire::put_u64s(
-            &mut b,
-            &[self.address.uuid, sreq, rreq, addr, want as u64, offset],
+        self.send_msg(
+            p,
+            &Msg::Rtr {
+                src: self.address.uuid,
+                sreq,
+                rreq,
+                addr,
+                size: want as u64,
+                offset,
+                keys,
+            },
         );
-        wire::put_keys(&mut b, &keys);
-        self.queue_ctrl(p, wire::AM_RNDV_RTR, b);
     }
 
     #[allow(clippy::too_many_arguments)]
