@@ -4,7 +4,7 @@ use rucx_ucs::MemUnits;
 use rucx_uct::{DeviceType, IfaceAttr, IfaceCaps, LinearCost};
 
 use super::{Lanes, MemKey, Op, OpTable, PlanConfig, PlanInput, Scheme, lane_row};
-use crate::proto::{FIRST_OVERHEAD, ONE_OVERHEAD, Proto, Range, SHORT_OVERHEAD};
+use crate::proto::{FIRST_OVERHEAD, ONE_OVERHEAD, Proto, Range, SHORT_OVERHEAD, SYNC_OVERHEAD};
 
 /// Copy bandwidth assumed for the CPU copies of copy-in protocols, bytes per second.
 const MEMCPY_BW: f64 = 10e9;
@@ -182,8 +182,9 @@ pub(crate) fn host_tag(l: &HostLanes<'_>, cfg: &PlanConfig, input: &PlanInput<'_
     rows
 }
 
-/// Synchronous sends: one eager message asks for an acknowledgement of its match; anything
-/// larger takes the rendezvous (which completes after the match anyway).
+/// Synchronous sends: one eager message (with its 24-byte header, in one `am_bcopy`) asks for
+/// an acknowledgement of its match; anything larger takes the rendezvous (which completes after
+/// the match anyway).
 fn sync_of(
     tag: &[Range],
     l: &HostLanes<'_>,
@@ -191,21 +192,37 @@ fn sync_of(
     input: &PlanInput<'_>,
 ) -> Vec<Range> {
     let (rndv, rlane) = rndv_proto(l, cfg);
+    let rndv_lane = lane_row(0, 0, rndv, rlane, input).lane;
+    // Sizes below `fits_below` fit one synchronous eager message.
+    let fits_below =
+        l.am.0
+            .limits
+            .am_max_bcopy
+            .checked_sub(SYNC_OVERHEAD)
+            .map_or(0, |m| m.saturating_add(1));
     let mut rows: Vec<Range> = Vec::new();
+    let mut push = |from: usize, to: usize, proto: Proto, lane: &str| match rows.last_mut() {
+        Some(last) if last.proto == proto && last.lane == lane => last.to = to,
+        _ => rows.push(Range {
+            from,
+            to,
+            proto,
+            lane: lane.to_string(),
+        }),
+    };
     for r in tag {
-        let (proto, lane) = match r.proto {
-            Proto::EagerShort | Proto::EagerBcopy => (Proto::EagerSync, r.lane.clone()),
-            p if p.is_rndv() => (p, r.lane.clone()),
-            _ => (rndv, lane_row(0, 0, rndv, rlane, input).lane),
-        };
-        match rows.last_mut() {
-            Some(last) if last.proto == proto && last.lane == lane => last.to = r.to,
-            _ => rows.push(Range {
-                from: r.from,
-                to: r.to,
-                proto,
-                lane,
-            }),
+        match r.proto {
+            Proto::EagerShort | Proto::EagerBcopy => {
+                let split = fits_below.clamp(r.from, r.to.saturating_add(1));
+                if r.from < split {
+                    push(r.from, split - 1, Proto::EagerSync, &r.lane);
+                }
+                if split <= r.to {
+                    push(split, r.to, rndv, &rndv_lane);
+                }
+            }
+            p if p.is_rndv() => push(r.from, r.to, p, &r.lane),
+            _ => push(r.from, r.to, rndv, &rndv_lane),
         }
     }
     rows

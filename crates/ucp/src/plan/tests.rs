@@ -597,6 +597,12 @@ proptest! {
                 if r.proto == Proto::EagerShort && t.mem == MemKey::HOST {
                     prop_assert!(r.to + crate::proto::SHORT_OVERHEAD <= am.limits.am_max_short);
                 }
+                if r.proto == Proto::EagerBcopy {
+                    prop_assert!(r.to + crate::proto::ONE_OVERHEAD <= am.limits.am_max_bcopy);
+                }
+                if r.proto == Proto::EagerSync {
+                    prop_assert!(r.to + crate::proto::SYNC_OVERHEAD <= am.limits.am_max_bcopy, "{:?}", t);
+                }
             }
         }
         // Chosen lanes are connected, reachable and never the copy lane.

@@ -98,6 +98,8 @@ pub const ONE_OVERHEAD: usize = 16;
 pub const FIRST_OVERHEAD: usize = 33;
 /// Header of a later fragment.
 pub const MIDDLE_OVERHEAD: usize = 24;
+/// Header of the eager message of a synchronous send (source, tag, request id).
+pub const SYNC_OVERHEAD: usize = 24;
 
 /// Look up the protocol for `size`.
 pub fn lookup(table: &[Range], size: usize) -> Option<&Range> {
