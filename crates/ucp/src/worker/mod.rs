@@ -216,6 +216,8 @@ struct Peer {
     /// What this endpoint does, and the (context epoch, local generation) it was made at.
     plan: EpPlan,
     plan_at: (u64, u64),
+    /// The plan wants lanes that are not connected yet (its `wanted` is not empty).
+    needs_lanes: bool,
     /// The peer's interfaces this worker reaches, by local interface index.
     targets: Vec<(usize, IfaceEntry)>,
     failed: Option<String>,
@@ -741,7 +743,7 @@ impl Worker {
                 {
                     st.fail_peer(p, &e.to_string());
                 }
-                if !st.peers[p].plan.wanted.is_empty() {
+                if st.peers[p].needs_lanes {
                     st.connect_wanted(p, &mut ifaces);
                 }
                 if !st.peers[p].queue.is_empty() {
@@ -1016,7 +1018,7 @@ impl Worker {
     /// interfaces are free to borrow; otherwise the next progress does it).
     fn ensure_plan(&self, st: &mut State, p: usize) {
         st.refresh_plan(p);
-        if st.peers[p].plan.wanted.is_empty() {
+        if !st.peers[p].needs_lanes {
             return;
         }
         if let Ok(mut ifaces) = self.ifaces.try_borrow_mut() {
@@ -1475,7 +1477,11 @@ impl Worker {
                     // Ended early (an abort) with copies of the copy lane still running on its
                     // buffer: they finish first, so the buffer is the caller's again only once
                     // nothing of ours touches it.
-                    Some(_) if st.copies_in_flight(*id) => {}
+                    // (Only a request that ended with an error can; the check scans the
+                    // tokens, so successful requests skip it.)
+                    Some(r)
+                        if r.result.as_ref().is_some_and(|x| x.is_err())
+                            && st.copies_in_flight(*id) => {}
                     _ => {
                         st.reqs.remove(id);
                         break;
@@ -1758,6 +1764,7 @@ impl State {
             rma: None,
             plan: EpPlan::default(),
             plan_at: (u64::MAX, u64::MAX),
+            needs_lanes: false,
             targets: Vec::new(),
             failed: None,
             queue: VecDeque::new(),
@@ -1838,6 +1845,7 @@ impl State {
     /// Connect the lanes peer `p`'s plan wants (a demotion made a lane that was not in use the
     /// best one); a lane that cannot be connected is logged and left out.
     fn connect_wanted(&mut self, p: usize, ifaces: &mut [Box<dyn Iface>]) {
+        self.peers[p].needs_lanes = false;
         for i in std::mem::take(&mut self.peers[p].plan.wanted) {
             if let Err(e) = self.connect_lane(p, i, ifaces) {
                 tracing::info!(
@@ -1919,6 +1927,7 @@ impl State {
         let changed = !first && self.peers[p].plan.tables != plan.tables;
         let demoted = !first && self.peers[p].plan_at.0 != at.0;
         self.peers[p].rma = plan.lanes.rma;
+        self.peers[p].needs_lanes = !plan.wanted.is_empty();
         self.peers[p].plan = plan;
         self.peers[p].plan_at = at;
         if self.proto_info && (first || changed) || demoted && changed {
