@@ -242,10 +242,13 @@ impl State {
                     _ => return Ok(()),
                 };
                 if let Some(sf) = sfrag {
+                    // The sender counts acknowledged bytes up to its length: acknowledge its
+                    // whole fragment, even the part a truncating receive did not read.
                     let mut b = Vec::new();
                     wire::put_u64s(&mut b, &[self.address.uuid, sreq, sf, len as u64]);
                     self.queue_ctrl(p, wire::AM_RNDV_FRAG_ACK, b);
                 }
+                let len = self.fits(id, off, len);
                 match rfrag {
                     Some(f) => {
                         // Into the GPU buffer: host staging -> device.
@@ -326,6 +329,17 @@ impl State {
                 }
                 Ok(())
             }
+        }
+    }
+
+    /// How much of `len` bytes at `off` of a sender's fragment fits receive `id` (a truncating
+    /// receive reads no further than its buffer).
+    pub(super) fn fits(&self, id: u64, off: usize, len: usize) -> usize {
+        match self.reqs.get(&id).map(|r| &r.kind) {
+            Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => {
+                len.min(rv.want.saturating_sub(off))
+            }
+            _ => len,
         }
     }
 
@@ -680,7 +694,10 @@ impl State {
             self.pump(p);
             return;
         };
-        // Never read past the receive buffer (truncation): acknowledge the rest unread.
+        // Never read past the receive buffer (truncation): a fragment wholly past it is
+        // acknowledged unread; one that reaches past it keeps the sender's length (its
+        // acknowledgement must cover the whole fragment) and is read only as far as it fits
+        // (`fits`).
         let want = rs.rndv.as_ref().map_or(0, |r| r.want);
         let n = len.min(want.saturating_sub(off));
         if n == 0 {
@@ -691,7 +708,8 @@ impl State {
             return;
         }
         let gpu = rs.mem.is_gpu();
-        let local = if gpu {
+        // A mapped fragment is copied whole: only fragments that fit entirely go that way.
+        let local = if gpu && n == len {
             self.map_fragment(mi, &rkey, addr)
         } else {
             None
@@ -705,7 +723,7 @@ impl State {
         };
         rs.chunks.push_back(Chunk {
             raddr: addr,
-            len: n,
+            len,
             off,
             rkey,
             sfrag: Some(frag),
@@ -839,6 +857,9 @@ impl State {
                     Err(e) => return Err(e),
                 }
             }
+            // Read no further than the receive buffer; the token keeps the fragment's length
+            // for the acknowledgement.
+            let read = self.fits(rid, off, len);
             let (iov_addr, memh, rfrag) = if gpu {
                 let md = self.slots[lane].md;
                 let (memh, _) = self.staging_reg(md)?;
@@ -853,7 +874,7 @@ impl State {
             };
             let iov = [Iov {
                 addr: iov_addr,
-                len,
+                len: read,
                 memh: &memh,
             }];
             let token = self.next_token;
