@@ -985,12 +985,14 @@ impl State {
         (addr < start + r.len.max(1) && addr + len <= start + r.len).then_some((start, r))
     }
 
-    fn overlaps_device(&self, addr: usize, len: usize) -> bool {
+    /// The device range `[addr, addr + len)` reaches into, if any.
+    fn overlaps_device(&self, addr: usize, len: usize) -> Option<(usize, usize, u32)> {
         let end = addr.saturating_add(len.max(1));
         self.devices
             .range(..end)
             .next_back()
-            .is_some_and(|(&s, r)| s + r.len > addr)
+            .filter(|(s, r)| *s + r.len > addr)
+            .map(|(s, r)| (*s, r.len, r.device))
     }
 
     /// Classify a pointer (the copy domain's `detect_mem_type`).
@@ -1051,10 +1053,10 @@ impl State {
                 }
             },
             _ => {
-                if self.overlaps_device(region.addr, region.len) {
+                if let Some((s, l, d)) = self.overlaps_device(region.addr, region.len) {
                     let v = self.violation(format!(
                         "node {nname}: {md} asked to register {:#x}+{} as host memory, but it \
-                         reaches into simulated device memory",
+                         reaches into simulated device memory {s:#x}+{l} of GPU {d}",
                         region.addr, region.len
                     ));
                     return Err(region.reg_error(md, RegErrorKind::BadAddress, v, ""));

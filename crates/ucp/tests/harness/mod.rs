@@ -70,6 +70,86 @@ pub enum Mem {
     Device(u32),
 }
 
+/// Simulated device memory comes from an address range of its own that host allocations never
+/// use, as real device memory does: the registration cache keeps registrations of freed host
+/// memory and merges a new request with any it overlaps, so a device buffer placed where a
+/// host buffer was freed would otherwise be swallowed by a host registration.
+mod arena {
+    use std::collections::BTreeMap;
+    use std::sync::{Mutex, OnceLock};
+
+    const SIZE: usize = 16 << 30;
+
+    struct Arena {
+        base: usize,
+        /// Free ranges by start.
+        free: Mutex<BTreeMap<usize, usize>>,
+    }
+
+    fn arena() -> &'static Arena {
+        static A: OnceLock<Arena> = OnceLock::new();
+        A.get_or_init(|| {
+            // SAFETY: a fresh anonymous private mapping (address space only, thanks to
+            // MAP_NORESERVE); nothing else refers to it.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    SIZE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            assert!(p != libc::MAP_FAILED, "reserving the device arena");
+            let base = p as usize;
+            Arena {
+                base,
+                free: Mutex::new(BTreeMap::from([(base, SIZE)])),
+            }
+        })
+    }
+
+    /// `len` bytes (a multiple of the page size), page aligned.
+    pub fn alloc(len: usize) -> *mut u8 {
+        let a = arena();
+        let mut free = a.free.lock().unwrap_or_else(|p| p.into_inner());
+        let (&start, &flen) = free
+            .iter()
+            .find(|(_, l)| **l >= len)
+            .expect("device arena exhausted");
+        free.remove(&start);
+        if flen > len {
+            free.insert(start + len, flen - len);
+        }
+        start as *mut u8
+    }
+
+    /// Give back what `alloc` returned.
+    pub fn free(p: *mut u8, len: usize) {
+        let a = arena();
+        let start = p as usize;
+        assert!(start >= a.base && start + len <= a.base + SIZE);
+        // SAFETY: the range is ours (from `alloc`) and nobody uses it any more; the pages read
+        // as zeros afterwards.
+        unsafe { libc::madvise(p.cast(), len, libc::MADV_DONTNEED) };
+        let mut free = a.free.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut s, mut l) = (start, len);
+        if let Some((&ps, &pl)) = free.range(..s).next_back()
+            && ps + pl == s
+        {
+            free.remove(&ps);
+            s = ps;
+            l += pl;
+        }
+        if let Some(&nl) = free.get(&(start + len)) {
+            free.remove(&(start + len));
+            l += nl;
+        }
+        free.insert(s, l);
+    }
+}
+
 /// A buffer with guard bytes before and after it, in pages of its own (see
 /// `Fabric::mark_device`), freed (and, for device memory, unmarked) on drop.
 pub struct Buf {
@@ -97,8 +177,11 @@ impl Buf {
     pub fn new(fabric: &Fabric, len: usize, mem: Mem) -> Buf {
         let total = (GUARD + len + GUARD).div_ceil(PAGE) * PAGE;
         let layout = Layout::from_size_align(total, PAGE).expect("layout");
-        // SAFETY: `layout` has a non-zero size.
-        let base = unsafe { std::alloc::alloc(layout) };
+        let base = match mem {
+            Mem::Device(_) => arena::alloc(total),
+            // SAFETY: `layout` has a non-zero size.
+            _ => unsafe { std::alloc::alloc(layout) },
+        };
         assert!(!base.is_null(), "out of memory");
         // SAFETY: `base` points to `total` freshly allocated bytes.
         unsafe { std::ptr::write_bytes(base, GUARD_BYTE, total) };
@@ -193,9 +276,11 @@ impl Drop for Buf {
     fn drop(&mut self) {
         if let Mem::Device(_) = self.mem {
             self.fabric.unmark_device(self.addr());
+            arena::free(self.base, self.layout.size());
+        } else {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { std::alloc::dealloc(self.base, self.layout) };
         }
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.base, self.layout) };
     }
 }
 
