@@ -32,10 +32,6 @@ const SIZES: &[usize] = &[
 
 fn exchange_sizes(pair: &Pair, from: usize, mem: [Mem; 2], sync: bool) {
     for (i, &n) in SIZES.iter().enumerate() {
-        if sync && n == 8112 {
-            // sync_send_at_the_top_of_the_eager_range: a known bug, fixed in the next commit.
-            continue;
-        }
         let id = (from as u64) << 32 | i as u64;
         let send = Buf::filled(&pair.fabric, n, mem[0], id);
         let mut recv = Buf::new(&pair.fabric, n, mem[1]);
@@ -407,8 +403,6 @@ fn copy_domain_fault_on_the_receiver_ends_both_requests() {
 /// `am_bcopy` carrying a 24-byte header, which must fit the lane's bcopy limit (or the send
 /// must take another protocol). Found by this harness.
 #[test]
-#[ignore = "reason: known bug: a sync send of am_max_bcopy-23 ..= the eager-short limit overflows \
-            the am_bcopy buffer and fails the endpoint (fixed in the next commit)"]
 fn sync_send_at_the_top_of_the_eager_range() {
     for spec in [
         FabricSpec::host(),

@@ -1061,9 +1061,12 @@ impl Worker {
                 .ok_or_else(|| Error::Internal(format!("no protocol covers {len} bytes")))?
         };
         if sync {
+            // The synchronous eager message carries src, tag and request id (24 bytes).
+            let am = st.peers[ep.0].am;
+            let fits_one = 24 + len <= st.slots[am].attr.limits.am_max_bcopy;
             proto = match proto {
                 // One eager message that asks the receiver to acknowledge its match.
-                Proto::EagerShort | Proto::EagerBcopy => Proto::EagerBcopy,
+                Proto::EagerShort | Proto::EagerBcopy if fits_one => Proto::EagerBcopy,
                 p if p.is_rndv() => p,
                 // Multi-fragment eager: the rendezvous of the table (or streamed), which
                 // completes only after the match.
