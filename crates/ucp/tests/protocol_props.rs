@@ -180,6 +180,64 @@ impl Case {
     }
 }
 
+impl Case {
+    /// The case as a readable sequence (printed with every failure, next to proptest's dump).
+    fn describe(&self) -> String {
+        let s = &self.setup;
+        let side = |i: usize| ["a", "b"][i];
+        let mut out = format!(
+            "setup: {} ipc={} lanes={} shared_staging={} delivery={} vars={:?} faults: a={:?} b={:?}\n",
+            if s.gpu { "gpu" } else { "host" },
+            s.ipc,
+            ["shm", "shm+net", "net"][s.lanes as usize],
+            s.shared,
+            match s.delivery {
+                0 => "in-order".to_string(),
+                1 => format!("random(seed={})", s.seed),
+                _ => format!("random(seed={}, NoResource 3%)", s.seed),
+            },
+            s.vars,
+            s.faults[0],
+            s.faults[1],
+        );
+        for op in &self.ops {
+            let line = match *op {
+                Op::Send(i) => {
+                    let m = &self.msgs[i];
+                    format!(
+                        "{}: {}send #{i} {} B {:?} tag {:#x}",
+                        side(m.from),
+                        if m.sync { "sync " } else { "" },
+                        m.size,
+                        m.mem,
+                        m.tag(i)
+                    )
+                }
+                Op::Recv(i) => {
+                    let (t, mask) = self.recv_tag(i);
+                    format!(
+                        "{}: recv #{i} into {} B {:?} tag {t:#x} mask {mask:#x}",
+                        side(1 - self.msgs[i].from),
+                        self.cap(i),
+                        self.recvs[i].mem
+                    )
+                }
+                Op::Decoy(k) => format!("{}: recv matching nothing", side(k)),
+                Op::Cancel(k) => format!("cancel posted receive {k} (modulo their number)"),
+                Op::Steps(n) => format!("{n} steps"),
+                Op::NoResource(k, lane, n) => {
+                    format!("{}: next {n} ops of {lane} NoResource", side(k))
+                }
+                Op::FailPeer => "b fails".to_string(),
+            };
+            out.push_str("  ");
+            out.push_str(&line);
+            out.push('\n');
+        }
+        out
+    }
+}
+
 fn mem(m: MemSel, side: usize) -> Mem {
     match m {
         MemSel::Host => Mem::Host,
@@ -900,7 +958,7 @@ proptest! {
     #[test]
     fn protocols_deliver_every_byte_once_and_every_request_ends(c in case(8, false, false)) {
         if let Err(e) = run_case(&c) {
-            prop_assert!(false, "{}", e);
+            prop_assert!(false, "{}\n{}", e, c.describe());
         }
     }
 }
@@ -915,7 +973,7 @@ proptest! {
     #[test]
     fn a_failed_peer_ends_every_pending_request_of_the_survivor(c in case(6, true, false)) {
         if let Err(e) = run_case(&c) {
-            prop_assert!(false, "{}", e);
+            prop_assert!(false, "{}\n{}", e, c.describe());
         }
     }
 }
@@ -936,7 +994,7 @@ proptest! {
                 issue 12; branch h-hang)"]
     fn with_gpu_pipeline_registration_faults(c in case(6, false, true)) {
         if let Err(e) = run_case(&c) {
-            prop_assert!(false, "{}", e);
+            prop_assert!(false, "{}\n{}", e, c.describe());
         }
     }
 }
@@ -961,7 +1019,7 @@ fn the_generated_cases_cover_every_protocol_and_fault() {
         let strategy = case(8, failure, known);
         for _ in 0..config.cases {
             let c = strategy.new_tree(&mut runner).expect("a case").current();
-            let cov = run_case(&c).unwrap_or_else(|e| panic!("{e}\ncase: {c:?}"));
+            let cov = run_case(&c).unwrap_or_else(|e| panic!("{e}\n{}", c.describe()));
             for (k, v) in cov {
                 *total.entry(k).or_default() += v;
             }
