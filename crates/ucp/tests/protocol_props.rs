@@ -1,0 +1,1057 @@
+//! Property tests of the protocols between two workers over the sim fabric.
+//!
+//! A case is a setup (lanes, delivery order, protocol thresholds, registration faults per
+//! side) and a sequence of operations: tag sends from either side (every size class, host or
+//! simulated GPU memory, synchronous or not), receives (exact tags, tag masks, buffers smaller
+//! than the message, host or GPU memory), decoy receives and cancels, steps of progress, bursts
+//! of `NoResource`. After the sequence, receives still waiting are canceled, every message
+//! nobody received is drained by wildcard receives, and then:
+//!
+//! - every request ended (a request still pending after the harness's quiet limit is a hang);
+//! - every received message is byte-for-byte what was sent (each message has its own
+//!   pattern, starting with its id), every message was received exactly once, bytes of a
+//!   receive buffer past the message and the guards around every buffer are untouched, send
+//!   buffers are unchanged;
+//! - a message longer than its receive ends the receive with `Error::Truncated` (and the part
+//!   that fits is delivered);
+//! - the fabric saw no violation (no access past a registration or a key, no device memory
+//!   on a host lane), and each demotion was announced by exactly one warning.
+//!
+//! A second property fails one worker mid-sequence: every request of the survivor that was
+//! pending then ends with `EndpointFailure` (receives that never matched stay cancelable).
+//!
+//! A failure prints the case (shrunk by proptest) and what hung; proptest saves the seed to
+//! `proptest-regressions/` and replays it first on the next run (`PROPTEST_RNG_SEED=<n>`
+//! replays a whole run). See docs/testing.md.
+
+mod harness;
+
+use std::fmt::Write as _;
+
+use harness::{Buf, GUARD_BYTE, Mem, Pair, Watchdog, pattern};
+use proptest::prelude::*;
+use rucx_ucp::{Completion, Request, Tag};
+use rucx_ucs::Error;
+use rucx_uct_sim::{Delivery, FabricSpec, LaneKind};
+
+const GROUP_MASK: Tag = 0xffff_ffff_0000_0000;
+const DECOY_TAG: Tag = 15 << 32 | 0xdead;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MemSel {
+    Host,
+    HostRaw,
+    Dev,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sel {
+    Exact,
+    Group,
+    Any,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cap {
+    Same,
+    /// Thousandths of the message.
+    Smaller(u32),
+    Larger(u32),
+}
+
+#[derive(Clone, Debug)]
+struct Msg {
+    from: usize,
+    size: usize,
+    group: u8,
+    mem: MemSel,
+    sync: bool,
+}
+
+#[derive(Clone, Debug)]
+struct RecvSpec {
+    sel: Sel,
+    cap: Cap,
+    mem: MemSel,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Send(usize),
+    Recv(usize),
+    Decoy(usize),
+    /// Cancel the n-th posted receive (modulo their number).
+    Cancel(usize),
+    Steps(u8),
+    NoResource(usize, LaneKind, u8),
+    /// The second worker fails (peer-failure property only).
+    FailPeer,
+}
+
+#[derive(Clone, Debug)]
+struct Setup {
+    gpu: bool,
+    ipc: bool,
+    /// 0: shm, 1: shm + net, 2: net only.
+    lanes: u8,
+    shared: bool,
+    /// 0: in order, 1: random, 2: random with NoResource.
+    delivery: u8,
+    seed: u64,
+    vars: Vec<(&'static str, &'static str)>,
+    faults: [Option<String>; 2],
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    setup: Setup,
+    msgs: Vec<Msg>,
+    recvs: Vec<RecvSpec>,
+    ops: Vec<Op>,
+}
+
+impl Msg {
+    fn tag(&self, i: usize) -> Tag {
+        Tag::from(self.group) << 32 | (i as u64 + 1)
+    }
+}
+
+fn msg_id(i: usize) -> u64 {
+    1000 + i as u64
+}
+
+impl Case {
+    fn spec(&self) -> FabricSpec {
+        let s = &self.setup;
+        let mut spec = if s.gpu {
+            FabricSpec::gpu().ipc(s.ipc)
+        } else {
+            FabricSpec::host()
+        };
+        spec = match s.lanes {
+            0 => spec,
+            1 => spec.with_net(),
+            _ => spec.with_net().without_shm(),
+        };
+        spec.shared_staging(s.shared).delivery(match s.delivery {
+            0 => Delivery::InOrder,
+            1 => Delivery::Random {
+                seed: s.seed,
+                noresource_per_mille: 0,
+            },
+            _ => Delivery::Random {
+                seed: s.seed,
+                noresource_per_mille: 30,
+            },
+        })
+    }
+
+    fn vars(&self, side: usize) -> Vec<(&str, &str)> {
+        let mut v = self.setup.vars.clone();
+        if let Some(f) = &self.setup.faults[side] {
+            v.push(("RUCX_FAULT_INJECT", f.as_str()));
+        }
+        v
+    }
+
+    fn cap(&self, i: usize) -> usize {
+        let n = self.msgs[i].size;
+        match self.recvs[i].cap {
+            Cap::Same => n,
+            Cap::Smaller(p) => n * p as usize / 1000,
+            Cap::Larger(x) => n + x as usize,
+        }
+    }
+
+    /// Tag and mask of receive `i`.
+    fn recv_tag(&self, i: usize) -> (Tag, Tag) {
+        let t = self.msgs[i].tag(i);
+        // A receive too short to hold a message's id can only be identified by its tag.
+        let sel = if self.cap(i) < 8 {
+            Sel::Exact
+        } else {
+            self.recvs[i].sel
+        };
+        match sel {
+            Sel::Exact => (t, u64::MAX),
+            Sel::Group => (t & GROUP_MASK, GROUP_MASK),
+            Sel::Any => (0, 0),
+        }
+    }
+}
+
+impl Case {
+    /// The case as a readable sequence (printed with every failure, next to proptest's dump).
+    fn describe(&self) -> String {
+        let s = &self.setup;
+        let side = |i: usize| ["a", "b"][i];
+        let mut out = format!(
+            "setup: {} ipc={} lanes={} shared_staging={} delivery={} vars={:?} faults: a={:?} b={:?}\n",
+            if s.gpu { "gpu" } else { "host" },
+            s.ipc,
+            ["shm", "shm+net", "net"][s.lanes as usize],
+            s.shared,
+            match s.delivery {
+                0 => "in-order".to_string(),
+                1 => format!("random(seed={})", s.seed),
+                _ => format!("random(seed={}, NoResource 3%)", s.seed),
+            },
+            s.vars,
+            s.faults[0],
+            s.faults[1],
+        );
+        for op in &self.ops {
+            let line = match *op {
+                Op::Send(i) => {
+                    let m = &self.msgs[i];
+                    format!(
+                        "{}: {}send #{i} {} B {:?} tag {:#x}",
+                        side(m.from),
+                        if m.sync { "sync " } else { "" },
+                        m.size,
+                        m.mem,
+                        m.tag(i)
+                    )
+                }
+                Op::Recv(i) => {
+                    let (t, mask) = self.recv_tag(i);
+                    format!(
+                        "{}: recv #{i} into {} B {:?} tag {t:#x} mask {mask:#x}",
+                        side(1 - self.msgs[i].from),
+                        self.cap(i),
+                        self.recvs[i].mem
+                    )
+                }
+                Op::Decoy(k) => format!("{}: recv matching nothing", side(k)),
+                Op::Cancel(k) => format!("cancel posted receive {k} (modulo their number)"),
+                Op::Steps(n) => format!("{n} steps"),
+                Op::NoResource(k, lane, n) => {
+                    format!("{}: next {n} ops of {lane} NoResource", side(k))
+                }
+                Op::FailPeer => "b fails".to_string(),
+            };
+            out.push_str("  ");
+            out.push_str(&line);
+            out.push('\n');
+        }
+        out
+    }
+}
+
+fn mem(m: MemSel, side: usize) -> Mem {
+    match m {
+        MemSel::Host => Mem::Host,
+        MemSel::HostRaw => Mem::HostRaw,
+        MemSel::Dev => Mem::Device(side as u32),
+    }
+}
+
+// ----- strategies -----
+
+fn size() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        3 => 0usize..=16,
+        3 => 17usize..=300,
+        3 => 7_900usize..=8_300,
+        3 => 8_300usize..=70_000,
+        2 => 70_000usize..=300_000,
+        1 => 300_000usize..=(2 << 20) + 7,
+    ]
+}
+
+fn memsel(gpu: bool) -> BoxedStrategy<MemSel> {
+    if gpu {
+        prop_oneof![2 => Just(MemSel::Host), 1 => Just(MemSel::HostRaw), 2 => Just(MemSel::Dev)]
+            .boxed()
+    } else {
+        prop_oneof![Just(MemSel::Host), Just(MemSel::HostRaw)].boxed()
+    }
+}
+
+/// Registration faults of one side. With simulated GPU memory, faults of the host and copy
+/// domains make the GPU pipeline fail on one side without telling the other (known bug (b) and
+/// its relatives, see the ignored property below): only the GPU zero-copy domain is faulted
+/// there unless `known_bugs`.
+fn fault(gpu: bool, known_bugs: bool) -> BoxedStrategy<Option<String>> {
+    let ipc = prop_oneof![
+        (0u64..6).prop_map(|n| Some(format!("md=sim_ipc,mem=cuda,after={n}"))),
+        prop::sample::select(vec!["256K", "2M"])
+            .prop_map(|b| Some(format!("md=sim_ipc,mem=cuda,budget={b}"))),
+    ];
+    let host = prop_oneof![
+        (0u64..8).prop_map(|n| Some(format!("md=sim_shm,mem=host,after={n}"))),
+        prop::sample::select(vec!["64K", "1M", "3M"])
+            .prop_map(|b| Some(format!("md=sim_shm,mem=host,budget={b}"))),
+        (0u64..6).prop_map(|n| Some(format!("md=sim_net,after={n}"))),
+    ];
+    let copy = (0u64..6).prop_map(|n| Some(format!("md=sim_copy,after={n}")));
+    match (gpu, known_bugs) {
+        (false, _) => prop_oneof![3 => Just(None), 2 => host].boxed(),
+        (true, false) => prop_oneof![3 => Just(None), 1 => ipc].boxed(),
+        (true, true) => prop_oneof![1 => Just(None), 1 => ipc, 2 => host, 2 => copy].boxed(),
+    }
+}
+
+fn setup(known_bugs: bool) -> impl Strategy<Value = Setup> {
+    let gpu = if known_bugs {
+        Just(true).boxed()
+    } else {
+        any::<bool>().boxed()
+    };
+    gpu.prop_flat_map(move |gpu| {
+        (
+            (
+                any::<bool>(),
+                prop_oneof![4 => Just(0u8), 2 => Just(1), 1 => Just(2)],
+            ),
+            (any::<bool>(), 0u8..3, any::<u64>()),
+            (
+                prop::sample::select(vec!["auto", "4K", "16K"]),
+                prop::sample::select(vec!["auto", "32K", "512K"]),
+                prop::sample::select(vec!["auto", "auto", "get_zcopy", "put_zcopy", "am"]),
+                prop::sample::select(vec!["64K", "256K", "1M"]),
+                prop::sample::select(vec!["2", "8"]),
+            ),
+            [fault(gpu, known_bugs), fault(gpu, known_bugs)],
+        )
+            .prop_map(
+                move |((ipc, lanes), (shared, delivery, seed), (z, r, s, f, c), faults)| Setup {
+                    gpu,
+                    ipc,
+                    lanes,
+                    shared,
+                    delivery,
+                    seed,
+                    vars: vec![
+                        ("RUCX_ZCOPY_THRESH", z),
+                        ("RUCX_RNDV_THRESH", r),
+                        ("RUCX_RNDV_SCHEME", s),
+                        ("RUCX_RNDV_FRAG_SIZE", f),
+                        ("RUCX_RNDV_FRAG_COUNT", c),
+                    ],
+                    faults,
+                },
+            )
+    })
+}
+
+fn extra_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (1u8..6).prop_map(Op::Steps),
+        1 => (0usize..2).prop_map(Op::Decoy),
+        1 => (0usize..8).prop_map(Op::Cancel),
+        1 => (
+            0usize..2,
+            prop::sample::select(vec![LaneKind::Shm, LaneKind::Net, LaneKind::Ipc, LaneKind::Copy]),
+            1u8..6
+        )
+            .prop_map(|(s, l, n)| Op::NoResource(s, l, n)),
+    ]
+}
+
+fn case(max_msgs: usize, with_failure: bool, known_bugs: bool) -> impl Strategy<Value = Case> {
+    setup(known_bugs).prop_flat_map(move |setup| {
+        let gpu = setup.gpu;
+        let msg = (
+            0usize..2,
+            size(),
+            0u8..3,
+            memsel(gpu),
+            prop::bool::weighted(0.2),
+        )
+            .prop_map(|(from, size, group, mem, sync)| Msg {
+                from,
+                size,
+                group,
+                mem,
+                sync,
+            });
+        let recv = (
+            prop_oneof![3 => Just(Sel::Exact), 1 => Just(Sel::Group), 1 => Just(Sel::Any)],
+            prop_oneof![
+                4 => Just(Cap::Same),
+                2 => (0u32..1000).prop_map(Cap::Smaller),
+                1 => (1u32..5000).prop_map(Cap::Larger),
+            ],
+            memsel(gpu),
+        )
+            .prop_map(|(sel, cap, mem)| RecvSpec { sel, cap, mem });
+        let setup = setup.clone();
+        prop::collection::vec((msg, recv), 1..=max_msgs).prop_flat_map(move |pairs| {
+            let n = pairs.len();
+            let base: Vec<Op> = (0..n).flat_map(|i| [Op::Send(i), Op::Recv(i)]).collect();
+            let (msgs, recvs): (Vec<Msg>, Vec<RecvSpec>) = pairs.into_iter().unzip();
+            let setup = setup.clone();
+            (
+                Just(base).prop_shuffle(),
+                prop::collection::vec((any::<prop::sample::Index>(), extra_op()), 0..8),
+                any::<prop::sample::Index>(),
+            )
+                .prop_map(move |(mut ops, extras, fail_at)| {
+                    for (at, op) in extras {
+                        let i = at.index(ops.len() + 1);
+                        ops.insert(i, op);
+                    }
+                    if with_failure {
+                        let i = fail_at.index(ops.len() + 1);
+                        ops.insert(i, Op::FailPeer);
+                    }
+                    Case {
+                        setup: setup.clone(),
+                        msgs: msgs.clone(),
+                        recvs: recvs.clone(),
+                        ops,
+                    }
+                })
+        })
+    })
+}
+
+// ----- running a case -----
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum What {
+    Send(usize),
+    Recv(usize),
+    Decoy(usize),
+    Drain(usize),
+}
+
+struct Track {
+    what: What,
+    side: usize,
+    canceled: bool,
+    result: Option<rucx_ucs::Result<Completion>>,
+    /// Pending when the survivor learned of the peer's failure.
+    pending_at_failure: bool,
+    /// Posted after the peer failed.
+    after_failure: bool,
+}
+
+/// The requests of the two scopes, by track index.
+struct Live<'a, 'b> {
+    a: Vec<(usize, Request<'a>)>,
+    b: Vec<(usize, Request<'b>)>,
+}
+
+impl Live<'_, '_> {
+    fn poll(&self, tracks: &mut [Track]) -> bool {
+        let mut all = true;
+        for (t, r) in &self.a {
+            if tracks[*t].result.is_none() {
+                tracks[*t].result = r.test();
+            }
+            all &= tracks[*t].result.is_some();
+        }
+        for (t, r) in &self.b {
+            if tracks[*t].result.is_none() {
+                tracks[*t].result = r.test();
+            }
+            all &= tracks[*t].result.is_some();
+        }
+        all
+    }
+
+    fn cancel(&self, t: usize) -> bool {
+        self.a
+            .iter()
+            .find(|(x, _)| *x == t)
+            .map(|(_, r)| r.cancel())
+            .or_else(|| {
+                self.b
+                    .iter()
+                    .find(|(x, _)| *x == t)
+                    .map(|(_, r)| r.cancel())
+            })
+            .unwrap_or(false)
+    }
+}
+
+/// What a case exercised: protocol counters of both workers and notable events.
+type Coverage = std::collections::BTreeMap<String, u64>;
+
+fn run_case(case: &Case) -> Result<Coverage, String> {
+    let _dog = Watchdog::arm(120, format!("protocol property case {case:?}"));
+    let va = case.vars(0);
+    let vb = case.vars(1);
+    let pair = Pair::new(case.spec(), [&va, &vb]);
+    let f = &pair.fabric;
+    let sends: Vec<Buf> = case
+        .msgs
+        .iter()
+        .enumerate()
+        .map(|(i, m)| Buf::filled(f, m.size, mem(m.mem, m.from), msg_id(i)))
+        .collect();
+    let mut recv_bufs: Vec<Buf> = (0..case.msgs.len())
+        .map(|i| {
+            Buf::new(
+                f,
+                case.cap(i),
+                mem(case.recvs[i].mem, 1 - case.msgs[i].from),
+            )
+        })
+        .collect();
+    let decoys = case
+        .ops
+        .iter()
+        .filter(|o| matches!(o, Op::Decoy(_)))
+        .count();
+    let mut decoy_bufs: Vec<Buf> = (0..decoys).map(|_| Buf::new(f, 16, Mem::Host)).collect();
+    let max = case.msgs.iter().map(|m| m.size).max().unwrap_or(0);
+    let mut drain_bufs: Vec<Buf> = (0..case.msgs.len())
+        .map(|_| Buf::new(f, max, Mem::Host))
+        .collect();
+    let mut tracks: Vec<Track> = Vec::new();
+    let mut report = String::new();
+    let mut failed_peer = false;
+    {
+        let mut rslots: Vec<Option<&mut Buf>> = recv_bufs.iter_mut().map(Some).collect();
+        let mut dslots = decoy_bufs.iter_mut();
+        let mut drains = drain_bufs.iter_mut();
+        pair.w[0].scope(|sa| {
+            pair.w[1].scope(|sb| {
+                let mut live = Live {
+                    a: Vec::new(),
+                    b: Vec::new(),
+                };
+                let mut posted_recvs: Vec<usize> = Vec::new();
+                let track = |tracks: &mut Vec<Track>, what, side, after_failure| {
+                    tracks.push(Track {
+                        what,
+                        side,
+                        canceled: false,
+                        result: None,
+                        pending_at_failure: false,
+                        after_failure,
+                    });
+                    tracks.len() - 1
+                };
+                let mut decoy_no = 0;
+                for op in &case.ops {
+                    match *op {
+                        Op::Send(i) => {
+                            let m = &case.msgs[i];
+                            let t = track(&mut tracks, What::Send(i), m.from, failed_peer);
+                            let (ep, buf, tag) = (pair.ep[m.from], sends[i].send(), m.tag(i));
+                            if m.from == 0 {
+                                let r = if m.sync {
+                                    sa.tag_send_sync(ep, buf, tag)
+                                } else {
+                                    sa.tag_send(ep, buf, tag)
+                                };
+                                live.a.push((t, r));
+                            } else {
+                                let r = if m.sync {
+                                    sb.tag_send_sync(ep, buf, tag)
+                                } else {
+                                    sb.tag_send(ep, buf, tag)
+                                };
+                                live.b.push((t, r));
+                            }
+                        }
+                        Op::Recv(i) => {
+                            let side = 1 - case.msgs[i].from;
+                            let t = track(&mut tracks, What::Recv(i), side, failed_peer);
+                            let (tag, mask) = case.recv_tag(i);
+                            let b = rslots[i].take().expect("one receive per message").recv();
+                            if side == 0 {
+                                live.a.push((t, sa.tag_recv(b, tag, mask)));
+                            } else {
+                                live.b.push((t, sb.tag_recv(b, tag, mask)));
+                            }
+                            posted_recvs.push(t);
+                        }
+                        Op::Decoy(side) => {
+                            let t = track(&mut tracks, What::Decoy(decoy_no), side, failed_peer);
+                            decoy_no += 1;
+                            let b = dslots.next().expect("decoy buffer").recv();
+                            if side == 0 {
+                                live.a.push((t, sa.tag_recv(b, DECOY_TAG, u64::MAX)));
+                            } else {
+                                live.b.push((t, sb.tag_recv(b, DECOY_TAG, u64::MAX)));
+                            }
+                            posted_recvs.push(t);
+                        }
+                        Op::Cancel(k) => {
+                            if !posted_recvs.is_empty() {
+                                let t = posted_recvs[k % posted_recvs.len()];
+                                if tracks[t].result.is_none() && live.cancel(t) {
+                                    tracks[t].canceled = true;
+                                }
+                            }
+                        }
+                        Op::Steps(n) => {
+                            for _ in 0..n {
+                                pair.step();
+                            }
+                        }
+                        Op::NoResource(side, lane, n) => {
+                            f.fail_next_ops(pair.nodes[side], lane, u64::from(n))
+                        }
+                        Op::FailPeer => {
+                            live.poll(&mut tracks);
+                            f.fail_node(pair.nodes[1], "failed by the property test");
+                            failed_peer = true;
+                            for t in tracks.iter_mut().filter(|t| t.side == 0) {
+                                t.pending_at_failure = t.result.is_none();
+                            }
+                            // One progress of the survivor handles what had arrived, then the
+                            // failure: afterwards nothing of it may still wait, except
+                            // receives that never matched (those are the user's to cancel).
+                            pair.w[0].progress();
+                            live.poll(&mut tracks);
+                            for (i, t) in tracks.iter_mut().enumerate() {
+                                if !t.pending_at_failure || t.result.is_some() {
+                                    continue;
+                                }
+                                let unmatched = matches!(t.what, What::Recv(_) | What::Decoy(_))
+                                    && live.cancel(i);
+                                if unmatched {
+                                    t.canceled = true;
+                                } else {
+                                    let _ = writeln!(
+                                        report,
+                                        "#{i} {:?} still pending after the survivor handled the \
+                                         peer's failure",
+                                        t.what
+                                    );
+                                }
+                            }
+                            live.poll(&mut tracks);
+                        }
+                    }
+                    live.poll(&mut tracks);
+                }
+                // Run until everything ends; receives that wait for nothing are canceled,
+                // messages nobody took are drained.
+                // Phases after the sequence: 0 run; 1 cancel receives still waiting; 2 drain
+                // the messages nobody received with wildcard receives; then it must be over.
+                let mut phase = 0;
+                let mut drained = false;
+                loop {
+                    let done = pair.drive(|| live.poll(&mut tracks));
+                    let mut progress = false;
+                    if done.is_ok() && (drained || failed_peer) {
+                        break;
+                    }
+                    phase += 1;
+                    if done.is_err() && phase == 1 {
+                        for (i, t) in tracks.iter_mut().enumerate() {
+                            if t.result.is_none()
+                                && matches!(t.what, What::Recv(_) | What::Decoy(_))
+                                && live.cancel(i)
+                            {
+                                t.canceled = true;
+                                progress = true;
+                            }
+                        }
+                    }
+                    if !progress && !drained && !failed_peer {
+                        drained = true;
+                        live.poll(&mut tracks);
+                        for side in 0..2 {
+                            for _ in 0..unclaimed_to(case, &tracks, side) {
+                                let t = track(&mut tracks, What::Drain(0), side, false);
+                                let b = drains.next().expect("drain buffer").recv();
+                                if side == 0 {
+                                    live.a.push((t, sa.tag_recv(b, 0, 0)));
+                                } else {
+                                    live.b.push((t, sb.tag_recv(b, 0, 0)));
+                                }
+                                progress = true;
+                            }
+                        }
+                        if done.is_ok() && !progress {
+                            break;
+                        }
+                    }
+                    if !progress {
+                        let why = match done {
+                            Err(e) => e,
+                            Ok(_) => "requests pending".into(),
+                        };
+                        let _ = writeln!(report, "HANG: {why}");
+                        for (i, t) in tracks.iter().enumerate() {
+                            if t.result.is_none() {
+                                let _ = writeln!(
+                                    report,
+                                    "  pending: #{i} {:?} on side {}",
+                                    t.what, t.side
+                                );
+                            }
+                        }
+                        let _ = writeln!(report, "fabric log:\n  {}", f.log().join("\n  "));
+                        pair.break_fabric("the property test detected a hang");
+                        break;
+                    }
+                }
+            })
+        });
+    }
+    if !report.is_empty() {
+        return Err(report);
+    }
+    check(
+        case,
+        &pair,
+        &tracks,
+        &sends,
+        &recv_bufs,
+        &decoy_bufs,
+        &drain_bufs,
+        failed_peer,
+    )?;
+    let mut cov = Coverage::new();
+    for w in &pair.w {
+        for (k, v) in w.counters() {
+            *cov.entry(k).or_default() += v;
+        }
+    }
+    let mut note = |k: &str, n: u64| {
+        if n > 0 {
+            *cov.entry(k.to_string()).or_default() += n;
+        }
+    };
+    let count = |p: &dyn Fn(&Track) -> bool| tracks.iter().filter(|t| p(t)).count() as u64;
+    note(
+        "receive truncated",
+        count(&|t| matches!(t.result, Some(Err(Error::Truncated { .. })))),
+    );
+    note("receive canceled", count(&|t| t.canceled));
+    note(
+        "drain receive",
+        count(&|t| matches!(t.what, What::Drain(_))),
+    );
+    note(
+        "sync send",
+        case.msgs.iter().filter(|m| m.sync).count() as u64,
+    );
+    note(
+        "device send",
+        case.msgs.iter().filter(|m| m.mem == MemSel::Dev).count() as u64,
+    );
+    note(
+        "device receive",
+        case.recvs.iter().filter(|r| r.mem == MemSel::Dev).count() as u64,
+    );
+    let st = pair.fabric.stats();
+    note("NoResource", st.noresource);
+    note("reordered", st.reordered);
+    note(
+        "demotion",
+        pair.ctx.iter().map(|c| c.demotions().len() as u64).sum(),
+    );
+    note("peer failure", u64::from(failed_peer));
+    Ok(cov)
+}
+
+/// Messages to `side` not received (yet) by a successful or truncated receive.
+fn unclaimed_to(case: &Case, tracks: &[Track], side: usize) -> usize {
+    let to_side = case.msgs.iter().filter(|m| 1 - m.from == side).count();
+    let taken = tracks
+        .iter()
+        .filter(|t| t.side == side && matches!(t.what, What::Recv(_) | What::Drain(_)))
+        .filter(|t| matches!(t.result, Some(Ok(_)) | Some(Err(Error::Truncated { .. }))))
+        .count();
+    to_side.saturating_sub(taken)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check(
+    case: &Case,
+    pair: &Pair,
+    tracks: &[Track],
+    sends: &[Buf],
+    recv_bufs: &[Buf],
+    decoy_bufs: &[Buf],
+    drain_bufs: &[Buf],
+    failed_peer: bool,
+) -> Result<(), String> {
+    let mut claimed = vec![None::<usize>; case.msgs.len()];
+    let mut short_sends = Vec::new();
+    let mut drain_no = 0;
+    for (ti, t) in tracks.iter().enumerate() {
+        let res = t.result.as_ref().expect("every request ended");
+        let err = |s: String| Err(format!("#{ti} {:?} on side {}: {s}", t.what, t.side));
+        if failed_peer && t.pending_at_failure {
+            // Ended by the failure, or completed by what had arrived before it (checked below).
+            if let Err(Error::EndpointFailure { .. }) = res {
+                continue;
+            }
+        }
+        if failed_peer && t.side == 1 {
+            // The failed worker's own requests only had to end.
+            continue;
+        }
+        if t.after_failure {
+            // Refused when posted, or ended by the failure (a correct result is checked below).
+            match res {
+                Err(Error::EndpointFailure { .. }) => continue,
+                Err(Error::InvalidParam(s)) if s.contains("failed") => continue,
+                _ => {}
+            }
+        }
+        if t.canceled && matches!(res, Err(Error::Canceled)) {
+            if let What::Recv(i) = t.what
+                && recv_bufs[i].bytes().iter().any(|b| *b != GUARD_BYTE)
+            {
+                return err("a canceled receive's buffer was written".into());
+            }
+            continue;
+        }
+        match t.what {
+            What::Send(i) => match res {
+                Ok(c) if c.len == case.msgs[i].size => {}
+                // Some rendezvous protocols report the bytes the (truncating) receive took.
+                Ok(c) if c.len < case.msgs[i].size => short_sends.push((ti, i, c.len)),
+                other => return err(format!("send of {} B ended {other:?}", case.msgs[i].size)),
+            },
+            What::Decoy(k) => {
+                return err(format!(
+                    "a receive that matches nothing ended {res:?} (buffer {:?})",
+                    decoy_bufs[k]
+                ));
+            }
+            What::Recv(_) | What::Drain(_) => {
+                let (buf, cap, sel) = match t.what {
+                    What::Recv(i) => (&recv_bufs[i], case.cap(i), case.recv_tag(i)),
+                    _ => {
+                        drain_no += 1;
+                        (
+                            &drain_bufs[drain_no - 1],
+                            drain_bufs[drain_no - 1].len(),
+                            (0, 0),
+                        )
+                    }
+                };
+                let got = buf.bytes();
+                let m = match res {
+                    Ok(c) => {
+                        let Some(m) = (0..case.msgs.len()).find(|m| case.msgs[*m].tag(*m) == c.tag)
+                        else {
+                            return err(format!("received tag {:#x}, which nobody sent", c.tag));
+                        };
+                        let msg = &case.msgs[m];
+                        if c.len != msg.size || msg.size > cap {
+                            return err(format!("completed {c:?} for message {m} ({msg:?})"));
+                        }
+                        if c.sender != Some(pair.ep[t.side]) {
+                            return err(format!("sender {:?}", c.sender));
+                        }
+                        if got[..msg.size] != pattern(msg_id(m), msg.size)[..] {
+                            return err(format!("data of message {m} ({} B) differs", msg.size));
+                        }
+                        if got[msg.size..].iter().any(|b| *b != GUARD_BYTE) {
+                            return err(format!(
+                                "bytes past the {} B message in the {cap} B buffer were written",
+                                msg.size
+                            ));
+                        }
+                        m
+                    }
+                    Err(Error::Truncated { incoming, capacity }) => {
+                        if *capacity != cap || *incoming <= cap {
+                            return err(format!("truncation {res:?} of a {cap} B receive"));
+                        }
+                        let cand = (0..case.msgs.len()).find(|&m| {
+                            let msg = &case.msgs[m];
+                            claimed[m].is_none()
+                                && 1 - msg.from == t.side
+                                && msg.size == *incoming
+                                && msg.tag(m) & sel.1 == sel.0 & sel.1
+                                && got[..] == pattern(msg_id(m), msg.size)[..cap]
+                        });
+                        match cand {
+                            Some(m) => m,
+                            None => {
+                                return err(format!(
+                                    "truncated to {cap} B, but no message of {incoming} B has \
+                                     these bytes"
+                                ));
+                            }
+                        }
+                    }
+                    other => return err(format!("receive ended {other:?}")),
+                };
+                if 1 - case.msgs[m].from != t.side {
+                    return err(format!("message {m} arrived on the side that sent it"));
+                }
+                let (tag, mask) = sel;
+                if case.msgs[m].tag(m) & mask != tag & mask {
+                    return err(format!("message {m} does not match tag {tag:#x}/{mask:#x}"));
+                }
+                if let Some(other) = claimed[m].replace(ti) {
+                    return err(format!("message {m} was also received by #{other}"));
+                }
+            }
+        }
+    }
+    if !failed_peer && let Some(m) = claimed.iter().position(Option::is_none) {
+        return Err(format!("message {m} was never received"));
+    }
+    for (ti, m, len) in short_sends {
+        if failed_peer && claimed[m].is_none() {
+            // Received by the failed worker, whose requests are not checked.
+            continue;
+        }
+        let took = claimed[m].map(|r| &tracks[r].result);
+        let ok =
+            matches!(took, Some(Some(Err(Error::Truncated { capacity, .. }))) if *capacity == len);
+        if !ok {
+            return Err(format!(
+                "#{ti}: the send of message {m} ({} B) reported {len} B, but its receive {took:?} \
+                 did not truncate it to that",
+                case.msgs[m].size
+            ));
+        }
+    }
+    for (what, bufs) in [
+        ("send", sends),
+        ("receive", recv_bufs),
+        ("decoy", decoy_bufs),
+        ("drain", drain_bufs),
+    ] {
+        for (i, b) in bufs.iter().enumerate() {
+            if let Some(d) = b.guard_damage() {
+                return Err(format!("{what} buffer {i} ({b:?}): guard written {d}"));
+            }
+        }
+    }
+    for (i, s) in sends.iter().enumerate() {
+        if s.bytes() != pattern(msg_id(i), s.len()) {
+            return Err(format!("send buffer {i} was modified"));
+        }
+    }
+    let v = pair.fabric.violations();
+    if !v.is_empty() {
+        return Err(format!("fabric violations: {v:#?}"));
+    }
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pair.check_warnings())).map_err(
+        |e| {
+            e.downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_else(|| "warning check failed".into())
+        },
+    )?;
+    let live = pair.w[0].live_requests() + pair.w[1].live_requests();
+    if live != 0 {
+        return Err(format!("{live} requests left in the workers' tables"));
+    }
+    Ok(())
+}
+
+/// `PROPTEST_CASES` when set (to run longer), else `default`.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: cases(256),
+        max_shrink_iters: 400,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn protocols_deliver_every_byte_once_and_every_request_ends(c in case(8, false, false)) {
+        if let Err(e) = run_case(&c) {
+            prop_assert!(false, "{}\n{}", e, c.describe());
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: cases(96),
+        max_shrink_iters: 200,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn a_failed_peer_ends_every_pending_request_of_the_survivor(c in case(6, true, false)) {
+        if let Err(e) = run_case(&c) {
+            prop_assert!(false, "{}\n{}", e, c.describe());
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: cases(64),
+        max_shrink_iters: 200,
+        ..ProptestConfig::default()
+    })]
+
+    /// The first property with every registration fault on simulated GPU setups: faults of the
+    /// host and copy domains end the GPU pipeline on one side only.
+    #[test]
+    #[ignore = "reason: known bug (b) and relatives: a registration failure in the GPU \
+                pipeline (copy domain in copy_key/ensure_staging, host domain in staging_reg or \
+                of a host receive buffer) ends one side's request and the peer's hangs (see \
+                issue 12; branch h-hang)"]
+    fn with_gpu_pipeline_registration_faults(c in case(6, false, true)) {
+        if let Err(e) = run_case(&c) {
+            prop_assert!(false, "{}\n{}", e, c.describe());
+        }
+    }
+}
+
+/// The generator reaches every protocol and event the properties are about: a fixed-seed run
+/// (deterministic, unlike the properties' random ones) must exercise each of them.
+#[test]
+fn the_generated_cases_cover_every_protocol_and_fault() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+    let config = ProptestConfig {
+        cases: 96,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let mut total = Coverage::new();
+    for (failure, known, seed) in [(false, false, 1u8), (true, false, 2)] {
+        let mut seed_bytes = [0u8; 32];
+        seed_bytes[0] = seed;
+        let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes);
+        let mut runner = TestRunner::new_with_rng(config.clone(), rng);
+        let strategy = case(8, failure, known);
+        for _ in 0..config.cases {
+            let c = strategy.new_tree(&mut runner).expect("a case").current();
+            let cov = run_case(&c).unwrap_or_else(|e| panic!("{e}\n{}", c.describe()));
+            for (k, v) in cov {
+                *total.entry(k).or_default() += v;
+            }
+        }
+    }
+    println!("coverage: {total:#?}");
+    for want in [
+        "eager short",
+        "eager copy-in",
+        "multi-frag eager copy-in",
+        "eager zero-copy",
+        "rendezvous zero-copy read from remote",
+        "rendezvous zero-copy write to remote",
+        "rendezvous fragmented copy-in copy-out",
+        "rendezvous pipelined through host staging",
+        "rendezvous receive by read (GPU zero-copy)",
+        "rendezvous receive pipelined through host staging",
+        "eager through a pinned bounce buffer",
+        "receive truncated",
+        "receive canceled",
+        "drain receive",
+        "sync send",
+        "device send",
+        "device receive",
+        "NoResource",
+        "reordered",
+        "demotion",
+        "peer failure",
+    ] {
+        assert!(
+            total.get(want).copied().unwrap_or(0) > 0,
+            "no generated case exercised {want:?}: {total:#?}"
+        );
+    }
+}
