@@ -382,9 +382,6 @@ fn copy_domain_fault(faulty: usize) {
 }
 
 #[test]
-#[ignore = "reason: known bug (b): a copy-domain registration failure in on_pull fails the sender \
-            only; the receiver hangs, nothing is demoted or warned (see issue 12; branch h-hang \
-            fixes it)"]
 fn copy_domain_fault_on_the_sender_ends_both_requests() {
     copy_domain_fault(0);
 }
@@ -392,9 +389,6 @@ fn copy_domain_fault_on_the_sender_ends_both_requests() {
 /// The receiver's side of bug (b): its copy-domain registration fails in `rndv_recv_gpu`, the
 /// receive ends with the error, and the sender is never told.
 #[test]
-#[ignore = "reason: known bug (b), receiver side: a copy-domain registration failure in \
-            rndv_recv_gpu fails the receive only; the sender hangs, nothing is demoted or warned \
-            (see issue 12; branch h-hang fixes it)"]
 fn copy_domain_fault_on_the_receiver_ends_both_requests() {
     copy_domain_fault(1);
 }
