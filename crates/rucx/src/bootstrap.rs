@@ -17,7 +17,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use rucx_ucp::{Context, EpId, Worker};
-use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result};
+use rucx_ucs::{Bounds, Config, Error, OptKind, OptionSpec, Result, Syntax};
 
 /// Launcher options.
 pub static CONFIG: &[OptionSpec] = &[
@@ -30,23 +30,59 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "BOOTSTRAP_TIMEOUT",
-        kind: OptKind::Time,
+        kind: OptKind::TimeIn(Bounds::new(1_000_000, u64::MAX).or_inf()),
         default: "60s",
         help: "How long ranks wait for each other at start-up and in barriers.",
     },
     OptionSpec {
         name: "RANK",
-        kind: OptKind::Str,
+        kind: OptKind::Text(Syntax {
+            check: check_rank,
+            accepted: "empty, or a rank from 0 to 1048575",
+        }),
         default: "",
         help: "This process's rank, when no launcher sets one (with RUCX_SIZE).",
     },
     OptionSpec {
         name: "SIZE",
-        kind: OptKind::Str,
+        kind: OptKind::Text(Syntax {
+            check: check_size,
+            accepted: "empty, or a job size from 1 to 1048576",
+        }),
         default: "",
         help: "Number of processes in the job, when no launcher sets it (with RUCX_RANK).",
     },
 ];
+
+/// Largest job the bootstrap serves: rank 0 holds one connection per rank, and every rank a
+/// table of every rank's address, so a size is bounded before anything is allocated for it.
+pub const MAX_JOB_SIZE: usize = 1 << 20;
+
+fn parse_count(s: &str) -> std::result::Result<Option<u64>, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(None);
+    }
+    s.parse::<u64>()
+        .map(Some)
+        .map_err(|_| format!("{s:?} is not a non-negative integer"))
+}
+
+fn check_rank(s: &str) -> std::result::Result<(), String> {
+    match parse_count(s)? {
+        Some(r) if r >= MAX_JOB_SIZE as u64 => Err(format!("rank {r} is out of range")),
+        _ => Ok(()),
+    }
+}
+
+fn check_size(s: &str) -> std::result::Result<(), String> {
+    match parse_count(s)? {
+        Some(n) if n == 0 || n > MAX_JOB_SIZE as u64 => {
+            Err(format!("a job of {n} ranks is out of range"))
+        }
+        _ => Ok(()),
+    }
+}
 
 const MAGIC: &[u8; 8] = b"RUCXBOOT";
 const VERSION: u32 = 1;
@@ -95,7 +131,15 @@ pub fn placement(vars: &dyn Fn(&str) -> Option<String>) -> Result<Placement> {
     for (r, s, source) in SOURCES {
         match (num(vars, r)?, num(vars, s)?) {
             (Some(rank), Some(size)) => {
-                if size == 0 || rank >= size {
+                if size == 0 || size > MAX_JOB_SIZE {
+                    return Err(Error::Config {
+                        var: s.into(),
+                        value: size.to_string(),
+                        reason: format!("a job of {size} ranks is out of range"),
+                        accepted: format!("1 to {MAX_JOB_SIZE}"),
+                    });
+                }
+                if rank >= size {
                     return Err(Error::Config {
                         var: r.into(),
                         value: rank.to_string(),
@@ -235,7 +279,9 @@ fn exchange(
     mine: &[u8],
     timeout: Duration,
 ) -> Result<(Vec<Vec<u8>>, Vec<TcpStream>)> {
-    let deadline = Instant::now() + timeout;
+    // `inf` never expires.
+    let deadline = Instant::now().checked_add(timeout);
+    let expired = || deadline.is_some_and(|d| Instant::now() > d);
     let mut table = vec![Vec::new(); p.size];
     table[p.rank] = mine.to_vec();
     if p.rank == 0 {
@@ -275,7 +321,7 @@ fn exchange(
                     joined += 1;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
+                    if expired() {
                         let missing: Vec<usize> =
                             (1..p.size).filter(|r| conns[*r].is_none()).collect();
                         return Err(Error::Timeout {
@@ -304,7 +350,7 @@ fn exchange(
         let mut s = loop {
             match TcpStream::connect_timeout(&at, Duration::from_secs(1)) {
                 Ok(s) => break s,
-                Err(e) if Instant::now() > deadline => {
+                Err(e) if expired() => {
                     return Err(Error::io(
                         format!(
                             "bootstrap: rank {} cannot reach rank 0 at {at} (RUCX_BOOTSTRAP)",
@@ -422,7 +468,7 @@ impl Job {
         if self.placement.size == 1 {
             return Ok(());
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now().checked_add(self.timeout);
         let poll = |s: &TcpStream| -> Result<bool> {
             s.set_nonblocking(true).map_err(io("barrier"))?;
             let mut b = [0u8; 1];
@@ -443,7 +489,7 @@ impl Job {
                 if poll(s)? {
                     return Ok(());
                 }
-                if Instant::now() > deadline {
+                if deadline.is_some_and(|d| Instant::now() > d) {
                     return Err(Error::Timeout {
                         after: self.timeout,
                         what: "the other ranks to reach a barrier".into(),
@@ -525,6 +571,16 @@ mod tests {
         assert!(e.to_string().contains("RUCX_RANK"), "{e}");
         let e = placement(&vars(&[("RUCX_RANK", "1")])).unwrap_err();
         assert!(e.to_string().contains("only one"), "{e}");
+        // A huge size is a clear error, before anything is allocated for it.
+        for (r, s) in [("RUCX_RANK", "RUCX_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")] {
+            let e = placement(&vars(&[(r, "0"), (s, "4000000000")])).unwrap_err();
+            assert!(
+                e.to_string().contains(s) && e.to_string().contains("1 to 1048576"),
+                "{e}"
+            );
+            let e = placement(&vars(&[(r, "0"), (s, "0")])).unwrap_err();
+            assert!(e.to_string().contains(s), "{e}");
+        }
     }
 
     #[test]
