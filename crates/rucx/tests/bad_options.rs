@@ -71,6 +71,7 @@ fn other_zero_or_tiny_values_are_refused() {
         ("RUCX_RCACHE_ALIGNMENT", "3000", "a power of two"),
         ("RUCX_BOOTSTRAP_TIMEOUT", "0s", "at least 1ms"),
         ("RUCX_RANK", "x", "a rank from 0"),
+        ("RUCX_BOOTSTRAP_KEY", "short", "at least 16 characters"),
     ] {
         let m = refused(var, value);
         assert_names(&m, var, range);
