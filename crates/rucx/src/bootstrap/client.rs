@@ -54,16 +54,16 @@ fn fatal(at: SocketAddr, why: impl std::fmt::Display) -> Failure {
     )))
 }
 
-/// One connection and handshake, up to rank 0's verdict.
+/// One connection and handshake, up to rank 0's verdict; a connect waits `connect_for` at most.
 fn attempt(
     p: &Placement,
     at: SocketAddr,
     mine: &[u8],
     key: Option<&Key>,
     deadline: Option<Instant>,
+    connect_for: Duration,
 ) -> std::result::Result<Accepted, Failure> {
-    let connect_for =
-        remaining(deadline).map_or(Duration::from_secs(1), |r| r.min(Duration::from_secs(1)));
+    let connect_for = remaining(deadline).map_or(connect_for, |r| r.min(connect_for));
     let mut s = TcpStream::connect_timeout(&at, connect_for).map_err(retry("connecting"))?;
     let io = |e| Failure::Retry(format!("setting up the connection: {e}"));
     s.set_nodelay(true).map_err(io)?;
@@ -213,13 +213,17 @@ pub(crate) fn join(
 ) -> Result<(Vec<Vec<u8>>, TcpStream)> {
     let deadline = Instant::now().checked_add(timeout);
     let mut backoff = Duration::from_millis(10);
+    // Short connect waits first: a connection request lost in a full accept queue is sent again
+    // sooner by a new connect than by the kernel's retransmission (1 s); longer ones later, for
+    // slow networks.
+    let mut connect_for = Duration::from_millis(250);
     loop {
         let attempt_deadline = match (Instant::now().checked_add(limits.handshake), deadline) {
             (Some(a), Some(d)) => Some(a.min(d)),
             (a, None) => a,
             (None, d) => d,
         };
-        let last = match attempt(p, at, mine, key, attempt_deadline) {
+        let last = match attempt(p, at, mine, key, attempt_deadline, connect_for) {
             Ok(mut acc) => {
                 let addrs = table(p, at, &mut acc, key, deadline, timeout)?;
                 if addrs[p.rank] != mine {
@@ -230,7 +234,12 @@ pub(crate) fn join(
                 return Ok((addrs, acc.s));
             }
             Err(Failure::Fatal(e)) => return Err(e),
-            Err(Failure::Retry(why)) => why,
+            Err(Failure::Retry(why)) => {
+                if why.contains("while connecting") {
+                    connect_for = (connect_for * 2).min(Duration::from_secs(2));
+                }
+                why
+            }
         };
         if deadline.is_some_and(|d| Instant::now() > d) {
             return Err(Error::Timeout {

@@ -47,7 +47,7 @@ fn rank0(
     timeout: Duration,
     limits: Limits,
 ) -> JoinHandle<Served> {
-    let l = TcpListener::bind(at).unwrap();
+    let l = server::listen(at).unwrap();
     std::thread::spawn(move || {
         server::serve(
             &place(0, size),

@@ -38,7 +38,7 @@ mod server;
 mod wire;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
@@ -281,7 +281,7 @@ fn exchange(
         });
     }
     if p.rank == 0 {
-        let l = TcpListener::bind(at).map_err(|e| {
+        let l = server::listen(at).map_err(|e| {
             Error::io(
                 format!(
                     "bootstrap: rank 0 cannot listen on {at} (RUCX_BOOTSTRAP); is the port free?"

@@ -265,6 +265,161 @@ fn wait_ready(l: &TcpListener, pending: &[Pending], members: &[Option<Member>], 
     let _ = poll(&mut fds, PollTimeout::from(ms));
 }
 
+/// Rank 0's listening socket on `at`, with the longest accept queue the system allows (std's
+/// 128 fills up under a flood, and a real rank's connection request would then wait for the
+/// kernel's retransmission, a second or more).
+pub(crate) fn listen(at: SocketAddr) -> std::io::Result<TcpListener> {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket,
+        sockopt,
+    };
+    use std::os::fd::AsRawFd;
+    let family = if at.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(at))?;
+    nix::sys::socket::listen(&fd, Backlog::MAXALLOWABLE)?;
+    Ok(TcpListener::from(fd))
+}
+
+/// Rank 0's state while the ranks join.
+struct Rendezvous<'a> {
+    p: &'a Placement,
+    key: Option<&'a Key>,
+    limits: Limits,
+    pending: Vec<Pending>,
+    members: Vec<Option<Member>>,
+    addrs: Vec<Vec<u8>>,
+    joined: usize,
+    log: DropLog,
+}
+
+impl Rendezvous<'_> {
+    /// Accept what waits, at most a quarter of the handshakes' room per turn, so that every
+    /// handshake is read at least a few times before the connections after it could push it
+    /// out. Each new connection is read at once too: a real rank sends its `Hello` right after
+    /// its connect, so it is usually past the first stage before anyone can evict it.
+    fn accept(&mut self, l: &TcpListener, at: SocketAddr) {
+        for _ in 0..(self.limits.max_pending / 4).max(1) {
+            match l.accept() {
+                Ok((s, peer)) => {
+                    if s.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    let _ = s.set_nodelay(true);
+                    if self.pending.len() >= self.limits.max_pending {
+                        let victim = (0..self.pending.len())
+                            .min_by_key(|&i| self.pending[i].eviction_key())
+                            .expect("pending is full, so not empty");
+                        let v = self.pending.swap_remove(victim);
+                        self.log.note(
+                            v.peer,
+                            &format!(
+                                "{} handshakes were pending; this one was furthest behind",
+                                self.limits.max_pending
+                            ),
+                        );
+                    }
+                    self.pending.push(Pending {
+                        s,
+                        peer,
+                        since: Instant::now(),
+                        stage: Stage::Hello,
+                        buf: Vec::new(),
+                    });
+                    self.step(self.pending.len() - 1);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of descriptors, most likely: let the handshakes in progress finish.
+                    tracing::debug!("bootstrap: accept on {at}: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Members that left before the job formed free their rank.
+    fn departures(&mut self) {
+        for slot in self.members.iter_mut().skip(1) {
+            if let Some(m) = slot
+                && let Some(why) = departure(&m.s)
+            {
+                tracing::warn!(
+                    "bootstrap: rank {} (from {}) left before every rank joined: {why}",
+                    m.hello.rank,
+                    m.peer
+                );
+                *slot = None;
+                self.joined -= 1;
+            }
+        }
+    }
+
+    /// Advance handshake `i`; true when it is still pending at `i`.
+    fn step(&mut self, i: usize) -> bool {
+        let outcome = advance(&mut self.pending[i], self.key);
+        let claim = match outcome {
+            Ok(None) if self.pending[i].since.elapsed() > self.limits.handshake => {
+                let pd = self.pending.swap_remove(i);
+                self.log.note(
+                    pd.peer,
+                    &format!(
+                        "no complete handshake within {:?} ({} bytes received)",
+                        self.limits.handshake,
+                        pd.buf.len()
+                    ),
+                );
+                return false;
+            }
+            Ok(None) => return true,
+            Err(why) => {
+                let pd = self.pending.swap_remove(i);
+                self.log.note(pd.peer, &why);
+                return false;
+            }
+            Ok(Some(claim)) => claim,
+        };
+        let mut pd = self.pending.swap_remove(i);
+        let no = refusal(self.p, &self.members, &claim.hello);
+        if let Err(why) = send_now(&mut pd.s, &wire::encode_verdict(no.as_deref())) {
+            self.log.note(pd.peer, &why);
+            return false;
+        }
+        if let Some(no) = no {
+            self.log.refuse(pd.peer, &no);
+            return false;
+        }
+        let r = claim.hello.rank as usize;
+        tracing::debug!("bootstrap: rank {r} joined from {}", pd.peer);
+        self.addrs[r] = claim.addr;
+        self.members[r] = Some(Member {
+            s: pd.s,
+            peer: pd.peer,
+            hello: claim.hello,
+            nonce: claim.nonce,
+        });
+        self.joined += 1;
+        false
+    }
+
+    /// Advance every handshake in progress.
+    fn sweep(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.step(i) {
+                i += 1;
+            }
+        }
+    }
+}
+
 /// Serve the rendezvous on `l` until every rank joined; returns every rank's address and one
 /// connection per other rank, in rank order.
 pub(crate) fn serve(
@@ -279,18 +434,26 @@ pub(crate) fn serve(
     l.set_nonblocking(true)
         .map_err(|e| Error::io("bootstrap", e))?;
     let deadline = Instant::now().checked_add(timeout);
-    let mut pending: Vec<Pending> = Vec::new();
-    let mut members: Vec<Option<Member>> = (0..p.size).map(|_| None).collect();
-    let mut addrs: Vec<Vec<u8>> = vec![Vec::new(); p.size];
-    addrs[0] = mine.to_vec();
-    let mut joined = 1;
-    let mut log = DropLog::default();
-    while joined < p.size {
+    let mut rv = Rendezvous {
+        p,
+        key,
+        limits,
+        pending: Vec::new(),
+        members: (0..p.size).map(|_| None).collect(),
+        addrs: vec![Vec::new(); p.size],
+        joined: 1,
+        log: DropLog::default(),
+    };
+    rv.addrs[0] = mine.to_vec();
+    while rv.joined < p.size {
         let now = Instant::now();
         if deadline.is_some_and(|d| now > d) {
-            let missing: Vec<usize> = (1..p.size).filter(|r| members[*r].is_none()).collect();
-            let dropped = match &log.last {
-                Some(last) => format!("; {} connections were dropped, the last: {last}", log.count),
+            let missing: Vec<usize> = (1..p.size).filter(|r| rv.members[*r].is_none()).collect();
+            let dropped = match &rv.log.last {
+                Some(last) => format!(
+                    "; {} connections were dropped, the last: {last}",
+                    rv.log.count
+                ),
                 None => String::new(),
             };
             return Err(Error::Timeout {
@@ -300,7 +463,8 @@ pub(crate) fn serve(
                 ),
             });
         }
-        let next_expiry = pending
+        let next_expiry = rv
+            .pending
             .iter()
             .map(|pd| (pd.since + limits.handshake).saturating_duration_since(now))
             .min()
@@ -308,112 +472,22 @@ pub(crate) fn serve(
         let to_deadline = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(now));
         wait_ready(
             l,
-            &pending,
-            &members,
+            &rv.pending,
+            &rv.members,
             next_expiry.min(to_deadline).min(Duration::from_millis(100)),
         );
-
-        // New connections, at most a batch per turn.
-        for _ in 0..limits.max_pending {
-            match l.accept() {
-                Ok((s, peer)) => {
-                    if s.set_nonblocking(true).is_err() {
-                        continue;
-                    }
-                    let _ = s.set_nodelay(true);
-                    if pending.len() >= limits.max_pending {
-                        let victim = (0..pending.len())
-                            .min_by_key(|&i| pending[i].eviction_key())
-                            .expect("pending is full, so not empty");
-                        let v = pending.swap_remove(victim);
-                        log.note(
-                            v.peer,
-                            &format!(
-                                "{} handshakes were pending; this one was furthest behind",
-                                limits.max_pending
-                            ),
-                        );
-                    }
-                    pending.push(Pending {
-                        s,
-                        peer,
-                        since: Instant::now(),
-                        stage: Stage::Hello,
-                        buf: Vec::new(),
-                    });
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    // Out of descriptors, most likely: let the handshakes in progress finish.
-                    tracing::debug!("bootstrap: accept on {at}: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
-                    break;
-                }
-            }
-        }
-
-        // Members that left before the job formed free their rank.
-        for slot in members.iter_mut().skip(1) {
-            if let Some(m) = slot
-                && let Some(why) = departure(&m.s)
-            {
-                tracing::warn!(
-                    "bootstrap: rank {} (from {}) left before every rank joined: {why}",
-                    m.hello.rank,
-                    m.peer
-                );
-                *slot = None;
-                joined -= 1;
-            }
-        }
-
-        // Handshakes in progress.
-        let mut i = 0;
-        while i < pending.len() {
-            let outcome = advance(&mut pending[i], key);
-            match outcome {
-                Ok(None) if pending[i].since.elapsed() > limits.handshake => {
-                    let pd = pending.swap_remove(i);
-                    log.note(
-                        pd.peer,
-                        &format!(
-                            "no complete handshake within {:?} ({} bytes received)",
-                            limits.handshake,
-                            pd.buf.len()
-                        ),
-                    );
-                }
-                Ok(None) => i += 1,
-                Err(why) => {
-                    let pd = pending.swap_remove(i);
-                    log.note(pd.peer, &why);
-                }
-                Ok(Some(claim)) => {
-                    let mut pd = pending.swap_remove(i);
-                    let no = refusal(p, &members, &claim.hello);
-                    if let Err(why) = send_now(&mut pd.s, &wire::encode_verdict(no.as_deref())) {
-                        log.note(pd.peer, &why);
-                        continue;
-                    }
-                    if let Some(no) = no {
-                        log.refuse(pd.peer, &no);
-                        continue;
-                    }
-                    let r = claim.hello.rank as usize;
-                    tracing::debug!("bootstrap: rank {r} joined from {}", pd.peer);
-                    addrs[r] = claim.addr;
-                    members[r] = Some(Member {
-                        s: pd.s,
-                        peer: pd.peer,
-                        hello: claim.hello,
-                        nonce: claim.nonce,
-                    });
-                    joined += 1;
-                }
-            }
-        }
+        // Departures first: a rank that reconnects after losing its connection is not taken
+        // for a duplicate of itself.
+        rv.departures();
+        rv.accept(l, at);
+        rv.sweep();
     }
+    let Rendezvous {
+        members,
+        addrs,
+        log,
+        ..
+    } = rv;
     if log.count > 0 {
         let msg = format!(
             "bootstrap: every rank joined at {at}; {} other connections were dropped",
@@ -425,7 +499,6 @@ pub(crate) fn serve(
             tracing::info!("{msg}");
         }
     }
-    drop(pending);
 
     // Every rank joined: each gets the table, tagged for its own connection.
     let table = wire::encode_table(&addrs);
