@@ -131,3 +131,25 @@ fn a_job_with_a_bad_option_is_refused_up_front() {
         );
     }
 }
+
+/// A transport left out by an option the user set (not by the host) says so once, naming it.
+#[test]
+fn a_transport_made_unavailable_by_an_option_is_one_warning_naming_it() {
+    let exe = std::env::current_exe().unwrap();
+    let o = Command::new(&exe)
+        .args(["child_job_from_env", "--exact", "--nocapture"])
+        .env(ROLE, "1")
+        .env("RUCX_RANK", "0")
+        .env("RUCX_SIZE", "1")
+        .env("RUCX_TCP_IFACES", "nosuch0")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(text.contains("JOB STARTED"), "{text}");
+    let warning = "tcp is unavailable because of RUCX_TCP_IFACES=nosuch0";
+    assert_eq!(text.matches(warning).count(), 1, "{text}");
+}
