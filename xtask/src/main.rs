@@ -63,8 +63,18 @@ fn demo(args: &[String]) -> Result<(), String> {
         .map_err(|e| format!("finding a free port: {e}"))?
         .port();
     let boot = format!("127.0.0.1:{port}");
+    // A fresh job key for the two ranks, passed through their environment (not on a command
+    // line, which every user can read); see docs/security.md.
+    let key = match std::env::var("RUCX_BOOTSTRAP_KEY") {
+        Ok(k) if !k.is_empty() => k,
+        _ => {
+            let mut b = [0u8; 32];
+            getrandom::fill(&mut b).map_err(|e| format!("no random numbers for a key: {e}"))?;
+            b.iter().map(|x| format!("{x:02x}")).collect()
+        }
+    };
     println!(
-        "xtask demo: two processes, RUCX_BOOTSTRAP={boot}, {}",
+        "xtask demo: two processes, RUCX_BOOTSTRAP={boot} with a job key, {}",
         exe.display()
     );
     let mut children = Vec::new();
@@ -74,6 +84,7 @@ fn demo(args: &[String]) -> Result<(), String> {
             .env("RUCX_RANK", rank.to_string())
             .env("RUCX_SIZE", "2")
             .env("RUCX_BOOTSTRAP", &boot)
+            .env("RUCX_BOOTSTRAP_KEY", &key)
             .spawn()
             .map_err(|e| format!("starting rank {rank}: {e}"))?;
         children.push(child);

@@ -1,6 +1,6 @@
 //! Options of the protocol layer.
 
-use rucx_ucs::{OptKind, OptionSpec};
+use rucx_ucs::{Bounds, OptKind, OptionSpec};
 
 /// Protocol-layer options (names without the `RUCX_` prefix).
 pub static CONFIG: &[OptionSpec] = &[
@@ -28,9 +28,9 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "RNDV_FRAG_SIZE",
-        kind: OptKind::MemUnits,
+        kind: OptKind::MemIn(Bounds::new(4 << 10, 1 << 30).or_auto()),
         default: "4M",
-        help: "Largest single zero-copy operation of a rendezvous transfer.",
+        help: "Largest single zero-copy operation of a rendezvous transfer (4K to 1G; auto: 4M).",
     },
     OptionSpec {
         name: "RNDV_SPLIT_THRESH",
@@ -41,10 +41,10 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "RNDV_FRAG_COUNT",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(1, 1024)),
         default: "8",
         help: "Pinned host staging fragments of RNDV_FRAG_SIZE for GPU memory pipelines, per \
-               direction (sends and receives each get this many). Staging lives in host memory, \
+               direction (sends and receives each get this many; 1 to 1024). Staging lives in host memory, \
                so it never uses a GPU's BAR1 aperture.",
     },
     OptionSpec {

@@ -2,7 +2,12 @@
 //! that uses it, and read from `RUCX_<NAME>` environment variables or set in code.
 //!
 //! Values are validated when they are set, so a malformed variable is reported up front with the
-//! variable's name and the accepted forms, never later in the middle of a transfer.
+//! variable's name and the accepted forms, never later in the middle of a transfer. Beyond its
+//! syntax, a value can be held to a range ([`OptKind::UintIn`], [`OptKind::MemIn`],
+//! [`OptKind::TimeIn`] with [`Bounds`]) or a syntax of its own ([`OptKind::Text`]): an option
+//! whose zero or tiny values would break a transport declares them here, and an out-of-range value
+//! is rejected when it is read, naming the variable and the range, instead of silently making a
+//! transport unavailable later.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -36,7 +41,151 @@ pub enum OptKind {
     Tls,
     /// One word out of a fixed set.
     Enum(&'static [&'static str]),
+    /// A non-negative integer within bounds (read with [`Config::uint`]).
+    UintIn(Bounds),
+    /// A memory size within bounds (read with [`Config::mem_units`]); `auto` and `inf` only
+    /// where the bounds allow them.
+    MemIn(Bounds),
+    /// A duration within bounds in nanoseconds (read with [`Config::time`]); `inf` only where
+    /// the bounds allow it.
+    TimeIn(Bounds),
+    /// Text that must pass a check of its own (read with [`Config::string`]).
+    Text(Syntax),
+    /// A secret (read with [`Config::string`]): empty, or at least [`SECRET_MIN_LEN`]
+    /// characters. Never printed: [`Config`]'s `Debug` and `rucx-info -c` hide it.
+    Secret,
 }
+
+/// Shortest accepted non-empty [`OptKind::Secret`].
+pub const SECRET_MIN_LEN: usize = 16;
+
+/// The accepted range of a numeric option: `min..=max`, optionally only powers of two or
+/// multiples of a step, and for memory sizes and durations whether `auto`/`inf` are accepted.
+/// Built in `const` context: `Bounds::new(2, 65536).power_of_two()`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    /// Smallest accepted value (bytes, nanoseconds or a count).
+    pub min: u64,
+    /// Largest accepted value.
+    pub max: u64,
+    /// Accepted values are multiples of this (1: any).
+    pub step: u64,
+    /// Only powers of two.
+    pub pow2: bool,
+    /// `auto` is accepted (memory sizes).
+    pub auto: bool,
+    /// `inf` is accepted (memory sizes, durations).
+    pub inf: bool,
+}
+
+impl Bounds {
+    /// Any value in `min..=max`.
+    pub const fn new(min: u64, max: u64) -> Bounds {
+        Bounds {
+            min,
+            max,
+            step: 1,
+            pow2: false,
+            auto: false,
+            inf: false,
+        }
+    }
+
+    /// Durations from `min` to `max` seconds.
+    pub const fn secs(min: u64, max: u64) -> Bounds {
+        Bounds::new(min * 1_000_000_000, max * 1_000_000_000)
+    }
+
+    /// Durations from `min` to `max` milliseconds.
+    pub const fn millis(min: u64, max: u64) -> Bounds {
+        Bounds::new(min * 1_000_000, max * 1_000_000)
+    }
+
+    /// Only powers of two.
+    pub const fn power_of_two(self) -> Bounds {
+        Bounds { pow2: true, ..self }
+    }
+
+    /// Only multiples of `step`.
+    pub const fn multiple_of(self, step: u64) -> Bounds {
+        Bounds { step, ..self }
+    }
+
+    /// `auto` accepted too.
+    pub const fn or_auto(self) -> Bounds {
+        Bounds { auto: true, ..self }
+    }
+
+    /// `inf` accepted too.
+    pub const fn or_inf(self) -> Bounds {
+        Bounds { inf: true, ..self }
+    }
+
+    fn holds(&self, n: u64) -> bool {
+        (self.min..=self.max).contains(&n)
+            && (!self.pow2 || n.is_power_of_two())
+            && (self.step <= 1 || n.is_multiple_of(self.step))
+    }
+
+    /// The accepted values in words, numbers written by `fmt`.
+    fn describe(&self, fmt: fn(u64) -> String) -> String {
+        let mut s = if self.pow2 {
+            format!("a power of two from {} to {}", fmt(self.min), fmt(self.max))
+        } else if self.step > 1 {
+            format!(
+                "a multiple of {} from {} to {}",
+                fmt(self.step),
+                fmt(self.min),
+                fmt(self.max)
+            )
+        } else if self.max == u64::MAX {
+            format!("at least {}", fmt(self.min))
+        } else {
+            format!("from {} to {}", fmt(self.min), fmt(self.max))
+        };
+        match (self.auto, self.inf) {
+            (true, true) => s.push_str(", or auto, or inf"),
+            (true, false) => s.push_str(", or auto"),
+            (false, true) => s.push_str(", or inf"),
+            (false, false) => {}
+        }
+        s
+    }
+
+    fn check(&self, n: u64, fmt: fn(u64) -> String) -> std::result::Result<(), String> {
+        if self.holds(n) {
+            Ok(())
+        } else {
+            Err(format!("{} is out of range", fmt(n)))
+        }
+    }
+}
+
+fn fmt_count(n: u64) -> String {
+    n.to_string()
+}
+
+fn fmt_ns(n: u64) -> String {
+    units::format_time(Duration::from_nanos(n))
+}
+
+/// A check of a text option beyond "any text": the check returns why a value is refused, and
+/// `accepted` describes the forms (for messages and `rucx-info -c`).
+#[derive(Clone, Copy, Debug)]
+pub struct Syntax {
+    /// Returns why the value is refused.
+    pub check: fn(&str) -> std::result::Result<(), String>,
+    /// The accepted forms, in words.
+    pub accepted: &'static str,
+}
+
+impl PartialEq for Syntax {
+    fn eq(&self, other: &Syntax) -> bool {
+        std::ptr::fn_addr_eq(self.check, other.check) && self.accepted == other.accepted
+    }
+}
+
+impl Eq for Syntax {}
 
 impl OptKind {
     /// Accepted forms, for messages and `rucx-info -c`.
@@ -51,6 +200,19 @@ impl OptKind {
             OptKind::List => "comma-separated words".into(),
             OptKind::Tls => tls::accepted_forms(),
             OptKind::Enum(words) => words.join(", "),
+            OptKind::UintIn(b) => format!("an integer {}", b.describe(fmt_count)),
+            OptKind::MemIn(b) => format!(
+                "a size {} (suffixes b, K, M, G, T: powers of 1024)",
+                b.describe(units::format_bytes)
+            ),
+            OptKind::TimeIn(b) => format!(
+                "a duration {} (units ns, us, ms, s, m, h)",
+                b.describe(fmt_ns)
+            ),
+            OptKind::Text(syntax) => syntax.accepted.into(),
+            OptKind::Secret => {
+                format!("empty, or a secret of at least {SECRET_MIN_LEN} characters")
+            }
         }
     }
 
@@ -65,6 +227,11 @@ impl OptKind {
             OptKind::List => "list",
             OptKind::Tls => "tls",
             OptKind::Enum(_) => "enum",
+            OptKind::UintIn(_) => "uint",
+            OptKind::MemIn(_) => "memunits",
+            OptKind::TimeIn(_) => "time",
+            OptKind::Text(_) => "string",
+            OptKind::Secret => "secret",
         }
     }
 }
@@ -154,15 +321,71 @@ fn parse_value(kind: OptKind, raw: &str) -> std::result::Result<Value, String> {
             }
             Value::Str(w)
         }
+        OptKind::UintIn(b) => {
+            let Value::Uint(n) = parse_value(OptKind::Uint, raw)? else {
+                unreachable!("a uint parses to Value::Uint")
+            };
+            b.check(n, fmt_count)?;
+            Value::Uint(n)
+        }
+        OptKind::MemIn(b) => {
+            let m = units::parse_memunits(raw)?;
+            match m {
+                MemUnits::Bytes(n) => b.check(n, units::format_bytes)?,
+                MemUnits::Auto if !b.auto => return Err("auto is not accepted here".into()),
+                MemUnits::Infinite if !b.inf => return Err("inf is not accepted here".into()),
+                MemUnits::Auto | MemUnits::Infinite => {}
+            }
+            Value::Mem(m)
+        }
+        OptKind::TimeIn(b) => {
+            let d = units::parse_time(raw)?;
+            if d == Duration::MAX {
+                if !b.inf {
+                    return Err("inf is not accepted here".into());
+                }
+            } else {
+                let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+                b.check(ns, fmt_ns)?;
+            }
+            Value::Time(d)
+        }
+        OptKind::Text(syntax) => {
+            (syntax.check)(raw)?;
+            Value::Str(raw.to_string())
+        }
+        OptKind::Secret => {
+            let n = raw.chars().count();
+            if n != 0 && n < SECRET_MIN_LEN {
+                return Err(format!(
+                    "a secret of {n} characters is too short to guess-proof (at least \
+                     {SECRET_MIN_LEN})"
+                ));
+            }
+            Value::Str(raw.to_string())
+        }
     })
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Entry {
     spec: OptionSpec,
     raw: String,
     value: Value,
     from_env: bool,
+}
+
+impl fmt::Debug for Entry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Entry");
+        d.field("spec", &self.spec);
+        if self.spec.kind == OptKind::Secret {
+            d.field("raw", &"(hidden)");
+        } else {
+            d.field("raw", &self.raw).field("value", &self.value);
+        }
+        d.field("from_env", &self.from_env).finish()
+    }
 }
 
 /// A set of validated option values.
@@ -465,6 +688,134 @@ mod tests {
         assert!(s.contains("RUCX_K_TIME") && s.contains("ns, us, ms"), "{s}");
         // An unknown RUCX_ name in the environment is not an error (only a warning).
         assert!(Config::from_vars(&[TABLE], [("RUCX_NOT_AN_OPTION", "1")]).is_ok());
+    }
+
+    fn port_pair(s: &str) -> std::result::Result<(), String> {
+        match s.split_once('-') {
+            Some((a, b)) if a.parse::<u16>().is_ok() && b.parse::<u16>().is_ok() => Ok(()),
+            _ => Err(format!("{s:?} is not FIRST-LAST")),
+        }
+    }
+
+    static BOUNDED: &[OptionSpec] = &[
+        OptionSpec {
+            name: "B_FIFO",
+            kind: OptKind::UintIn(Bounds::new(2, 65536).power_of_two()),
+            default: "256",
+            help: "",
+        },
+        OptionSpec {
+            name: "B_CELL",
+            kind: OptKind::MemIn(Bounds::new(128, 1 << 20).multiple_of(64)),
+            default: "8K",
+            help: "",
+        },
+        OptionSpec {
+            name: "B_FRAG",
+            kind: OptKind::MemIn(Bounds::new(4096, 1 << 30).or_auto()),
+            default: "auto",
+            help: "",
+        },
+        OptionSpec {
+            name: "B_IDLE",
+            kind: OptKind::TimeIn(Bounds::secs(1, 65535)),
+            default: "2s",
+            help: "",
+        },
+        OptionSpec {
+            name: "B_WAIT",
+            kind: OptKind::TimeIn(Bounds::millis(1, u64::MAX / 1_000_000).or_inf()),
+            default: "inf",
+            help: "",
+        },
+        OptionSpec {
+            name: "B_PORTS",
+            kind: OptKind::Text(Syntax {
+                check: port_pair,
+                accepted: "FIRST-LAST",
+            }),
+            default: "1-2",
+            help: "",
+        },
+        OptionSpec {
+            name: "B_KEY",
+            kind: OptKind::Secret,
+            default: "",
+            help: "",
+        },
+    ];
+
+    #[test]
+    fn bounded_values_are_checked_where_read() {
+        let c = Config::new(&[BOUNDED]).unwrap();
+        assert_eq!(c.uint("B_FIFO"), 256);
+        assert_eq!(c.mem_units("B_FRAG"), MemUnits::Auto);
+        assert_eq!(c.time("B_WAIT"), Duration::MAX);
+        for (name, bad, why) in [
+            ("B_FIFO", "3", "a power of two from 2 to 65536"),
+            ("B_FIFO", "0", "a power of two from 2 to 65536"),
+            ("B_FIFO", "131072", "a power of two from 2 to 65536"),
+            ("B_CELL", "100", "a multiple of 64 from 128 to 1M"),
+            ("B_CELL", "8200", "a multiple of 64 from 128 to 1M"),
+            ("B_CELL", "auto", "a multiple of 64 from 128 to 1M"),
+            ("B_FRAG", "0", "from 4K to 1G, or auto"),
+            ("B_FRAG", "inf", "from 4K to 1G, or auto"),
+            ("B_IDLE", "10ms", "from 1s to 65535s"),
+            ("B_IDLE", "inf", "from 1s to 65535s"),
+            ("B_WAIT", "0s", "or inf"),
+            ("B_PORTS", "garbage", "FIRST-LAST"),
+            ("B_KEY", "short", "at least 16 characters"),
+        ] {
+            let e = Config::from_vars(&[BOUNDED], [(format!("RUCX_{name}"), bad)]).unwrap_err();
+            let s = e.to_string();
+            assert!(
+                s.contains(&format!("RUCX_{name}")) && s.contains(why),
+                "{name}={bad}: {s}"
+            );
+        }
+        let c = Config::from_vars(
+            &[BOUNDED],
+            [
+                ("RUCX_B_FIFO", "65536"),
+                ("RUCX_B_CELL", "128"),
+                ("RUCX_B_FRAG", "1G"),
+                ("RUCX_B_IDLE", "65535s"),
+                ("RUCX_B_WAIT", "1ms"),
+                ("RUCX_B_PORTS", "20000-20010"),
+                ("RUCX_B_KEY", "0123456789abcdef"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.uint("B_FIFO"), 65536);
+        assert_eq!(c.mem_units("B_CELL"), MemUnits::Bytes(128));
+        assert_eq!(c.mem_units("B_FRAG"), MemUnits::Bytes(1 << 30));
+        assert_eq!(c.string("B_PORTS"), "20000-20010");
+        assert_eq!(c.string("B_KEY"), "0123456789abcdef");
+        // The kinds read like their plain counterparts.
+        assert_eq!(OptKind::UintIn(Bounds::new(1, 2)).to_string(), "uint");
+        assert_eq!(OptKind::MemIn(Bounds::new(1, 2)).to_string(), "memunits");
+    }
+
+    #[test]
+    fn secrets_are_never_printed() {
+        let c = Config::from_vars(&[BOUNDED], [("RUCX_B_KEY", "a-very-secret-job-key")]).unwrap();
+        let d = format!("{c:?}");
+        assert!(!d.contains("a-very-secret-job-key"), "{d}");
+        assert!(d.contains("hidden"), "{d}");
+        let e = Config::from_vars(&[BOUNDED], [("RUCX_B_KEY", "short")]).unwrap_err();
+        assert!(e.to_string().contains("RUCX_B_KEY"), "{e}");
+    }
+
+    proptest! {
+        #[test]
+        fn bounded_uints_accept_exactly_their_range(n in any::<u64>(), lo in 0u64..1000, span in 0u64..1000) {
+            let b = Bounds::new(lo, lo + span);
+            let r = parse_value(OptKind::UintIn(b), &n.to_string());
+            prop_assert_eq!(r.is_ok(), (lo..=lo + span).contains(&n));
+            let p2 = b.power_of_two();
+            let r = parse_value(OptKind::UintIn(p2), &n.to_string());
+            prop_assert_eq!(r.is_ok(), (lo..=lo + span).contains(&n) && n.is_power_of_two());
+        }
     }
 
     /// One option of every kind.

@@ -2,8 +2,8 @@
 //!
 //! - [`error`]: the typed [`Error`] and [`RegError`] (registration failures the planner acts on);
 //! - [`memtype`]: [`MemoryType`] and [`MemoryTypes`];
-//! - [`config`]: options declared once (name, kind, default, help), read from `RUCX_*` variables
-//!   and overridable in code;
+//! - [`config`]: options declared once (name, kind with its range, default, help), read from
+//!   `RUCX_*` variables and overridable in code, every value checked when it is read;
 //! - [`units`]: memory units (`8K`, `4M`, `inf`, `auto`) and time units (`10us`, `2s`);
 //! - [`tls`]: transport selection lists with aliases and negation (`RUCX_TLS`);
 //! - [`log`]: logging through `tracing`, level from `RUCX_LOG_LEVEL`;
@@ -25,7 +25,7 @@ pub mod stats;
 pub mod tls;
 pub mod units;
 
-pub use config::{Config, OptKind, OptionSpec, Ternary};
+pub use config::{Bounds, Config, OptKind, OptionSpec, Syntax, Ternary};
 pub use error::{Error, IoError, RegError, RegErrorKind, RegScope, Result};
 pub use interval::IntervalMap;
 pub use memtype::{MemoryType, MemoryTypes};

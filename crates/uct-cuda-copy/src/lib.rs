@@ -46,7 +46,7 @@ pub use iface::{CudaCopyEp, CudaCopyIface};
 pub use md::{Allocation, CudaCopyComponent, CudaCopyMd, RkeyFields};
 pub use staging::{Fragment, StagingPool};
 
-use rucx_ucs::{Config, Error, MemUnits, OptKind, OptionSpec, Result};
+use rucx_ucs::{Bounds, Config, Error, MemUnits, OptKind, OptionSpec, Result};
 
 /// Component name.
 pub const COMPONENT: &str = "cuda_cpy";
@@ -61,20 +61,20 @@ pub const DEVICE: &str = "cuda";
 pub static CONFIG: &[OptionSpec] = &[
     OptionSpec {
         name: "CUDA_COPY_FRAG_SIZE",
-        kind: OptKind::MemUnits,
+        kind: OptKind::MemIn(Bounds::new(Settings::MIN_FRAG, Settings::MAX_FRAG)),
         default: "1M",
         help: "Size of each pinned host staging fragment (4K to 1G).",
     },
     OptionSpec {
         name: "CUDA_COPY_FRAG_COUNT",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(1, Settings::MAX_FRAGS)),
         default: "64",
         help: "Number of pinned host staging fragments (1 to 65536); they are allocated together \
                on first use, and no more are ever handed out.",
     },
     OptionSpec {
         name: "CUDA_COPY_MAX_INFLIGHT",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(1, 65536)),
         default: "256",
         help: "Most cuda_copy operations in flight per interface (1 to 65536); beyond it posting \
                returns 'no resources' until progress completes some.",
@@ -212,8 +212,7 @@ mod tests {
             ("CUDA_COPY_MAX_INFLIGHT", "0", "RUCX_CUDA_COPY_MAX_INFLIGHT"),
         ] {
             let mut cfg = Config::new(&[CONFIG]).unwrap();
-            cfg.set(name, value).unwrap();
-            let e = Settings::from_config(&cfg).unwrap_err();
+            let e = cfg.set(name, value).unwrap_err();
             assert!(matches!(e, Error::Config { .. }), "{e:?}");
             assert!(e.to_string().contains(want), "{e}");
         }

@@ -32,7 +32,7 @@ pub use cache::{CacheStats, IpcCache, Mapping};
 pub use iface::{CudaIpcEp, CudaIpcIface};
 pub use md::{CudaIpcComponent, CudaIpcMd, IpcKey, IpcReg};
 
-use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result};
+use rucx_ucs::{Bounds, Config, Error, OptKind, OptionSpec, Result};
 
 /// Component, memory domain and transport name.
 pub const NAME: &str = "cuda_ipc";
@@ -53,14 +53,14 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "CUDA_IPC_CACHE_SIZE",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(1, 1 << 20)),
         default: "1024",
         help: "Most peer allocations kept mapped per process (1 to 1048576); beyond it the least \
                recently used mapping is closed.",
     },
     OptionSpec {
         name: "CUDA_IPC_MAX_INFLIGHT",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(1, 65536)),
         default: "256",
         help: "Most cuda_ipc operations in flight per interface (1 to 65536).",
     },
@@ -150,8 +150,7 @@ mod tests {
             ("CUDA_IPC_MAX_INFLIGHT", "70000"),
         ] {
             let mut c = Config::new(&[CONFIG]).unwrap();
-            c.set(k, v).unwrap();
-            let e = Settings::from_config(&c).unwrap_err().to_string();
+            let e = c.set(k, v).unwrap_err().to_string();
             assert!(e.contains(&format!("RUCX_{k}")), "{e}");
         }
         for o in CONFIG {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result, Ternary};
+use rucx_ucs::{Bounds, Config, Error, OptKind, OptionSpec, Result, Syntax, Ternary};
 
 use crate::probe::DeviceFilter;
 use crate::verbs::Mtu;
@@ -27,19 +27,22 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "IB_GID_INDEX",
-        kind: OptKind::Str,
+        kind: OptKind::Text(Syntax {
+            check: check_gid_index,
+            accepted: GID_INDEX_FORMS,
+        }),
         default: "auto",
         help: "GID table index for RoCE ports; auto prefers a RoCE v2 GID holding an IPv4 address.",
     },
     OptionSpec {
         name: "IB_SL",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(0, 15)),
         default: "0",
         help: "InfiniBand service level (0-15).",
     },
     OptionSpec {
         name: "IB_TRAFFIC_CLASS",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(0, 255)),
         default: "0",
         help: "Traffic class of routed (RoCE or inter-subnet) packets (0-255).",
     },
@@ -51,26 +54,28 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "RC_SEG_SIZE",
-        kind: OptKind::MemUnits,
+        kind: OptKind::MemIn(
+            Bounds::new(SEG_SIZE_RANGE.0 as u64, SEG_SIZE_RANGE.1 as u64).or_auto(),
+        ),
         default: "8K",
         help: "Size of the receive buffers of rc_verbs, hence the largest active message \
                (256 bytes to 1 MiB).",
     },
     OptionSpec {
         name: "RC_RX_QUEUE_LEN",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(2, 16384)),
         default: "64",
         help: "Receive buffers per rc_verbs endpoint: the credits a peer starts with (2-16384).",
     },
     OptionSpec {
         name: "RC_TX_QUEUE_LEN",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(2, 16384)),
         default: "64",
         help: "Send queue depth per rc_verbs endpoint (2-16384).",
     },
     OptionSpec {
         name: "RC_CQ_LEN",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(64, 1 << 22)),
         default: "4096",
         help: "Completion queue entries per rc_verbs interface; bounds the number of endpoints.",
     },
@@ -82,13 +87,13 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "RC_RETRY_COUNT",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(0, 7)),
         default: "7",
         help: "Transport retries before a connection fails (0-7).",
     },
     OptionSpec {
         name: "RC_RNR_RETRY",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(0, 7)),
         default: "7",
         help: "Receiver-not-ready retries (0-7; 7 retries forever).",
     },
@@ -105,6 +110,25 @@ pub(crate) fn own_config(config: &Config) -> Result<std::borrow::Cow<'_, Config>
             .is_some_and(|n| CONFIG.iter().any(|o| o.name == n))
     });
     Ok(std::borrow::Cow::Owned(Config::from_vars(&[CONFIG], ours)?))
+}
+
+/// What `RUCX_IB_GID_INDEX` accepts.
+const GID_INDEX_FORMS: &str = "auto, or 0 to 1023";
+
+fn parse_gid_index(s: &str) -> std::result::Result<GidChoice, String> {
+    match s.trim() {
+        "" | "auto" => Ok(GidChoice::Auto),
+        s => s
+            .parse::<u32>()
+            .ok()
+            .filter(|i| *i < 1024)
+            .map(GidChoice::Index)
+            .ok_or_else(|| "not auto or a GID table index".into()),
+    }
+}
+
+fn check_gid_index(s: &str) -> std::result::Result<(), String> {
+    parse_gid_index(s).map(drop)
 }
 
 fn range_err(var: &str, value: impl ToString, accepted: &str) -> Error {
@@ -153,18 +177,13 @@ impl IbConfig {
     /// Read and validate.
     pub fn from_config(config: &Config) -> Result<IbConfig> {
         let c = own_config(config)?;
-        let gid =
-            match c.string("IB_GID_INDEX").trim() {
-                "" | "auto" => GidChoice::Auto,
-                s => GidChoice::Index(s.parse::<u32>().ok().filter(|i| *i < 1024).ok_or_else(
-                    || Error::Config {
-                        var: "RUCX_IB_GID_INDEX".into(),
-                        value: s.into(),
-                        reason: "not auto or a GID table index".into(),
-                        accepted: "auto, or 0 to 1023".into(),
-                    },
-                )?),
-            };
+        let raw = c.string("IB_GID_INDEX");
+        let gid = parse_gid_index(raw).map_err(|reason| Error::Config {
+            var: "RUCX_IB_GID_INDEX".into(),
+            value: raw.into(),
+            reason,
+            accepted: GID_INDEX_FORMS.into(),
+        })?;
         Ok(IbConfig {
             gpu_direct: c.ternary(crate::gpudirect::OPTION),
             devices: DeviceFilter::parse(c.list("IB_DEVICES"))?,
@@ -255,23 +274,18 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_variable() {
-        let c = Config::from_vars(&[CONFIG], [("RUCX_RC_SEG_SIZE", "64")]).unwrap();
-        let e = RcConfig::from_config(&c).unwrap_err();
-        assert!(e.to_string().contains("RUCX_RC_SEG_SIZE"), "{e}");
-        let c = Config::from_vars(&[CONFIG], [("RUCX_IB_GID_INDEX", "x")]).unwrap();
-        assert!(
-            IbConfig::from_config(&c)
-                .unwrap_err()
-                .to_string()
-                .contains("RUCX_IB_GID_INDEX")
-        );
-        let c = Config::from_vars(&[CONFIG], [("RUCX_RC_RETRY_COUNT", "9")]).unwrap();
-        assert!(
-            RcConfig::from_config(&c)
-                .unwrap_err()
-                .to_string()
-                .contains("0 to 7")
-        );
+        // Checked where they are read: the configuration itself refuses them.
+        for (var, value, range) in [
+            ("RUCX_RC_SEG_SIZE", "64", "from 256 to 1M"),
+            ("RUCX_IB_GID_INDEX", "x", "0 to 1023"),
+            ("RUCX_RC_RETRY_COUNT", "9", "from 0 to 7"),
+            ("RUCX_RC_CQ_LEN", "0", "from 64 to 4194304"),
+            ("RUCX_IB_SL", "16", "from 0 to 15"),
+        ] {
+            let e = Config::from_vars(&[CONFIG], [(var, value)]).unwrap_err();
+            let s = e.to_string();
+            assert!(s.contains(var) && s.contains(range), "{s}");
+        }
         assert!(Config::from_vars(&[CONFIG], [("RUCX_IB_GPU_DIRECT_RDMA", "maybe")]).is_err());
         let c = Config::from_vars(
             &[CONFIG],

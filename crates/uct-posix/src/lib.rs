@@ -59,7 +59,7 @@ mod sys;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rucx_ucs::{Config, Error, MemUnits, OptKind, OptionSpec, Result};
+use rucx_ucs::{Bounds, Config, Error, MemUnits, OptKind, OptionSpec, Result};
 use rucx_uct::{Availability, Component, MemoryDomain};
 
 pub use addr::{DeviceAddr, IfaceAddr, RkeyData};
@@ -76,14 +76,18 @@ pub const DEVICE: &str = "memory";
 pub static CONFIG: &[OptionSpec] = &[
     OptionSpec {
         name: "POSIX_FIFO_SIZE",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(
+            Bounds::new(ring::MIN_CELLS as u64, ring::MAX_CELLS as u64).power_of_two(),
+        ),
         default: "256",
         help: "Cells in each interface's receive ring (a power of two, 2 to 65536); a sender gets \
                'no resources' while all of them hold unread messages.",
     },
     OptionSpec {
         name: "POSIX_CELL_SIZE",
-        kind: OptKind::MemUnits,
+        kind: OptKind::MemIn(
+            Bounds::new(ring::MIN_CELL_SIZE as u64, ring::MAX_CELL_SIZE as u64).multiple_of(64),
+        ),
         default: "8K",
         help: "Bytes per ring cell, 32-byte cell header included (a multiple of 64, 128 to 1M); \
                the largest active message is this minus 32.",
@@ -262,13 +266,26 @@ mod tests {
         let empty = Config::new(&[]).unwrap();
         let s = Settings::from_config(&empty).unwrap();
         assert_eq!((s.fifo_size, s.cell_size, s.segment), (256, 8192, None));
+        // Out-of-range values are refused where they are read, naming the variable and the
+        // range, so posix is never silently unavailable because of them.
         let mut c = Config::new(&[CONFIG]).unwrap();
-        c.set("POSIX_FIFO_SIZE", "100").unwrap();
-        let e = Settings::from_config(&c).unwrap_err().to_string();
-        assert!(e.contains("RUCX_POSIX_FIFO_SIZE"), "{e}");
-        let mut c = Config::new(&[CONFIG]).unwrap();
-        c.set("POSIX_CELL_SIZE", "1000").unwrap();
-        assert!(Settings::from_config(&c).is_err());
+        for (name, value, range) in [
+            ("POSIX_FIFO_SIZE", "100", "a power of two from 2 to 65536"),
+            ("POSIX_FIFO_SIZE", "3", "a power of two from 2 to 65536"),
+            ("POSIX_FIFO_SIZE", "1", "a power of two from 2 to 65536"),
+            ("POSIX_CELL_SIZE", "1000", "a multiple of 64 from 128 to 1M"),
+            ("POSIX_CELL_SIZE", "100", "a multiple of 64 from 128 to 1M"),
+            ("POSIX_CELL_SIZE", "2M", "a multiple of 64 from 128 to 1M"),
+        ] {
+            let e = c.set(name, value).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("RUCX_{name}")) && e.contains(range),
+                "{e}"
+            );
+            let e = Config::from_vars(&[CONFIG], [(format!("RUCX_{name}"), value)]).unwrap_err();
+            assert!(e.to_string().contains(&format!("RUCX_{name}")), "{e}");
+        }
+        assert_eq!(Settings::from_config(&c).unwrap().fifo_size, 256);
         c.set("POSIX_CELL_SIZE", "4K").unwrap();
         c.set("POSIX_SEGMENT", "shm").unwrap();
         let s = Settings::from_config(&c).unwrap();

@@ -62,7 +62,7 @@ pub mod wire;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result};
+use rucx_ucs::{Bounds, Config, Error, OptKind, OptionSpec, Result, Syntax};
 use rucx_uct::{Availability, Component, MemoryDomain};
 
 pub use ep::TcpEndpoint;
@@ -85,20 +85,23 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "TCP_PORT_RANGE",
-        kind: OptKind::Str,
+        kind: OptKind::Text(Syntax {
+            check: check_port_range,
+            accepted: PORT_RANGE_FORMS,
+        }),
         default: "0",
         help: "Ports tcp interfaces listen on: 0 for an ephemeral port, or FIRST-LAST to take \
                the first free port of that range (for firewalls).",
     },
     OptionSpec {
         name: "TCP_SNDBUF",
-        kind: OptKind::MemUnits,
+        kind: OptKind::MemIn(SOCKBUF),
         default: "auto",
         help: "Socket send buffer size (SO_SNDBUF); auto keeps the kernel's default and autotuning.",
     },
     OptionSpec {
         name: "TCP_RCVBUF",
-        kind: OptKind::MemUnits,
+        kind: OptKind::MemIn(SOCKBUF),
         default: "auto",
         help: "Socket receive buffer size (SO_RCVBUF); auto keeps the kernel's default and autotuning.",
     },
@@ -116,43 +119,54 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "TCP_KEEPIDLE",
-        kind: OptKind::Time,
+        kind: OptKind::TimeIn(KEEPALIVE_TIME),
         default: "2s",
         help: "Idle time before the first keepalive probe (whole seconds, at least 1s).",
     },
     OptionSpec {
         name: "TCP_KEEPINTVL",
-        kind: OptKind::Time,
+        kind: OptKind::TimeIn(KEEPALIVE_TIME),
         default: "1s",
         help: "Time between keepalive probes (whole seconds, at least 1s).",
     },
     OptionSpec {
         name: "TCP_KEEPCNT",
-        kind: OptKind::Uint,
+        kind: OptKind::UintIn(Bounds::new(1, 127)),
         default: "3",
         help: "Unanswered keepalive probes after which the peer is declared dead.",
     },
     OptionSpec {
         name: "TCP_USER_TIMEOUT",
-        kind: OptKind::Time,
+        kind: OptKind::TimeIn(Bounds::millis(0, u32::MAX as u64)),
         default: "5s",
         help: "How long sent data may stay unacknowledged before the connection is declared \
                dead (TCP_USER_TIMEOUT); 0 for the kernel's default (minutes).",
     },
     OptionSpec {
         name: "TCP_CONNECT_TIMEOUT",
-        kind: OptKind::Time,
+        kind: OptKind::TimeIn(Bounds::millis(1, 24 * 3600 * 1000)),
         default: "10s",
         help: "How long an endpoint's connection may take before it fails.",
     },
     OptionSpec {
         name: "TCP_TX_QUEUE",
-        kind: OptKind::MemUnits,
+        kind: OptKind::MemIn(Bounds::new(64 << 10, u64::MAX).or_inf()),
         default: "4M",
         help: "Bytes queued per connection beyond what the socket took; a send past this \
                returns 'no resources' until progress drains the queue.",
     },
 ];
+
+/// Socket buffer sizes: the kernel's (auto) or 1 byte to 2G.
+const SOCKBUF: Bounds = Bounds::new(1, i32::MAX as u64).or_auto();
+/// Keepalive times: whole seconds the kernel takes.
+const KEEPALIVE_TIME: Bounds = Bounds::secs(1, u16::MAX as u64);
+/// What `RUCX_TCP_PORT_RANGE` accepts.
+const PORT_RANGE_FORMS: &str = "0, or FIRST-LAST with 1 <= FIRST <= LAST <= 65535";
+
+fn check_port_range(s: &str) -> std::result::Result<(), String> {
+    parse_port_range(s).map(drop)
+}
 
 /// The tcp options, parsed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -222,7 +236,7 @@ impl TcpOptions {
             var: "RUCX_TCP_PORT_RANGE".into(),
             value: port_raw.into(),
             reason,
-            accepted: "0, or FIRST-LAST with 1 <= FIRST <= LAST <= 65535".into(),
+            accepted: PORT_RANGE_FORMS.into(),
         })?;
         let size = |name: &str| -> Result<Option<usize>> {
             match config.mem_units(name) {
@@ -405,10 +419,18 @@ mod tests {
             ("RUCX_TCP_KEEPCNT", "0"),
             ("RUCX_TCP_TX_QUEUE", "1K"),
             ("RUCX_TCP_SNDBUF", "inf"),
+            ("RUCX_TCP_PORT_RANGE", "garbage"),
+            ("RUCX_TCP_USER_TIMEOUT", "100d"),
         ] {
-            let e = TcpOptions::from_config(&cfg(&[(k, v)]).unwrap()).unwrap_err();
+            // Refused where they are read (the configuration), naming the variable, rather
+            // than leaving tcp unavailable when an interface opens.
+            let e = cfg(&[(k, v)]).unwrap_err();
             assert!(e.to_string().contains(k), "{k}={v}: {e}");
         }
+        let e = cfg(&[("RUCX_TCP_PORT_RANGE", "garbage")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("FIRST-LAST"), "{e}");
     }
 
     #[test]

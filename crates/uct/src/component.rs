@@ -3,7 +3,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use rucx_ucs::{Config, Result};
+use rucx_ucs::config::ENV_PREFIX;
+use rucx_ucs::{Config, OptKind, Result};
 
 use crate::md::MemoryDomain;
 
@@ -43,6 +44,29 @@ pub struct Discovery {
     pub unavailable: Vec<(String, String)>,
     /// Components left out by `RUCX_TLS`.
     pub deselected: Vec<String>,
+}
+
+/// The option that made a component unavailable: one the user changed from its default whose
+/// variable the reason names.
+pub fn configured_cause<'a>(config: &'a Config, reason: &str) -> Option<(String, &'a str)> {
+    config
+        .options()
+        .filter(|(spec, raw, _)| *raw != spec.default && spec.kind != OptKind::Secret)
+        .find_map(|(spec, raw, _)| {
+            let var = format!("{ENV_PREFIX}{}", spec.name);
+            let named = reason.match_indices(&var).any(|(at, _)| {
+                !reason[at + var.len()..]
+                    .starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+            });
+            named.then_some((var, raw))
+        })
+}
+
+/// One warning when a configured option, not the host, keeps a component out.
+fn warn_if_configured(config: &Config, component: &str, reason: &str) {
+    if let Some((var, raw)) = configured_cause(config, reason) {
+        tracing::warn!("{component} is unavailable because of {var}={raw}: {reason}");
+    }
 }
 
 /// The list of compiled-in components.
@@ -85,20 +109,60 @@ impl Registry {
             }
             match c.query(config) {
                 Availability::Unavailable(reason) => {
+                    warn_if_configured(config, c.name(), &reason);
                     d.unavailable.push((c.name().to_string(), reason));
                 }
                 Availability::Available(mds) => {
                     for md in mds {
                         match c.open_md(&md, config) {
                             Ok(m) => d.domains.push(faults.wrap(m)),
-                            Err(e) => d
-                                .unavailable
-                                .push((format!("{}/{md}", c.name()), e.to_string())),
+                            Err(e) => {
+                                let name = format!("{}/{md}", c.name());
+                                let reason = e.to_string();
+                                warn_if_configured(config, &name, &reason);
+                                d.unavailable.push((name, reason));
+                            }
                         }
                     }
                 }
             }
         }
         Ok(d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rucx_ucs::OptionSpec;
+
+    static TABLE: &[OptionSpec] = &[
+        OptionSpec {
+            name: "X_IFACES",
+            kind: OptKind::List,
+            default: "",
+            help: "",
+        },
+        OptionSpec {
+            name: "X_IFACES_EXTRA",
+            kind: OptKind::List,
+            default: "",
+            help: "",
+        },
+    ];
+
+    #[test]
+    fn a_changed_option_named_by_the_reason_is_the_cause() {
+        let reason = "none of the interfaces in RUCX_X_IFACES (eth9) is up";
+        let c = Config::new(&[TABLE]).unwrap();
+        assert_eq!(configured_cause(&c, reason), None, "defaults cause nothing");
+        let c = Config::from_vars(&[TABLE], [("RUCX_X_IFACES", "eth9")]).unwrap();
+        assert_eq!(
+            configured_cause(&c, reason),
+            Some(("RUCX_X_IFACES".to_string(), "eth9"))
+        );
+        // A longer name that merely starts with the variable is not it.
+        let c = Config::from_vars(&[TABLE], [("RUCX_X_IFACES", "eth9")]).unwrap();
+        assert_eq!(configured_cause(&c, "see RUCX_X_IFACES_EXTRA"), None);
     }
 }

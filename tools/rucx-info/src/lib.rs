@@ -2,8 +2,8 @@
 
 use std::fmt::Write;
 
-use rucx_ucs::Config;
 use rucx_ucs::units::format_bytes;
+use rucx_ucs::{Config, OptKind};
 use rucx_uct::{Discovery, IfaceCaps, IfaceParams, MemoryDomain};
 
 fn limit(v: Option<u64>) -> String {
@@ -210,7 +210,12 @@ pub fn render_config(config: &Config) -> String {
                 ""
             }
         );
-        let _ = writeln!(out, "RUCX_{}={}", spec.name, raw);
+        if spec.kind == OptKind::Secret && !raw.is_empty() {
+            // A secret is never printed, not even to its owner.
+            let _ = writeln!(out, "# RUCX_{}=(set; not shown)", spec.name);
+        } else {
+            let _ = writeln!(out, "RUCX_{}={}", spec.name, raw);
+        }
     }
     out
 }
@@ -374,5 +379,20 @@ mod tests {
         }
         assert!(s.contains("RUCX_TLS=sm,self"));
         assert!(s.contains("(set from the environment)"));
+    }
+
+    #[test]
+    fn secrets_are_not_shown() {
+        static SECRET: &[rucx_ucs::OptionSpec] = &[rucx_ucs::OptionSpec {
+            name: "SOME_KEY",
+            kind: OptKind::Secret,
+            default: "",
+            help: "a secret",
+        }];
+        let cfg =
+            Config::from_vars(&[SECRET], [("RUCX_SOME_KEY", "0123456789abcdef-secret")]).unwrap();
+        let s = render_config(&cfg);
+        assert!(!s.contains("0123456789abcdef-secret"), "{s}");
+        assert!(s.contains("RUCX_SOME_KEY=(set; not shown)"), "{s}");
     }
 }

@@ -69,7 +69,9 @@ fn free_port() -> R<u16> {
         .map_err(|e| format!("finding a free local port: {e}"))
 }
 
-fn spawn_local_server(opts: &Options, self_cmd: &[OsString]) -> R<Child> {
+/// The server half of `--local` gets the job key through its environment (never its command
+/// line, which other users can read).
+fn spawn_local_server(opts: &Options, self_cmd: &[OsString], key: &str) -> R<Child> {
     let (exe, lead) = self_cmd
         .split_first()
         .ok_or("no command to start the server half")?;
@@ -83,6 +85,7 @@ fn spawn_local_server(opts: &Options, self_cmd: &[OsString]) -> R<Child> {
             "-p",
             &opts.port.to_string(),
         ])
+        .env("RUCX_BOOTSTRAP_KEY", key)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())
@@ -112,15 +115,22 @@ fn client(opts: &Options, self_cmd: &[OsString]) -> R<()> {
     mem::gpu_for(opts.mem, 1)?;
     let mut opts = opts.clone();
     let mut child = None;
+    let mut key = None;
     if opts.local {
         if !opts.port_given {
             opts.port = free_port()?;
         }
         opts.server = Some("127.0.0.1".into());
-        child = Some(spawn_local_server(&opts, self_cmd)?);
+        // Both halves share a fresh job key, unless one is set already.
+        let k = match std::env::var("RUCX_BOOTSTRAP_KEY") {
+            Ok(k) if !k.is_empty() => k,
+            _ => rucx::bootstrap::generate_key().map_err(|e| e.to_string())?,
+        };
+        child = Some(spawn_local_server(&opts, self_cmd, &k)?);
+        key = Some(k);
     }
     let res = (|| {
-        let job = run::start_job(&opts)?;
+        let job = run::start_job_keyed(&opts, key.as_deref())?;
         let r = client_body(&job, &opts);
         if r.is_err()
             && let Some(c) = child.as_mut()

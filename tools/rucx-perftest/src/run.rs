@@ -100,9 +100,17 @@ impl Spec {
 }
 
 /// Start the job of two: the server is rank 0 and listens on `bind:port`, the client is rank
-/// 1 and connects to `server:port`.
+/// 1 and connects to `server:port`. The job key is `RUCX_BOOTSTRAP_KEY`'s.
 pub fn start_job(opts: &Options) -> R<Job> {
+    start_job_keyed(opts, None)
+}
+
+/// [`start_job`] with this job key instead of `RUCX_BOOTSTRAP_KEY`'s, when given.
+pub fn start_job_keyed(opts: &Options, key: Option<&str>) -> R<Job> {
     let mut cfg = rucx::config_from_env().map_err(|e| e.to_string())?;
+    if let Some(k) = key {
+        cfg.set("BOOTSTRAP_KEY", k).map_err(|e| e.to_string())?;
+    }
     let server = opts.is_server();
     let boot = if server {
         format!("{}:{}", opts.bind, opts.port)

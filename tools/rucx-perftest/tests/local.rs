@@ -56,6 +56,8 @@ fn tag_lat_8_bytes_prints_the_columns() {
     }
     // A ping-pong moved data: its latency is positive.
     assert!(r[2].parse::<f64>().unwrap() > 0.0, "{r:?}");
+    // Both halves shared a generated job key: no warning about an unauthenticated bootstrap.
+    assert!(!out.contains("unauthenticated"), "{out}");
 }
 
 #[test]
@@ -232,6 +234,89 @@ fn server_and_client_as_separate_commands() {
         .unwrap_or_else(|| panic!("no csv row in:\n{out}"));
     let p50: f64 = line.split(',').nth(3).unwrap().parse().unwrap();
     assert!(p50 > 0.0, "{line}");
+}
+
+/// A server waiting for its client (`-p PORT`, with a job key) is not ended or held up by what
+/// a stranger sends to its port: the 28-byte packet of a forged join claiming rank 5 of 2,
+/// random bytes, a truncated header, idle connections. Its client (with the key) still runs.
+#[test]
+fn a_waiting_server_survives_strangers_and_serves_its_client() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let key = "perftest-test-key-0123456789abcdef";
+    let mut server = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
+        .args(["-p", &port.to_string(), "-q", "--bind", "127.0.0.1"])
+        .env("RUCX_BOOTSTRAP_TIMEOUT", "60s")
+        .env("RUCX_BOOTSTRAP_KEY", key)
+        .env("RUCX_TLS", "posix")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("server starts");
+    let at = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let start = std::time::Instant::now();
+    let mut strangers = Vec::new();
+    while strangers.is_empty() {
+        match TcpStream::connect(at) {
+            Ok(s) => strangers.push(s),
+            Err(_) if start.elapsed() < std::time::Duration::from_secs(30) => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            Err(e) => panic!("the server never listened: {e}"),
+        }
+    }
+    let mut forged = b"RUCXBOOT".to_vec();
+    for v in [1u32, 5, 2, 4] {
+        forged.extend_from_slice(&v.to_le_bytes());
+    }
+    forged.extend_from_slice(b"addr");
+    assert_eq!(forged.len(), 28);
+    for bytes in [&forged[..], &[0xa5; 100][..], &forged[..10]] {
+        let mut s = TcpStream::connect(at).unwrap();
+        s.write_all(bytes).unwrap();
+        strangers.push(s);
+    }
+    for _ in 0..50 {
+        strangers.push(TcpStream::connect(at).unwrap());
+    }
+    let client = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
+        .args([
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-t",
+            "tag_lat",
+            "-s",
+            "8",
+        ])
+        .args(["-n", "200", "-q", "--csv"])
+        .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+        .env("RUCX_BOOTSTRAP_KEY", key)
+        .env("RUCX_TLS", "posix")
+        .output()
+        .expect("client runs");
+    let out = text(&client);
+    if !client.status.success() {
+        let _ = server.kill();
+    }
+    let srv = server.wait_with_output().expect("server ends");
+    drop(strangers);
+    assert!(
+        client.status.success(),
+        "client: {out}\nserver: {}",
+        text(&srv)
+    );
+    assert!(srv.status.success(), "server: {}", text(&srv));
+    assert!(out.contains("tag_lat,8,200,"), "{out}");
+    assert!(
+        text(&srv).contains("dropped a connection"),
+        "{}",
+        text(&srv)
+    );
 }
 
 /// The synchronous and stream tests run at a small and a large size (eager and rendezvous for

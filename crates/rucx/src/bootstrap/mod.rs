@@ -5,19 +5,47 @@
 //! Slurm (`SLURM_PROCID`/`SLURM_NTASKS`); none of them means a job of one.
 //!
 //! The processes meet at a rendezvous address, `RUCX_BOOTSTRAP=host:port` (in the spirit of
-//! `MASTER_ADDR`): rank 0 listens there, the others connect, every rank sends its worker address
-//! and receives everybody's. When every rank of an Open MPI or PMIx job runs on one host and
-//! `RUCX_BOOTSTRAP` is unset, a loopback port derived from the job id is used, so
-//! `mpirun -np 2 ./app` works as is.
+//! `MASTER_ADDR`): rank 0 listens there (on that address only), the others connect, every rank
+//! sends its worker address and receives everybody's. When every rank of an Open MPI or PMIx job
+//! runs on one host and `RUCX_BOOTSTRAP` is unset, a loopback port derived from the job id is
+//! used, so `mpirun -np 2 ./app` works as is.
+//!
+//! # Who may join
+//! With a job key (`RUCX_BOOTSTRAP_KEY`, the same secret for every rank; [`generate_key`] makes
+//! one) rank 0 and each joining rank prove the key to each other by challenge-response
+//! (HMAC-SHA256 over fresh nonces, the claimed rank and size, and the joining rank's address)
+//! before any address is given out, and the table of addresses is tagged for each connection.
+//! Without a key anything that reaches the port can join in a rank's place; a warning says so
+//! once. No launcher gives rucx a secret to derive a key from: Open MPI and PMIx job ids
+//! (`OMPI_MCA_ess_base_jobid`, `PMIX_NAMESPACE`) and `SLURM_JOB_ID` are visible to other users
+//! and guessable, so they only choose the derived port, never a key. Export a key yourself, e.g.
+//! `export RUCX_BOOTSTRAP_KEY=$(openssl rand -hex 32)` before `mpirun -x RUCX_BOOTSTRAP_KEY` or
+//! `srun` (pass it by name, never on a command line, which every user can read). The threat
+//! model is in `docs/security.md`.
+//!
+//! # Robustness
+//! Rank 0 serves the handshakes side by side (`server`): a bounded number at once, each with a
+//! deadline; a malformed, foreign, unauthenticated, out-of-range or duplicate join is logged and
+//! dropped and never ends the job (for a duplicate rank, the first authenticated one stays). A
+//! joining rank whose connection is dropped before rank 0's verdict connects again until
+//! `RUCX_BOOTSTRAP_TIMEOUT` (`client`), so a flood of connections cannot keep it out. The wire
+//! format is in `wire`.
 //!
 //! The bootstrap connection stays open for [`Job::barrier`].
 
+mod client;
+mod server;
+mod wire;
+
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Once;
 use std::time::{Duration, Instant};
 
+pub use wire::Key;
+
 use rucx_ucp::{Context, EpId, Worker};
-use rucx_ucs::{Config, Error, OptKind, OptionSpec, Result};
+use rucx_ucs::{Bounds, Config, Error, OptKind, OptionSpec, Result, Syntax};
 
 /// Launcher options.
 pub static CONFIG: &[OptionSpec] = &[
@@ -30,27 +58,68 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "BOOTSTRAP_TIMEOUT",
-        kind: OptKind::Time,
+        kind: OptKind::TimeIn(Bounds::new(1_000_000, u64::MAX).or_inf()),
         default: "60s",
         help: "How long ranks wait for each other at start-up and in barriers.",
     },
     OptionSpec {
+        name: "BOOTSTRAP_KEY",
+        kind: OptKind::Secret,
+        default: "",
+        help: "A secret shared by the ranks of one job (at least 16 characters; e.g. 32 random \
+               bytes in hex). Rank 0 and each joining rank prove it to each other \
+               (HMAC-SHA256 challenge-response) before any worker address is given out. Empty: \
+               the rendezvous is unauthenticated (a warning says so). See docs/security.md.",
+    },
+    OptionSpec {
         name: "RANK",
-        kind: OptKind::Str,
+        kind: OptKind::Text(Syntax {
+            check: check_rank,
+            accepted: "empty, or a rank from 0 to 1048575",
+        }),
         default: "",
         help: "This process's rank, when no launcher sets one (with RUCX_SIZE).",
     },
     OptionSpec {
         name: "SIZE",
-        kind: OptKind::Str,
+        kind: OptKind::Text(Syntax {
+            check: check_size,
+            accepted: "empty, or a job size from 1 to 1048576",
+        }),
         default: "",
         help: "Number of processes in the job, when no launcher sets it (with RUCX_RANK).",
     },
 ];
 
-const MAGIC: &[u8; 8] = b"RUCXBOOT";
-const VERSION: u32 = 1;
-const MAX_ADDR: u32 = 1 << 20;
+/// Largest job the bootstrap serves: rank 0 holds one connection per rank, and every rank a
+/// table of every rank's address, so a size is bounded before anything is allocated for it.
+pub const MAX_JOB_SIZE: usize = 1 << 20;
+
+fn parse_count(s: &str) -> std::result::Result<Option<u64>, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(None);
+    }
+    s.parse::<u64>()
+        .map(Some)
+        .map_err(|_| format!("{s:?} is not a non-negative integer"))
+}
+
+fn check_rank(s: &str) -> std::result::Result<(), String> {
+    match parse_count(s)? {
+        Some(r) if r >= MAX_JOB_SIZE as u64 => Err(format!("rank {r} is out of range")),
+        _ => Ok(()),
+    }
+}
+
+fn check_size(s: &str) -> std::result::Result<(), String> {
+    match parse_count(s)? {
+        Some(n) if n == 0 || n > MAX_JOB_SIZE as u64 => {
+            Err(format!("a job of {n} ranks is out of range"))
+        }
+        _ => Ok(()),
+    }
+}
 
 /// Where rank and size came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,7 +164,15 @@ pub fn placement(vars: &dyn Fn(&str) -> Option<String>) -> Result<Placement> {
     for (r, s, source) in SOURCES {
         match (num(vars, r)?, num(vars, s)?) {
             (Some(rank), Some(size)) => {
-                if size == 0 || rank >= size {
+                if size == 0 || size > MAX_JOB_SIZE {
+                    return Err(Error::Config {
+                        var: s.into(),
+                        value: size.to_string(),
+                        reason: format!("a job of {size} ranks is out of range"),
+                        accepted: format!("1 to {MAX_JOB_SIZE}"),
+                    });
+                }
+                if rank >= size {
                     return Err(Error::Config {
                         var: r.into(),
                         value: rank.to_string(),
@@ -184,62 +261,27 @@ fn io(ctx: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |e| Error::io(ctx.to_string(), e)
 }
 
-fn write_msg(s: &mut TcpStream, rank: u32, size: u32, addr: &[u8]) -> Result<()> {
-    let mut b = Vec::with_capacity(24 + addr.len());
-    b.extend_from_slice(MAGIC);
-    for v in [VERSION, rank, size, addr.len() as u32] {
-        b.extend_from_slice(&v.to_le_bytes());
-    }
-    b.extend_from_slice(addr);
-    s.write_all(&b).map_err(io("bootstrap: sending"))
-}
-
-fn read_u32(s: &mut TcpStream) -> Result<u32> {
-    let mut b = [0u8; 4];
-    s.read_exact(&mut b).map_err(io("bootstrap: receiving"))?;
-    Ok(u32::from_le_bytes(b))
-}
-
-fn read_msg(s: &mut TcpStream) -> Result<(u32, u32, Vec<u8>)> {
-    let mut m = [0u8; 8];
-    s.read_exact(&mut m).map_err(io("bootstrap: receiving"))?;
-    if &m != MAGIC {
-        return Err(Error::InvalidAddress(
-            "bootstrap: a peer that is not a rucx rank connected (bad magic)".into(),
-        ));
-    }
-    let v = read_u32(s)?;
-    if v != VERSION {
-        return Err(Error::InvalidAddress(format!(
-            "bootstrap: peer speaks version {v}, this build {VERSION}"
-        )));
-    }
-    let rank = read_u32(s)?;
-    let size = read_u32(s)?;
-    let len = read_u32(s)?;
-    if len > MAX_ADDR {
-        return Err(Error::InvalidAddress(format!(
-            "bootstrap: address of {len} bytes"
-        )));
-    }
-    let mut a = vec![0u8; len as usize];
-    s.read_exact(&mut a).map_err(io("bootstrap: receiving"))?;
-    Ok((rank, size, a))
-}
-
 /// Exchange worker addresses; returns every rank's address and the open connections (rank 0:
 /// one per other rank; others: one to rank 0).
 fn exchange(
     p: &Placement,
     at: SocketAddr,
     mine: &[u8],
+    key: Option<&Key>,
     timeout: Duration,
 ) -> Result<(Vec<Vec<u8>>, Vec<TcpStream>)> {
-    let deadline = Instant::now() + timeout;
-    let mut table = vec![Vec::new(); p.size];
-    table[p.rank] = mine.to_vec();
+    if key.is_none() {
+        static UNAUTHENTICATED: Once = Once::new();
+        UNAUTHENTICATED.call_once(|| {
+            tracing::warn!(
+                "bootstrap at {at} is unauthenticated (no RUCX_BOOTSTRAP_KEY): any process that \
+                 can reach it can join in a rank's place and learn the ranks' addresses; set the \
+                 same random key for every rank (see docs/security.md)"
+            )
+        });
+    }
     if p.rank == 0 {
-        let l = TcpListener::bind(at).map_err(|e| {
+        let l = server::listen(at).map_err(|e| {
             Error::io(
                 format!(
                     "bootstrap: rank 0 cannot listen on {at} (RUCX_BOOTSTRAP); is the port free?"
@@ -247,90 +289,19 @@ fn exchange(
                 e,
             )
         })?;
-        l.set_nonblocking(true).map_err(io("bootstrap"))?;
-        let mut conns: Vec<Option<TcpStream>> = (0..p.size).map(|_| None).collect();
-        let mut joined = 1;
-        while joined < p.size {
-            match l.accept() {
-                Ok((mut s, _)) => {
-                    s.set_nonblocking(false).map_err(io("bootstrap"))?;
-                    s.set_read_timeout(Some(Duration::from_secs(10)))
-                        .map_err(io("bootstrap"))?;
-                    let (r, sz, a) = match read_msg(&mut s) {
-                        Ok(m) => m,
-                        Err(e) => {
-                            tracing::warn!("bootstrap: ignoring a bad connection: {e}");
-                            continue;
-                        }
-                    };
-                    let r = r as usize;
-                    if sz as usize != p.size || r == 0 || r >= p.size || conns[r].is_some() {
-                        return Err(Error::InvalidAddress(format!(
-                            "bootstrap: rank {r} of a job of {sz} joined a job of {}; launch every rank with the same size and distinct ranks",
-                            p.size
-                        )));
-                    }
-                    table[r] = a;
-                    conns[r] = Some(s);
-                    joined += 1;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        let missing: Vec<usize> =
-                            (1..p.size).filter(|r| conns[*r].is_none()).collect();
-                        return Err(Error::Timeout {
-                            after: timeout,
-                            what: format!(
-                                "ranks {missing:?} to join at {at} (RUCX_BOOTSTRAP_TIMEOUT)"
-                            ),
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => return Err(Error::io("bootstrap: accept", e)),
-            }
-        }
-        let mut out = Vec::new();
-        for c in conns.into_iter().flatten() {
-            let mut c = c;
-            for (r, a) in table.iter().enumerate() {
-                write_msg(&mut c, r as u32, p.size as u32, a)?;
-            }
-            c.set_read_timeout(None).map_err(io("bootstrap"))?;
-            out.push(c);
-        }
-        Ok((table, out))
+        server::serve(p, &l, mine, key, timeout, server::LIMITS)
     } else {
-        let mut s = loop {
-            match TcpStream::connect_timeout(&at, Duration::from_secs(1)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() > deadline => {
-                    return Err(Error::io(
-                        format!(
-                            "bootstrap: rank {} cannot reach rank 0 at {at} (RUCX_BOOTSTRAP)",
-                            p.rank
-                        ),
-                        e,
-                    ));
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
-        s.set_nodelay(true).map_err(io("bootstrap"))?;
-        write_msg(&mut s, p.rank as u32, p.size as u32, mine)?;
-        s.set_read_timeout(Some(timeout)).map_err(io("bootstrap"))?;
-        for _ in 0..p.size {
-            let (r, sz, a) = read_msg(&mut s)?;
-            if sz as usize != p.size || r as usize >= p.size {
-                return Err(Error::InvalidAddress(
-                    "bootstrap: inconsistent address table".into(),
-                ));
-            }
-            table[r as usize] = a;
-        }
-        s.set_read_timeout(None).map_err(io("bootstrap"))?;
+        let (table, s) = client::join(p, at, mine, key, timeout, server::LIMITS)?;
         Ok((table, vec![s]))
     }
+}
+
+/// A fresh job key for `RUCX_BOOTSTRAP_KEY`: 32 random bytes as 64 hexadecimal digits.
+pub fn generate_key() -> Result<String> {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b)
+        .map_err(|e| Error::Internal(format!("no random numbers for a job key: {e}")))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// A running job: this rank's worker and an endpoint to every rank.
@@ -357,10 +328,11 @@ impl Job {
     pub fn start(cfg: Config, p: Placement) -> Result<Job> {
         let at = rendezvous(&p, cfg.string("BOOTSTRAP"))?;
         let timeout = cfg.time("BOOTSTRAP_TIMEOUT");
+        let key = Key::from_text(cfg.string("BOOTSTRAP_KEY"));
         let ctx = crate::context(cfg)?;
         let worker = Worker::new(&ctx)?;
         let (table, conns) = match at {
-            Some(at) => exchange(&p, at, &worker.address(), timeout)?,
+            Some(at) => exchange(&p, at, &worker.address(), key.as_ref(), timeout)?,
             None => (vec![worker.address()], Vec::new()),
         };
         let mut eps = Vec::with_capacity(p.size);
@@ -422,7 +394,7 @@ impl Job {
         if self.placement.size == 1 {
             return Ok(());
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now().checked_add(self.timeout);
         let poll = |s: &TcpStream| -> Result<bool> {
             s.set_nonblocking(true).map_err(io("barrier"))?;
             let mut b = [0u8; 1];
@@ -443,7 +415,7 @@ impl Job {
                 if poll(s)? {
                     return Ok(());
                 }
-                if Instant::now() > deadline {
+                if deadline.is_some_and(|d| Instant::now() > d) {
                     return Err(Error::Timeout {
                         after: self.timeout,
                         what: "the other ranks to reach a barrier".into(),
@@ -525,6 +497,16 @@ mod tests {
         assert!(e.to_string().contains("RUCX_RANK"), "{e}");
         let e = placement(&vars(&[("RUCX_RANK", "1")])).unwrap_err();
         assert!(e.to_string().contains("only one"), "{e}");
+        // A huge size is a clear error, before anything is allocated for it.
+        for (r, s) in [("RUCX_RANK", "RUCX_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")] {
+            let e = placement(&vars(&[(r, "0"), (s, "4000000000")])).unwrap_err();
+            assert!(
+                e.to_string().contains(s) && e.to_string().contains("1 to 1048576"),
+                "{e}"
+            );
+            let e = placement(&vars(&[(r, "0"), (s, "0")])).unwrap_err();
+            assert!(e.to_string().contains(s), "{e}");
+        }
     }
 
     #[test]
@@ -548,3 +530,6 @@ mod tests {
         assert!(a.ip().is_loopback() && (20000..40000).contains(&a.port()));
     }
 }
+
+#[cfg(test)]
+mod exchange_tests;
