@@ -25,7 +25,7 @@ pub mod stats;
 pub mod tls;
 pub mod units;
 
-pub use config::{Config, OptKind, OptionSpec, Ternary};
+pub use config::{Config, OptKind, OptionSpec, OptionValue, Ternary};
 pub use error::{Error, IoError, RegError, RegErrorKind, RegScope, Result};
 pub use interval::IntervalMap;
 pub use memtype::{MemoryType, MemoryTypes};
