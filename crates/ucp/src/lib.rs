@@ -19,7 +19,6 @@ pub mod address;
 mod buf;
 pub mod config;
 pub mod context;
-mod fxhash;
 mod listener;
 pub mod matching;
 pub mod plan;
