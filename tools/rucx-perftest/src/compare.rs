@@ -892,7 +892,7 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
         let svg = plot::svg(
             &panels(&rows),
             &format!("rucx-bench-compare: medians of {reps} runs, {}", machine()),
-        );
+        )?;
         std::fs::write(p, svg).map_err(|e| format!("writing {}: {e}", p.display()))?;
         eprintln!("bench-compare: plot written to {}", p.display());
     }
@@ -1028,7 +1028,7 @@ mod tests {
         assert_eq!(v["rows"][0]["met"], true);
         assert_eq!(v["rows"][1]["ratio"], 2.0);
         assert_eq!(v["rows"][0]["rucx_runs"].as_array().unwrap().len(), 3);
-        let svg = plot::svg(&panels(&rows), "c");
+        let svg = plot::svg(&panels(&rows), "c").unwrap();
         assert!(svg.contains("rucx shm") && svg.contains("ucx shm"));
         assert!(render_raw(&rows).contains("rucx [0.500 0.600 0.700]"));
     }
