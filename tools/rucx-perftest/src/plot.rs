@@ -349,7 +349,7 @@ mod tests {
             dashed.matches("<polyline").count() > solid.matches("<polyline").count() + 2,
             "dashed lines are drawn in pieces"
         );
-        assert!(s.contains(&format!("{}", PALETTE[0].to_uppercase())));
+        assert!(s.contains(&PALETTE[0].to_uppercase()));
         // Every tag opened is closed or self-closed.
         assert_eq!(s.matches("<svg").count(), s.matches("</svg>").count());
         assert_eq!(s.matches("<text").count(), s.matches("</text>").count());
