@@ -154,8 +154,8 @@ fn cuda_copy_rows(iters: usize, rows: &mut Vec<Row>) {
     let md = CudaCopyMd::open(&cfg).expect("cuda_cpy");
     let ctx = driver().unwrap().context(0).unwrap();
     let host = md.alloc(MemoryType::Host, Some(0), SIZE).expect("pinned");
-    let dev = md.alloc(MemoryType::Cuda, Some(0), SIZE).expect("device");
-    if let Allocation::Device(d) = &dev {
+    let mut dev = md.alloc(MemoryType::Cuda, Some(0), SIZE).expect("device");
+    if let Allocation::Device(d) = &mut dev {
         d.fill(7).unwrap();
     }
     let (iface, ep) = open_iface(&md, &cfg);
@@ -196,7 +196,7 @@ fn ipc_owner() {
     let cfg = config();
     let md = CudaIpcMd::open(&cfg).expect("cuda_ipc");
     let ctx = driver().unwrap().context(1).unwrap();
-    let buf = DeviceBuffer::new(ctx, SIZE).expect("GPU 1 buffer");
+    let mut buf = DeviceBuffer::new(ctx, SIZE).expect("GPU 1 buffer");
     buf.fill(3).unwrap();
     let r = MemRegion {
         addr: buf.ptr() as usize,
@@ -255,7 +255,7 @@ fn cuda_ipc_rows(iters: usize, rows: &mut Vec<Row>) {
         .unwrap();
     let drv = driver().unwrap();
     let (c0, c1) = (drv.context(0).unwrap(), drv.context(1).unwrap());
-    let local = DeviceBuffer::new(c0, SIZE).unwrap();
+    let mut local = DeviceBuffer::new(c0, SIZE).unwrap();
     local.fill(5).unwrap();
     let (lh, _lk) = reg(md.as_ref(), {
         MemRegion {

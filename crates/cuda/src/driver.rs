@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
 use cudarc::driver::sys::{CUresult, cudaError_enum as E};
-use rucx_ucs::{Error, RegErrorKind, Result};
+use rucx_ucs::{Error, MemInfo, Memory, MemoryType, RegErrorKind, Result};
 
 /// Oldest driver API version rucx accepts (11.3: stream-ordered pools and the pointer
 /// attributes that say whether memory can be exported through legacy IPC handles).
@@ -679,8 +679,27 @@ fn range_check(what: &str, ptr: u64, cap: usize, offset: usize, len: usize) -> R
     Ok(())
 }
 
-/// Synchronous copy of `len` bytes between any two addresses the driver knows (unified
-/// addressing decides the direction), with `ctx` current.
+/// Wait for the work queued on the legacy default stream of `ctx` (which must be current): where
+/// `cuMemcpy` and `cuMemsetD8` queue their work.
+fn sync_default_stream(ctx: &PrimaryContext, call: &str) -> Result<()> {
+    // SAFETY: a null handle names the current context's legacy default stream (rucx calls the
+    // driver's plain, not per-thread, entry points); the caller made `ctx` current.
+    let r = unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) };
+    check(
+        r,
+        &format!("cuStreamSynchronize after {call}"),
+        Some(ctx.ordinal),
+    )
+}
+
+/// Copy `len` bytes between any two addresses the driver knows (unified addressing decides the
+/// direction), with `ctx` current, and return once the copy is complete: the destination holds
+/// the data, for this thread, other streams and other processes alike.
+///
+/// `cuMemcpy` alone does not promise that: from pageable host memory it may return once the
+/// data is staged, before the DMA to the device ends, and between two device buffers it does
+/// not wait at all. So this waits for the legacy default stream the copy was queued on (which
+/// also waits for earlier work there).
 ///
 /// # Safety
 /// `src..src+len` must be readable and `dst..dst+len` writable memory (host or device) that
@@ -692,18 +711,23 @@ pub unsafe fn memcpy(ctx: &PrimaryContext, dst: u64, src: u64, len: usize) -> Re
     ctx.bind()?;
     // SAFETY: forwarded to the caller's contract.
     let r = unsafe { sys::cuMemcpy(dst, src, len) };
-    check(
-        r,
-        &format!("cuMemcpy({len} bytes, {src:#x} -> {dst:#x})"),
-        Some(ctx.ordinal),
-    )
+    let call = format!("cuMemcpy({len} bytes, {src:#x} -> {dst:#x})");
+    check(r, &call, Some(ctx.ordinal))?;
+    sync_default_stream(ctx, &call)
 }
 
-/// Queue a copy of `len` bytes on `stream` (unified addressing decides the direction).
+/// Queue a copy of `len` bytes on `stream` (unified addressing decides the direction) and
+/// return without waiting for it.
+///
+/// Pageable host memory does not make the copy synchronous: the driver may stage pageable data
+/// and return before the DMA ends (or may block part of the way; neither is promised). Only the
+/// stream says when the copy is done: synchronize it ([`Stream::synchronize`]), or record an
+/// [`Event`] after the copy and wait for that, before reading the destination, reusing the
+/// source, or handing the destination to rucx.
 ///
 /// # Safety
 /// As [`memcpy`], and both ranges must stay allocated (and the destination untouched) until the
-/// stream has finished the copy. Pageable host memory makes the copy synchronous.
+/// stream has finished the copy, whatever kind of memory they are.
 pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> Result<()> {
     if len == 0 {
         return Ok(());
@@ -740,8 +764,11 @@ macro_rules! device_copy_methods {
             self.ctx.ordinal
         }
 
-        /// Copy `data` into the allocation at `offset` (synchronous, bounds-checked).
-        pub fn copy_from_host(&self, offset: usize, data: &[u8]) -> Result<()> {
+        /// Copy `data` into the allocation at `offset`, bounds-checked. Synchronous: returns
+        /// once the device holds the data (see [`memcpy`]), so the buffer can be handed to rucx
+        /// or read by any stream right away. Takes `&mut self`: no send may be reading the
+        /// buffer meanwhile.
+        pub fn copy_from_host(&mut self, offset: usize, data: &[u8]) -> Result<()> {
             range_check(Self::WHAT, self.ptr, self.len, offset, data.len())?;
             // SAFETY: the destination lies inside this live allocation (checked above) and the
             // source is a borrowed slice.
@@ -770,17 +797,64 @@ macro_rules! device_copy_methods {
             }
         }
 
-        /// Set every byte to `value` (synchronous).
-        pub fn fill(&self, value: u8) -> Result<()> {
+        /// Set every byte to `value`. Synchronous: `cuMemsetD8` on device memory returns
+        /// before the device wrote the bytes, so this then waits for the legacy default stream
+        /// it was queued on; on return every byte is set, for any stream. Takes `&mut self`,
+        /// like [`copy_from_host`](Self::copy_from_host).
+        pub fn fill(&mut self, value: u8) -> Result<()> {
             self.ctx.bind()?;
             // SAFETY: the range is exactly this live allocation.
             let r = unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.len) };
-            check(r, "cuMemsetD8", Some(self.ctx.ordinal))
+            check(r, "cuMemsetD8", Some(self.ctx.ordinal))?;
+            sync_default_stream(self.ctx, "cuMemsetD8")
         }
     };
 }
 
 /// Device memory from `cuMemAlloc`, freed on drop.
+///
+/// It implements [`Memory`]: `&buf` is a send buffer, `&mut buf` a receive buffer,
+/// `buf.slice(range)` / `buf.slice_mut(range)` a part of either, with no `unsafe`; rucx gets
+/// the memory type and device from the buffer instead of asking the driver. Writes from the
+/// host ([`copy_from_host`](Self::copy_from_host), [`fill`](Self::fill)) are complete when they
+/// return:
+///
+/// ```
+/// # fn main() -> rucx_ucs::Result<()> {
+/// use rucx_cuda::{DeviceBuffer, Stream, driver, memcpy_async};
+/// use rucx_ucs::{Memory, MemoryType};
+///
+/// // Without a CUDA driver and a GPU (a build machine) there is nothing to show.
+/// let Ok(drv) = driver() else { return Ok(()) };
+/// let ctx = drv.context(0)?;
+/// let n = 64 << 20;
+/// let mut a = DeviceBuffer::new(ctx, n)?;
+/// let mut b = DeviceBuffer::new(ctx, n)?;
+/// a.fill(0xab)?; // every byte set on return
+/// let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+/// b.copy_from_host(0, &data)?; // on the device on return, although `data` is pageable
+///
+/// // So a non-blocking stream, which does not wait for the default stream, sees both.
+/// let stream = Stream::new(ctx)?;
+/// let c = DeviceBuffer::new(ctx, 2 * n)?;
+/// // SAFETY: all three allocations are live and distinct, and outlive the stream's copies
+/// // (synchronized below).
+/// unsafe {
+///     memcpy_async(c.ptr(), a.ptr(), n, &stream)?;
+///     memcpy_async(c.ptr() + n as u64, b.ptr(), n, &stream)?;
+/// }
+/// stream.synchronize()?;
+/// let mut out = vec![0u8; 2 * n];
+/// c.copy_to_host(0, &mut out)?;
+/// assert!(out[..n].iter().all(|&x| x == 0xab));
+/// assert!(out[n..] == data[..]);
+///
+/// // What rucx is told about the buffer, and a part of it.
+/// let info = a.mem_ref().info().expect("known");
+/// assert_eq!((info.mem_type, info.device), (MemoryType::Cuda, Some(0)));
+/// assert_eq!(a.slice(16..32).addr(), a.ptr() as usize + 16);
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct DeviceBuffer {
     ptr: u64,
@@ -1015,6 +1089,52 @@ impl Drop for PinnedHostBuffer {
         if r != E::CUDA_SUCCESS {
             tracing::warn!("{}", cuda_error(r, "cuMemFreeHost", Some(self.ctx.ordinal)));
         }
+    }
+}
+
+/// [`Memory`] for a device-side buffer type whose memory type is fixed.
+macro_rules! gpu_memory_impl {
+    ($t:ty, $mem:expr) => {
+        // SAFETY: the allocation is owned by the value and freed only when it drops, so it
+        // stays at `ptr` for every borrow; the bytes are written only through `&mut self`
+        // (`copy_from_host`, `fill`); the memory type is how the buffer was allocated and the
+        // device is the context's.
+        unsafe impl Memory for $t {
+            fn mem_addr(&self) -> usize {
+                self.ptr as usize
+            }
+            fn mem_addr_mut(&mut self) -> usize {
+                self.ptr as usize
+            }
+            fn mem_len(&self) -> usize {
+                self.len
+            }
+            fn mem_info(&self) -> Option<MemInfo> {
+                Some(MemInfo::new($mem, Some(self.ctx.ordinal)))
+            }
+        }
+    };
+}
+
+gpu_memory_impl!(DeviceBuffer, MemoryType::Cuda);
+gpu_memory_impl!(PoolBuffer, MemoryType::Cuda);
+gpu_memory_impl!(ManagedBuffer, MemoryType::CudaManaged);
+
+// SAFETY: the pinned allocation is owned by the value and freed only when it drops; shared
+// borrows hand out only `&[u8]`, and writes take `&mut self` (`as_mut_slice`), whose pointer is
+// the same `ptr` the allocation was made with (writable). Pinned memory is host memory to rucx.
+unsafe impl Memory for PinnedHostBuffer {
+    fn mem_addr(&self) -> usize {
+        self.ptr as usize
+    }
+    fn mem_addr_mut(&mut self) -> usize {
+        self.ptr as usize
+    }
+    fn mem_len(&self) -> usize {
+        self.len
+    }
+    fn mem_info(&self) -> Option<MemInfo> {
+        Some(MemInfo::HOST)
     }
 }
 

@@ -107,7 +107,7 @@ fn driver_and_devices() {
 fn classify_cumemalloc() {
     let Some(ctx) = gpu(0) else { return };
     let len = 1 << 20;
-    let buf = DeviceBuffer::new(ctx, len).unwrap();
+    let mut buf = DeviceBuffer::new(ctx, len).unwrap();
     let i = classify(buf.ptr() as usize + 4096, 100).unwrap();
     println!("cuMemAlloc: {i}");
     assert_eq!(i.kind, PtrKind::Cuda);
@@ -152,7 +152,7 @@ fn classify_stream_ordered_pool() {
     let Some(ctx) = gpu(0) else { return };
     let stream = Stream::new(ctx).unwrap();
     let len = (1 << 20) + 1;
-    let buf = PoolBuffer::new(&stream, len).unwrap();
+    let mut buf = PoolBuffer::new(&stream, len).unwrap();
     let i = classify(buf.ptr() as usize, len).unwrap();
     println!("cuMemAllocAsync: {i}");
     assert_eq!(i.kind, PtrKind::Cuda);
@@ -178,7 +178,7 @@ fn classify_stream_ordered_pool() {
 fn classify_managed() {
     let Some(ctx) = gpu(0) else { return };
     let len = 64 << 10;
-    let buf = ManagedBuffer::new(ctx, len).unwrap();
+    let mut buf = ManagedBuffer::new(ctx, len).unwrap();
     let i = classify(buf.ptr() as usize, len).unwrap();
     println!("cuMemAllocManaged: {i}");
     assert_eq!(i.kind, PtrKind::CudaManaged);
@@ -264,7 +264,7 @@ fn second_gpu_and_peer_copy() {
         c0.enable_peer_access(c1).unwrap();
         c0.enable_peer_access(c1).unwrap(); // already enabled is fine
     }
-    let b0 = DeviceBuffer::new(c0, len).unwrap();
+    let mut b0 = DeviceBuffer::new(c0, len).unwrap();
     let data = pattern(len, 9);
     b0.copy_from_host(0, &data).unwrap();
     let stream = Stream::new(c0).unwrap();
@@ -298,5 +298,110 @@ fn print_report() {
         assert_eq!(g.peers.len() as u32, drv.device_count() - 1);
         // Every GPU gets at least an RDMA, a gdrcopy and a cuda_ipc verdict.
         assert!(r.verdicts(g.ordinal).len() >= 3);
+    }
+}
+
+/// Every buffer type describes itself through `Memory` as the driver classifies it, and its
+/// slices are the parts they name.
+#[test]
+fn memory_trait_on_every_buffer_type() {
+    use rucx_ucs::{MemInfo, Memory, MemoryType};
+    let Some(ctx) = gpu(0) else { return };
+    let len = (1 << 20) + 7;
+    let stream = Stream::new(ctx).unwrap();
+    let mut dev = DeviceBuffer::new(ctx, len).unwrap();
+    let mut pool = PoolBuffer::new(&stream, len).unwrap();
+    let managed = ManagedBuffer::new(ctx, len).unwrap();
+    let mut pinned = PinnedHostBuffer::new(ctx, len).unwrap();
+    let cuda0 = Some(MemInfo::new(MemoryType::Cuda, Some(0)));
+    let check = |name: &str, addr: usize, n: usize, info: Option<MemInfo>, ptr: u64| {
+        assert_eq!((addr, n), (ptr as usize, len), "{name}");
+        let c = classify(addr, n).unwrap();
+        println!("{name}: told {info:?}, classified {c}");
+        let info = info.expect("GPU buffers know their memory");
+        assert_eq!(info.mem_type, c.memory_type(), "{name}");
+        if info.mem_type.is_gpu() {
+            assert_eq!(info.device, c.device, "{name}");
+        }
+    };
+    check(
+        "device",
+        dev.mem_addr(),
+        dev.mem_len(),
+        dev.mem_info(),
+        dev.ptr(),
+    );
+    check(
+        "pool",
+        pool.mem_addr(),
+        pool.mem_len(),
+        pool.mem_info(),
+        pool.ptr(),
+    );
+    check(
+        "managed",
+        managed.mem_addr(),
+        managed.mem_len(),
+        managed.mem_info(),
+        managed.ptr(),
+    );
+    check(
+        "pinned",
+        pinned.mem_addr(),
+        pinned.mem_len(),
+        pinned.mem_info(),
+        pinned.ptr(),
+    );
+    assert_eq!(dev.mem_info(), cuda0);
+    assert_eq!(pool.mem_info(), cuda0);
+    assert_eq!(
+        managed.mem_info(),
+        Some(MemInfo::new(MemoryType::CudaManaged, Some(0)))
+    );
+    assert_eq!(pinned.mem_info(), Some(MemInfo::HOST));
+    // Slices: shared and mutable, and errors past the end.
+    let s = dev.slice(4096..8192);
+    assert_eq!(
+        (s.addr(), s.len(), s.info()),
+        (dev.ptr() as usize + 4096, 4096, cuda0)
+    );
+    let m = pool.slice_mut(len - 7..);
+    assert_eq!((m.addr(), m.len()), (pool.ptr() as usize + len - 7, 7));
+    assert!(managed.try_slice(..=len).is_err());
+    assert!(pinned.try_slice_mut(len + 1..).is_err());
+    // The mutable address is the same one.
+    let p = pinned.ptr() as usize;
+    assert_eq!(pinned.mem_mut().addr(), p);
+    assert_eq!(dev.mem_mut().addr(), dev.ptr() as usize);
+}
+
+/// `fill` and `copy_from_host` (from pageable memory) are complete when they return: a copy on
+/// a non-blocking stream, which does not wait for the legacy default stream, sees their bytes.
+#[test]
+fn host_writes_are_complete_on_return() {
+    let Some(ctx) = gpu(0) else { return };
+    let n = 256 << 20;
+    let stream = Stream::new(ctx).unwrap();
+    let mut a = DeviceBuffer::new(ctx, n).unwrap();
+    let mut b = ManagedBuffer::new(ctx, n).unwrap();
+    let c = DeviceBuffer::new(ctx, 2 * n).unwrap();
+    let data = pattern(n, 77);
+    for round in 0..4u8 {
+        a.fill(0x10 + round).unwrap();
+        b.copy_from_host(0, &data).unwrap();
+        // SAFETY: all three allocations are live, distinct, and outlive the synchronize.
+        unsafe {
+            memcpy_async(c.ptr(), a.ptr(), n, &stream).unwrap();
+            memcpy_async(c.ptr() + n as u64, b.ptr(), n, &stream).unwrap();
+        }
+        stream.synchronize().unwrap();
+        let mut out = vec![0u8; 2 * n];
+        c.copy_to_host(0, &mut out).unwrap();
+        let bad = out[..n].iter().position(|&x| x != 0x10 + round);
+        assert_eq!(bad, None, "round {round}: fill not complete");
+        assert!(
+            out[n..] == data[..],
+            "round {round}: copy_from_host not complete"
+        );
     }
 }

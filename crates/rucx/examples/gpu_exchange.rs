@@ -25,7 +25,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use rucx::ucp::{RecvBuf, SendBuf};
-use rucx::{Job, TAG_MASK_FULL};
+use rucx::{Job, Memory, TAG_MASK_FULL};
 use rucx_cuda::{DeviceBuffer, PinnedHostBuffer, PoolBuffer, PrimaryContext, Stream};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -103,22 +103,16 @@ impl Buf {
     fn send_buf(&self, n: usize) -> SendBuf<'_> {
         match self {
             Buf::Host(v) => SendBuf::from(&v[..n]),
-            // SAFETY: the device allocation outlives the scope that uses this buffer (it is
-            // borrowed from `self`), and nothing writes it during the transfer.
-            Buf::Dev(d) => unsafe { SendBuf::from_raw(d.ptr(), n) },
-            // SAFETY: as above.
-            Buf::Pool { buf: p, .. } => unsafe { SendBuf::from_raw(p.ptr(), n) },
+            Buf::Dev(d) => d.slice(..n).into(),
+            Buf::Pool { buf: p, .. } => p.slice(..n).into(),
         }
     }
 
     fn recv_buf(&mut self, n: usize) -> RecvBuf<'_> {
         match self {
             Buf::Host(v) => RecvBuf::from(&mut v[..n]),
-            // SAFETY: the allocation is borrowed mutably from `self` for the scope; nothing
-            // else touches it meanwhile.
-            Buf::Dev(d) => unsafe { RecvBuf::from_raw(d.ptr(), n) },
-            // SAFETY: as above.
-            Buf::Pool { buf: p, .. } => unsafe { RecvBuf::from_raw(p.ptr(), n) },
+            Buf::Dev(d) => d.slice_mut(..n).into(),
+            Buf::Pool { buf: p, .. } => p.slice_mut(..n).into(),
         }
     }
 }

@@ -17,19 +17,30 @@
 //! # Ok(()) }
 //! ```
 //!
+//! GPU buffers ([`cuda::DeviceBuffer`], [`cuda::PoolBuffer`], [`cuda::ManagedBuffer`],
+//! [`cuda::PinnedHostBuffer`]) go the same way, without `unsafe`: they implement [`Memory`], so `&buf`
+//! sends, `&mut buf` receives, and `buf.slice(a..b)` / `buf.slice_mut(a..b)` name a part (the
+//! `gpu_hello` example, and the README).
+//!
 //! Lower layers are re-exported: [`ucs`] (errors, configuration), [`uct`] (transports),
-//! [`ucp`] (protocols).
+//! [`ucp`] (protocols), [`cuda`] (the CUDA driver, GPU buffers, pointer classification).
 
 pub mod bootstrap;
 
+/// The README's Rust snippets, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeSnippets;
+
 pub use bootstrap::Job;
+pub use rucx_cuda as cuda;
 pub use rucx_ucp as ucp;
 pub use rucx_ucp::{
     AmMessage, Completion, Context, Demotion, EpId, MemMap, RecvBuf, Request, RkeyBundle, Scope,
     SendBuf, TAG_MASK_ANY, TAG_MASK_FULL, Tag, Worker,
 };
 pub use rucx_ucs as ucs;
-pub use rucx_ucs::{Error, MemoryType, Result};
+pub use rucx_ucs::{Error, MemMut, MemRef, Memory, MemoryType, Result};
 pub use rucx_uct as uct;
 
 use rucx_ucs::{Config, OptionSpec};

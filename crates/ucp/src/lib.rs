@@ -19,7 +19,6 @@ pub mod address;
 mod buf;
 pub mod config;
 pub mod context;
-mod fxhash;
 mod listener;
 pub mod matching;
 pub mod plan;
@@ -37,6 +36,26 @@ pub use matching::Tag;
 pub use plan::{EpPlan, PathInfo};
 pub use scope::{Request, Scope};
 pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};
+
+/// What `docs/architecture.md` says of [`Context`]'s registration: `can_register`,
+/// `reg_domains`, `demote`, `demotions` and `refusals` are public, `register` is crate-private
+/// (requests register their buffers themselves), so an application cannot call it:
+///
+/// ```compile_fail,E0624
+/// fn register_by_hand(ctx: &rucx_ucp::Context, region: rucx_uct::MemRegion) {
+///     let _ = ctx.register(0, region);
+/// }
+/// ```
+///
+/// ```
+/// fn ask(ctx: &rucx_ucp::Context) {
+///     let _ = ctx.can_register(0, rucx_ucs::MemoryType::Host, None);
+///     let _ = ctx.reg_domains(rucx_ucs::MemoryType::Cuda, Some(0));
+///     let _ = (ctx.demotions(), ctx.refusals());
+/// }
+/// ```
+#[cfg(doctest)]
+pub struct ArchitectureClaims;
 
 /// Mask that matches only the exact tag.
 pub const TAG_MASK_FULL: Tag = u64::MAX;

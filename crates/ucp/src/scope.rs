@@ -86,8 +86,10 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         }
     }
 
-    /// Send `buf` with `tag` to `ep`. `buf` is a host slice (`&[u8]`, `&Vec<u8>`) or any
-    /// memory by address ([`SendBuf::from_raw`], GPU memory included).
+    /// Send `buf` with `tag` to `ep`. `buf` is any [`Memory`](rucx_ucs::Memory) borrowed
+    /// shared: a host slice (`&[u8]`, `&Vec<u8>`), a GPU buffer of `rucx-cuda`
+    /// (`&DeviceBuffer`, ...), a part of either (`buf.slice(a..b)`); or any memory by address
+    /// ([`SendBuf::from_raw`], GPU memory included).
     pub fn tag_send(
         &'scope self,
         ep: EpId,
@@ -110,8 +112,9 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         self.track_posted(self.worker.post_send(ep, buf.into(), tag, true))
     }
 
-    /// Receive a message whose tag matches `tag` under `mask` (0 = any) into `buf` (a host
-    /// slice or [`RecvBuf::from_raw`]). A longer message completes the request with
+    /// Receive a message whose tag matches `tag` under `mask` (0 = any) into `buf` (any
+    /// [`Memory`](rucx_ucs::Memory) borrowed mutably: `&mut Vec<u8>`, `&mut DeviceBuffer`,
+    /// `buf.slice_mut(a..b)`, ...; or [`RecvBuf::from_raw`]). A longer message completes the request with
     /// [`Error::Truncated`](rucx_ucs::Error::Truncated); nothing is written past the buffer.
     pub fn tag_recv(
         &'scope self,

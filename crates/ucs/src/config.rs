@@ -367,6 +367,46 @@ fn parse_value(kind: OptKind, raw: &str) -> std::result::Result<Value, String> {
     })
 }
 
+/// A type [`Config::try_get`] can read an option as (sealed: the types listed there).
+pub trait OptionValue: Sized + pick::Pick {}
+
+mod pick {
+    /// A parsed value, opaque outside this module's parent.
+    #[derive(Debug)]
+    pub struct Parsed<'a>(pub(super) &'a super::Value);
+
+    /// The typed value out of a parsed one, when the kinds agree.
+    pub trait Pick: Sized {
+        /// What the type reads, for messages.
+        const WHAT: &'static str;
+        fn pick(v: Parsed<'_>) -> Option<Self>;
+    }
+}
+
+macro_rules! option_value {
+    ($t:ty, $what:literal, $pat:pat => $out:expr) => {
+        impl pick::Pick for $t {
+            const WHAT: &'static str = $what;
+            fn pick(v: pick::Parsed<'_>) -> Option<Self> {
+                match v.0 {
+                    $pat => Some($out),
+                    _ => None,
+                }
+            }
+        }
+        impl OptionValue for $t {}
+    };
+}
+
+option_value!(bool, "a bool", Value::Bool(b) => *b);
+option_value!(Ternary, "a ternary", Value::Ternary(t) => *t);
+option_value!(MemUnits, "a memory size", Value::Mem(m) => *m);
+option_value!(Duration, "a time", Value::Time(t) => *t);
+option_value!(u64, "an integer", Value::Uint(u) => *u);
+option_value!(String, "text", Value::Str(s) => s.clone());
+option_value!(Vec<String>, "a list", Value::List(l) => l.clone());
+option_value!(TlsSelection, "a transport selection", Value::Tls(t) => t.clone());
+
 #[derive(Clone)]
 struct Entry {
     spec: OptionSpec,
@@ -480,11 +520,24 @@ impl Config {
         Ok(())
     }
 
+    /// The entry of `name` (with or without the `RUCX_` prefix), or the error a user gets for
+    /// a name no table declares.
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        let name = name.strip_prefix(ENV_PREFIX).unwrap_or(name);
+        self.entries.get(name).ok_or_else(|| {
+            Error::InvalidParam(format!(
+                "{ENV_PREFIX}{name} is not a rucx option (run `rucx-info -c` for the list)"
+            ))
+        })
+    }
+
     fn get(&self, name: &str) -> &Value {
-        match self.entries.get(name) {
-            Some(e) => &e.value,
-            // A lookup of an undeclared name is a programming error in rucx itself.
-            None => panic!("rucx bug: option {ENV_PREFIX}{name} is not declared in any table"),
+        match self.entry(name) {
+            Ok(e) => &e.value,
+            // The typed getters take names declared in the tables the calling crate links, so
+            // an undeclared one is a programming error in rucx; names that come from users go
+            // through `try_raw`/`try_get`.
+            Err(_) => panic!("rucx bug: option {ENV_PREFIX}{name} is not declared in any table"),
         }
     }
 
@@ -493,10 +546,76 @@ impl Config {
         self.entries.contains_key(name)
     }
 
-    /// The value as the user wrote it (or the default).
+    /// The value of `name` as the user wrote it (or the default); `name` may carry the `RUCX_`
+    /// prefix or not. A name no table declares is [`Error::InvalidParam`], never a panic: use
+    /// this for names that come from users.
+    ///
+    /// ```
+    /// use rucx_ucs::{Config, Error, OptKind, OptionSpec};
+    ///
+    /// static TABLE: &[OptionSpec] = &[OptionSpec {
+    ///     name: "ZCOPY_THRESH",
+    ///     kind: OptKind::MemUnits,
+    ///     default: "auto",
+    ///     help: "",
+    /// }];
+    /// let mut cfg = Config::new(&[TABLE])?;
+    /// cfg.set("ZCOPY_THRESH", "16K")?;
+    /// assert_eq!(cfg.try_raw("ZCOPY_THRESH")?, "16K");
+    /// assert_eq!(cfg.try_raw("RUCX_ZCOPY_THRESH")?, "16K");
+    /// let e = cfg.try_raw("ZCOPY_TRESH").unwrap_err();
+    /// assert!(matches!(e, Error::InvalidParam(_)));
+    /// assert!(e.to_string().contains("RUCX_ZCOPY_TRESH is not a rucx option"));
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn try_raw(&self, name: &str) -> Result<&str> {
+        self.entry(name).map(|e| e.raw.as_str())
+    }
+
+    /// The value as the user wrote it (or the default), for a name declared in a table the
+    /// caller links.
+    ///
+    /// # Panics
+    /// When no table declares `name` (a bug in the caller); [`try_raw`](Self::try_raw) returns
+    /// an error instead.
     pub fn raw(&self, name: &str) -> &str {
-        self.get(name);
-        &self.entries[name].raw
+        match self.try_raw(name) {
+            Ok(v) => v,
+            Err(_) => panic!("rucx bug: option {ENV_PREFIX}{name} is not declared in any table"),
+        }
+    }
+
+    /// The typed value of `name` (with or without the `RUCX_` prefix): `bool`, [`Ternary`],
+    /// [`MemUnits`], [`Duration`], `u64`, `String` (text and enum options), `Vec<String>`
+    /// (lists) or [`TlsSelection`]. A name no table declares, or an option of another kind, is
+    /// [`Error::InvalidParam`], never a panic; the typed getters below ([`bool`](Self::bool),
+    /// ...) are for names declared in the caller's tables and panic otherwise.
+    ///
+    /// ```
+    /// use rucx_ucs::{Config, OptKind, OptionSpec};
+    ///
+    /// static TABLE: &[OptionSpec] = &[OptionSpec {
+    ///     name: "ASYNC",
+    ///     kind: OptKind::Bool,
+    ///     default: "y",
+    ///     help: "",
+    /// }];
+    /// let cfg = Config::new(&[TABLE])?;
+    /// assert!(cfg.try_get::<bool>("RUCX_ASYNC")?);
+    /// assert!(cfg.try_get::<u64>("ASYNC").unwrap_err().to_string().contains("a bool option"));
+    /// assert!(cfg.try_get::<bool>("NO_SUCH").is_err());
+    /// # Ok::<(), rucx_ucs::Error>(())
+    /// ```
+    pub fn try_get<T: OptionValue>(&self, name: &str) -> Result<T> {
+        let e = self.entry(name)?;
+        T::pick(pick::Parsed(&e.value)).ok_or_else(|| {
+            Error::InvalidParam(format!(
+                "{ENV_PREFIX}{} is a {} option, not {}",
+                e.spec.name,
+                e.spec.kind,
+                T::WHAT
+            ))
+        })
     }
 
     /// A boolean option.
@@ -1065,6 +1184,135 @@ mod tests {
                     prop_assert_eq!(c.raw(name), before.as_str());
                 }
             }
+        }
+    }
+}
+
+/// Lookups by name: undeclared names and wrong kinds are errors on the `try_` paths.
+#[cfg(test)]
+mod lookup_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    static TABLE: &[OptionSpec] = &[
+        OptionSpec {
+            name: "TLS",
+            kind: OptKind::Tls,
+            default: "all",
+            help: "",
+        },
+        OptionSpec {
+            name: "SEG",
+            kind: OptKind::MemUnits,
+            default: "8K",
+            help: "",
+        },
+        OptionSpec {
+            name: "WAIT",
+            kind: OptKind::Time,
+            default: "10ms",
+            help: "",
+        },
+        OptionSpec {
+            name: "ON",
+            kind: OptKind::Bool,
+            default: "n",
+            help: "",
+        },
+        OptionSpec {
+            name: "GDR",
+            kind: OptKind::Ternary,
+            default: "try",
+            help: "",
+        },
+        OptionSpec {
+            name: "N",
+            kind: OptKind::Uint,
+            default: "3",
+            help: "",
+        },
+        OptionSpec {
+            name: "WORDS",
+            kind: OptKind::List,
+            default: "a,b",
+            help: "",
+        },
+        OptionSpec {
+            name: "MODE",
+            kind: OptKind::Enum(&["get", "put"]),
+            default: "get",
+            help: "",
+        },
+    ];
+
+    #[test]
+    fn try_raw_reads_declared_names_with_or_without_prefix() {
+        let mut c = Config::new(&[TABLE]).unwrap();
+        c.set("SEG", "16k").unwrap();
+        assert_eq!(c.try_raw("SEG").unwrap(), "16k");
+        assert_eq!(c.try_raw("RUCX_SEG").unwrap(), "16k");
+        assert_eq!(c.raw("SEG"), "16k");
+        assert_eq!(c.raw("RUCX_MODE"), "get");
+    }
+
+    #[test]
+    fn undeclared_names_are_errors() {
+        let c = Config::new(&[TABLE]).unwrap();
+        for name in ["SEGG", "RUCX_", "", "rucx_seg", "RUCX_RUCX_SEG"] {
+            let e = c.try_raw(name).unwrap_err();
+            assert!(matches!(e, Error::InvalidParam(_)), "{name}: {e:?}");
+            assert!(e.to_string().contains("is not a rucx option"), "{e}");
+            assert!(c.try_get::<bool>(name).is_err());
+        }
+        // The message names the variable the way a user writes it.
+        let e = c.try_raw("SEGG").unwrap_err().to_string();
+        assert!(e.contains("RUCX_SEGG") && e.contains("rucx-info -c"), "{e}");
+    }
+
+    #[test]
+    fn try_get_reads_every_kind_and_refuses_other_kinds() {
+        let c = Config::new(&[TABLE]).unwrap();
+        assert!(c.try_get::<TlsSelection>("TLS").unwrap().allows("tcp"));
+        assert_eq!(c.try_get::<MemUnits>("SEG").unwrap(), MemUnits::Bytes(8192));
+        assert_eq!(
+            c.try_get::<Duration>("WAIT").unwrap(),
+            Duration::from_millis(10)
+        );
+        assert!(!c.try_get::<bool>("ON").unwrap());
+        assert_eq!(c.try_get::<Ternary>("GDR").unwrap(), Ternary::Try);
+        assert_eq!(c.try_get::<u64>("RUCX_N").unwrap(), 3);
+        assert_eq!(c.try_get::<Vec<String>>("WORDS").unwrap(), ["a", "b"]);
+        assert_eq!(c.try_get::<String>("MODE").unwrap(), "get");
+        // The typed getters agree with `try_get`.
+        assert_eq!(c.uint("N"), 3);
+        assert_eq!(c.string("MODE"), "get");
+        let e = c.try_get::<u64>("SEG").unwrap_err();
+        assert!(matches!(e, Error::InvalidParam(_)));
+        assert_eq!(
+            e.to_string(),
+            Error::InvalidParam("RUCX_SEG is a memunits option, not an integer".into()).to_string()
+        );
+        assert!(c.try_get::<String>("WORDS").is_err());
+        assert!(c.try_get::<bool>("GDR").is_err());
+    }
+
+    #[test]
+    #[should_panic(expected = "rucx bug: option RUCX_NOPE is not declared in any table")]
+    fn typed_getters_still_panic_on_undeclared_names() {
+        let c = Config::new(&[TABLE]).unwrap();
+        let _ = c.bool("NOPE");
+    }
+
+    proptest! {
+        #[test]
+        fn try_lookups_never_panic(name in "\\PC{0,24}") {
+            let c = Config::new(&[TABLE]).unwrap();
+            let declared = TABLE
+                .iter()
+                .any(|s| name.strip_prefix(ENV_PREFIX).unwrap_or(&name) == s.name);
+            prop_assert_eq!(c.try_raw(&name).is_ok(), declared);
+            let _ = c.try_get::<bool>(&name);
+            let _ = c.try_get::<TlsSelection>(&name);
         }
     }
 }

@@ -2,6 +2,8 @@
 //!
 //! - [`error`]: the typed [`Error`] and [`RegError`] (registration failures the planner acts on);
 //! - [`memtype`]: [`MemoryType`] and [`MemoryTypes`];
+//! - [`memory`]: the [`Memory`] trait buffer types implement to be sent and received without
+//!   `unsafe`, and its borrowed views [`MemRef`]/[`MemMut`];
 //! - [`config`]: options declared once (name, kind with its range, default, help), read from
 //!   `RUCX_*` variables and overridable in code, every value checked when it is read;
 //! - [`units`]: memory units (`8K`, `4M`, `inf`, `auto`) and time units (`10us`, `2s`);
@@ -18,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod interval;
 pub mod log;
+pub mod memory;
 pub mod memtype;
 pub mod memtype_cache;
 pub mod rcache;
@@ -25,9 +28,10 @@ pub mod stats;
 pub mod tls;
 pub mod units;
 
-pub use config::{Bounds, Config, OptKind, OptionSpec, Syntax, Ternary};
+pub use config::{Bounds, Config, OptKind, OptionSpec, OptionValue, Syntax, Ternary};
 pub use error::{Error, IoError, RegError, RegErrorKind, RegScope, Result};
 pub use interval::IntervalMap;
+pub use memory::{MemMut, MemRef, Memory};
 pub use memtype::{MemoryType, MemoryTypes};
 pub use memtype_cache::{MemInfo, MemtypeCache};
 pub use rcache::{Rcache, RcacheConfig, RcacheGuard};

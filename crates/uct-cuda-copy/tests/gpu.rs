@@ -176,7 +176,7 @@ fn put_get_host_device_both_directions() {
     let mut s = Setup::new(&config(&[]));
     for (i, n) in [1usize, 4097, 1 << 20, 64 << 20].into_iter().enumerate() {
         let off = 3usize;
-        let dev = s.md.alloc(MemoryType::Cuda, Some(0), n + 64).unwrap();
+        let mut dev = s.md.alloc(MemoryType::Cuda, Some(0), n + 64).unwrap();
         let (dev_h, dev_k) = s.reg(dev.region());
         let base = dev.addr() as u64;
 
@@ -223,7 +223,7 @@ fn put_get_host_device_both_directions() {
         );
 
         // host -> device, get (local device, remote host), into a cleared device buffer.
-        if let Allocation::Device(b) = &dev {
+        if let Allocation::Device(b) = &mut dev {
             b.fill(0).unwrap();
         }
         s.get(&dev_h, dev.addr() + off, n, src.as_ptr() as u64, &src_k);
@@ -422,7 +422,7 @@ fn detect_mem_type() {
     let r = s.md.detect_mem_type(dev.addr() + 16, 32).unwrap().unwrap();
     assert_eq!((r.mem_type, r.device), (MemoryType::Cuda, Some(0)));
     let ctx = driver().unwrap().context(0).unwrap();
-    let m = ManagedBuffer::new(ctx, 4096).unwrap();
+    let mut m = ManagedBuffer::new(ctx, 4096).unwrap();
     let r =
         s.md.detect_mem_type(m.ptr() as usize, 4096)
             .unwrap()
@@ -459,10 +459,10 @@ fn device_to_device_across_gpus() {
         return;
     }
     let mut s = Setup::new(&config(&[]));
-    let a = s.md.alloc(MemoryType::Cuda, Some(0), 1 << 20).unwrap();
+    let mut a = s.md.alloc(MemoryType::Cuda, Some(0), 1 << 20).unwrap();
     let b = s.md.alloc(MemoryType::Cuda, Some(1), 1 << 20).unwrap();
     let data = pattern(1 << 20, 11);
-    if let Allocation::Device(d) = &a {
+    if let Allocation::Device(d) = &mut a {
         d.copy_from_host(0, &data).unwrap();
     }
     let (ah, _) = s.reg(a.region());

@@ -226,7 +226,7 @@ fn parse_key(line: &str) -> (String, String, u64, usize) {
 /// Serve `PUT <off> <len> <seed>` checks against `buf` until `end` arrives; after each check
 /// the range gets its `original` content back, so the peer's later gets see known data.
 fn serve_checks(
-    buf: &DeviceBuffer,
+    buf: &mut DeviceBuffer,
     original: &[u8],
     rx: &Receiver<String>,
     reply: &mut dyn FnMut(&str),
@@ -284,7 +284,7 @@ fn child_main() {
     let parent_data = pattern(BUF, 1);
 
     // Phase 1: get from and put into the parent's GPU 0 buffer.
-    let c = DeviceBuffer::new(ctx, BUF).unwrap();
+    let mut c = DeviceBuffer::new(ctx, BUF).unwrap();
     let (ch, _) = side.reg(&c);
     for (i, n) in SIZES.into_iter().enumerate() {
         let off = 5 + i * 1000;
@@ -306,7 +306,7 @@ fn child_main() {
     // A stream-ordered pool buffer cannot be exported, but it can be the local side of a copy
     // (described by a cuda_cpy handle; cuda_ipc needs no local registration).
     let stream = Stream::new(ctx).unwrap();
-    let pool = PoolBuffer::new(&stream, 1 << 20).unwrap();
+    let mut pool = PoolBuffer::new(&stream, 1 << 20).unwrap();
     pool.copy_from_host(0, &pattern(1 << 20, 300)).unwrap();
     let copy_md = rucx_uct_cuda_copy::CudaCopyMd::open(&config()).unwrap();
     let pool_region = MemRegion {
@@ -331,7 +331,7 @@ fn child_main() {
     say("PHASE1");
 
     // Phase 2: the parent gets from and puts into our GPU 1 buffer.
-    let q = DeviceBuffer::new(ctx, BUF).unwrap();
+    let mut q = DeviceBuffer::new(ctx, BUF).unwrap();
     q.copy_from_host(0, &pattern(BUF, 2)).unwrap();
     let (_qh, qk) = side.reg(&q);
     say(&format!(
@@ -340,7 +340,7 @@ fn child_main() {
         q.ptr(),
         q.len()
     ));
-    serve_checks(&q, &pattern(BUF, 2), &rx, &mut |s| say(s), "PHASE2");
+    serve_checks(&mut q, &pattern(BUF, 2), &rx, &mut |s| say(s), "PHASE2");
 
     // Phase 3: the parent freed its buffer and exported a new one.
     let (_, nkey, nbase, _) = parse_key(&next_line(&rx));
@@ -420,7 +420,7 @@ fn two_processes_gpu0_gpu1() {
         stdin.flush().unwrap();
     };
     let mut side = Side::open();
-    let p = DeviceBuffer::new(ctx, BUF).unwrap();
+    let mut p = DeviceBuffer::new(ctx, BUF).unwrap();
     p.copy_from_host(0, &pattern(BUF, 1)).unwrap();
     let (ph, pk) = side.reg(&p);
     tell(&format!(
@@ -431,7 +431,7 @@ fn two_processes_gpu0_gpu1() {
     ));
 
     // Phase 1: the child gets and puts; we check what it put.
-    serve_checks(&p, &pattern(BUF, 1), &rx, &mut tell, "PHASE1");
+    serve_checks(&mut p, &pattern(BUF, 1), &rx, &mut tell, "PHASE1");
     println!("phase 1 (child on GPU 1 gets from / puts to GPU 0 of this process): ok");
 
     // Phase 2: we get from and put into the child's buffer.
@@ -440,7 +440,7 @@ fn two_processes_gpu0_gpu1() {
     side.connect(&caddr);
     let ck = side.rkey(&ckey);
     let child_data = pattern(BUF, 2);
-    let local = DeviceBuffer::new(ctx, BUF).unwrap();
+    let mut local = DeviceBuffer::new(ctx, BUF).unwrap();
     let (lh, _) = side.reg(&local);
     for (i, n) in SIZES.into_iter().enumerate() {
         let off = 3 + i * 777;
@@ -464,7 +464,7 @@ fn two_processes_gpu0_gpu1() {
     // Phase 3: free our buffer, export a new one; the child must not use the stale mapping.
     drop(ph);
     drop(p);
-    let p2 = DeviceBuffer::new(ctx, BUF).unwrap();
+    let mut p2 = DeviceBuffer::new(ctx, BUF).unwrap();
     p2.copy_from_host(0, &pattern(BUF, 3)).unwrap();
     let (_p2h, p2k) = side.reg(&p2);
     tell(&format!(
@@ -579,8 +579,8 @@ fn same_process_across_gpus() {
     let drv = driver().unwrap();
     let mut side = Side::open();
     side.connect(&side.address());
-    let a = DeviceBuffer::new(drv.context(0).unwrap(), 1 << 20).unwrap();
-    let b = DeviceBuffer::new(drv.context(1).unwrap(), 1 << 20).unwrap();
+    let mut a = DeviceBuffer::new(drv.context(0).unwrap(), 1 << 20).unwrap();
+    let mut b = DeviceBuffer::new(drv.context(1).unwrap(), 1 << 20).unwrap();
     a.copy_from_host(0, &pattern(1 << 20, 8)).unwrap();
     let (_ah, ak) = side.reg(&a);
     let (bh, _) = side.reg(&b);

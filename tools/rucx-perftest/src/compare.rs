@@ -11,7 +11,9 @@ use clap::Parser;
 
 use crate::args::{SizeList, size_list_arg};
 use crate::plot::{self, Panel, Series};
-use crate::report::{json_num, json_str};
+use serde::Serialize;
+
+use crate::report::{self, Num};
 use crate::stats::median;
 
 /// Result type: printable errors.
@@ -670,47 +672,62 @@ pub fn render_raw(rows: &[Row]) -> String {
     s
 }
 
+/// One row of the JSON document.
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    transport: &'a str,
+    test: &'a str,
+    size: usize,
+    figure: &'a str,
+    rucx: Num,
+    ucx: Num,
+    ratio: Num,
+    paired_ratio: Num,
+    best_ratio: Num,
+    noisy: bool,
+    goal: Option<String>,
+    met: Option<bool>,
+    rucx_runs: Vec<Num>,
+    ucx_runs: Vec<Num>,
+}
+
 fn json(rows: &[Row], header: &[(&str, String)]) -> String {
-    let mut s = String::from("{\"tool\":\"rucx-bench-compare\"");
-    for (k, v) in header {
-        let _ = write!(s, ",{}:{}", json_str(k), json_str(v));
-    }
-    s.push_str(",\"rows\":[");
-    for (i, r) in rows.iter().enumerate() {
-        let (a, b) = r.medians();
-        let lat = r.case.is_lat();
-        let goal = goal_for(&r.case).map(|g| judge(&g, lat, r.paired_ratio()));
-        let runs = |v: &[Sample]| {
-            v.iter()
-                .map(|x| json_num(x.key(lat)))
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        let _ = write!(
-            s,
-            "{}{{\"transport\":{},\"test\":{},\"size\":{},\"figure\":{},\"rucx\":{},\"ucx\":{},\"ratio\":{},\"paired_ratio\":{},\"best_ratio\":{},\"noisy\":{},\"goal\":{},\"met\":{},\"rucx_runs\":[{}],\"ucx_runs\":[{}]}}",
-            if i > 0 { "," } else { "" },
-            json_str(r.case.transport),
-            json_str(r.case.test),
-            r.case.size,
-            json_str(if lat {
-                "latency_p50_us"
-            } else {
-                "bandwidth_overall_mbs"
-            }),
-            json_num(a),
-            json_num(b),
-            json_num(a / b),
-            json_num(r.paired_ratio()),
-            json_num(r.best_ratio()),
-            r.noisy(),
-            goal.as_ref().map_or("null".into(), |g| json_str(&g.0)),
-            goal.as_ref().map_or("null".into(), |g| g.1.to_string()),
-            runs(&r.rucx),
-            runs(&r.ucx)
-        );
-    }
-    s.push_str("]}\n");
+    let items: Vec<JsonRow<'_>> = rows
+        .iter()
+        .map(|r| {
+            let (a, b) = r.medians();
+            let lat = r.case.is_lat();
+            let goal = goal_for(&r.case).map(|g| judge(&g, lat, r.paired_ratio()));
+            let runs = |v: &[Sample]| v.iter().map(|x| Num(x.key(lat))).collect();
+            JsonRow {
+                transport: r.case.transport,
+                test: r.case.test,
+                size: r.case.size,
+                figure: if lat {
+                    "latency_p50_us"
+                } else {
+                    "bandwidth_overall_mbs"
+                },
+                rucx: Num(a),
+                ucx: Num(b),
+                ratio: Num(a / b),
+                paired_ratio: Num(r.paired_ratio()),
+                best_ratio: Num(r.best_ratio()),
+                noisy: r.noisy(),
+                met: goal.as_ref().map(|g| g.1),
+                goal: goal.map(|g| g.0),
+                rucx_runs: runs(&r.rucx),
+                ucx_runs: runs(&r.ucx),
+            }
+        })
+        .collect();
+    let mut s = report::to_json(&report::Document {
+        tool: "rucx-bench-compare",
+        meta: header,
+        key: "rows",
+        items: &items,
+    });
+    s.push('\n');
     s
 }
 
@@ -875,7 +892,7 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
         let svg = plot::svg(
             &panels(&rows),
             &format!("rucx-bench-compare: medians of {reps} runs, {}", machine()),
-        );
+        )?;
         std::fs::write(p, svg).map_err(|e| format!("writing {}: {e}", p.display()))?;
         eprintln!("bench-compare: plot written to {}", p.display());
     }
@@ -1011,8 +1028,51 @@ mod tests {
         assert_eq!(v["rows"][0]["met"], true);
         assert_eq!(v["rows"][1]["ratio"], 2.0);
         assert_eq!(v["rows"][0]["rucx_runs"].as_array().unwrap().len(), 3);
-        let svg = plot::svg(&panels(&rows), "c");
+        let svg = plot::svg(&panels(&rows), "c").unwrap();
         assert!(svg.contains("rucx shm") && svg.contains("ucx shm"));
         assert!(render_raw(&rows).contains("rucx [0.500 0.600 0.700]"));
+    }
+
+    /// The JSON of fixed rows (a NaN run, a zero median, goals met and absent) is what the
+    /// hand-written serializer produced (`tests/golden/compare.json`).
+    #[test]
+    fn json_unchanged_for_fixed_rows() {
+        let s = |l: f64, b: f64| Sample {
+            lat_p50: l,
+            lat_overall: l * 2.0,
+            bw_overall: b,
+        };
+        let case = |transport, test, size| Case {
+            transport,
+            test,
+            size,
+            iters: 1,
+            warmup: 0,
+        };
+        let rows = vec![
+            Row {
+                case: case("shm", "tag_lat", 8),
+                rucx: vec![s(0.5, 1.0), s(0.6, 1.0), s(0.7, 1.0)],
+                ucx: vec![s(0.6, 1.0), s(0.7, 1.0), s(0.8, 1.0)],
+            },
+            Row {
+                case: case("shm", "tag_bw", 1 << 20),
+                rucx: vec![s(1.0, 3000.0)],
+                ucx: vec![s(1.0, 1500.0)],
+            },
+            Row {
+                case: case("tcp", "tag_bw", 4096),
+                rucx: vec![s(1.0, 12.25), s(1.0, f64::NAN)],
+                ucx: vec![s(1.0, 0.0)],
+            },
+        ];
+        let doc = json(&rows, &[("host", "h \"1\"".into()), ("ucx", "1.19".into())]);
+        let golden = include_str!("../tests/golden/compare.json");
+        assert_eq!(doc, golden);
+        let (a, b): (serde_json::Value, serde_json::Value) = (
+            serde_json::from_str(&doc).unwrap(),
+            serde_json::from_str(golden).unwrap(),
+        );
+        assert!(crate::report::tests::same_content(&a, &b));
     }
 }

@@ -8,8 +8,8 @@
 
 use std::time::Instant;
 
-use rucx::MemoryType;
 use rucx::ucp::{RecvBuf, SendBuf};
+use rucx::{Memory, MemoryType};
 use rucx_cuda::{DeviceBuffer, Driver, PinnedHostBuffer, PrimaryContext, Stream};
 
 use crate::run::R;
@@ -110,10 +110,10 @@ impl Buf {
         match mt {
             MemoryType::Host => Ok(Buf::Host(data.to_vec())),
             _ => {
-                let mem = dev_alloc(gpu, data.len(), "send buffer")?;
+                let mut mem = dev_alloc(gpu, data.len(), "send buffer")?;
+                // Complete on return: the buffer can be sent right away.
                 mem.copy_from_host(0, data)
                     .map_err(|e| format!("filling the send buffer: {e}"))?;
-                sync(gpu)?;
                 Ok(Buf::Dev {
                     mem,
                     len: data.len(),
@@ -127,10 +127,9 @@ impl Buf {
         match mt {
             MemoryType::Host => Ok(Buf::Host(crate::run::touched(len))),
             _ => {
-                let mem = dev_alloc(gpu, len, "receive buffer")?;
+                let mut mem = dev_alloc(gpu, len, "receive buffer")?;
                 mem.fill(0xee)
                     .map_err(|e| format!("clearing the receive buffer: {e}"))?;
-                sync(gpu)?;
                 Ok(Buf::Dev { mem, len })
             }
         }
@@ -153,9 +152,7 @@ impl Buf {
     pub fn send_buf(&self) -> SendBuf<'_> {
         match self {
             Buf::Host(v) => SendBuf::from(v.as_slice()),
-            // SAFETY: the allocation is owned by `self` and outlives the returned borrow; it
-            // is only read while the borrow lives (nothing writes a send buffer).
-            Buf::Dev { mem, len } => unsafe { SendBuf::from_raw(mem.ptr(), *len) },
+            Buf::Dev { mem, len } => mem.slice(..*len).into(),
         }
     }
 
@@ -163,9 +160,7 @@ impl Buf {
     pub fn recv_buf(&mut self) -> RecvBuf<'_> {
         match self {
             Buf::Host(v) => RecvBuf::from(v.as_mut_slice()),
-            // SAFETY: the allocation is owned by `self`, borrowed mutably for the returned
-            // buffer's lifetime, so nothing else reads or writes it meanwhile.
-            Buf::Dev { mem, len } => unsafe { RecvBuf::from_raw(mem.ptr(), *len) },
+            Buf::Dev { mem, len } => mem.slice_mut(..*len).into(),
         }
     }
 
@@ -180,18 +175,6 @@ impl Buf {
                 Ok(out)
             }
         }
-    }
-}
-
-fn sync(gpu: Option<&Gpu>) -> R<()> {
-    // A pageable cuMemcpy or a memset may still be in flight when it returns: UCP sends what
-    // the buffer holds now, so wait for them.
-    match gpu {
-        Some(g) => g
-            .ctx
-            .synchronize()
-            .map_err(|e| format!("{}: {e}", g.describe())),
-        None => Ok(()),
     }
 }
 
@@ -219,10 +202,9 @@ impl Ring {
             MemoryType::Host => Ok(Ring::Host(vec![crate::run::touched(size); count])),
             _ => {
                 let total = size.checked_mul(count).ok_or("receive ring too large")?;
-                let mem = dev_alloc(gpu, total, "receive ring")?;
+                let mut mem = dev_alloc(gpu, total, "receive ring")?;
                 mem.fill(0xee)
                     .map_err(|e| format!("clearing the receive ring: {e}"))?;
-                sync(gpu)?;
                 Ok(Ring::Dev { mem, size, count })
             }
         }
@@ -245,14 +227,17 @@ impl Ring {
     pub fn slots(&mut self, n: usize) -> Vec<RecvBuf<'_>> {
         match self {
             Ring::Host(v) => v.iter_mut().take(n).map(RecvBuf::from).collect(),
-            Ring::Dev { mem, size, count } => (0..n.min(*count))
-                .map(|k| {
-                    // SAFETY: slot `k` is `size` bytes at offset `k * size` inside the
-                    // allocation of `count * size` bytes owned by `self`; slots do not overlap,
-                    // and `self` stays mutably borrowed while the buffers live.
-                    unsafe { RecvBuf::from_raw(mem.ptr() + (k * *size) as u64, *size) }
-                })
-                .collect(),
+            Ring::Dev { mem, size, count } => {
+                // Disjoint slots split off one mutable borrow of the allocation.
+                let mut rest = mem.slice_mut(..*size * *count);
+                let mut out = Vec::with_capacity(n.min(*count));
+                for _ in 0..n.min(*count) {
+                    let (slot, tail) = rest.split_at(*size);
+                    out.push(RecvBuf::from(slot));
+                    rest = tail;
+                }
+                out
+            }
         }
     }
 

@@ -1,6 +1,15 @@
-//! SVG line plots with a log2 size axis, written by hand (no plotting crate).
+//! SVG line plots with a log2 size axis, drawn with `plotters` (its SVG backend).
+//!
+//! SVG only: the bitmap (PNG) backend of `plotters` draws text with a font rasterizer, which
+//! needs either fontconfig and FreeType (its `ttf` feature: system libraries the GPU machine
+//! may lack, where the sweeps run) or a font file found at run time (`ab_glyph`, which would
+//! then be needed for SVG text layout too). The SVG backend writes text as `<text>` and needs
+//! neither; `rsvg-convert -o x.png x.svg` makes a PNG.
 
-use std::fmt::Write as _;
+use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// One line of a panel.
 #[derive(Clone, Debug)]
@@ -33,19 +42,14 @@ pub const PALETTE: [&str; 6] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
 ];
 
-const PW: f64 = 520.0;
-const PH: f64 = 360.0;
-const ML: f64 = 72.0;
-const MR: f64 = 20.0;
-const MT: f64 = 40.0;
-const MB: f64 = 78.0;
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
+/// Width of one panel, pixels.
+const PW: u32 = 520;
+/// Height of the panels, pixels (the caption goes below).
+const PH: u32 = 360;
+/// Height of the caption line.
+const CAPTION_H: u32 = 24;
+/// Room below each chart for its legend: two entries per row.
+const LEGEND_ROW_H: u32 = 16;
 
 /// Compact size label: 1, 2, ..., 512, 1K, ..., 4M.
 pub fn size_label(b: f64) -> String {
@@ -69,60 +73,73 @@ fn num_label(v: f64) -> String {
     }
 }
 
-/// Nice linear ticks covering [lo, hi].
-fn linear_ticks(lo: f64, hi: f64) -> Vec<f64> {
-    let span = (hi - lo).max(1e-12);
-    let raw = span / 5.0;
-    let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0]
-        .iter()
-        .map(|m| m * mag)
-        .find(|s| span / s <= 6.0)
-        .unwrap_or(10.0 * mag);
-    let mut v = (lo / step).floor() * step;
-    let mut out = Vec::new();
-    while v <= hi + step * 1e-9 {
-        out.push(v);
-        v += step;
+/// A `#rrggbb` color (black for anything else).
+fn color(css: &str) -> RGBColor {
+    let hex = css.strip_prefix('#').unwrap_or("");
+    let byte = |i: usize| {
+        hex.get(i..i + 2)
+            .and_then(|h| u8::from_str_radix(h, 16).ok())
+            .unwrap_or(0)
+    };
+    if hex.len() == 6 {
+        RGBColor(byte(0), byte(2), byte(4))
+    } else {
+        BLACK
     }
-    out
 }
 
-fn panel_svg(out: &mut String, p: &Panel, ox: f64) {
+/// A font size that `plotters`' SVG backend writes as `size` (it divides by 1.24).
+fn px(size: f64) -> f64 {
+    size * 1.24
+}
+
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+type DrawResult = Result<(), String>;
+
+fn err<E: std::fmt::Debug>(e: E) -> String {
+    format!("drawing the plot: {e:?}")
+}
+
+/// The points of a panel that can be drawn (positive sizes, finite values, positive on a log
+/// axis).
+fn drawable(p: &Panel, (x, y): (f64, f64)) -> bool {
+    x > 0.0 && y.is_finite() && (!p.log_y || y > 0.0)
+}
+
+fn panel(area: &Area<'_>, p: &Panel) -> DrawResult {
+    let legend_rows = p.series.len().div_ceil(2) as u32;
+    let legend_h = (6 + LEGEND_ROW_H * legend_rows).min(PH / 2);
+    let (chart_area, legend_area) = area.split_vertically(PH - legend_h);
     let pts: Vec<(f64, f64)> = p
         .series
         .iter()
         .flat_map(|s| s.points.iter().copied())
-        .filter(|(x, y)| *x > 0.0 && y.is_finite() && (!p.log_y || *y > 0.0))
+        .filter(|&pt| drawable(p, pt))
         .collect();
-    let _ = writeln!(
-        out,
-        r#"<text x="{:.1}" y="24" font-size="15" text-anchor="middle" font-weight="bold">{}</text>"#,
-        ox + ML + (PW - ML - MR) / 2.0,
-        esc(&p.title)
-    );
-    let (x0, y0, x1, y1) = (ox + ML, MT, ox + PW - MR, PH - MB);
-    let _ = writeln!(
-        out,
-        r##"<rect x="{x0:.1}" y="{y0:.1}" width="{:.1}" height="{:.1}" fill="#fafafa" stroke="#333"/>"##,
-        x1 - x0,
-        y1 - y0
-    );
+    let title = ("sans-serif", px(15.0)).into_font().style(FontStyle::Bold);
     if pts.is_empty() {
-        let _ = writeln!(
-            out,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">no data</text>"#,
-            (x0 + x1) / 2.0,
-            (y0 + y1) / 2.0
-        );
-        return;
+        let area = chart_area.titled(&p.title, title).map_err(err)?;
+        let (w, h) = area.dim_in_pixel();
+        area.draw(&Rectangle::new(
+            [(52, 16), (w as i32 - 20, h as i32 - 60)],
+            RGBColor(0x33, 0x33, 0x33).stroke_width(1),
+        ))
+        .map_err(err)?;
+        let centered = TextStyle::from(("sans-serif", px(14.0)).into_font())
+            .pos(Pos::new(HPos::Center, VPos::Center));
+        area.draw(&Text::new(
+            "no data",
+            (w as i32 / 2, h as i32 / 2 - 20),
+            centered,
+        ))
+        .map_err(err)?;
+        return Ok(());
     }
-    let lx = |x: f64| x.log2();
     let (mut xmin, mut xmax) = (f64::MAX, f64::MIN);
     let (mut ymin, mut ymax) = (f64::MAX, f64::MIN);
     for (x, y) in &pts {
-        xmin = xmin.min(lx(*x));
-        xmax = xmax.max(lx(*x));
+        xmin = xmin.min(x.log2());
+        xmax = xmax.max(x.log2());
         ymin = ymin.min(*y);
         ymax = ymax.max(*y);
     }
@@ -130,141 +147,134 @@ fn panel_svg(out: &mut String, p: &Panel, ox: f64) {
         xmin -= 0.5;
         xmax += 0.5;
     }
-    // y range: whole decades on a log axis, nice steps on a linear one.
-    let (ty, yticks): (Box<dyn Fn(f64) -> f64>, Vec<f64>) = if p.log_y {
+    // y: whole decades on a log axis (drawn in log10 units), from 0 on a linear one.
+    let (ylo, yhi, ty): (f64, f64, fn(f64) -> f64) = if p.log_y {
         let lo = ymin.log10().floor();
-        let mut hi = ymax.log10().ceil();
-        if hi <= lo {
-            hi = lo + 1.0;
-        }
-        let ticks = (lo as i32..=hi as i32).map(|e| 10f64.powi(e)).collect();
-        (Box::new(move |y: f64| (y.log10() - lo) / (hi - lo)), ticks)
+        let hi = ymax.log10().ceil().max(lo + 1.0);
+        (lo, hi, f64::log10)
     } else {
-        let ticks = linear_ticks(0.0, ymax * 1.05);
-        let hi = *ticks.last().expect("ticks");
-        (Box::new(move |y: f64| y / hi), ticks)
+        (0.0, (ymax * 1.05).max(f64::MIN_POSITIVE), |y| y)
     };
-    let sx = |x: f64| x0 + (lx(x) - xmin) / (xmax - xmin) * (x1 - x0);
-    let sy = |y: f64| y1 - ty(y) * (y1 - y0);
-    // Grid and tick labels.
-    for t in &yticks {
-        let y = sy(*t);
-        let _ = writeln!(
-            out,
-            r##"<line x1="{x0:.1}" y1="{y:.1}" x2="{x1:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" font-size="11" text-anchor="end">{}</text>"##,
-            x0 - 5.0,
-            y + 4.0,
-            num_label(*t)
-        );
-    }
-    let mut k = xmin.ceil() as i32;
-    let every = if xmax - xmin > 12.0 { 2 } else { 1 };
-    while f64::from(k) <= xmax + 1e-9 {
-        let xv = 2f64.powi(k);
-        let x = sx(xv);
-        let _ = writeln!(
-            out,
-            r##"<line x1="{x:.1}" y1="{y0:.1}" x2="{x:.1}" y2="{y1:.1}" stroke="#eee"/>"##
-        );
-        if k.rem_euclid(every) == 0 {
-            let _ = writeln!(
-                out,
-                r#"<text x="{x:.1}" y="{:.1}" font-size="11" text-anchor="middle">{}</text>"#,
-                y1 + 16.0,
-                size_label(xv)
-            );
-        }
-        k += 1;
-    }
-    let _ = writeln!(
-        out,
-        r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">message size (bytes, log2 scale)</text>"#,
-        (x0 + x1) / 2.0,
-        y1 + 36.0
-    );
-    let _ = writeln!(
-        out,
-        r#"<text transform="translate({:.1},{:.1}) rotate(-90)" font-size="12" text-anchor="middle">{}</text>"#,
-        ox + 16.0,
-        (y0 + y1) / 2.0,
-        esc(&p.y_label)
-    );
-    // Lines, markers, legend.
-    for (i, s) in p.series.iter().enumerate() {
-        let mut path = String::new();
-        for (x, y) in &s.points {
-            if *x <= 0.0 || !y.is_finite() || (p.log_y && *y <= 0.0) {
-                continue;
-            }
-            let _ = write!(
-                path,
-                "{}{:.1},{:.1}",
-                if path.is_empty() { "M" } else { " L" },
-                sx(*x),
-                sy(*y)
-            );
-            let _ = writeln!(
-                out,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{}"/>"#,
-                sx(*x),
-                sy(*y),
-                esc(&s.color)
-            );
-        }
-        let dash = if s.dashed {
-            r#" stroke-dasharray="6,4""#
+    let mut chart = ChartBuilder::on(&chart_area)
+        .caption(&p.title, title)
+        .margin_right(20)
+        .x_label_area_size(40)
+        .y_label_area_size(52)
+        .build_cartesian_2d(xmin..xmax, ylo..yhi)
+        .map_err(err)?;
+    let log_y = p.log_y;
+    let x_label = |v: &f64| {
+        if (v - v.round()).abs() < 1e-9 {
+            size_label(2f64.powf(v.round()))
         } else {
-            ""
-        };
-        let _ = writeln!(
-            out,
-            r#"<path d="{path}" fill="none" stroke="{}" stroke-width="2"{dash}/>"#,
-            esc(&s.color)
-        );
-        // Legend below the axis label, two entries per row, so it never hides data.
-        let ly = y1 + 54.0 + 16.0 * (i / 2) as f64;
-        let lxp = x0 + 10.0 + 210.0 * (i % 2) as f64;
-        let _ = writeln!(
-            out,
-            r#"<line x1="{lxp:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{}" stroke-width="3"{dash}/><text x="{:.1}" y="{:.1}" font-size="12">{}</text>"#,
-            lxp + 18.0,
-            esc(&s.color),
-            lxp + 24.0,
-            ly + 4.0,
-            esc(&s.name)
-        );
+            String::new()
+        }
+    };
+    let y_label = |v: &f64| {
+        if !log_y {
+            num_label(*v)
+        } else if (v - v.round()).abs() < 1e-9 {
+            num_label(10f64.powf(v.round()))
+        } else {
+            String::new()
+        }
+    };
+    let x_steps = ((xmax - xmin).floor() as usize + 1).min(12);
+    let y_steps = if log_y { (yhi - ylo) as usize + 1 } else { 6 };
+    chart
+        .configure_mesh()
+        .x_labels(x_steps)
+        .y_labels(y_steps)
+        .x_label_formatter(&x_label)
+        .y_label_formatter(&y_label)
+        .x_desc("message size (bytes, log2 scale)")
+        .y_desc(p.y_label.as_str())
+        .label_style(("sans-serif", px(11.0)))
+        .axis_desc_style(("sans-serif", px(12.0)))
+        .light_line_style(TRANSPARENT)
+        .bold_line_style(RGBColor(0xdd, 0xdd, 0xdd))
+        .draw()
+        .map_err(err)?;
+    for s in &p.series {
+        let c = color(&s.color);
+        let line: Vec<(f64, f64)> = s
+            .points
+            .iter()
+            .copied()
+            .filter(|&pt| drawable(p, pt))
+            .map(|(x, y)| (x.log2(), ty(y)))
+            .collect();
+        let style = c.stroke_width(2);
+        if s.dashed {
+            chart
+                .draw_series(DashedLineSeries::new(line.iter().copied(), 6, 4, style))
+                .map_err(err)?;
+        } else {
+            chart
+                .draw_series(LineSeries::new(line.iter().copied(), style))
+                .map_err(err)?;
+        }
+        chart
+            .draw_series(line.iter().map(|&pt| Circle::new(pt, 2.5, c.filled())))
+            .map_err(err)?;
     }
+    // The legend below the chart, two entries per row, so it never hides data.
+    for (i, s) in p.series.iter().enumerate() {
+        let c = color(&s.color);
+        let y = 8 + (LEGEND_ROW_H * (i as u32 / 2)) as i32;
+        let x = 62 + 210 * (i % 2) as i32;
+        let style = c.stroke_width(3);
+        if s.dashed {
+            legend_area
+                .draw(&DashedPathElement::new([(x, y), (x + 18, y)], 6, 4, style))
+                .map_err(err)?;
+        } else {
+            legend_area
+                .draw(&PathElement::new([(x, y), (x + 18, y)], style))
+                .map_err(err)?;
+        }
+        let text = TextStyle::from(("sans-serif", px(12.0)).into_font())
+            .pos(Pos::new(HPos::Left, VPos::Center));
+        legend_area
+            .draw(&Text::new(s.name.as_str(), (x + 24, y), text))
+            .map_err(err)?;
+    }
+    Ok(())
 }
 
 /// An SVG document with the panels side by side and a caption below.
-pub fn svg(panels: &[Panel], caption: &str) -> String {
-    let w = PW * panels.len().max(1) as f64;
-    let h = PH + 24.0;
+pub fn svg(panels: &[Panel], caption: &str) -> Result<String, String> {
+    let w = PW * panels.len().max(1) as u32;
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif">"#
-    );
-    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    for (i, p) in panels.iter().enumerate() {
-        panel_svg(&mut out, p, PW * i as f64);
+    {
+        let root = SVGBackend::with_string(&mut out, (w, PH + CAPTION_H)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let (body, foot) = root.split_vertically(PH);
+        for (p, area) in panels
+            .iter()
+            .zip(body.split_evenly((1, panels.len().max(1))))
+        {
+            panel(&area, p)?;
+        }
+        let text = TextStyle::from(("sans-serif", px(11.0)).into_font())
+            .color(&RGBColor(0x55, 0x55, 0x55))
+            .pos(Pos::new(HPos::Center, VPos::Center));
+        foot.draw(&Text::new(
+            caption,
+            (w as i32 / 2, CAPTION_H as i32 / 2),
+            text,
+        ))
+        .map_err(err)?;
+        root.present().map_err(err)?;
     }
-    let _ = writeln!(
-        out,
-        r##"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle" fill="#555">{}</text>"##,
-        w / 2.0,
-        h - 8.0,
-        esc(caption)
-    );
-    out.push_str("</svg>\n");
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn panel(log_y: bool, pts: Vec<(f64, f64)>) -> Panel {
+    fn panel(log_y: bool, pts: Vec<(f64, f64)>, dashed: bool) -> Panel {
         Panel {
             title: "latency <us>".into(),
             y_label: "usec".into(),
@@ -273,21 +283,73 @@ mod tests {
                 name: "rucx & co".into(),
                 color: PALETTE[0].into(),
                 points: pts,
-                dashed: true,
+                dashed,
             }],
         }
     }
 
+    /// The text of every `<text>` element, in order.
+    fn texts(svg: &str) -> Vec<&str> {
+        svg.split("<text")
+            .skip(1)
+            .map(|t| {
+                let body = &t[t.find('>').expect("tag end") + 1..];
+                body[..body.find("</text>").expect("closed")].trim()
+            })
+            .collect()
+    }
+
     #[test]
-    fn svg_is_well_formed_and_escaped() {
+    fn svg_has_the_panels_content_escaped() {
         let pts: Vec<(f64, f64)> = (0..23).map(|k| (2f64.powi(k), 1.0 + k as f64)).collect();
-        let s = svg(&[panel(true, pts.clone()), panel(false, pts)], "caption");
+        let s = svg(
+            &[panel(true, pts.clone(), true), panel(false, pts, false)],
+            "caption & more",
+        )
+        .unwrap();
         assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
-        assert!(s.contains("latency &lt;us&gt;") && s.contains("rucx &amp; co"));
-        assert!(s.contains(">4M<") && s.contains(">1K<"));
-        assert_eq!(s.matches("<path").count(), 2);
-        assert!(s.contains("stroke-dasharray"));
+        assert!(
+            s.contains(r#"width="1040" height="384""#),
+            "two panels side by side"
+        );
+        let t = texts(&s);
+        // Per panel: title, axis labels, size ticks from 1 to 4M, the legend entry.
+        assert_eq!(t.iter().filter(|x| **x == "latency &lt;us&gt;").count(), 2);
+        assert_eq!(t.iter().filter(|x| **x == "rucx &amp; co").count(), 2);
+        assert_eq!(t.iter().filter(|x| **x == "usec").count(), 2);
+        assert_eq!(
+            t.iter()
+                .filter(|x| **x == "message size (bytes, log2 scale)")
+                .count(),
+            2
+        );
+        for size in ["1", "4", "1K", "4K", "1M", "4M"] {
+            assert!(t.contains(&size), "{size} in {t:?}");
+        }
+        // The log panel's y ticks are whole decades.
+        assert!(t.contains(&"10") && t.contains(&"100"), "{t:?}");
+        assert_eq!(t.last(), Some(&"caption &amp; more"));
+        // One marker per point; the solid line is one polyline, the dashed one many pieces.
         assert_eq!(s.matches("<circle").count(), 46);
+        let solid = svg(
+            &[panel(
+                true,
+                (1..4).map(|k| (k as f64, 1.0)).collect(),
+                false,
+            )],
+            "",
+        )
+        .unwrap();
+        let dashed = svg(
+            &[panel(true, (1..4).map(|k| (k as f64, 1.0)).collect(), true)],
+            "",
+        )
+        .unwrap();
+        assert!(
+            dashed.matches("<polyline").count() > solid.matches("<polyline").count() + 2,
+            "dashed lines are drawn in pieces"
+        );
+        assert!(s.contains(&PALETTE[0].to_uppercase()));
         // Every tag opened is closed or self-closed.
         assert_eq!(s.matches("<svg").count(), s.matches("</svg>").count());
         assert_eq!(s.matches("<text").count(), s.matches("</text>").count());
@@ -295,20 +357,27 @@ mod tests {
 
     #[test]
     fn empty_and_degenerate_panels_do_not_panic() {
-        let s = svg(&[panel(true, vec![])], "");
-        assert!(s.contains("no data"));
-        let s = svg(&[panel(true, vec![(8.0, 0.0), (8.0, f64::NAN)])], "");
-        assert!(s.contains("no data"));
-        let s = svg(&[panel(false, vec![(8.0, 5.0)])], "");
-        assert!(s.contains("<path"));
+        let s = svg(&[panel(true, vec![], true)], "").unwrap();
+        assert!(texts(&s).contains(&"no data"));
+        let s = svg(&[panel(true, vec![(8.0, 0.0), (8.0, f64::NAN)], false)], "").unwrap();
+        assert!(texts(&s).contains(&"no data"));
+        let s = svg(&[panel(false, vec![(8.0, 5.0)], false)], "").unwrap();
+        assert!(s.contains("<polyline") && s.contains("<circle"));
+        assert!(!texts(&s).contains(&"no data"));
         assert!(!s.contains("NaN") && !s.contains("inf"));
+        let s = svg(&[], "nothing").unwrap();
+        assert!(s.contains(r#"width="520""#));
     }
 
     #[test]
-    fn labels() {
+    fn labels_and_colors() {
         assert_eq!(size_label(1.0), "1");
         assert_eq!(size_label(2048.0), "2K");
         assert_eq!(size_label(4194304.0), "4M");
-        assert_eq!(linear_ticks(0.0, 10.0).last().copied(), Some(10.0));
+        assert_eq!(num_label(1234.4), "1234");
+        assert_eq!(num_label(2.345), "2.35");
+        assert_eq!(num_label(0.5), "0.5");
+        assert_eq!(color("#1f77b4"), RGBColor(0x1f, 0x77, 0xb4));
+        assert_eq!(color("red"), BLACK);
     }
 }

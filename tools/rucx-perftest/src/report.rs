@@ -2,6 +2,9 @@
 
 use std::fmt::Write as _;
 
+use serde::Serialize;
+use serde::ser::{SerializeMap, Serializer};
+
 use crate::stats::Figures;
 
 /// Inner widths of the table's columns.
@@ -151,76 +154,120 @@ pub fn csv_row(f: &Figures) -> String {
     )
 }
 
-/// A JSON string literal.
-pub fn json_str(s: &str) -> String {
-    let mut o = String::with_capacity(s.len() + 2);
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            '\r' => o.push_str("\\r"),
-            '\t' => o.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
+/// A figure in JSON: integral values as integers (`1`, not `1.0`), other finite values as the
+/// shortest decimal that reads back, non-finite values as `null`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Num(pub f64);
+
+impl Serialize for Num {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let x = self.0;
+        if !x.is_finite() {
+            s.serialize_none()
+        } else if x.fract() == 0.0 && x.abs() < 1e38 {
+            // Exact: an integral f64 below 1e38 fits an i128.
+            s.serialize_i128(x as i128)
+        } else {
+            s.serialize_f64(x)
         }
     }
-    o.push('"');
-    o
 }
 
-/// A JSON number (non-finite values become `null`).
-pub fn json_num(x: f64) -> String {
-    if x.is_finite() {
-        // Shortest representation that parses back; integers without a fraction.
-        format!("{x}")
-    } else {
-        "null".into()
+#[derive(Serialize)]
+struct Latency {
+    p50: Num,
+    average: Num,
+    overall: Num,
+}
+
+#[derive(Serialize)]
+struct AvgOverall {
+    average: Num,
+    overall: Num,
+}
+
+/// One result as it appears in the JSON document.
+#[derive(Serialize)]
+struct JsonFigures<'a> {
+    test: &'a str,
+    size: usize,
+    iterations: usize,
+    latency_us: Latency,
+    bandwidth_mbs: AvgOverall,
+    message_rate: AvgOverall,
+}
+
+impl<'a> From<&'a Figures> for JsonFigures<'a> {
+    fn from(f: &'a Figures) -> Self {
+        JsonFigures {
+            test: &f.test,
+            size: f.size,
+            iterations: f.iterations,
+            latency_us: Latency {
+                p50: Num(f.lat_p50_us),
+                average: Num(f.lat_avg_us),
+                overall: Num(f.lat_overall_us),
+            },
+            bandwidth_mbs: AvgOverall {
+                average: Num(f.bw_avg_mbs),
+                overall: Num(f.bw_overall_mbs),
+            },
+            message_rate: AvgOverall {
+                average: Num(f.mr_avg),
+                overall: Num(f.mr_overall),
+            },
+        }
     }
+}
+
+/// A JSON object of `"tool"`, then the `meta` entries in order, then `key: items`.
+#[derive(Debug)]
+pub struct Document<'a, T> {
+    /// The tool's name.
+    pub tool: &'a str,
+    /// What ran where, as text.
+    pub meta: &'a [(&'a str, String)],
+    /// Name of the list.
+    pub key: &'a str,
+    /// The list.
+    pub items: &'a [T],
+}
+
+impl<T: Serialize> Serialize for Document<'_, T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.meta.len() + 2))?;
+        m.serialize_entry("tool", self.tool)?;
+        for (k, v) in self.meta {
+            m.serialize_entry(k, v)?;
+        }
+        m.serialize_entry(self.key, self.items)?;
+        m.end()
+    }
+}
+
+/// Serialize to compact JSON; our types always serialize.
+pub fn to_json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).expect("JSON of plain data")
 }
 
 /// One result as a JSON object.
 pub fn json_figures(f: &Figures) -> String {
-    format!(
-        "{{\"test\":{},\"size\":{},\"iterations\":{},\
-\"latency_us\":{{\"p50\":{},\"average\":{},\"overall\":{}}},\
-\"bandwidth_mbs\":{{\"average\":{},\"overall\":{}}},\
-\"message_rate\":{{\"average\":{},\"overall\":{}}}}}",
-        json_str(&f.test),
-        f.size,
-        f.iterations,
-        json_num(f.lat_p50_us),
-        json_num(f.lat_avg_us),
-        json_num(f.lat_overall_us),
-        json_num(f.bw_avg_mbs),
-        json_num(f.bw_overall_mbs),
-        json_num(f.mr_avg),
-        json_num(f.mr_overall)
-    )
+    to_json(&JsonFigures::from(f))
 }
 
 /// The whole JSON document: what ran where, and the results.
 pub fn json_document(meta: &[(&str, String)], results: &[Figures]) -> String {
-    let mut s = String::from("{\"tool\":\"rucx-perftest\"");
-    for (k, v) in meta {
-        let _ = write!(s, ",{}:{}", json_str(k), json_str(v));
-    }
-    s.push_str(",\"results\":[");
-    for (i, f) in results.iter().enumerate() {
-        if i > 0 {
-            s.push(',');
-        }
-        s.push_str(&json_figures(f));
-    }
-    s.push_str("]}");
-    s
+    let items: Vec<JsonFigures<'_>> = results.iter().map(JsonFigures::from).collect();
+    to_json(&Document {
+        tool: "rucx-perftest",
+        meta,
+        key: "results",
+        items: &items,
+    })
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::time::Duration;
 
@@ -282,7 +329,95 @@ mod tests {
         assert_eq!(r["latency_us"]["overall"], 1.25);
         assert!(r["bandwidth_mbs"]["average"].as_f64().unwrap() > 0.0);
         assert!(r["message_rate"]["overall"].as_f64().unwrap() > 0.0);
-        assert_eq!(json_num(f64::NAN), "null");
-        assert_eq!(json_str("\u{1}"), "\"\\u0001\"");
+        assert_eq!(to_json(&Num(f64::NAN)), "null");
+        assert_eq!(to_json(&Num(f64::NEG_INFINITY)), "null");
+        assert_eq!(to_json(&Num(2.0)), "2");
+        assert_eq!(to_json(&Num(-3.5)), "-3.5");
+        assert_eq!(to_json(&"\u{1}"), "\"\\u0001\"");
+        let one: serde_json::Value = serde_json::from_str(&json_figures(&sample())).unwrap();
+        assert_eq!(
+            one, v["results"][0],
+            "one result alone is what the document holds"
+        );
+    }
+
+    /// Results with every kind of number: integral, fractional, tiny, huge, non-finite; and
+    /// text that needs escaping.
+    pub(crate) fn fixed() -> Vec<Figures> {
+        vec![
+            Figures {
+                test: "tag_lat".into(),
+                size: 8,
+                iterations: 1000,
+                lat_p50_us: 1.0,
+                lat_avg_us: 1.25,
+                lat_overall_us: 1.375,
+                bw_avg_mbs: 6.103515625,
+                bw_overall_mbs: 5.548650568181818,
+                mr_avg: 800000.0,
+                mr_overall: 727272.7272727273,
+            },
+            Figures {
+                test: "tag_bw \"q\"\n\t\u{1}\u{e9}".into(),
+                size: 0,
+                iterations: 3,
+                lat_p50_us: 0.0001,
+                lat_avg_us: 0.0,
+                lat_overall_us: 12345.678,
+                bw_avg_mbs: f64::NAN,
+                bw_overall_mbs: f64::INFINITY,
+                mr_avg: 1e16,
+                mr_overall: 123456789012.5,
+            },
+        ]
+    }
+
+    /// Numbers compared by value (`1` and `1.0` alike), everything else exactly.
+    pub(crate) fn same_content(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+        use serde_json::Value as V;
+        match (a, b) {
+            (V::Number(x), V::Number(y)) => x.as_f64() == y.as_f64(),
+            (V::Array(x), V::Array(y)) => {
+                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_content(p, q))
+            }
+            (V::Object(x), V::Object(y)) => {
+                x.len() == y.len()
+                    && x.iter()
+                        .zip(y)
+                        .all(|((kp, p), (kq, q))| kp == kq && same_content(p, q))
+            }
+            _ => a == b,
+        }
+    }
+
+    /// The JSON and CSV of a fixed input are what the hand-written serializer produced
+    /// (captured in `tests/golden/` before the move to serde_json): the same text, and the
+    /// same keys in the same order with the same values.
+    #[test]
+    fn output_unchanged_for_a_fixed_input() {
+        let f = fixed();
+        let meta = [
+            ("transports", "posix/memory \"q\"\n".to_string()),
+            ("memory", "host -> cuda".to_string()),
+        ];
+        let doc = json_document(&meta, &f);
+        let golden = include_str!("../tests/golden/report.json");
+        assert_eq!(doc, golden);
+        let key_order = |s: &str| -> Vec<String> {
+            let v: serde_json::Value = serde_json::from_str(s).unwrap();
+            v.as_object().unwrap().keys().cloned().collect()
+        };
+        assert_eq!(key_order(&doc), key_order(golden));
+        let (a, b): (serde_json::Value, serde_json::Value) = (
+            serde_json::from_str(&doc).unwrap(),
+            serde_json::from_str(golden).unwrap(),
+        );
+        assert!(same_content(&a, &b));
+        let mut csv = format!("{CSV_HEADER}\n");
+        for x in &f {
+            csv.push_str(&csv_row(x));
+            csv.push('\n');
+        }
+        assert_eq!(csv, include_str!("../tests/golden/report.csv"));
     }
 }

@@ -14,13 +14,13 @@ use rucx_uct::{
 use crate::address::{IfaceEntry, WorkerAddress};
 use crate::buf::{RecvBuf, SendBuf};
 use crate::context::{Context, RegGuard};
-use crate::fxhash::FxHashMap;
 use crate::matching::{Tag, TagMatcher};
 use crate::plan::{self, EpPlan, LaneCand, MemKey, Op, PlanConfig, RecvStep};
 use crate::proto::stream::{StreamRecvs, StreamRx};
 use crate::proto::{self, Proto, Range};
 use crate::slab::Slab;
 use crate::wire::{self, Msg, MsgKind, NamedKey};
+use rustc_hash::FxHashMap;
 
 mod gpu;
 mod query;
