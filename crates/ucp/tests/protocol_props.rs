@@ -1055,3 +1055,75 @@ fn the_generated_cases_cover_every_protocol_and_fault() {
         );
     }
 }
+
+/// Found by the peer-failure property (a hang, the watchdog fired): the peer fails while the
+/// copy lane of the failed side still has staging copies of an aborted GPU send in flight; that
+/// side's scope waits for those copies before it lets go of the buffer, so the fabric must still
+/// complete a node's own in-process copies after the node failed (a copy engine finishes what it
+/// was given whatever the network does).
+#[test]
+fn peer_failure_with_copy_lane_copies_in_flight() {
+    let case = Case {
+        setup: Setup {
+            gpu: true,
+            ipc: true,
+            lanes: 2,
+            shared: true,
+            delivery: 0,
+            seed: 15365460692792243465,
+            vars: vec![
+                ("RUCX_ZCOPY_THRESH", "4K"),
+                ("RUCX_RNDV_THRESH", "512K"),
+                ("RUCX_RNDV_SCHEME", "get_zcopy"),
+                ("RUCX_RNDV_FRAG_SIZE", "1M"),
+                ("RUCX_RNDV_FRAG_COUNT", "2"),
+            ],
+            faults: [None, None],
+        },
+        msgs: vec![
+            Msg {
+                from: 1,
+                size: 133588,
+                group: 1,
+                mem: MemSel::Dev,
+                sync: false,
+            },
+            Msg {
+                from: 1,
+                size: 8255,
+                group: 2,
+                mem: MemSel::Dev,
+                sync: false,
+            },
+        ],
+        recvs: vec![
+            RecvSpec {
+                sel: Sel::Exact,
+                cap: Cap::Larger(4459),
+                mem: MemSel::HostRaw,
+            },
+            RecvSpec {
+                sel: Sel::Group,
+                cap: Cap::Larger(3585),
+                mem: MemSel::Host,
+            },
+        ],
+        ops: vec![
+            Op::Recv(1),
+            Op::Decoy(1),
+            Op::Steps(2),
+            Op::Send(0),
+            Op::NoResource(1, LaneKind::Copy, 2),
+            Op::Recv(0),
+            Op::Steps(2),
+            Op::Send(1),
+            Op::FailPeer,
+            Op::Decoy(1),
+            Op::Cancel(5),
+            Op::NoResource(1, LaneKind::Copy, 3),
+        ],
+    };
+    if let Err(e) = run_case(&case) {
+        panic!("{e}\n{}", case.describe());
+    }
+}

@@ -938,13 +938,18 @@ impl State {
         self.log(format!("control: node {name} fails ({reason})"));
         self.nodes[n].failed = Some(reason.to_string());
         let node_of_iface = |st: &State, i: usize| st.ifaces[i].node;
-        // In flight to or from it: lost. Completions of operations towards it: failed.
+        // In flight to or from it: lost. Completions of operations towards it: failed. The
+        // completions of a node's own in-process copies (its copy lane: an endpoint from the
+        // node to itself) still come: a copy engine finishes what it was given whatever the
+        // network does, and the node's worker waits for them before it lets go of a buffer.
         let mut kept = Vec::new();
         for mut it in std::mem::take(&mut self.held) {
             let dst_node = node_of_iface(self, it.dst);
             let src_node = it.ep.map(|e| node_of_iface(self, self.eps[e].iface));
             let peer_node = it.ep.map(|e| node_of_iface(self, self.eps[e].target));
+            let local = src_node == Some(dst_node) && peer_node == Some(dst_node);
             match &mut it.payload {
+                Payload::Completion { .. } if local => {}
                 _ if dst_node == n => continue,
                 Payload::Am { .. } if src_node == Some(n) => continue,
                 Payload::Completion { result, .. } if peer_node == Some(n) => {
@@ -962,9 +967,15 @@ impl State {
             if self.ifaces[i].node == n {
                 // What arrived is lost, but not the reports of failed endpoints: a test that
                 // fails both nodes still sees every endpoint's error.
-                self.ifaces[i]
-                    .inbox
-                    .retain(|it| matches!(it.payload, Payload::EpError { .. }));
+                let eps = &self.eps;
+                let ifaces_node: Vec<usize> = self.ifaces.iter().map(|f| f.node).collect();
+                self.ifaces[i].inbox.retain(|it| {
+                    let local = it.ep.is_some_and(|e| {
+                        ifaces_node[eps[e].iface] == n && ifaces_node[eps[e].target] == n
+                    });
+                    matches!(it.payload, Payload::EpError { .. })
+                        || local && matches!(it.payload, Payload::Completion { .. })
+                });
             }
         }
         for ep in 0..self.eps.len() {
