@@ -1127,3 +1127,63 @@ fn peer_failure_with_copy_lane_copies_in_flight() {
         panic!("{e}\n{}", case.describe());
     }
 }
+
+/// Found by the delivery property (message 0 arrived corrupted): a split rendezvous (the
+/// receiver reads the head and asks the sender to write the tail) where the sender cannot write
+/// (its shared-memory domain refused a registration and was demoted): the sender streamed the
+/// whole message while the receiver still read the head and counted both, so the receive could
+/// complete before its reads landed. The sender now streams only the tail, the receiver counts
+/// it apart, and both finish after the reads and the tail.
+#[test]
+fn split_rendezvous_whose_sender_cannot_write_the_tail() {
+    let m = |from, size, group, mem| Msg {
+        from,
+        size,
+        group,
+        mem,
+        sync: false,
+    };
+    let r = |cap, mem| RecvSpec {
+        sel: Sel::Exact,
+        cap,
+        mem,
+    };
+    let case = Case {
+        setup: Setup {
+            gpu: false,
+            ipc: false,
+            lanes: 1,
+            shared: true,
+            delivery: 1,
+            seed: 17262610421013110255,
+            vars: vec![
+                ("RUCX_ZCOPY_THRESH", "4K"),
+                ("RUCX_RNDV_THRESH", "512K"),
+                ("RUCX_RNDV_SCHEME", "auto"),
+                ("RUCX_RNDV_FRAG_SIZE", "1M"),
+                ("RUCX_RNDV_FRAG_COUNT", "2"),
+            ],
+            faults: [None, Some("md=sim_shm,mem=host,after=3".into())],
+        },
+        msgs: vec![
+            m(1, 1551146, 1, MemSel::HostRaw),
+            m(1, 191044, 2, MemSel::Host),
+            m(1, 34116, 1, MemSel::Host),
+            m(0, 4, 1, MemSel::HostRaw),
+            m(1, 52753, 0, MemSel::HostRaw),
+            m(1, 8000, 0, MemSel::Host),
+        ],
+        recvs: vec![
+            r(Cap::Same, MemSel::HostRaw),
+            r(Cap::Smaller(189), MemSel::Host),
+            r(Cap::Smaller(472), MemSel::HostRaw),
+            r(Cap::Smaller(297), MemSel::Host),
+            r(Cap::Larger(2018), MemSel::Host),
+            r(Cap::Smaller(98), MemSel::HostRaw),
+        ],
+        ops: (0..6).flat_map(|i| [Op::Send(i), Op::Recv(i)]).collect(),
+    };
+    if let Err(e) = run_case(&case) {
+        panic!("{e}\n{}", case.describe());
+    }
+}

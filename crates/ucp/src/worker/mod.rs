@@ -301,6 +301,8 @@ struct RndvRecv {
     fin_pending: bool,
     /// The reads are complete (split rendezvous waiting for the finish message).
     gets_done: bool,
+    /// Bytes of a split's tail the sender streamed (it could not write them).
+    tail_got: usize,
 }
 
 impl RndvRecv {
@@ -316,6 +318,7 @@ impl RndvRecv {
             get_end: want,
             fin_pending: false,
             gets_done: false,
+            tail_got: 0,
         }
     }
 }
@@ -2412,8 +2415,11 @@ impl State {
         }
         let am = self.peers[p].am;
         let limits = self.slots[am].attr.limits;
-        let zcopy =
-            !self.reqs[&id].guards.is_empty() && (proto == Proto::EagerZcopy || rndv_to.is_some());
+        // A streamed split tail is copied in: its registrations serve the receiver's reads.
+        let split_tail = s.split_left > 0;
+        let zcopy = !split_tail
+            && !self.reqs[&id].guards.is_empty()
+            && (proto == Proto::EagerZcopy || rndv_to.is_some());
         let total = len;
         let mut off = posted;
         loop {
@@ -2499,7 +2505,7 @@ impl State {
         if let ReqKind::Send(s) = &mut r.kind {
             s.wait = SendWait::Completions;
         }
-        if r.outstanding == 0 {
+        if r.outstanding == 0 && self.split_step(id) {
             self.finish(
                 id,
                 Ok(Completion {
@@ -2600,6 +2606,47 @@ impl State {
             rs.received = rs.total.min(rs.cap);
         }
         self.complete_recv(rid);
+    }
+
+    /// Streamed bytes of the tail of a split receive (the sender could not write it): copied in
+    /// place, counted apart from the reads of the head; once the whole tail came it counts as
+    /// the sender's finish. False when `rreq` is not a split receive (ordinary streaming).
+    fn split_tail_data(&mut self, rreq: u64, offset: usize, data: &[u8]) -> bool {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&rreq)
+        else {
+            return false;
+        };
+        let Some(rv) = rs.rndv.as_mut() else {
+            return false;
+        };
+        if rv.get_end >= rv.want || !rv.fin_pending || rs.mem.is_gpu() {
+            return false;
+        }
+        // Only the tail `get_end..want` is the sender's to stream; never past the buffer.
+        let (lo, hi) = (rv.get_end, rv.want.min(rs.cap));
+        let from = offset.max(lo);
+        let to = offset.saturating_add(data.len()).min(hi);
+        if from < to {
+            // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive and
+            // unaliased until the request is finished; `lo <= from < to <= cap`, and the reads
+            // of the head write only below `get_end`.
+            let dst = unsafe { host_slice_mut(rs.addr + from, to - from) };
+            dst.copy_from_slice(&data[from - offset..to - offset]);
+            rv.tail_got += to - from;
+        }
+        if rv.tail_got >= hi - lo {
+            // The whole tail is here: as the finish message of a written tail.
+            rv.fin_pending = false;
+            if rv.gets_done {
+                rs.received = rs.total.min(rs.cap);
+                self.complete_recv(rreq);
+            }
+        }
+        true
     }
 
     /// One of the two halves of a split send is done; true when the send may finish.
@@ -2902,7 +2949,7 @@ impl State {
                 let (len, tag) = (s.len, s.tag);
                 if s.put.is_some() {
                     self.put_done(id);
-                } else {
+                } else if self.split_step(id) {
                     self.finish(
                         id,
                         Ok(Completion {
@@ -3177,8 +3224,10 @@ impl State {
                 data,
             } => {
                 let _ = self.src_peer(src)?;
-                self.recv_data(rreq, offset as usize, data);
-                self.recv_complete(rreq);
+                if !self.split_tail_data(rreq, offset as usize, data) {
+                    self.recv_data(rreq, offset as usize, data);
+                    self.recv_complete(rreq);
+                }
             }
             Msg::Fin { src, rreq } => {
                 let _ = self.src_peer(src)?;
@@ -3662,9 +3711,16 @@ impl State {
         s.wait = SendWait::Posting;
         // Split: the receiver reads the head itself; we write the tail.
         let split = !keys.is_empty() && offset > 0 && offset < s.len;
-        // Put: the receiver gave us its key; write with our own registration.
+        // Put: the receiver gave us its key; write with our own registration, on the lane of
+        // the key's domain (not necessarily the one a re-plan now prefers).
+        let key_lane = keys.first().and_then(|k| {
+            self.peers[p].eps.keys().copied().find(|&l| {
+                self.slots[l].attr.has(IfaceCaps::PUT_ZCOPY)
+                    && self.ctx.domain(self.slots[l].md).name() == k.md
+            })
+        });
         if let Some(k) = keys.first()
-            && let Some(lane) = self.peers[p].rma
+            && let Some(lane) = key_lane
         {
             let md = self.slots[lane].md;
             let unpacked = self.ctx.domain(md).rkey_unpack(&k.key);
@@ -3700,7 +3756,20 @@ impl State {
         // the AM lane's domain, copy-in otherwise.
         let am_md = self.slots[self.peers[p].am].md;
         let put = matches!(&self.reqs[&sreq].kind, ReqKind::Send(s) if s.put.is_some());
-        if !put {
+        if !put && split {
+            // The receiver reads the head from our registration while we could not write the
+            // tail: stream the tail (copied in), keep every registration until its reads are
+            // done, and finish after both (the receiver counts the tail's bytes).
+            if let Some(Req {
+                kind: ReqKind::Send(s),
+                ..
+            }) = self.reqs.get_mut(&sreq)
+            {
+                s.posted = offset;
+                s.split_left = 2;
+            }
+            self.count("rendezvous split: tail streamed (no remote write)");
+        } else if !put {
             let am = self.peers[p].am;
             let zc = self.slots[am].attr.has(IfaceCaps::AM_ZCOPY)
                 && self.slots[am].attr.limits.am_max_hdr >= proto::FIRST_OVERHEAD;
