@@ -111,6 +111,11 @@ fn ring_all_sizes(job: &Job) {
             })
             .unwrap_or_else(|e| panic!("rank {rank}: size {n}: {e}"));
         assert_eq!(c.len, n);
+        assert_eq!(
+            c.sender.and_then(|ep| job.rank_of(ep)),
+            Some(prev),
+            "rank {rank}: size {n}: the sender's rank"
+        );
         assert!(
             recv == pattern(prev, n, k),
             "rank {rank}: size {n}: data differs"
@@ -520,4 +525,44 @@ fn aperture_budget_exhausted_on_both_ranks_is_survived_and_queryable() {
             "{host_path}"
         );
     }
+}
+
+/// A barrier with its own limit: rank 1 works alone for 3 s before it arrives; rank 0's
+/// barrier with a 500 ms limit times out (naming the limit), a second one without a limit
+/// meets rank 1, and the job goes on.
+#[test]
+fn barrier_with_a_limit_of_its_own() {
+    if in_child() {
+        let job = Job::from_env().unwrap();
+        if job.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(3));
+        } else {
+            let t = std::time::Instant::now();
+            match job.barrier_timeout(Duration::from_millis(500)) {
+                Err(rucx::Error::Timeout { after, .. }) => {
+                    assert_eq!(after, Duration::from_millis(500));
+                    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+                }
+                other => panic!("rank 0: barrier with a 500 ms limit: {other:?}"),
+            }
+        }
+        job.barrier_timeout(Duration::MAX).unwrap();
+        println!("rank {}: met after the long work", job.rank());
+        return;
+    }
+    let boot = format!("127.0.0.1:{}", free_port());
+    let r = run_ranks(
+        "barrier_with_a_limit_of_its_own",
+        2,
+        &boot,
+        &[("RUCX_TLS", "posix")],
+        &|_| (vec![], vec![]),
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&r);
+    assert!(
+        r[0].1.contains("rank 0: met after the long work"),
+        "{}",
+        r[0].1
+    );
 }

@@ -34,7 +34,7 @@ pub use context::{Context, Demotion, Refusal, RegGuard};
 pub use listener::Listener;
 pub use matching::Tag;
 pub use plan::{EpPlan, PathInfo};
-pub use scope::{Request, Scope};
+pub use scope::{Request, Scope, wait_all, wait_all_timeout, wait_any, wait_any_timeout};
 pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};
 
 /// What `docs/architecture.md` says of [`Context`]'s registration: `can_register`,

@@ -231,6 +231,94 @@ impl Request<'_> {
     }
 }
 
+/// Progress the distinct workers of `reqs` (each once per round) until `done` says so or
+/// `limit` passed; polls flat out first and eases off only after many idle rounds, as a single
+/// request's wait does.
+fn wait_many(
+    reqs: &[&Request<'_>],
+    limit: Option<Duration>,
+    what: &str,
+    mut done: impl FnMut() -> bool,
+) -> Result<()> {
+    let mut workers: Vec<&Worker> = Vec::new();
+    for r in reqs {
+        if !workers.iter().any(|w| std::ptr::eq(*w, r.worker)) {
+            workers.push(r.worker);
+        }
+    }
+    let start = limit.map(|_| std::time::Instant::now());
+    let mut idle = 0u32;
+    loop {
+        if done() {
+            return Ok(());
+        }
+        if let (Some(l), Some(t)) = (limit, start)
+            && t.elapsed() > l
+        {
+            return Err(rucx_ucs::Error::Timeout {
+                after: l,
+                what: what.to_string(),
+            });
+        }
+        let n: usize = workers.iter().map(|w| w.progress()).sum();
+        if n == 0 {
+            idle = idle.saturating_add(1);
+            if idle > 1000 {
+                std::hint::spin_loop();
+            }
+        } else {
+            idle = 0;
+        }
+    }
+}
+
+/// Wait for every request of `reqs`, which may belong to scopes of different workers (each
+/// worker is progressed, not only one): the results in the same order. Two workers of one
+/// process exchanging (e.g. GPU 0 to GPU 1) need this, since a request's own
+/// [`wait`](Request::wait) progresses only its worker.
+pub fn wait_all(reqs: &[&Request<'_>]) -> Vec<Result<Completion>> {
+    wait_all_timeout(reqs, None).expect("no limit, no timeout")
+}
+
+/// [`wait_all`] giving up after `limit` (when given) with
+/// [`Error::Timeout`](rucx_ucs::Error::Timeout); the requests stay as they are (still pending
+/// ones can be waited for again, or canceled where possible).
+pub fn wait_all_timeout(
+    reqs: &[&Request<'_>],
+    limit: Option<Duration>,
+) -> Result<Vec<Result<Completion>>> {
+    wait_many(reqs, limit, "every request of a wait_all", || {
+        reqs.iter().all(|r| r.test().is_some())
+    })?;
+    Ok(reqs.iter().map(|r| r.test().expect("finished")).collect())
+}
+
+/// Wait until one request of `reqs` (of any workers) finished: its index and result. `None`
+/// for an empty slice.
+pub fn wait_any(reqs: &[&Request<'_>]) -> Option<(usize, Result<Completion>)> {
+    wait_any_timeout(reqs, None).expect("no limit, no timeout")
+}
+
+/// [`wait_any`] giving up after `limit` (when given) with
+/// [`Error::Timeout`](rucx_ucs::Error::Timeout).
+pub fn wait_any_timeout(
+    reqs: &[&Request<'_>],
+    limit: Option<Duration>,
+) -> Result<Option<(usize, Result<Completion>)>> {
+    if reqs.is_empty() {
+        return Ok(None);
+    }
+    let mut found = None;
+    wait_many(reqs, limit, "any request of a wait_any", || {
+        found = reqs
+            .iter()
+            .enumerate()
+            .find_map(|(i, r)| r.test().map(|res| (i, res)));
+        found.is_some()
+    })?;
+    Ok(found)
+}
+
 impl Future for Request<'_> {
     type Output = Result<Completion>;
 

@@ -728,3 +728,49 @@ fn a_failed_request_reports_the_same_error_to_test_wait_and_await() {
     });
     assert_eq!(w.live_requests(), 0);
 }
+
+/// Two workers of one process exchange through `wait_all`, which progresses both: a rendezvous
+/// between them cannot finish when only the sender's worker is progressed. `wait_any` reports
+/// the first to finish, and a bounded wait on a receive nothing matches times out, leaving it
+/// cancelable.
+#[test]
+fn two_workers_in_one_process_through_wait_all() {
+    use rucx_ucp::{wait_all, wait_any, wait_any_timeout};
+    let a = worker(&[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "16K")]);
+    let b = worker(&[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "16K")]);
+    let ab = a.connect(&b.address()).unwrap();
+    let n = 1 << 20;
+    let send = pattern(n, 9);
+    let mut recv = vec![0u8; n];
+    let results = a.scope(|sa| {
+        b.scope(|sb| {
+            let r = sb.tag_recv(&mut recv, 3, TAG_MASK_FULL);
+            let s = sa.tag_send(ab, &send, 3);
+            wait_all(&[&s, &r])
+        })
+    });
+    assert_eq!(results.len(), 2);
+    assert_eq!(results[0].as_ref().unwrap().len, n);
+    assert_eq!(results[1].as_ref().unwrap().len, n);
+    assert!(recv == send);
+    let mut small = vec![0u8; 8];
+    let mut never = vec![0u8; 8];
+    a.scope(|sa| {
+        b.scope(|sb| {
+            let stuck = sb.tag_recv(&mut never, 77, TAG_MASK_FULL);
+            let r = sb.tag_recv(&mut small, 4, TAG_MASK_FULL);
+            let s = sa.tag_send(ab, &send[..8], 4);
+            let (i, res) = wait_any(&[&stuck, &r]).unwrap();
+            assert_eq!(i, 1, "the receive that matched finishes first");
+            assert_eq!(res.unwrap().len, 8);
+            s.wait().unwrap();
+            match wait_any_timeout(&[&stuck], Some(std::time::Duration::from_millis(50))) {
+                Err(Error::Timeout { .. }) => {}
+                other => panic!("a receive nothing matches: {other:?}"),
+            }
+            assert!(stuck.cancel());
+        })
+    });
+    assert_eq!(small, send[..8]);
+    assert_eq!(a.live_requests() + b.live_requests(), 0);
+}

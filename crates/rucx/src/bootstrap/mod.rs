@@ -313,6 +313,9 @@ pub struct Job {
     eps: Vec<EpId>,
     conns: Vec<TcpStream>,
     timeout: Duration,
+    /// A barrier that timed out part-way: which ranks' arrivals rank 0 has seen, and whether
+    /// this rank announced its own, so the next attempt neither waits for nor sends them again.
+    barrier_state: std::cell::RefCell<(Vec<bool>, bool)>,
 }
 
 impl Job {
@@ -353,6 +356,7 @@ impl Job {
             eps,
             conns,
             timeout,
+            barrier_state: std::cell::RefCell::new((Vec::new(), false)),
         };
         // Make sure every rank's endpoints exist before anyone sends.
         job.barrier()?;
@@ -389,12 +393,29 @@ impl Job {
         self.eps[rank]
     }
 
-    /// Wait until every rank reached the barrier, progressing the worker meanwhile.
+    /// The rank behind an endpoint of this job's worker (e.g. a receive's
+    /// [`Completion::sender`](rucx_ucp::Completion::sender)); `None` for an endpoint that is not
+    /// one of the job's (a peer connected otherwise).
+    pub fn rank_of(&self, ep: EpId) -> Option<usize> {
+        self.eps.iter().position(|e| *e == ep)
+    }
+
+    /// Wait until every rank reached the barrier, progressing the worker meanwhile; fails with
+    /// [`Error::Timeout`] after `RUCX_BOOTSTRAP_TIMEOUT` (see
+    /// [`barrier_timeout`](Self::barrier_timeout) for a limit of its own).
     pub fn barrier(&self) -> Result<()> {
+        self.barrier_timeout(self.timeout)
+    }
+
+    /// [`barrier`](Self::barrier) with its own limit (`Duration::MAX`: none), for a rank that
+    /// knows the others may take longer than the bootstrap timeout (long work alone) or that
+    /// wants to give up sooner. After a barrier timed out, the next one continues it (the ranks
+    /// that arrived are still waiting in theirs): nothing is counted or announced twice.
+    pub fn barrier_timeout(&self, limit: Duration) -> Result<()> {
         if self.placement.size == 1 {
             return Ok(());
         }
-        let deadline = Instant::now().checked_add(self.timeout);
+        let deadline = Instant::now().checked_add(limit);
         let poll = |s: &TcpStream| -> Result<bool> {
             s.set_nonblocking(true).map_err(io("barrier"))?;
             let mut b = [0u8; 1];
@@ -417,23 +438,34 @@ impl Job {
                 }
                 if deadline.is_some_and(|d| Instant::now() > d) {
                     return Err(Error::Timeout {
-                        after: self.timeout,
+                        after: limit,
                         what: "the other ranks to reach a barrier".into(),
                     });
                 }
                 self.worker.progress();
             }
         };
+        let mut state = self.barrier_state.borrow_mut();
+        let (arrived, announced) = &mut *state;
         if self.placement.rank == 0 {
-            for c in &self.conns {
-                wait(c)?;
+            arrived.resize(self.conns.len(), false);
+            for (c, seen) in self.conns.iter().zip(arrived.iter_mut()) {
+                if !*seen {
+                    wait(c)?;
+                    *seen = true;
+                }
             }
             for c in &self.conns {
                 (&*c).write_all(&[1]).map_err(io("barrier"))?;
             }
+            arrived.clear();
         } else {
-            (&self.conns[0]).write_all(&[1]).map_err(io("barrier"))?;
+            if !*announced {
+                (&self.conns[0]).write_all(&[1]).map_err(io("barrier"))?;
+                *announced = true;
+            }
             wait(&self.conns[0])?;
+            *announced = false;
         }
         Ok(())
     }
