@@ -63,8 +63,14 @@ pub static CONFIG: &[OptionSpec] = &[
     },
     OptionSpec {
         name: "PEER_TIMEOUT",
-        kind: OptKind::Time,
-        default: "30s",
-        help: "How long a blocking wait may go without progress before it fails with a timeout.",
+        kind: OptKind::TimeIn(Bounds::millis(10, u64::MAX / 1_000_000).or_inf()),
+        default: "inf",
+        help: "Requests bound to a peer (sends, matched receives, rendezvous, flushes and \
+               remote memory access) fail with an endpoint failure once that peer has answered \
+               nothing for this long: no message, and no answer to the keepalive probes sent \
+               to it after a quarter of this silence (10ms or more, or inf: never). A peer \
+               answers probes whenever it calls into rucx; one that computes for longer without \
+               doing so looks exactly like a frozen one, hence the default inf. Receives not \
+               matched to a peer yet never time out.",
     },
 ];

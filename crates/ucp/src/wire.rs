@@ -1,4 +1,4 @@
-//! Protocol messages on the wire (active-message ids 1..=17 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=18 belong to UCP).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.
@@ -49,6 +49,10 @@ pub const AM_STREAM_DATA: AmId = 16;
 /// side, which ends the receive; 0: the receiving side, which ends the send), and the reason
 /// (length-prefixed UTF-8, at most [`MAX_ABORT_REASON`] bytes).
 pub const AM_RNDV_ABORT: AmId = 17;
+/// Keepalive: src, then 0 for a probe (the peer answers it from its progress) or 1 for the
+/// answer. Sent to a peer that has requests bound to it and has been silent for a while
+/// (`RUCX_PEER_TIMEOUT`); any message from a peer, this one included, shows it is alive.
+pub const AM_KEEPALIVE: AmId = 18;
 
 /// Longest reason an abort message carries (longer ones are cut at a character boundary).
 pub const MAX_ABORT_REASON: usize = 1024;
@@ -165,6 +169,8 @@ pub enum Msg<'a> {
         by_sender: bool,
         reason: &'a str,
     },
+    /// Keepalive probe (`reply` false), or the answer to one (`reply` true).
+    Keepalive { src: u64, reply: bool },
     /// User active message.
     User {
         src: u64,
@@ -195,6 +201,7 @@ impl Msg<'_> {
             Msg::RndvData { .. } => AM_RNDV_DATA,
             Msg::Fin { .. } => AM_RNDV_FIN,
             Msg::Abort { .. } => AM_RNDV_ABORT,
+            Msg::Keepalive { .. } => AM_KEEPALIVE,
             Msg::User { .. } => AM_USER,
         }
     }
@@ -313,6 +320,10 @@ impl Msg<'_> {
                 put_u64s(out, &[*src, *sreq, *rreq]);
                 out.push(u8::from(*by_sender));
                 put_reason(out, reason);
+            }
+            Msg::Keepalive { src, reply } => {
+                put_u64s(out, &[*src]);
+                out.push(u8::from(*reply));
             }
             Msg::User {
                 src,
@@ -608,6 +619,16 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                     len,
                 }
             }
+            AM_KEEPALIVE => {
+                let src = r.u64()?;
+                let reply = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    b => return Err(Error::InvalidAddress(format!("keepalive kind {b}"))),
+                };
+                r.finish()?;
+                Msg::Keepalive { src, reply }
+            }
             AM_USER => {
                 let src = r.u64()?;
                 let id = r.u16()?;
@@ -735,6 +756,26 @@ mod tests {
         }
     }
 
+    #[test]
+    fn keepalive_round_trip_and_validation() {
+        for reply in [false, true] {
+            let m = Msg::Keepalive { src: 7, reply };
+            let (id, b) = m.encode();
+            assert_eq!(id, AM_KEEPALIVE);
+            assert_eq!(b.len(), 9, "src and one byte");
+            assert_eq!(parse(AM_KEEPALIVE, &b).unwrap(), m);
+        }
+        let mut b = Vec::new();
+        put_u64s(&mut b, &[7]);
+        assert!(parse(AM_KEEPALIVE, &b).is_err(), "no kind byte");
+        assert!(parse(AM_KEEPALIVE, &b[..5]).is_err(), "truncated source");
+        b.push(2);
+        assert!(parse(AM_KEEPALIVE, &b).is_err(), "unknown kind");
+        b[8] = 0;
+        b.push(0);
+        assert!(parse(AM_KEEPALIVE, &b).is_err(), "trailing bytes");
+    }
+
     fn arb_key() -> impl Strategy<Value = NamedKey> {
         (
             "[a-z_]{1,12}",
@@ -850,6 +891,7 @@ mod tests {
                     }
                 }
             ),
+            (u(), any::<bool>()).prop_map(|(src, reply)| Msg::Keepalive { src, reply }),
             (u(), any::<u16>(), data(), data()).prop_map(|(src, id, header, data)| Msg::User {
                 src,
                 id,

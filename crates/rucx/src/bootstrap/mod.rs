@@ -475,6 +475,16 @@ impl Drop for Job {
     fn drop(&mut self) {
         // Leave together: no rank closes its connections while another still runs.
         self.worker.set_closing();
+        // Unless a peer failed (died, or stopped answering within RUCX_PEER_TIMEOUT): it would
+        // never reach the barrier, and a frozen one would hold it for the whole bootstrap
+        // timeout. The others see this rank's connection close and leave the barrier too.
+        let me = self.placement.rank;
+        if let Some(r) =
+            (0..self.eps.len()).find(|&r| r != me && self.worker.ep_error(self.eps[r]).is_some())
+        {
+            tracing::debug!("final barrier skipped: the endpoint to rank {r} failed");
+            return;
+        }
         if let Err(e) = self.barrier() {
             tracing::debug!("final barrier: {e}");
         }

@@ -23,6 +23,7 @@ use crate::wire::{self, Msg, MsgKind, NamedKey};
 use rustc_hash::FxHashMap;
 
 mod gpu;
+mod liveness;
 mod query;
 
 pub use crate::plan::PathInfo;
@@ -225,6 +226,8 @@ struct Peer {
     next_msg: u64,
     /// The receive side of the byte stream from this peer.
     stream_rx: StreamRx,
+    /// When it was last heard from (`RUCX_PEER_TIMEOUT`).
+    live: liveness::PeerLive,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -545,6 +548,8 @@ pub(crate) struct State {
     done_q: VecDeque<(Tok, Result<()>)>,
     /// Peers' shared staging mapped here, registered with the copy lane, by local base.
     mapped: FxHashMap<usize, MemHandle>,
+    /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
+    keepalive: Option<liveness::Keepalive>,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -696,6 +701,7 @@ impl Worker {
                 stage_count: (cfg.uint("RNDV_FRAG_COUNT") as usize).clamp(1, 1024),
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
+                keepalive: liveness::Keepalive::from_config(cfg),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -757,6 +763,14 @@ impl Worker {
             while let Some((tok, res)) = st.done_q.pop_front() {
                 st.on_tok(tok, res);
                 n += 1;
+            }
+            // Peer liveness: a counter per call, the clock once in a while.
+            if let Some(ka) = &mut st.keepalive {
+                ka.polls += 1;
+                if ka.polls >= liveness::CHECK_POLLS {
+                    ka.polls = 0;
+                    st.check_peers(Instant::now());
+                }
             }
             if st.am_inbox.is_empty() {
                 return n;
@@ -1472,6 +1486,7 @@ impl Worker {
                 }
             }
         }
+        let mut backoff = liveness::Backoff::new();
         for id in &ids {
             loop {
                 let mut st = self.st.borrow_mut();
@@ -1492,7 +1507,9 @@ impl Worker {
                 }
                 drop(st);
                 if self.progress() == 0 {
-                    std::hint::spin_loop();
+                    backoff.idle(self);
+                } else {
+                    backoff.busy();
                 }
             }
         }
@@ -1523,7 +1540,7 @@ impl Worker {
     pub(crate) fn wait_req(&self, id: u64, limit: Option<Duration>) -> Result<Completion> {
         // The clock is read only when there is a limit: it is not free on the hot path.
         let start = limit.map(|_| Instant::now());
-        let mut idle = 0u32;
+        let mut backoff = liveness::Backoff::new();
         loop {
             if let Some(r) = self.req_result(id) {
                 return r;
@@ -1537,14 +1554,12 @@ impl Worker {
                 });
             }
             if self.progress() == 0 {
-                idle = idle.saturating_add(1);
                 // Poll flat out first (a pause instruction costs tens of cycles on some CPUs,
-                // straight onto the latency), and ease off only when nothing comes for a while.
-                if idle > 1000 {
-                    std::hint::spin_loop();
-                }
+                // straight onto the latency), and ease off only when nothing comes for a while:
+                // after a millisecond, yield, then sleep (up to a millisecond a poll).
+                backoff.idle(self);
             } else {
-                idle = 0;
+                backoff.busy();
             }
         }
     }
@@ -1773,6 +1788,7 @@ impl State {
             queue: VecDeque::new(),
             next_msg: 0,
             stream_rx: StreamRx::default(),
+            live: liveness::PeerLive::default(),
         });
         Ok(p)
     }
@@ -2984,7 +3000,10 @@ impl State {
     fn src_peer(&self, src: u64) -> Result<usize> {
         // Messages come in runs from one peer: remember the last one (uuids are never 0).
         let (last, p) = self.last_src.get();
-        if last == src {
+        if last == src
+            && let Some(peer) = self.peers.get(p)
+        {
+            peer.live.heard.set(true);
             return Ok(p);
         }
         let p = self.by_uuid.get(&src).copied().ok_or_else(|| {
@@ -2993,6 +3012,7 @@ impl State {
             ))
         })?;
         self.last_src.set((src, p));
+        self.peers[p].live.heard.set(true);
         Ok(p)
     }
 
@@ -3040,7 +3060,8 @@ impl State {
         match wire::parse(id, data)? {
             Msg::Wireup { addr } => {
                 let remote = WorkerAddress::unpack(addr)?;
-                self.peer_for(remote)?;
+                let p = self.peer_for(remote)?;
+                self.peers[p].live.heard.set(true);
             }
             Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
             Msg::StreamData { src, data } => {
@@ -3293,6 +3314,13 @@ impl State {
             } => {
                 let _ = self.src_peer(src)?;
                 self.on_frag_ack(sreq, frag as usize, len as usize);
+            }
+            Msg::Keepalive { src, reply } => {
+                // Any message shows the peer alive; a probe is answered.
+                let p = self.src_peer(src)?;
+                if !reply {
+                    self.send_keepalive(p, true);
+                }
             }
             Msg::User {
                 src,
@@ -4002,7 +4030,7 @@ fn p_of(r: &Req) -> usize {
 mod tests {
     use super::*;
 
-    fn self_worker() -> Worker {
+    pub(super) fn self_worker() -> Worker {
         let mut tables = rucx_transports::config_tables();
         tables.push(crate::CONFIG);
         let cfg = rucx_ucs::Config::from_vars(&tables, [("RUCX_TLS", "self")]).unwrap();
