@@ -100,13 +100,13 @@ fn frozen_peer_fails_the_survivors_requests_after_the_peer_timeout() {
         let w = job.worker();
         handshake(&job);
         if job.rank() == 1 {
-            // Offer rank 0 a rendezvous it will match, hand the request over, then freeze.
+            // Offer rank 0 a rendezvous it will match, then freeze at once: posting put the
+            // request to send in the (empty) shared-memory ring already, and no progress here
+            // may answer rank 0's reply (with it, rank 1 could write its part of the message
+            // before it froze and the receive would complete).
             let msg = vec![1u8; BIG];
             w.scope(|s| {
                 let _send = s.tag_send(job.ep(0), &msg, 7);
-                for _ in 0..10_000 {
-                    w.progress();
-                }
                 println!("rank 1: freezing");
                 raise(Signal::SIGSTOP).unwrap();
                 // Resumed after the survivor gave up on us: nothing more to do.
