@@ -421,3 +421,62 @@ fn sync_send_at_the_top_of_the_eager_range() {
         pair.check_clean();
     }
 }
+
+/// A pair where side a's shared-memory domain fails host registrations: its first transfer (a
+/// GPU send from b into a host receive on a) ends on both sides, and demotes `sim_shm` on a,
+/// whose RMA lane becomes the network lane while b's stays shared memory. Host sends from a
+/// into GPU receives on b (no GPU zero-copy lane) then go through a's staging, whose fragments
+/// a announces with keys of `sim_net`. Found by the protocol property (seed
+/// 5979945682491386679).
+fn pair_with_rma_lanes_apart() -> Pair {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_SCHEME", "put_zcopy"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu().ipc(false).with_net(), [&bad, vars]);
+    let send = Buf::filled(&pair.fabric, 243_373, Mem::Device(1), 9);
+    let mut recv = Buf::new(&pair.fabric, 243_373, Mem::Host);
+    let out = pair.transfer(1, &send, &mut recv, 3, false);
+    assert!(out.hang.is_none(), "{}", out.hang.unwrap());
+    assert!(
+        matches!(
+            (&out.send, &out.recv),
+            (
+                Some(Err(Error::PeerAborted { .. })),
+                Some(Err(Error::Registration(_)))
+            )
+        ),
+        "{out:?}"
+    );
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    pair
+}
+
+/// A pipelined receive that fails after the sender announced its fragments ends both sides:
+/// its abort goes out before the acknowledgements that release the fragments (which carry
+/// their whole staged length: ahead of the abort, they completed the send, which reported
+/// success for bytes nobody received). Found by the protocol property (seed
+/// 5979945682491386679), where the receive failed reading fragments on a lane of another
+/// domain than their key's.
+#[test]
+fn a_failed_staged_receive_aborts_before_releasing_the_fragments() {
+    let pair = pair_with_rma_lanes_apart();
+    for (i, n) in [55_620usize, 251_857, 1 << 20].into_iter().enumerate() {
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, i as u64);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Device(1));
+        let out = pair.transfer(0, &send, &mut recv, 3, false);
+        assert!(out.hang.is_none(), "{n} B: {}", out.hang.unwrap());
+        match (&out.send, &out.recv) {
+            (Some(Ok(_)), Some(Ok(_))) => assert!(recv.bytes() == pattern(i as u64, n)),
+            (Some(Err(Error::PeerAborted { .. })), Some(Err(_))) => {}
+            other => panic!("{n} B: the two sides disagree: {other:?}"),
+        }
+        assert_eq!(recv.guard_damage(), None);
+    }
+    pair.check_warnings();
+}

@@ -1559,16 +1559,23 @@ impl State {
     }
 
     fn finish(&mut self, id: u64, res: Result<Completion>) {
+        if self.set_result(id, res) {
+            self.release_chunks(id);
+        }
+    }
+
+    /// End request `id` with `res` unless it ended already; true when it now ended with an
+    /// error (its announced fragments are then to be released: [`Self::release_chunks`]).
+    fn set_result(&mut self, id: u64, res: Result<Completion>) -> bool {
         if let Some(r) = self.reqs.get_mut(&id)
             && r.result.is_none()
         {
             let failed = res.is_err();
             r.result = Some(res);
             r.guards.clear();
-            if failed {
-                self.release_chunks(id);
-            }
+            return failed;
         }
+        false
     }
 
     /// A pipelined receive ended early: hand the sender back the staging fragments it announced
@@ -1624,10 +1631,13 @@ impl State {
         // A broken endpoint fails the peer's requests on its side by itself.
         let notify = !matches!(e, Error::EndpointFailure { .. });
         let reason = e.to_string();
-        self.finish(id, Err(e));
+        self.set_result(id, Err(e));
         if notify && let Some((p, sreq, rreq, by_sender)) = notice {
             self.send_abort(p, sreq, rreq, by_sender, &reason);
         }
+        // Only after the abort: the acknowledgements of the fragments announced to a receive
+        // carry their whole staged length, and ahead of it they would complete the send.
+        self.release_chunks(id);
     }
 
     /// Tell peer `p` that rendezvous `sreq` -> `rreq` is given up on this side, and why.
