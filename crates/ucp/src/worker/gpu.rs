@@ -766,6 +766,9 @@ impl State {
                 return;
             }
         };
+        if let Err(e) = self.chunk_lane_for(rreq, p, mi) {
+            self.fail(rreq, e);
+        }
         let Some(Req {
             kind: ReqKind::Recv(rs),
             result: None,
@@ -831,6 +834,80 @@ impl State {
             self.peers[p].queue.push_back(Pending::Stream(rreq));
         }
         self.pump(p);
+    }
+
+    /// Fragments staged by the sender carry a key of its RMA lane's domain, which need not be
+    /// the domain of our lane (a demotion on either side moves a lane): receive `rid` from peer
+    /// `p` reads them through a connected lane of domain `mi`, its buffer registered there when
+    /// it is read into directly (host memory).
+    fn chunk_lane_for(&mut self, rid: u64, p: usize, mi: usize) -> Result<()> {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            result: None,
+            ..
+        }) = self.reqs.get(&rid)
+        else {
+            return Ok(());
+        };
+        if self.slots.get(rs.chunk_lane).is_some_and(|s| s.md == mi) {
+            return Ok(());
+        }
+        let region = MemRegion {
+            addr: rs.addr,
+            len: rs.rndv.as_ref().map_or(rs.cap, |r| r.want),
+            mem_type: rs.mem,
+            device: rs.dev,
+        };
+        // A connected lane of that domain, else one that reaches the peer (connected by the
+        // next progress; the reads wait for it).
+        let reads = |l: usize| {
+            self.slots[l].md == mi && self.slots[l].attr.caps.contains(IfaceCaps::GET_ZCOPY)
+        };
+        let lane = self.peers[p]
+            .eps
+            .keys()
+            .copied()
+            .find(|&l| reads(l))
+            .or_else(|| {
+                self.peers[p]
+                    .targets
+                    .iter()
+                    .map(|(l, _)| *l)
+                    .find(|&l| reads(l))
+            })
+            .ok_or_else(|| Error::Unsupported {
+                what: format!(
+                    "reading fragments staged with {}",
+                    self.ctx.domain(mi).name()
+                ),
+                why: format!(
+                    "no lane to {} reads with that domain",
+                    self.peers[p].remote.describe()
+                ),
+            })?;
+        self.want_lane(p, lane);
+        let guard = if region.mem_type.is_gpu() {
+            None
+        } else {
+            Some(self.ctx.register(mi, region)?)
+        };
+        let r = self.reqs.get_mut(&rid).expect("req");
+        if let Some(g) = guard {
+            r.guards.insert(0, g);
+        }
+        if let ReqKind::Recv(rs) = &mut r.kind {
+            rs.chunk_lane = lane;
+        }
+        Ok(())
+    }
+
+    /// Have the progress loop connect `lane` to peer `p`, unless it is connected or asked for.
+    fn want_lane(&mut self, p: usize, lane: usize) {
+        let peer = &mut self.peers[p];
+        if peer.eps.get_mut(&lane).is_none() && !peer.plan.wanted.contains(&lane) {
+            peer.plan.wanted.push(lane);
+            peer.needs_lanes = true;
+        }
     }
 
     /// The receiver read one of our staged fragments.
@@ -969,6 +1046,13 @@ impl State {
                 memh: &memh,
             }];
             let token = self.next_token;
+            if self.peers[p].eps.get_mut(&lane).is_none()
+                && self.peers[p].targets.iter().any(|(l, _)| *l == lane)
+            {
+                // Being connected (see `chunk_lane_for`).
+                self.want_lane(p, lane);
+                return Ok(false);
+            }
             let ep = self.peers[p]
                 .eps
                 .get_mut(&lane)
