@@ -505,3 +505,74 @@ fn a_failed_staged_receive_aborts_before_releasing_the_fragments() {
     }
     pair.check_clean();
 }
+
+/// Two staged GPU sends share the sender's two staging fragments; the first one's receive
+/// fails once fragments were announced (the receiver's staging does not fit its `sim_shm`
+/// aperture) and aborts the send, whose fragments come back afterwards: the second send,
+/// waiting for a free fragment, must go on (it was woken only by the acknowledgements of a
+/// send still running, and hung). Found by the protocol property (seed 16864120431268166465).
+#[test]
+fn fragments_of_an_aborted_staged_send_free_the_sends_waiting_for_them() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "16K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=64K")])
+        .collect();
+    let pair = Pair::new(
+        FabricSpec::gpu().ipc(false).shared_staging(false),
+        [vars, &bad],
+    );
+    let f = &pair.fabric;
+    let big = Buf::filled(f, 154_295, Mem::Device(0), 1);
+    let small = Buf::filled(f, 26_809, Mem::Device(0), 2);
+    let mut rbig = Buf::new(f, 154_295, Mem::Device(1));
+    let mut rsmall = Buf::new(f, 26_809, Mem::Host);
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let s_small = sa.tag_send(pair.ep[0], small.send(), 2);
+            let s_big = sa.tag_send(pair.ep[0], big.send(), 1);
+            for _ in 0..2 {
+                pair.step();
+            }
+            let r_big = sb.tag_recv(rbig.recv(), 1, TAG_MASK_FULL);
+            let r_small = sb.tag_recv(rsmall.recv(), 2, TAG_MASK_FULL);
+            let reqs = [&s_small, &s_big, &r_big, &r_small];
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            assert!(
+                matches!(
+                    (s_big.test(), r_big.test()),
+                    (
+                        Some(Err(Error::PeerAborted { .. })),
+                        Some(Err(Error::Registration(_)))
+                    )
+                ),
+                "{:?} {:?}",
+                s_big.test(),
+                r_big.test()
+            );
+            assert!(
+                matches!(s_small.test(), Some(Ok(_))),
+                "{:?}",
+                s_small.test()
+            );
+            assert!(
+                matches!(r_small.test(), Some(Ok(_))),
+                "{:?}",
+                r_small.test()
+            );
+        })
+    });
+    assert!(rsmall.bytes() == pattern(2, 26_809));
+    pair.check_clean();
+}

@@ -915,37 +915,32 @@ impl State {
         if let Some(stg) = self.staging.as_mut() {
             stg.free_send.push(frag);
         }
-        let Some(Req {
+        // The send may have ended meanwhile (aborted): its fragments still come back.
+        if let Some(Req {
             kind: ReqKind::Send(s),
             result: None,
             ..
         }) = self.reqs.get_mut(&sreq)
-        else {
-            return;
-        };
-        let p = s.peer;
-        let (done, total, tag) = match &mut s.stage {
-            Some(st) => {
-                st.acked += len;
-                (st.acked >= s.len, s.len, s.tag)
+            && let Some(st) = &mut s.stage
+        {
+            st.acked += len;
+            let (p, done, total, tag) = (s.peer, st.acked >= s.len, s.len, s.tag);
+            if done {
+                self.finish(
+                    sreq,
+                    Ok(Completion {
+                        len: total,
+                        tag,
+                        sender: None,
+                    }),
+                );
+            } else {
+                self.peers[p].queue.push_back(Pending::Stream(sreq));
+                self.pump(p);
             }
-            None => return,
-        };
-        if done {
-            self.finish(
-                sreq,
-                Ok(Completion {
-                    len: total,
-                    tag,
-                    sender: None,
-                }),
-            );
-        } else {
-            self.peers[p].queue.push_back(Pending::Stream(sreq));
-            self.pump(p);
         }
         // A fragment came free: every staged send still waiting for one may go on (not only
-        // this one, which may just have finished).
+        // this one, which may just have finished or ended).
         let waiting: Vec<(usize, u64)> = self
             .reqs
             .iter()
