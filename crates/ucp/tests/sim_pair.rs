@@ -576,3 +576,60 @@ fn fragments_of_an_aborted_staged_send_free_the_sends_waiting_for_them() {
     assert!(rsmall.bytes() == pattern(2, 26_809));
     pair.check_clean();
 }
+
+/// A staged GPU send that fails on its own mid-pipeline (its RMA lane is gone: the sender's
+/// only host RMA domain was demoted by another transfer) gives its staging fragments back:
+/// the staged sends waiting for one must go on (nothing woke them, and they hung). Found by
+/// the protocol property (seed 4339059713044262302).
+#[test]
+fn fragments_of_a_failed_staged_send_free_the_sends_waiting_for_them() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "4K"),
+        ("RUCX_RNDV_THRESH", "512K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu(), [&bad, vars]);
+    let f = &pair.fabric;
+    let first = Buf::filled(f, 248_064, Mem::Device(0), 1);
+    let host = Buf::filled(f, 20_581, Mem::Host, 2);
+    let second = Buf::filled(f, 92_312, Mem::Device(0), 3);
+    let mut r_first = Buf::new(f, 248_064, Mem::Host);
+    let mut r_host = Buf::new(f, 20_581, Mem::Host);
+    let mut r_second = Buf::new(f, 92_312, Mem::Host);
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let s1 = sa.tag_send(pair.ep[0], first.send(), 1);
+            let q1 = sb.tag_recv(r_first.recv(), 1, TAG_MASK_FULL);
+            // A zero-copy eager send: its registration fails and demotes a's only RMA domain.
+            let s2 = sa.tag_send(pair.ep[0], host.send(), 2);
+            let q2 = sb.tag_recv(r_host.recv(), 2, TAG_MASK_FULL);
+            let s3 = sa.tag_send(pair.ep[0], second.send(), 3);
+            let q3 = sb.tag_recv(r_second.recv(), 3, TAG_MASK_FULL);
+            let reqs = [&s1, &q1, &s2, &q2, &s3, &q3];
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            assert!(matches!(s2.test(), Some(Ok(_))) && matches!(q2.test(), Some(Ok(_))));
+            for (s, q) in [(&s1, &q1), (&s3, &q3)] {
+                match (s.test(), q.test()) {
+                    (Some(Ok(_)), Some(Ok(_))) => {}
+                    (Some(Err(_)), Some(Err(Error::PeerAborted { .. }))) => {}
+                    other => panic!("the two sides disagree: {other:?}"),
+                }
+            }
+        })
+    });
+    assert!(r_host.bytes() == pattern(2, 20_581));
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    pair.check_clean();
+}

@@ -176,6 +176,9 @@ impl State {
                         _ => {}
                     }
                 }
+                if result.is_err() && matches!(what, TokWhat::StageD2H { .. }) {
+                    self.wake_staged_sends(tok.req, false);
+                }
                 if result.is_err() {
                     // A read or copy of an announced fragment failed: the sender may still
                     // reuse the fragment (we no longer need it).
@@ -222,6 +225,7 @@ impl State {
                         if let Some(stg) = self.staging.as_mut() {
                             stg.free_send.push(frag);
                         }
+                        self.wake_staged_sends(id, false);
                         return Ok(());
                     }
                 };
@@ -238,6 +242,7 @@ impl State {
                         if let Some(stg) = self.staging.as_mut() {
                             stg.free_send.push(frag);
                         }
+                        self.wake_staged_sends(id, false);
                         return Err(e);
                     }
                 };
@@ -707,6 +712,7 @@ impl State {
                     if e.is_retryable() {
                         return Ok(false);
                     }
+                    self.wake_staged_sends(id, false);
                     return Err(e);
                 }
             }
@@ -910,6 +916,38 @@ impl State {
         }
     }
 
+    /// A send staging fragment came free: every staged send still waiting for one (but
+    /// `except`) may go on. Queued on their peers, which the progress loop pumps, or pumped at
+    /// once when `pump`.
+    pub(super) fn wake_staged_sends(&mut self, except: u64, pump: bool) {
+        let waiting: Vec<(usize, u64)> = self
+            .reqs
+            .iter()
+            .filter_map(|(id, r)| match &r.kind {
+                ReqKind::Send(s)
+                    if r.result.is_none()
+                        && id != except
+                        && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
+                {
+                    Some((s.peer, id))
+                }
+                _ => None,
+            })
+            .collect();
+        for (q, id) in waiting {
+            if !self.peers[q]
+                .queue
+                .iter()
+                .any(|x| matches!(x, Pending::Stream(y) if *y == id))
+            {
+                self.peers[q].queue.push_back(Pending::Stream(id));
+            }
+            if pump {
+                self.pump(q);
+            }
+        }
+    }
+
     /// The receiver read one of our staged fragments.
     pub(super) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
         if let Some(stg) = self.staging.as_mut() {
@@ -939,32 +977,8 @@ impl State {
                 self.pump(p);
             }
         }
-        // A fragment came free: every staged send still waiting for one may go on (not only
-        // this one, which may just have finished or ended).
-        let waiting: Vec<(usize, u64)> = self
-            .reqs
-            .iter()
-            .filter_map(|(id, r)| match &r.kind {
-                ReqKind::Send(s)
-                    if r.result.is_none()
-                        && id != sreq
-                        && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
-                {
-                    Some((s.peer, id))
-                }
-                _ => None,
-            })
-            .collect();
-        for (q, id) in waiting {
-            if !self.peers[q]
-                .queue
-                .iter()
-                .any(|x| matches!(x, Pending::Stream(y) if *y == id))
-            {
-                self.peers[q].queue.push_back(Pending::Stream(id));
-            }
-            self.pump(q);
-        }
+        // Not only this one, which may just have finished or ended.
+        self.wake_staged_sends(sreq, true);
     }
 
     /// Post reads of queued chunks: straight into a host buffer, or into receive staging for a
