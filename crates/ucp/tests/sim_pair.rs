@@ -633,3 +633,76 @@ fn fragments_of_a_failed_staged_send_free_the_sends_waiting_for_them() {
     assert_eq!(pair.ctx[0].demotions().len(), 1);
     pair.check_clean();
 }
+
+/// Reads of staged fragments through a lane being connected on demand (see
+/// `staged_fragments_are_read_through_a_lane_of_their_key_s_domain`) wait for it before they
+/// take a receive staging fragment (a fragment taken per wait leaked, and with two of them
+/// the receive waited forever). Side b's `sim_shm` aperture is exhausted by its second send,
+/// which demotes the domain: b stages that send, announcing fragments with `sim_net` keys, to
+/// a receiver whose RMA lane is shared memory. Found by the protocol property (seed
+/// 9851790444661303995).
+#[test]
+fn staged_reads_wait_for_their_lane_before_taking_a_staging_fragment() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "4K"),
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=64K")])
+        .collect();
+    let pair = Pair::new(
+        FabricSpec::gpu().with_net().shared_staging(false),
+        [vars, &bad],
+    );
+    let f = &pair.fabric;
+    let sizes = [51_827usize, 47_339, 63_313];
+    let sends: Vec<Buf> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            Buf::filled(
+                f,
+                n,
+                if i == 2 { Mem::Device(1) } else { Mem::Host },
+                i as u64,
+            )
+        })
+        .collect();
+    let mut recvs: Vec<Buf> = sizes
+        .iter()
+        .map(|&n| Buf::new(f, n, Mem::Device(0)))
+        .collect();
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let mut reqs = Vec::new();
+            for ((i, s), r) in sends.iter().enumerate().zip(recvs.iter_mut()) {
+                let tag = i as u64;
+                reqs.push(if i == 2 {
+                    sb.tag_send_sync(pair.ep[1], s.send(), tag)
+                } else {
+                    sb.tag_send(pair.ep[1], s.send(), tag)
+                });
+                reqs.push(sa.tag_recv(r.recv(), tag, TAG_MASK_FULL));
+            }
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            for r in &reqs {
+                assert!(matches!(r.test(), Some(Ok(_))), "{:?}", r.test());
+            }
+        })
+    });
+    for (i, r) in recvs.iter().enumerate() {
+        assert!(r.bytes() == pattern(i as u64, sizes[i]), "message {i}");
+    }
+    assert_eq!(pair.ctx[1].demotions().len(), 1);
+    pair.check_clean();
+}

@@ -1006,6 +1006,14 @@ impl State {
             });
             let gpu = rs.mem.is_gpu();
             let uaddr = rs.addr;
+            if c.local.is_none()
+                && self.peers[p].eps.get_mut(&lane).is_none()
+                && self.peers[p].targets.iter().any(|(l, _)| *l == lane)
+            {
+                // Being connected (see `chunk_lane_for`).
+                self.want_lane(p, lane);
+                return Ok(false);
+            }
             if gpu && let Some((laddr, lmemh)) = c.local.clone() {
                 // The sender's fragment is mapped here: one DMA copy to the GPU.
                 let key = match &rs.dev_memh {
@@ -1055,13 +1063,6 @@ impl State {
                 memh: &memh,
             }];
             let token = self.next_token;
-            if self.peers[p].eps.get_mut(&lane).is_none()
-                && self.peers[p].targets.iter().any(|(l, _)| *l == lane)
-            {
-                // Being connected (see `chunk_lane_for`).
-                self.want_lane(p, lane);
-                return Ok(false);
-            }
             let ep = self.peers[p]
                 .eps
                 .get_mut(&lane)
