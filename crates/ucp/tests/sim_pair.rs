@@ -706,3 +706,76 @@ fn staged_reads_wait_for_their_lane_before_taking_a_staging_fragment() {
     assert_eq!(pair.ctx[1].demotions().len(), 1);
     pair.check_clean();
 }
+
+/// A large host rendezvous is split: the receiver reads the head and asks the sender (RTR
+/// with its key) to write the tail. When the sender's RMA lane moved since its RTS (its
+/// `sim_shm` domain was demoted by a receive whose registration exceeded the aperture), it
+/// writes the tail through a lane of the key's domain, or streams the tail alone followed by
+/// the finish message: it streamed the whole message instead, which the receiver counted, and
+/// the receive completed with the tail never written. Found by the protocol property (seed
+/// 9237354634576905407).
+#[test]
+fn the_tail_of_a_split_rendezvous_is_written_after_the_sender_s_lane_moved() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "16K"),
+        ("RUCX_RNDV_THRESH", "512K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=3M")])
+        .collect();
+    let spec = FabricSpec::gpu()
+        .ipc(false)
+        .with_net()
+        .shared_staging(false)
+        .delivery(Delivery::Random {
+            seed: 9_237_354_634_576_905_407,
+            noresource_per_mille: 0,
+        });
+    let pair = Pair::new(spec, [&bad, vars]);
+    let f = &pair.fabric;
+    let (n, m) = (2_029_419usize, 1_335_650usize);
+    let big = Buf::filled(f, n, Mem::Host, 1);
+    let other = Buf::filled(f, m, Mem::Device(1), 2);
+    let mut r_big = Buf::new(f, n, Mem::Host);
+    let mut r_other = Buf::new(f, m, Mem::Host);
+    let small = Buf::filled(f, 115, Mem::Device(1), 3);
+    let mut r_small = Buf::new(f, 115, Mem::Device(0));
+    let mid = Buf::filled(f, 56_316, Mem::Device(1), 4);
+    let mut r_mid = Buf::new(f, 59_684, Mem::HostRaw);
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let s_big = sa.tag_send(pair.ep[0], big.send(), 1);
+            pair.step();
+            let s_other = sb.tag_send(pair.ep[1], other.send(), 2);
+            let s_small = sb.tag_send_sync(pair.ep[1], small.send(), 3);
+            let s_mid = sb.tag_send(pair.ep[1], mid.send(), 4);
+            let q_mid = sa.tag_recv(r_mid.recv(), 4, TAG_MASK_FULL);
+            // Its registration exceeds a's aperture: a demotes sim_shm.
+            let q_other = sa.tag_recv(r_other.recv(), 2, TAG_MASK_FULL);
+            let q_small = sa.tag_recv(r_small.recv(), 3, TAG_MASK_FULL);
+            let q_big = sb.tag_recv(r_big.recv(), 0, 0);
+            let reqs = [
+                &s_big, &q_big, &s_other, &q_other, &s_small, &q_small, &s_mid, &q_mid,
+            ];
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            assert!(matches!(s_big.test(), Some(Ok(_))), "{:?}", s_big.test());
+            assert!(matches!(q_big.test(), Some(Ok(_))), "{:?}", q_big.test());
+        })
+    });
+    assert!(
+        r_big.bytes() == pattern(1, n),
+        "the big message's data differs"
+    );
+    assert_eq!(r_big.guard_damage(), None);
+    pair.check_clean();
+}

@@ -2506,10 +2506,16 @@ impl State {
             }
         }
         let r = self.reqs.get_mut(&id).expect("request");
+        let mut split = false;
         if let ReqKind::Send(s) = &mut r.kind {
             s.wait = SendWait::Completions;
+            split = s.split_left > 0;
         }
-        if r.outstanding == 0 {
+        if r.outstanding == 0 && split {
+            // The streamed tail of a split rendezvous: the finish message, then the send ends
+            // with the receiver's reads.
+            self.put_done(id);
+        } else if r.outstanding == 0 {
             self.finish(
                 id,
                 Ok(Completion {
@@ -2910,7 +2916,7 @@ impl State {
         match &r.kind {
             ReqKind::Send(s) if s.wait == SendWait::Completions => {
                 let (len, tag) = (s.len, s.tag);
-                if s.put.is_some() {
+                if s.put.is_some() || s.split_left > 0 {
                     self.put_done(id);
                 } else {
                     self.finish(
@@ -3672,9 +3678,21 @@ impl State {
         s.wait = SendWait::Posting;
         // Split: the receiver reads the head itself; we write the tail.
         let split = !keys.is_empty() && offset > 0 && offset < s.len;
-        // Put: the receiver gave us its key; write with our own registration.
+        // Put: the receiver gave us its key; write with our own registration, through a lane
+        // of the key's domain (our RMA lane may have moved to another since the RTS: a
+        // demotion).
+        let key_lane = |st: &Self, md: &str| {
+            st.peers[p]
+                .rma
+                .into_iter()
+                .chain(st.peers[p].eps.keys().copied())
+                .find(|&l| {
+                    st.ctx.domain(st.slots[l].md).name() == md
+                        && st.slots[l].attr.has(IfaceCaps::PUT_ZCOPY)
+                })
+        };
         if let Some(k) = keys.first()
-            && let Some(lane) = self.peers[p].rma
+            && let Some(lane) = key_lane(self, &k.md)
         {
             let md = self.slots[lane].md;
             let unpacked = self.ctx.domain(md).rkey_unpack(&k.key);
@@ -3710,7 +3728,18 @@ impl State {
         // the AM lane's domain, copy-in otherwise.
         let am_md = self.slots[self.peers[p].am].md;
         let put = matches!(&self.reqs[&sreq].kind, ReqKind::Send(s) if s.put.is_some());
-        if !put {
+        if split && !put {
+            // The receiver reads the head and waits for the tail and its finish message: stream
+            // the tail alone, then the finish (the registration it reads from stays).
+            if let Some(Req {
+                kind: ReqKind::Send(s),
+                ..
+            }) = self.reqs.get_mut(&sreq)
+            {
+                s.posted = offset;
+                s.split_left = 2;
+            }
+        } else if !put {
             let am = self.peers[p].am;
             let zc = self.slots[am].attr.has(IfaceCaps::AM_ZCOPY)
                 && self.slots[am].attr.limits.am_max_hdr >= proto::FIRST_OVERHEAD;
