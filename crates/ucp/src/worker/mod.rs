@@ -2422,8 +2422,14 @@ impl State {
         }
         let am = self.peers[p].am;
         let limits = self.slots[am].attr.limits;
-        let zcopy =
-            !self.reqs[&id].guards.is_empty() && (proto == Proto::EagerZcopy || rndv_to.is_some());
+        // Zero-copy from a registration of the AM lane's domain (the streamed tail of a split
+        // rendezvous keeps the registration the receiver reads the head from, of another one).
+        let am_name = self.ctx.domain(self.slots[am].md).name();
+        let zcopy = self.reqs[&id]
+            .guards
+            .first()
+            .is_some_and(|g| g.registration().domain() == am_name)
+            && (proto == Proto::EagerZcopy || rndv_to.is_some());
         let total = len;
         let mut off = posted;
         loop {
