@@ -421,3 +421,361 @@ fn sync_send_at_the_top_of_the_eager_range() {
         pair.check_clean();
     }
 }
+
+/// A pair where side a's shared-memory domain fails host registrations: its first transfer (a
+/// GPU send from b into a host receive on a) ends on both sides, and demotes `sim_shm` on a,
+/// whose RMA lane becomes the network lane while b's stays shared memory. Host sends from a
+/// into GPU receives on b (no GPU zero-copy lane) then go through a's staging, whose fragments
+/// a announces with keys of `sim_net`. Found by the protocol property (seed
+/// 5979945682491386679).
+fn pair_with_rma_lanes_apart() -> Pair {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_SCHEME", "put_zcopy"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu().ipc(false).with_net(), [&bad, vars]);
+    let send = Buf::filled(&pair.fabric, 243_373, Mem::Device(1), 9);
+    let mut recv = Buf::new(&pair.fabric, 243_373, Mem::Host);
+    let out = pair.transfer(1, &send, &mut recv, 3, false);
+    assert!(out.hang.is_none(), "{}", out.hang.unwrap());
+    assert!(
+        matches!(
+            (&out.send, &out.recv),
+            (
+                Some(Err(Error::PeerAborted { .. })),
+                Some(Err(Error::Registration(_)))
+            )
+        ),
+        "{out:?}"
+    );
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    pair
+}
+
+/// The sender's fragments carry keys of its RMA lane's domain (`sim_net` here): the receiver
+/// reads them through a lane of that domain, not its own RMA lane (`sim_shm`, whose transport
+/// refused the foreign key, and the receive failed). Found by the protocol property (seed
+/// 5979945682491386679).
+#[test]
+fn staged_fragments_are_read_through_a_lane_of_their_key_s_domain() {
+    let pair = pair_with_rma_lanes_apart();
+    for (i, n) in [55_620usize, 251_857, 1 << 20].into_iter().enumerate() {
+        for rmem in [Mem::Device(1), Mem::Host] {
+            let send = Buf::filled(&pair.fabric, n, Mem::Device(0), i as u64);
+            let mut recv = Buf::new(&pair.fabric, n, rmem);
+            let out = pair.transfer(0, &send, &mut recv, 3, false);
+            assert!(out.hang.is_none(), "{n} B: {}", out.hang.unwrap());
+            out.expect_ok();
+            assert!(recv.bytes() == pattern(i as u64, n), "{n} B into {rmem:?}");
+            assert_eq!(recv.guard_damage(), None);
+        }
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, i as u64);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Device(1));
+        pair.transfer(0, &send, &mut recv, 3, false).expect_ok();
+        assert!(recv.bytes() == pattern(i as u64, n), "{n} B host into GPU");
+    }
+    pair.check_clean();
+}
+
+/// A pipelined receive that fails after the sender announced its fragments ends both sides:
+/// its abort goes out before the acknowledgements that release the fragments (which carry
+/// their whole staged length: ahead of the abort, they completed the send, which reported
+/// success for bytes nobody received). Found by the protocol property (seed
+/// 5979945682491386679), where the receive failed reading fragments on a lane of another
+/// domain than their key's.
+#[test]
+fn a_failed_staged_receive_aborts_before_releasing_the_fragments() {
+    let pair = pair_with_rma_lanes_apart();
+    for (i, n) in [55_620usize, 251_857, 1 << 20].into_iter().enumerate() {
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, i as u64);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Device(1));
+        let out = pair.transfer(0, &send, &mut recv, 3, false);
+        assert!(out.hang.is_none(), "{n} B: {}", out.hang.unwrap());
+        match (&out.send, &out.recv) {
+            (Some(Ok(_)), Some(Ok(_))) => assert!(recv.bytes() == pattern(i as u64, n)),
+            (Some(Err(Error::PeerAborted { .. })), Some(Err(_))) => {}
+            other => panic!("{n} B: the two sides disagree: {other:?}"),
+        }
+        assert_eq!(recv.guard_damage(), None);
+    }
+    pair.check_clean();
+}
+
+/// Two staged GPU sends share the sender's two staging fragments; the first one's receive
+/// fails once fragments were announced (the receiver's staging does not fit its `sim_shm`
+/// aperture) and aborts the send, whose fragments come back afterwards: the second send,
+/// waiting for a free fragment, must go on (it was woken only by the acknowledgements of a
+/// send still running, and hung). Found by the protocol property (seed 16864120431268166465).
+#[test]
+fn fragments_of_an_aborted_staged_send_free_the_sends_waiting_for_them() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "16K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=64K")])
+        .collect();
+    let pair = Pair::new(
+        FabricSpec::gpu().ipc(false).shared_staging(false),
+        [vars, &bad],
+    );
+    let f = &pair.fabric;
+    let big = Buf::filled(f, 154_295, Mem::Device(0), 1);
+    let small = Buf::filled(f, 26_809, Mem::Device(0), 2);
+    let mut rbig = Buf::new(f, 154_295, Mem::Device(1));
+    let mut rsmall = Buf::new(f, 26_809, Mem::Host);
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let s_small = sa.tag_send(pair.ep[0], small.send(), 2);
+            let s_big = sa.tag_send(pair.ep[0], big.send(), 1);
+            for _ in 0..2 {
+                pair.step();
+            }
+            let r_big = sb.tag_recv(rbig.recv(), 1, TAG_MASK_FULL);
+            let r_small = sb.tag_recv(rsmall.recv(), 2, TAG_MASK_FULL);
+            let reqs = [&s_small, &s_big, &r_big, &r_small];
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            assert!(
+                matches!(
+                    (s_big.test(), r_big.test()),
+                    (
+                        Some(Err(Error::PeerAborted { .. })),
+                        Some(Err(Error::Registration(_)))
+                    )
+                ),
+                "{:?} {:?}",
+                s_big.test(),
+                r_big.test()
+            );
+            assert!(
+                matches!(s_small.test(), Some(Ok(_))),
+                "{:?}",
+                s_small.test()
+            );
+            assert!(
+                matches!(r_small.test(), Some(Ok(_))),
+                "{:?}",
+                r_small.test()
+            );
+        })
+    });
+    assert!(rsmall.bytes() == pattern(2, 26_809));
+    pair.check_clean();
+}
+
+/// A staged GPU send that fails on its own mid-pipeline (its RMA lane is gone: the sender's
+/// only host RMA domain was demoted by another transfer) gives its staging fragments back:
+/// the staged sends waiting for one must go on (nothing woke them, and they hung). Found by
+/// the protocol property (seed 4339059713044262302).
+#[test]
+fn fragments_of_a_failed_staged_send_free_the_sends_waiting_for_them() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "4K"),
+        ("RUCX_RNDV_THRESH", "512K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu(), [&bad, vars]);
+    let f = &pair.fabric;
+    let first = Buf::filled(f, 248_064, Mem::Device(0), 1);
+    let host = Buf::filled(f, 20_581, Mem::Host, 2);
+    let second = Buf::filled(f, 92_312, Mem::Device(0), 3);
+    let mut r_first = Buf::new(f, 248_064, Mem::Host);
+    let mut r_host = Buf::new(f, 20_581, Mem::Host);
+    let mut r_second = Buf::new(f, 92_312, Mem::Host);
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let s1 = sa.tag_send(pair.ep[0], first.send(), 1);
+            let q1 = sb.tag_recv(r_first.recv(), 1, TAG_MASK_FULL);
+            // A zero-copy eager send: its registration fails and demotes a's only RMA domain.
+            let s2 = sa.tag_send(pair.ep[0], host.send(), 2);
+            let q2 = sb.tag_recv(r_host.recv(), 2, TAG_MASK_FULL);
+            let s3 = sa.tag_send(pair.ep[0], second.send(), 3);
+            let q3 = sb.tag_recv(r_second.recv(), 3, TAG_MASK_FULL);
+            let reqs = [&s1, &q1, &s2, &q2, &s3, &q3];
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            assert!(matches!(s2.test(), Some(Ok(_))) && matches!(q2.test(), Some(Ok(_))));
+            for (s, q) in [(&s1, &q1), (&s3, &q3)] {
+                match (s.test(), q.test()) {
+                    (Some(Ok(_)), Some(Ok(_))) => {}
+                    (Some(Err(_)), Some(Err(Error::PeerAborted { .. }))) => {}
+                    other => panic!("the two sides disagree: {other:?}"),
+                }
+            }
+        })
+    });
+    assert!(r_host.bytes() == pattern(2, 20_581));
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    pair.check_clean();
+}
+
+/// Reads of staged fragments through a lane being connected on demand (see
+/// `staged_fragments_are_read_through_a_lane_of_their_key_s_domain`) wait for it before they
+/// take a receive staging fragment (a fragment taken per wait leaked, and with two of them
+/// the receive waited forever). Side b's `sim_shm` aperture is exhausted by its second send,
+/// which demotes the domain: b stages that send, announcing fragments with `sim_net` keys, to
+/// a receiver whose RMA lane is shared memory. Found by the protocol property (seed
+/// 9851790444661303995).
+#[test]
+fn staged_reads_wait_for_their_lane_before_taking_a_staging_fragment() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "4K"),
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=64K")])
+        .collect();
+    let pair = Pair::new(
+        FabricSpec::gpu().with_net().shared_staging(false),
+        [vars, &bad],
+    );
+    let f = &pair.fabric;
+    let sizes = [51_827usize, 47_339, 63_313];
+    let sends: Vec<Buf> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            Buf::filled(
+                f,
+                n,
+                if i == 2 { Mem::Device(1) } else { Mem::Host },
+                i as u64,
+            )
+        })
+        .collect();
+    let mut recvs: Vec<Buf> = sizes
+        .iter()
+        .map(|&n| Buf::new(f, n, Mem::Device(0)))
+        .collect();
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let mut reqs = Vec::new();
+            for ((i, s), r) in sends.iter().enumerate().zip(recvs.iter_mut()) {
+                let tag = i as u64;
+                reqs.push(if i == 2 {
+                    sb.tag_send_sync(pair.ep[1], s.send(), tag)
+                } else {
+                    sb.tag_send(pair.ep[1], s.send(), tag)
+                });
+                reqs.push(sa.tag_recv(r.recv(), tag, TAG_MASK_FULL));
+            }
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            for r in &reqs {
+                assert!(matches!(r.test(), Some(Ok(_))), "{:?}", r.test());
+            }
+        })
+    });
+    for (i, r) in recvs.iter().enumerate() {
+        assert!(r.bytes() == pattern(i as u64, sizes[i]), "message {i}");
+    }
+    assert_eq!(pair.ctx[1].demotions().len(), 1);
+    pair.check_clean();
+}
+
+/// A large host rendezvous is split: the receiver reads the head and asks the sender (RTR
+/// with its key) to write the tail. When the sender's RMA lane moved since its RTS (its
+/// `sim_shm` domain was demoted by a receive whose registration exceeded the aperture), it
+/// writes the tail through a lane of the key's domain, or streams the tail alone followed by
+/// the finish message: it streamed the whole message instead, which the receiver counted, and
+/// the receive completed with the tail never written. Found by the protocol property (seed
+/// 9237354634576905407).
+#[test]
+fn the_tail_of_a_split_rendezvous_is_written_after_the_sender_s_lane_moved() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "16K"),
+        ("RUCX_RNDV_THRESH", "512K"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "2"),
+    ];
+    let bad: Vec<(&str, &str)> = vars
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=3M")])
+        .collect();
+    let spec = FabricSpec::gpu()
+        .ipc(false)
+        .with_net()
+        .shared_staging(false)
+        .delivery(Delivery::Random {
+            seed: 9_237_354_634_576_905_407,
+            noresource_per_mille: 0,
+        });
+    let pair = Pair::new(spec, [&bad, vars]);
+    let f = &pair.fabric;
+    let (n, m) = (2_029_419usize, 1_335_650usize);
+    let big = Buf::filled(f, n, Mem::Host, 1);
+    let other = Buf::filled(f, m, Mem::Device(1), 2);
+    let mut r_big = Buf::new(f, n, Mem::Host);
+    let mut r_other = Buf::new(f, m, Mem::Host);
+    let small = Buf::filled(f, 115, Mem::Device(1), 3);
+    let mut r_small = Buf::new(f, 115, Mem::Device(0));
+    let mid = Buf::filled(f, 56_316, Mem::Device(1), 4);
+    let mut r_mid = Buf::new(f, 59_684, Mem::HostRaw);
+    pair.w[0].scope(|sa| {
+        pair.w[1].scope(|sb| {
+            let s_big = sa.tag_send(pair.ep[0], big.send(), 1);
+            pair.step();
+            let s_other = sb.tag_send(pair.ep[1], other.send(), 2);
+            let s_small = sb.tag_send_sync(pair.ep[1], small.send(), 3);
+            let s_mid = sb.tag_send(pair.ep[1], mid.send(), 4);
+            let q_mid = sa.tag_recv(r_mid.recv(), 4, TAG_MASK_FULL);
+            // Its registration exceeds a's aperture: a demotes sim_shm.
+            let q_other = sa.tag_recv(r_other.recv(), 2, TAG_MASK_FULL);
+            let q_small = sa.tag_recv(r_small.recv(), 3, TAG_MASK_FULL);
+            let q_big = sb.tag_recv(r_big.recv(), 0, 0);
+            let reqs = [
+                &s_big, &q_big, &s_other, &q_other, &s_small, &q_small, &s_mid, &q_mid,
+            ];
+            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+                pair.break_fabric("hang");
+                panic!(
+                    "{e}: {:?}",
+                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+                );
+            }
+            assert!(matches!(s_big.test(), Some(Ok(_))), "{:?}", s_big.test());
+            assert!(matches!(q_big.test(), Some(Ok(_))), "{:?}", q_big.test());
+        })
+    });
+    assert!(
+        r_big.bytes() == pattern(1, n),
+        "the big message's data differs"
+    );
+    assert_eq!(r_big.guard_damage(), None);
+    pair.check_clean();
+}

@@ -176,6 +176,9 @@ impl State {
                         _ => {}
                     }
                 }
+                if result.is_err() && matches!(what, TokWhat::StageD2H { .. }) {
+                    self.wake_staged_sends(tok.req, false);
+                }
                 if result.is_err() {
                     // A read or copy of an announced fragment failed: the sender may still
                     // reuse the fragment (we no longer need it).
@@ -222,6 +225,7 @@ impl State {
                         if let Some(stg) = self.staging.as_mut() {
                             stg.free_send.push(frag);
                         }
+                        self.wake_staged_sends(id, false);
                         return Ok(());
                     }
                 };
@@ -238,6 +242,7 @@ impl State {
                         if let Some(stg) = self.staging.as_mut() {
                             stg.free_send.push(frag);
                         }
+                        self.wake_staged_sends(id, false);
                         return Err(e);
                     }
                 };
@@ -707,6 +712,7 @@ impl State {
                     if e.is_retryable() {
                         return Ok(false);
                     }
+                    self.wake_staged_sends(id, false);
                     return Err(e);
                 }
             }
@@ -766,6 +772,9 @@ impl State {
                 return;
             }
         };
+        if let Err(e) = self.chunk_lane_for(rreq, p, mi) {
+            self.fail(rreq, e);
+        }
         let Some(Req {
             kind: ReqKind::Recv(rs),
             result: None,
@@ -833,49 +842,91 @@ impl State {
         self.pump(p);
     }
 
-    /// The receiver read one of our staged fragments.
-    pub(super) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
-        if let Some(stg) = self.staging.as_mut() {
-            stg.free_send.push(frag);
-        }
+    /// Fragments staged by the sender carry a key of its RMA lane's domain, which need not be
+    /// the domain of our lane (a demotion on either side moves a lane): receive `rid` from peer
+    /// `p` reads them through a connected lane of domain `mi`, its buffer registered there when
+    /// it is read into directly (host memory).
+    fn chunk_lane_for(&mut self, rid: u64, p: usize, mi: usize) -> Result<()> {
         let Some(Req {
-            kind: ReqKind::Send(s),
+            kind: ReqKind::Recv(rs),
             result: None,
             ..
-        }) = self.reqs.get_mut(&sreq)
+        }) = self.reqs.get(&rid)
         else {
-            return;
+            return Ok(());
         };
-        let p = s.peer;
-        let (done, total, tag) = match &mut s.stage {
-            Some(st) => {
-                st.acked += len;
-                (st.acked >= s.len, s.len, s.tag)
-            }
-            None => return,
-        };
-        if done {
-            self.finish(
-                sreq,
-                Ok(Completion {
-                    len: total,
-                    tag,
-                    sender: None,
-                }),
-            );
-        } else {
-            self.peers[p].queue.push_back(Pending::Stream(sreq));
-            self.pump(p);
+        if self.slots.get(rs.chunk_lane).is_some_and(|s| s.md == mi) {
+            return Ok(());
         }
-        // A fragment came free: every staged send still waiting for one may go on (not only
-        // this one, which may just have finished).
+        let region = MemRegion {
+            addr: rs.addr,
+            len: rs.rndv.as_ref().map_or(rs.cap, |r| r.want),
+            mem_type: rs.mem,
+            device: rs.dev,
+        };
+        // A connected lane of that domain, else one that reaches the peer (connected by the
+        // next progress; the reads wait for it).
+        let reads = |l: usize| {
+            self.slots[l].md == mi && self.slots[l].attr.caps.contains(IfaceCaps::GET_ZCOPY)
+        };
+        let lane = self.peers[p]
+            .eps
+            .keys()
+            .copied()
+            .find(|&l| reads(l))
+            .or_else(|| {
+                self.peers[p]
+                    .targets
+                    .iter()
+                    .map(|(l, _)| *l)
+                    .find(|&l| reads(l))
+            })
+            .ok_or_else(|| Error::Unsupported {
+                what: format!(
+                    "reading fragments staged with {}",
+                    self.ctx.domain(mi).name()
+                ),
+                why: format!(
+                    "no lane to {} reads with that domain",
+                    self.peers[p].remote.describe()
+                ),
+            })?;
+        self.want_lane(p, lane);
+        let guard = if region.mem_type.is_gpu() {
+            None
+        } else {
+            Some(self.ctx.register(mi, region)?)
+        };
+        let r = self.reqs.get_mut(&rid).expect("req");
+        if let Some(g) = guard {
+            r.guards.insert(0, g);
+        }
+        if let ReqKind::Recv(rs) = &mut r.kind {
+            rs.chunk_lane = lane;
+        }
+        Ok(())
+    }
+
+    /// Have the progress loop connect `lane` to peer `p`, unless it is connected or asked for.
+    fn want_lane(&mut self, p: usize, lane: usize) {
+        let peer = &mut self.peers[p];
+        if peer.eps.get_mut(&lane).is_none() && !peer.plan.wanted.contains(&lane) {
+            peer.plan.wanted.push(lane);
+            peer.needs_lanes = true;
+        }
+    }
+
+    /// A send staging fragment came free: every staged send still waiting for one (but
+    /// `except`) may go on. Queued on their peers, which the progress loop pumps, or pumped at
+    /// once when `pump`.
+    pub(super) fn wake_staged_sends(&mut self, except: u64, pump: bool) {
         let waiting: Vec<(usize, u64)> = self
             .reqs
             .iter()
             .filter_map(|(id, r)| match &r.kind {
                 ReqKind::Send(s)
                     if r.result.is_none()
-                        && id != sreq
+                        && id != except
                         && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
                 {
                     Some((s.peer, id))
@@ -891,8 +942,43 @@ impl State {
             {
                 self.peers[q].queue.push_back(Pending::Stream(id));
             }
-            self.pump(q);
+            if pump {
+                self.pump(q);
+            }
         }
+    }
+
+    /// The receiver read one of our staged fragments.
+    pub(super) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
+        if let Some(stg) = self.staging.as_mut() {
+            stg.free_send.push(frag);
+        }
+        // The send may have ended meanwhile (aborted): its fragments still come back.
+        if let Some(Req {
+            kind: ReqKind::Send(s),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&sreq)
+            && let Some(st) = &mut s.stage
+        {
+            st.acked += len;
+            let (p, done, total, tag) = (s.peer, st.acked >= s.len, s.len, s.tag);
+            if done {
+                self.finish(
+                    sreq,
+                    Ok(Completion {
+                        len: total,
+                        tag,
+                        sender: None,
+                    }),
+                );
+            } else {
+                self.peers[p].queue.push_back(Pending::Stream(sreq));
+                self.pump(p);
+            }
+        }
+        // Not only this one, which may just have finished or ended.
+        self.wake_staged_sends(sreq, true);
     }
 
     /// Post reads of queued chunks: straight into a host buffer, or into receive staging for a
@@ -920,6 +1006,14 @@ impl State {
             });
             let gpu = rs.mem.is_gpu();
             let uaddr = rs.addr;
+            if c.local.is_none()
+                && self.peers[p].eps.get_mut(&lane).is_none()
+                && self.peers[p].targets.iter().any(|(l, _)| *l == lane)
+            {
+                // Being connected (see `chunk_lane_for`).
+                self.want_lane(p, lane);
+                return Ok(false);
+            }
             if gpu && let Some((laddr, lmemh)) = c.local.clone() {
                 // The sender's fragment is mapped here: one DMA copy to the GPU.
                 let key = match &rs.dev_memh {

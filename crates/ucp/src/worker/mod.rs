@@ -1577,16 +1577,23 @@ impl State {
     }
 
     fn finish(&mut self, id: u64, res: Result<Completion>) {
+        if self.set_result(id, res) {
+            self.release_chunks(id);
+        }
+    }
+
+    /// End request `id` with `res` unless it ended already; true when it now ended with an
+    /// error (its announced fragments are then to be released: [`Self::release_chunks`]).
+    fn set_result(&mut self, id: u64, res: Result<Completion>) -> bool {
         if let Some(r) = self.reqs.get_mut(&id)
             && r.result.is_none()
         {
             let failed = res.is_err();
             r.result = Some(res);
             r.guards.clear();
-            if failed {
-                self.release_chunks(id);
-            }
+            return failed;
         }
+        false
     }
 
     /// A pipelined receive ended early: hand the sender back the staging fragments it announced
@@ -1642,10 +1649,13 @@ impl State {
         // A broken endpoint fails the peer's requests on its side by itself.
         let notify = !matches!(e, Error::EndpointFailure { .. });
         let reason = e.to_string();
-        self.finish(id, Err(e));
+        self.set_result(id, Err(e));
         if notify && let Some((p, sreq, rreq, by_sender)) = notice {
             self.send_abort(p, sreq, rreq, by_sender, &reason);
         }
+        // Only after the abort: the acknowledgements of the fragments announced to a receive
+        // carry their whole staged length, and ahead of it they would complete the send.
+        self.release_chunks(id);
     }
 
     /// Tell peer `p` that rendezvous `sreq` -> `rreq` is given up on this side, and why.
@@ -2431,10 +2441,15 @@ impl State {
         }
         let am = self.peers[p].am;
         let limits = self.slots[am].attr.limits;
-        // A streamed split tail is copied in: its registrations serve the receiver's reads.
+        // Zero-copy from a registration of the AM lane's domain; a streamed split tail is
+        // copied in (its registrations serve the receiver's reads of the head).
         let split_tail = s.split_left > 0;
+        let am_name = self.ctx.domain(self.slots[am].md).name();
         let zcopy = !split_tail
-            && !self.reqs[&id].guards.is_empty()
+            && self.reqs[&id]
+                .guards
+                .first()
+                .is_some_and(|g| g.registration().domain() == am_name)
             && (proto == Proto::EagerZcopy || rndv_to.is_some());
         let total = len;
         let mut off = posted;
@@ -3739,16 +3754,21 @@ impl State {
         s.wait = SendWait::Posting;
         // Split: the receiver reads the head itself; we write the tail.
         let split = !keys.is_empty() && offset > 0 && offset < s.len;
-        // Put: the receiver gave us its key; write with our own registration, on the lane of
-        // the key's domain (not necessarily the one a re-plan now prefers).
-        let key_lane = keys.first().and_then(|k| {
-            self.peers[p].eps.keys().copied().find(|&l| {
-                self.slots[l].attr.has(IfaceCaps::PUT_ZCOPY)
-                    && self.ctx.domain(self.slots[l].md).name() == k.md
-            })
-        });
+        // Put: the receiver gave us its key; write with our own registration, through a lane
+        // of the key's domain (our RMA lane may have moved to another since the RTS: a
+        // demotion).
+        let key_lane = |st: &Self, md: &str| {
+            st.peers[p]
+                .rma
+                .into_iter()
+                .chain(st.peers[p].eps.keys().copied())
+                .find(|&l| {
+                    st.ctx.domain(st.slots[l].md).name() == md
+                        && st.slots[l].attr.has(IfaceCaps::PUT_ZCOPY)
+                })
+        };
         if let Some(k) = keys.first()
-            && let Some(lane) = key_lane
+            && let Some(lane) = key_lane(self, &k.md)
         {
             let md = self.slots[lane].md;
             let unpacked = self.ctx.domain(md).rkey_unpack(&k.key);

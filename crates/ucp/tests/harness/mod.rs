@@ -613,3 +613,35 @@ impl Pair {
 pub fn is_truncation(r: &Result<Completion>, incoming: usize, capacity: usize) -> bool {
     matches!(r, Err(Error::Truncated { incoming: i, capacity: c }) if *i == incoming && *c == capacity)
 }
+
+/// How a request that ended with an error gave its transfer up, when that is a correct outcome
+/// with registration faults and no path left (see [`abort_kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Abort {
+    /// This side failed on its own (a registration, or no path left: `Error::Registration`, or
+    /// `Error::Unsupported` naming the domain or the knob) and told the peer, if the transfer
+    /// had one yet.
+    Own,
+    /// The peer gave the transfer up (`Error::PeerAborted`).
+    Peer,
+}
+
+/// Whether `e` is a correct way for a send or a receive to end when registrations fail and no
+/// path is left: this side's own failure, or the peer's abort. Anything else (a truncation, a
+/// cancel, an endpoint failure, an internal error) is not an abort.
+pub fn abort_kind(e: &Error) -> Option<Abort> {
+    match e {
+        Error::PeerAborted { .. } => Some(Abort::Peer),
+        Error::Registration(_) => Some(Abort::Own),
+        Error::Unsupported { .. } => {
+            // Naming what is missing: a domain of the fabric, a knob, a transport, or that no
+            // path is left.
+            let s = e.to_string();
+            ["sim_", "RUCX_", "transport", "no path"]
+                .iter()
+                .any(|w| s.contains(w))
+                .then_some(Abort::Own)
+        }
+        _ => None,
+    }
+}
