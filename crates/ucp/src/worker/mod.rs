@@ -2671,13 +2671,31 @@ impl State {
         }
         if rv.tail_got >= hi - lo {
             // The whole tail is here: as the finish message of a written tail.
-            rv.fin_pending = false;
-            if rv.gets_done {
-                rs.received = rs.total.min(rs.cap);
-                self.complete_recv(rreq);
-            }
+            self.tail_landed(rreq);
         }
         true
+    }
+
+    /// The sender's part of a rendezvous receive has landed (its finish message, or the whole
+    /// streamed tail of a split): complete the receive, or, for a split whose reads of the head
+    /// are still running, let those complete it.
+    fn tail_landed(&mut self, rreq: u64) {
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rreq)
+        {
+            if let Some(rv) = &mut rs.rndv
+                && rv.fin_pending
+            {
+                rv.fin_pending = false;
+                if !rv.gets_done {
+                    return;
+                }
+            }
+            rs.received = rs.total.min(rs.cap);
+        }
+        self.complete_recv(rreq);
     }
 
     /// One of the two halves of a split send is done; true when the send may finish.
@@ -3267,23 +3285,7 @@ impl State {
             }
             Msg::Fin { src, rreq } => {
                 let _ = self.src_peer(src)?;
-                if let Some(Req {
-                    kind: ReqKind::Recv(rs),
-                    ..
-                }) = self.reqs.get_mut(&rreq)
-                {
-                    if let Some(rv) = &mut rs.rndv
-                        && rv.fin_pending
-                    {
-                        // Split: the tail is written; finish once our reads are done too.
-                        rv.fin_pending = false;
-                        if !rv.gets_done {
-                            return Ok(());
-                        }
-                    }
-                    rs.received = rs.total.min(rs.cap);
-                }
-                self.complete_recv(rreq);
+                self.tail_landed(rreq);
             }
             Msg::Abort {
                 src,
