@@ -281,7 +281,7 @@ fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, Strin
         let b = mem::measure_copy_latency(f.size, iters)?;
         (
             format!(
-                "Latency bounds at {} B (one copy, polled by an event until done; median of {},                  this run):",
+                "Latency bounds at {} B (one copy, polled by an event until done; median of {}):",
                 b.size, b.iters
             ),
             lat_bounds_lines(f, &b),
