@@ -55,6 +55,10 @@ pub struct CompareCli {
     /// Do not try to install ucx-utils when ucx_perftest is missing.
     #[arg(long)]
     pub no_install: bool,
+    /// rucx-perftest to run instead of this program's own (e.g. an older build, to compare
+    /// two builds in one sitting; the floors are still measured by this program).
+    #[arg(long)]
+    pub rucx_perftest: Option<PathBuf>,
     /// Do not measure the floors (`rucx-perftest --floors`, run at the start of every
     /// repetition; each rucx figure is printed as a ratio to its floor).
     #[arg(long)]
@@ -1007,15 +1011,23 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
     let reps = if cli.quick { cli.reps.min(3) } else { cli.reps };
     let ucx = find_ucx(cli.ucx_perftest.as_deref(), !cli.no_install)?;
     let cases = cases(cli)?;
+    let rucx_cmd: Vec<OsString> = match &cli.rucx_perftest {
+        Some(p) if p.is_file() => vec![p.clone().into_os_string()],
+        Some(p) => return Err(format!("--rucx-perftest {}: no such file", p.display())),
+        None => self_cmd.to_vec(),
+    };
     let header = vec![
         ("machine", machine()),
         ("ucx", format!("{} ({})", ucx_version(&ucx), ucx.display())),
         (
             "rucx",
             format!(
-                "rucx-perftest {} ({})",
+                "rucx-perftest {} ({}){}",
                 env!("CARGO_PKG_VERSION"),
-                source_version()
+                source_version(),
+                cli.rucx_perftest
+                    .as_ref()
+                    .map_or(String::new(), |p| format!("; runs {}", p.display()))
             ),
         ),
         ("load_before", load()),
@@ -1068,7 +1080,7 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
             for k in 0..2 {
                 let rucx_turn = (k == 0) == rucx_first;
                 if rucx_turn {
-                    let s = run_rucx(self_cmd, t, c, cli.window)?;
+                    let s = run_rucx(&rucx_cmd, t, c, cli.window)?;
                     rows[i].rucx.push(s);
                 } else {
                     let s = run_ucx(&ucx, t, c, cli.window)?;
