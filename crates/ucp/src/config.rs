@@ -35,7 +35,7 @@ pub static CONFIG: &[OptionSpec] = &[
     OptionSpec {
         name: "RNDV_SPLIT_THRESH",
         kind: OptKind::MemUnits,
-        default: "256K",
+        default: "64K",
         help: "Rendezvous reads of at least this size are split: the receiver reads the first half \
                while the sender writes the second, so both sides copy at once (inf: never).",
     },
