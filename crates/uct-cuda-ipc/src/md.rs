@@ -262,8 +262,14 @@ impl MemoryDomain for CudaIpcMd {
         )))
     }
 
-    /// Export the allocation containing the buffer through a legacy IPC handle.
+    /// Export the allocation containing the buffer through a legacy IPC handle. Host memory
+    /// gets a handle that only describes it, for the local side of a copy out of (or into) a
+    /// peer's mapped buffer: nothing is page-locked (no registration outlives the request, so a
+    /// freed and reused buffer can never meet a stale one) and nothing is exported.
     unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
+        if region.mem_type == MemoryType::Host {
+            return Ok(MemHandle::new(region, NAME, Arc::new(())));
+        }
         if region.mem_type != MemoryType::Cuda {
             return Err(Self::reg_error(
                 &region,

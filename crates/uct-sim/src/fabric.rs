@@ -1040,8 +1040,11 @@ impl State {
         let nname = self.nodes[node].name.clone();
         let accepts = match kind {
             LaneKind::Shm | LaneKind::Net => region.mem_type == MemoryType::Host,
-            LaneKind::Ipc => region.mem_type == MemoryType::Cuda,
-            LaneKind::Copy => matches!(region.mem_type, MemoryType::Host | MemoryType::Cuda),
+            // As cuda_ipc: exports device memory; host memory is only described (the local
+            // side of a copy out of a peer's device buffer).
+            LaneKind::Ipc | LaneKind::Copy => {
+                matches!(region.mem_type, MemoryType::Host | MemoryType::Cuda)
+            }
         };
         if !accepts {
             return Err(region.reg_error(
@@ -1191,12 +1194,7 @@ impl State {
                 return Err(Error::InvalidParam(self.violation(s)));
             };
             let (rnode, rkind, region, alloc) = (info.node, info.kind, info.region, info.alloc);
-            // As cuda_ipc, the ipc lane takes any handle for local host memory (page-locked by
-            // the copy domain); everything else must be registered with the lane's own domain.
-            let foreign_ok = kind == LaneKind::Ipc
-                && rkind == LaneKind::Copy
-                && region.mem_type == MemoryType::Host;
-            if rnode != node || (rkind != kind && !foreign_ok) {
+            if rnode != node || rkind != kind {
                 let s = format!(
                     "{who}: local buffer registered with {rkind} of node {}, not with this lane",
                     self.nodes[rnode].name

@@ -9,7 +9,7 @@ use super::{Lanes, MemKey, PlanInput, RecvPlan};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecvStep {
     /// Read the sender's registered buffer straight into ours on `lane` (from GPU memory: a
-    /// zero-copy GPU lane, into GPU memory or into host memory page-locked by the copy lane).
+    /// zero-copy GPU lane, into GPU memory or into host memory).
     Get {
         /// Lane.
         lane: usize,
@@ -102,11 +102,9 @@ pub(super) fn plan(
                 .access_mem_types()
                 .has(MemoryType::Host)
         }) {
-            Some(l) if lanes.copy.is_some() => steps.push(RecvStep::Get { lane: l }),
-            _ => notes.push(
-                "no zero-copy GPU lane to this peer reads into host memory (cuda_ipc, with \
-                 cuda_copy to page-lock the receive buffer)"
-                    .into(),
+            Some(l) => steps.push(RecvStep::Get { lane: l }),
+            None => notes.push(
+                "no zero-copy GPU lane to this peer reads into host memory (cuda_ipc does)".into(),
             ),
         }
     } else {

@@ -64,28 +64,29 @@ impl State {
             .unwrap_or_default();
         let md_name = |st: &Self, lane: usize| st.ctx.domain(st.slots[lane].md).name().to_string();
         // 1. From GPU memory, zero-copy through a lane whose domain registers GPU memory: into
-        // GPU memory registered with that domain, or into host memory page-locked by the copy
-        // lane's domain (the GPU lane's transport takes any handle for its local side).
+        // GPU memory registered with that domain, or into host memory the domain only
+        // describes (a device-to-host copy out of the mapped sender's buffer; registered for
+        // this request alone, never cached: nothing may outlive a host buffer that is freed).
         if let Some(lane) = steps.iter().find_map(|s| match s {
             RecvStep::Get { lane } if sgpu => Some(*lane),
             _ => None,
         }) && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
         {
             let md = self.slots[lane].md;
-            let local_md = if rmem.is_gpu() {
-                Some(md)
-            } else {
-                self.copy_md()
-            };
-            if let Some(local_md) = local_md
-                && self.may_register(local_md, rmem, rdev)
-            {
-                match self.register_md(local_md, region) {
+            if !rmem.is_gpu() || self.may_register(md, rmem, rdev) {
+                let local = if rmem.is_gpu() {
+                    self.register_md(md, region)
+                } else {
+                    self.ctx.register_uncached(md, region)
+                };
+                match local {
                     Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
                         Ok(rkey) => {
                             self.count("rendezvous receive by read (GPU zero-copy)");
                             let r = self.reqs.get_mut(&rid).expect("req");
-                            r.guards.push(g);
+                            // First: the read's local handle (a host buffer may hold another
+                            // domain's registration already, e.g. the one that typed it).
+                            r.guards.insert(0, g);
                             if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
                                 rv.via_get = true;
                                 rv.get = Some((lane, saddr, rkey, raddr));
