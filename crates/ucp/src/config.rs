@@ -48,6 +48,15 @@ pub static CONFIG: &[OptionSpec] = &[
                so it never uses a GPU's BAR1 aperture.",
     },
     OptionSpec {
+        name: "RNDV_STAGING_AHEAD",
+        kind: OptKind::Bool,
+        default: "y",
+        help: "With a copy transport (cuda_copy) open, allocate and page-lock the staging \
+               fragments (2 x RNDV_FRAG_COUNT x RNDV_FRAG_SIZE of host memory) on a helper thread \
+               when the worker starts, so that the first transfer needing them (e.g. one that \
+               demotes a zero-copy GPU path) does not wait tens of milliseconds (n: on first use).",
+    },
+    OptionSpec {
         name: "PROTO_INFO",
         kind: OptKind::Bool,
         default: "n",
