@@ -40,6 +40,14 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
     } else {
         client(&opts, &self_cmd)
     };
+    if std::env::var_os("RUCX_PERFTEST_PEAK_RSS").is_some() {
+        // For the memory test: each side's peak resident memory, on stderr.
+        let side = if opts.is_server() { "server" } else { "client" };
+        match mem::peak_rss_kib() {
+            Some(k) => eprintln!("rucx-perftest: {side} peak RSS {k} KiB"),
+            None => eprintln!("rucx-perftest: {side} peak RSS unknown (no /proc/self/status)"),
+        }
+    }
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
