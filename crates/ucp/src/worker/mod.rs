@@ -22,6 +22,7 @@ use crate::slab::Slab;
 use crate::wire::{self, Msg, MsgKind, NamedKey};
 use rustc_hash::FxHashMap;
 
+mod alloc;
 mod gpu;
 mod liveness;
 mod query;
@@ -407,6 +408,9 @@ enum Unexp {
         data: Vec<u8>,
         /// A synchronous send's request, acknowledged when the message is matched.
         sync: Option<u64>,
+        /// No memory could be allocated to keep it (`data` stays empty): the receive that
+        /// matches it fails with [`alloc::lost_message`].
+        lost: bool,
     },
     Rts {
         src: usize,
@@ -422,6 +426,10 @@ enum Unexp {
 enum RxDest {
     Req(u64),
     Unexpected,
+    /// A message no memory could be kept for: `left` more bytes to drop.
+    Discard {
+        left: usize,
+    },
     UserAm {
         id: u16,
         total: usize,
@@ -550,6 +558,8 @@ pub(crate) struct State {
     mapped: FxHashMap<usize, MemHandle>,
     /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
     keepalive: Option<liveness::Keepalive>,
+    /// How buffers sized by a message are allocated (fallibly).
+    msg_alloc: alloc::MsgAlloc,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -702,6 +712,7 @@ impl Worker {
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),
+                msg_alloc: alloc::MsgAlloc::default(),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -1518,6 +1529,14 @@ impl Worker {
         if lists.len() < 8 {
             lists.push(ids);
         }
+    }
+
+    /// Fault injection for tests: buffers the worker allocates by a message's size (an eager
+    /// message that arrived before its receive, a user active message) fail above `limit`
+    /// bytes as if the system had no memory for them (`None`: no limit but the system's).
+    #[doc(hidden)]
+    pub fn inject_alloc_limit(&self, limit: Option<usize>) {
+        self.st.borrow_mut().msg_alloc.limit = limit;
     }
 
     /// Requests in the worker's table: those of open scopes (a leak check for tests).
@@ -3058,6 +3077,7 @@ impl State {
             total: data.len(),
             data: Vec::new(),
             sync,
+            lost: false,
         };
         match self.matcher.arrive_with(tag, queued) {
             Some(rid) => {
@@ -3069,8 +3089,17 @@ impl State {
             }
             None => {
                 // Store the data in the queued entry.
-                if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
-                    d.extend_from_slice(data);
+                let a = self.msg_alloc;
+                if let Some(Unexp::Eager { data: d, lost, .. }) =
+                    self.matcher.unexpected_mut().last()
+                {
+                    match a.reserve(d, data.len()) {
+                        Ok(()) => d.extend_from_slice(data),
+                        Err(e) => {
+                            tracing::warn!("unexpected message dropped: {e}");
+                            *lost = true;
+                        }
+                    }
                 }
             }
         }
@@ -3120,7 +3149,15 @@ impl State {
                 let p = self.src_peer(src)?;
                 let total = total as usize;
                 if kind == MsgKind::Am {
-                    let mut d = Vec::with_capacity(total);
+                    let mut d = Vec::new();
+                    if let Err(e) = self.msg_alloc.reserve(&mut d, total) {
+                        tracing::warn!("active message {tag} dropped: {e}");
+                        let left = total.saturating_sub(data.len());
+                        if left > 0 {
+                            self.rx.insert((src, msg_id), RxDest::Discard { left });
+                        }
+                        return Ok(());
+                    }
                     d.extend_from_slice(data);
                     let dest = RxDest::UserAm {
                         id: tag as u16,
@@ -3137,6 +3174,7 @@ impl State {
                     total,
                     data: Vec::new(),
                     sync: None,
+                    lost: false,
                 };
                 match self.matcher.arrive(tag, u) {
                     Some((rid, _)) => {
@@ -3148,13 +3186,24 @@ impl State {
                         }
                     }
                     None => {
-                        if let Some(Unexp::Eager { data: d, .. }) =
+                        let a = self.msg_alloc;
+                        let mut dest = RxDest::Unexpected;
+                        if let Some(Unexp::Eager { data: d, lost, .. }) =
                             self.matcher.unexpected_mut().last()
                         {
-                            d.reserve(total);
-                            d.extend_from_slice(data);
+                            match a.reserve(d, total) {
+                                Ok(()) => d.extend_from_slice(data),
+                                Err(e) => {
+                                    tracing::warn!("unexpected message dropped: {e}");
+                                    *lost = true;
+                                    let left = total.saturating_sub(data.len());
+                                    dest = RxDest::Discard { left };
+                                }
+                            }
                         }
-                        self.rx.insert((src, msg_id), RxDest::Unexpected);
+                        if !matches!(dest, RxDest::Discard { left: 0 }) {
+                            self.rx.insert((src, msg_id), dest);
+                        }
                     }
                 }
             }
@@ -3203,6 +3252,12 @@ impl State {
                             d.extend_from_slice(data);
                         }
                         self.maybe_finish_user_am(src, msg_id, p);
+                    }
+                    Some(RxDest::Discard { left }) => {
+                        *left = left.saturating_sub(data.len());
+                        if *left == 0 {
+                            self.rx.remove(&key);
+                        }
                     }
                     None => {
                         return Err(Error::InvalidAddress(format!(
@@ -3364,11 +3419,14 @@ impl State {
             let mut r = rucx_uct::rkey::Reader::new(&data, "active message");
             match r.lv() {
                 Ok(h) => {
-                    let hl = h.len();
+                    let header = h.to_vec();
+                    // The body moves down in place: no second copy of a large message.
+                    let mut data = data;
+                    data.drain(..2 + header.len());
                     self.am_inbox.push(AmMessage {
                         id,
-                        header: h.to_vec(),
-                        data: data[2 + hl..].to_vec(),
+                        header,
+                        data,
                         reply_ep: EpId(p),
                     });
                 }
@@ -3386,8 +3444,19 @@ impl State {
                 total,
                 data,
                 sync,
+                lost,
             } => {
                 self.recv_begin(rid, src, tag, total);
+                if lost {
+                    // Matched (a synchronous sender learns so), but there is nothing to
+                    // deliver: the receive fails; the rest of the message is dropped as it comes.
+                    self.finish(rid, Err(alloc::lost_message(total)));
+                    if let Some(sreq) = sync {
+                        self.send_ats(src, sreq);
+                        self.pump(src);
+                    }
+                    return;
+                }
                 self.recv_data(rid, 0, &data);
                 let complete = self.recv_complete(rid);
                 if let Some(sreq) = sync {
