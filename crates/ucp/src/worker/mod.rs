@@ -638,7 +638,7 @@ impl Worker {
                 component: "worker".into(),
                 reason: format!(
                     "no transport could be opened (RUCX_TLS={}; unavailable: {:?})",
-                    cfg.raw("TLS"),
+                    cfg.raw("TLS").unwrap_or_default(),
                     ctx.unavailable()
                 ),
             });
