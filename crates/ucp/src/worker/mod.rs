@@ -23,6 +23,7 @@ use crate::wire::{self, Msg, MsgKind, NamedKey};
 use rustc_hash::FxHashMap;
 
 mod alloc;
+mod cancel;
 mod gpu;
 mod liveness;
 mod query;
@@ -3386,6 +3387,10 @@ impl State {
             } => {
                 let _ = self.src_peer(src)?;
                 self.on_frag_ack(sreq, frag as usize, len as usize);
+            }
+            Msg::Cancel { src, sreq, step } => {
+                let p = self.src_peer(src)?;
+                self.on_cancel(p, sreq, step);
             }
             Msg::Keepalive { src, reply } => {
                 // Any message shows the peer alive; a probe is answered.
