@@ -466,7 +466,7 @@ fn sweep(job: &Job, opts: &Options) -> R<()> {
         "rucx-perftest --sweep, RUCX_TLS={tls}, transports: {}",
         job.worker().transports().join(", ")
     );
-    std::fs::write(&opts.plot, plot::svg(&panels, &caption)?)
+    plot::write(&opts.plot, &panels, &caption)
         .map_err(|e| format!("writing the plot to {}: {e}", opts.plot.display()))?;
     eprintln!("rucx-perftest: plot written to {}", opts.plot.display());
     Ok(())
