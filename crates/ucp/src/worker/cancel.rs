@@ -28,13 +28,8 @@
 //! request bound to it with [`Error::EndpointFailure`], and the scope returns
 //! [`Error::Timeout`] naming the requests that were still pending.
 
-use std::time::{Duration, Instant};
-
-use rucx_ucs::{Error, Result};
-
-use super::{Pending, Req, ReqKind, SendWait, State, Unexp, Worker, liveness};
-use crate::proto::Proto;
-use crate::wire::{self, CancelStep, Msg};
+use crate::wire::CancelStep;
+use crate::worker::prelude::*;
 
 impl Worker {
     /// Cancel request `id` where the rule above allows; true when it was canceled or its
@@ -84,7 +79,7 @@ impl Worker {
                     format!("a scope was left after waiting {limit:?} for its requests to end");
                 let mut peers: Vec<usize> = pending
                     .iter()
-                    .filter_map(|id| st.reqs.get(id).map(super::p_of))
+                    .filter_map(|id| st.reqs.get(id).map(p_of))
                     .filter(|&p| p < st.peers.len())
                     .collect();
                 peers.sort_unstable();
@@ -117,7 +112,7 @@ impl Worker {
 
 impl State {
     /// Cancel send `id` (pending) if the rule allows; see the module's documentation.
-    fn cancel_send(&mut self, id: u64) -> bool {
+    pub(crate) fn cancel_send(&mut self, id: u64) -> bool {
         let Some(Req {
             kind: ReqKind::Send(s),
             result: None,
@@ -187,7 +182,7 @@ impl State {
     }
 
     /// A cancellation step from peer `p` about its (`Ask`) or our (answers) send `sreq`.
-    pub(super) fn on_cancel(&mut self, p: usize, sreq: u64, step: CancelStep) {
+    pub(crate) fn on_cancel(&mut self, p: usize, sreq: u64, step: CancelStep) {
         match step {
             CancelStep::Ask => {
                 // The announcement came first on this endpoint's ordered lane: either it is
@@ -223,7 +218,7 @@ impl State {
     }
 
     /// One line about request `id` for an error: what it is, with whom, where it stands.
-    fn describe_req(&self, id: u64) -> String {
+    pub(crate) fn describe_req(&self, id: u64) -> String {
         let Some(r) = self.reqs.get(&id) else {
             return format!("request {id} (gone)");
         };
