@@ -1,4 +1,4 @@
-//! Protocol messages on the wire (active-message ids 1..=18 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=19 belong to UCP).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.
@@ -53,6 +53,22 @@ pub const AM_RNDV_ABORT: AmId = 17;
 /// answer. Sent to a peer that has requests bound to it and has been silent for a while
 /// (`RUCX_PEER_TIMEOUT`); any message from a peer, this one included, shows it is alive.
 pub const AM_KEEPALIVE: AmId = 18;
+/// Send cancellation: src, sender request, then the step: 0, the sender asks the receiver to
+/// drop its message (a rendezvous announcement or a synchronous eager message) that no receive
+/// matched yet; 1, the receiver dropped it (the send ends canceled); 2, too late, a receive
+/// matched it (the send goes on).
+pub const AM_CANCEL: AmId = 19;
+
+/// A step of a send's cancellation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelStep {
+    /// Sender to receiver: drop the message of this send if no receive matched it yet.
+    Ask = 0,
+    /// Receiver to sender: dropped; no receive will see it.
+    Dropped = 1,
+    /// Receiver to sender: a receive matched it already.
+    TooLate = 2,
+}
 
 /// Longest reason an abort message carries (longer ones are cut at a character boundary).
 pub const MAX_ABORT_REASON: usize = 1024;
@@ -171,6 +187,12 @@ pub enum Msg<'a> {
     },
     /// Keepalive probe (`reply` false), or the answer to one (`reply` true).
     Keepalive { src: u64, reply: bool },
+    /// A step of a send's cancellation ([`AM_CANCEL`]).
+    Cancel {
+        src: u64,
+        sreq: u64,
+        step: CancelStep,
+    },
     /// User active message.
     User {
         src: u64,
@@ -202,6 +224,7 @@ impl Msg<'_> {
             Msg::Fin { .. } => AM_RNDV_FIN,
             Msg::Abort { .. } => AM_RNDV_ABORT,
             Msg::Keepalive { .. } => AM_KEEPALIVE,
+            Msg::Cancel { .. } => AM_CANCEL,
             Msg::User { .. } => AM_USER,
         }
     }
@@ -324,6 +347,10 @@ impl Msg<'_> {
             Msg::Keepalive { src, reply } => {
                 put_u64s(out, &[*src]);
                 out.push(u8::from(*reply));
+            }
+            Msg::Cancel { src, sreq, step } => {
+                put_u64s(out, &[*src, *sreq]);
+                out.push(*step as u8);
             }
             Msg::User {
                 src,
@@ -629,6 +656,18 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                 r.finish()?;
                 Msg::Keepalive { src, reply }
             }
+            AM_CANCEL => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let step = match r.u8()? {
+                    0 => CancelStep::Ask,
+                    1 => CancelStep::Dropped,
+                    2 => CancelStep::TooLate,
+                    b => return Err(Error::InvalidAddress(format!("cancel step {b}"))),
+                };
+                r.finish()?;
+                Msg::Cancel { src, sreq, step }
+            }
             AM_USER => {
                 let src = r.u64()?;
                 let id = r.u16()?;
@@ -776,6 +815,30 @@ mod tests {
         assert!(parse(AM_KEEPALIVE, &b).is_err(), "trailing bytes");
     }
 
+    #[test]
+    fn cancel_round_trip_and_validation() {
+        for step in [CancelStep::Ask, CancelStep::Dropped, CancelStep::TooLate] {
+            let m = Msg::Cancel {
+                src: 7,
+                sreq: 9,
+                step,
+            };
+            let (id, b) = m.encode();
+            assert_eq!(id, AM_CANCEL);
+            assert_eq!(b.len(), 17, "src, request and one byte");
+            assert_eq!(parse(AM_CANCEL, &b).unwrap(), m);
+        }
+        let mut b = Vec::new();
+        put_u64s(&mut b, &[7, 9]);
+        assert!(parse(AM_CANCEL, &b).is_err(), "no step");
+        assert!(parse(AM_CANCEL, &b[..12]).is_err(), "truncated request");
+        b.push(3);
+        assert!(parse(AM_CANCEL, &b).is_err(), "unknown step");
+        b[16] = 1;
+        b.push(0);
+        assert!(parse(AM_CANCEL, &b).is_err(), "trailing bytes");
+    }
+
     fn arb_key() -> impl Strategy<Value = NamedKey> {
         (
             "[a-z_]{1,12}",
@@ -892,6 +955,11 @@ mod tests {
                 }
             ),
             (u(), any::<bool>()).prop_map(|(src, reply)| Msg::Keepalive { src, reply }),
+            (u(), u(), 0u8..3).prop_map(|(src, sreq, k)| Msg::Cancel {
+                src,
+                sreq,
+                step: [CancelStep::Ask, CancelStep::Dropped, CancelStep::TooLate][k as usize],
+            }),
             (u(), any::<u16>(), data(), data()).prop_map(|(src, id, header, data)| Msg::User {
                 src,
                 id,

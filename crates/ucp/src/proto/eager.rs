@@ -215,6 +215,7 @@ impl State {
             total: data.len(),
             data: Vec::new(),
             sync,
+            lost: false,
         };
         match self.matcher.arrive_with(tag, queued) {
             Some(rid) => {
@@ -226,8 +227,17 @@ impl State {
             }
             None => {
                 // Store the data in the queued entry.
-                if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
-                    d.extend_from_slice(data);
+                let a = self.msg_alloc;
+                if let Some(Unexp::Eager { data: d, lost, .. }) =
+                    self.matcher.unexpected_mut().last()
+                {
+                    match a.reserve(d, data.len()) {
+                        Ok(()) => d.extend_from_slice(data),
+                        Err(e) => {
+                            tracing::warn!("unexpected message dropped: {e}");
+                            *lost = true;
+                        }
+                    }
                 }
             }
         }

@@ -66,7 +66,15 @@ impl State {
                 let p = self.src_peer(src)?;
                 let total = total as usize;
                 if kind == MsgKind::Am {
-                    let mut d = Vec::with_capacity(total);
+                    let mut d = Vec::new();
+                    if let Err(e) = self.msg_alloc.reserve(&mut d, total) {
+                        tracing::warn!("active message {tag} dropped: {e}");
+                        let left = total.saturating_sub(data.len());
+                        if left > 0 {
+                            self.rx.insert((src, msg_id), RxDest::Discard { left });
+                        }
+                        return Ok(());
+                    }
                     d.extend_from_slice(data);
                     let dest = RxDest::UserAm {
                         id: tag as u16,
@@ -83,6 +91,7 @@ impl State {
                     total,
                     data: Vec::new(),
                     sync: None,
+                    lost: false,
                 };
                 match self.matcher.arrive(tag, u) {
                     Some((rid, _)) => {
@@ -94,13 +103,24 @@ impl State {
                         }
                     }
                     None => {
-                        if let Some(Unexp::Eager { data: d, .. }) =
+                        let a = self.msg_alloc;
+                        let mut dest = RxDest::Unexpected;
+                        if let Some(Unexp::Eager { data: d, lost, .. }) =
                             self.matcher.unexpected_mut().last()
                         {
-                            d.reserve(total);
-                            d.extend_from_slice(data);
+                            match a.reserve(d, total) {
+                                Ok(()) => d.extend_from_slice(data),
+                                Err(e) => {
+                                    tracing::warn!("unexpected message dropped: {e}");
+                                    *lost = true;
+                                    let left = total.saturating_sub(data.len());
+                                    dest = RxDest::Discard { left };
+                                }
+                            }
                         }
-                        self.rx.insert((src, msg_id), RxDest::Unexpected);
+                        if !matches!(dest, RxDest::Discard { left: 0 }) {
+                            self.rx.insert((src, msg_id), dest);
+                        }
                     }
                 }
             }
@@ -149,6 +169,12 @@ impl State {
                             d.extend_from_slice(data);
                         }
                         self.maybe_finish_user_am(src, msg_id, p);
+                    }
+                    Some(RxDest::Discard { left }) => {
+                        *left = left.saturating_sub(data.len());
+                        if *left == 0 {
+                            self.rx.remove(&key);
+                        }
                     }
                     None => {
                         return Err(Error::InvalidAddress(format!(
@@ -277,6 +303,10 @@ impl State {
             } => {
                 let _ = self.src_peer(src)?;
                 self.on_frag_ack(sreq, frag as usize, len as usize);
+            }
+            Msg::Cancel { src, sreq, step } => {
+                let p = self.src_peer(src)?;
+                self.on_cancel(p, sreq, step);
             }
             Msg::Keepalive { src, reply } => {
                 // Any message shows the peer alive; a probe is answered.

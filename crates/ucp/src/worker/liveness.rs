@@ -46,7 +46,10 @@ pub(crate) struct Keepalive {
 impl Keepalive {
     /// From `RUCX_PEER_TIMEOUT` (`None` for `inf`, the default).
     pub(super) fn from_config(cfg: &Config) -> Option<Keepalive> {
-        Keepalive::new(cfg.time("PEER_TIMEOUT"), cfg.raw("PEER_TIMEOUT"))
+        Keepalive::new(
+            cfg.time("PEER_TIMEOUT"),
+            cfg.raw("PEER_TIMEOUT").unwrap_or_default(),
+        )
     }
 
     pub(super) fn new(timeout: Duration, raw: &str) -> Option<Keepalive> {

@@ -28,6 +28,8 @@ use crate::proto::Range;
 use crate::slab::Slab;
 use rustc_hash::FxHashMap;
 
+pub(crate) mod alloc;
+mod cancel;
 mod dispatch;
 pub(crate) mod liveness;
 mod memmap;
@@ -167,7 +169,7 @@ impl Worker {
                 component: "worker".into(),
                 reason: format!(
                     "no transport could be opened (RUCX_TLS={}; unavailable: {:?})",
-                    cfg.raw("TLS"),
+                    cfg.raw("TLS").unwrap_or_default(),
                     ctx.unavailable()
                 ),
             });
@@ -255,6 +257,7 @@ impl Worker {
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),
+                msg_alloc: alloc::MsgAlloc::default(),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),

@@ -373,6 +373,14 @@ impl Worker {
         }
     }
 
+    /// Fault injection for tests: buffers the worker allocates by a message's size (an eager
+    /// message that arrived before its receive, a user active message) fail above `limit`
+    /// bytes as if the system had no memory for them (`None`: no limit but the system's).
+    #[doc(hidden)]
+    pub fn inject_alloc_limit(&self, limit: Option<usize>) {
+        self.st.borrow_mut().msg_alloc.limit = limit;
+    }
+
     /// Requests in the worker's table: those of open scopes (a leak check for tests).
     pub fn live_requests(&self) -> usize {
         self.st.borrow().reqs.len()

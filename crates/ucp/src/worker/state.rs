@@ -233,6 +233,9 @@ pub(crate) enum Unexp {
         data: Vec<u8>,
         /// A synchronous send's request, acknowledged when the message is matched.
         sync: Option<u64>,
+        /// No memory could be allocated to keep it (`data` stays empty): the receive that
+        /// matches it fails with [`super::alloc::lost_message`].
+        lost: bool,
     },
     Rts {
         src: usize,
@@ -248,6 +251,10 @@ pub(crate) enum Unexp {
 pub(crate) enum RxDest {
     Req(u64),
     Unexpected,
+    /// A message no memory could be kept for: `left` more bytes to drop.
+    Discard {
+        left: usize,
+    },
     UserAm {
         id: u16,
         total: usize,
@@ -295,6 +302,8 @@ pub(crate) struct State {
     pub(crate) mapped: FxHashMap<usize, MemHandle>,
     /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
     pub(crate) keepalive: Option<liveness::Keepalive>,
+    /// How buffers sized by a message are allocated (fallibly).
+    pub(crate) msg_alloc: super::alloc::MsgAlloc,
 }
 
 /// Stream receives of peer `peer` as the stream protocol fills them.
