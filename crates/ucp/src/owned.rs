@@ -12,16 +12,17 @@
 //! The buffer is the worker's until the request ends, and the caller's again once it is handed
 //! back; from then on nothing of rucx touches it. When the [`Worker`] is dropped with owned
 //! requests outstanding, its `drop`:
-//! 1. cancels the receives that have not matched a message and the rendezvous sends still
-//!    waiting for their receiver's answer (the peer is told, its receive ends with
-//!    [`Error::PeerAborted`](rucx_ucs::Error::PeerAborted)); they end with
-//!    [`Error::Canceled`](rucx_ucs::Error::Canceled);
-//! 2. progresses the worker until every other owned request (data moving now: a matched
-//!    receive that a peer may be writing, a send being posted or read) has ended, with its own
-//!    result, or with an endpoint failure when its peer dies meanwhile (the same wait as at the
-//!    end of a scope);
-//! 3. hands every buffer back, through its callback, future or `wait`, and only then closes
-//!    the transports.
+//! 1. ends them with [`Error::Canceled`](rucx_ucs::Error::Canceled): receives that have not
+//!    matched a message, sends (a rendezvous peer is told; its receive ends with
+//!    [`Error::PeerAborted`](rucx_ucs::Error::PeerAborted)), and receives this worker fills
+//!    itself (reading the peer's memory, or from eager fragments);
+//! 2. waits, progressing the worker, for the receives a peer may be writing into (a matched
+//!    rendezvous the peer writes or streams) to end: with their data, or with an endpoint
+//!    failure when the peer dies meanwhile (a stopped peer holds the drop, as it holds the
+//!    end of a scope, unless `RUCX_PEER_TIMEOUT` is set);
+//! 3. closes the transports, so nothing of this process touches the buffers any more;
+//! 4. hands every buffer back, through its callback (run from the drop), future (woken) or
+//!    handle, with the result.
 //!
 //! So a handle always gets its buffer back, intact apart from what its own transfer wrote.
 //!

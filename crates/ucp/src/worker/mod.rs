@@ -23,6 +23,7 @@ use crate::wire::{self, Msg, MsgKind, NamedKey};
 use rustc_hash::FxHashMap;
 
 mod gpu;
+mod lifecycle;
 mod liveness;
 mod owned;
 mod query;
@@ -30,6 +31,7 @@ mod query;
 pub(crate) use liveness::Backoff;
 
 pub use crate::plan::PathInfo;
+pub use lifecycle::CloseMode;
 
 /// Largest payload (source and data) of the eager-short fast path.
 const SHORT_MAX: usize = 256;
@@ -231,6 +233,10 @@ struct Peer {
     stream_rx: StreamRx,
     /// When it was last heard from (`RUCX_PEER_TIMEOUT`).
     live: liveness::PeerLive,
+    /// Closed, or being closed, and by whom (`lifecycle.rs`).
+    closed: Option<lifecycle::Closed>,
+    /// The peer's endpoint id for us, from its wire-up (`lifecycle.rs`: reconnects).
+    remote_ep: Option<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -555,6 +561,9 @@ pub(crate) struct State {
     keepalive: Option<liveness::Keepalive>,
     /// Requests on owned buffers (`owned.rs`).
     owned: owned::Registry,
+    /// Endpoint closes in progress, endpoint failures to report, error handlers
+    /// (`lifecycle.rs`).
+    life: lifecycle::Life,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -708,6 +717,7 @@ impl Worker {
                 mapped: FxHashMap::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),
                 owned: owned::Registry::default(),
+                life: lifecycle::Life::default(),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -743,13 +753,13 @@ impl Worker {
     /// Make progress on every interface; returns the number of events handled.
     pub fn progress(&self) -> usize {
         let n = self.progress_events();
-        // Owned requests that ended are handed back after the borrows are released (their
-        // callbacks may post).
-        if self.st.borrow().owned.has_work() {
-            n + self.reap_owned()
-        } else {
-            n
-        }
+        // Owned requests that ended are handed back, closes stepped and endpoint failures
+        // reported after the borrows are released (callbacks and handlers may post).
+        let more = {
+            let st = self.st.borrow();
+            st.owned.has_work() || st.life.has_work()
+        };
+        if more { n + self.after_progress() } else { n }
     }
 
     fn progress_events(&self) -> usize {
@@ -1517,6 +1527,10 @@ impl Worker {
                     Some(r)
                         if r.result.as_ref().is_some_and(|x| x.is_err())
                             && st.copies_in_flight(*id) => {}
+                    // Canceled (a forced endpoint close) while the transport still runs
+                    // operations on its buffer: those finish first.
+                    Some(r)
+                        if r.outstanding > 0 && matches!(r.result, Some(Err(Error::Canceled))) => {}
                     _ => {
                         st.reqs.remove(id);
                         break;
@@ -1790,6 +1804,13 @@ impl State {
             .peers
             .get(p)
             .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
+        if let Some(c) = peer.closed {
+            return Err(Error::EndpointClosed {
+                ep: format!("ep{p}"),
+                peer: peer.remote.describe(),
+                by: c.describe().into(),
+            });
+        }
         match &peer.failed {
             Some(reason) => Err(Error::EndpointFailure {
                 peer: peer.remote.describe(),
@@ -1812,11 +1833,17 @@ impl State {
     /// Find or create the peer for a remote worker (no uct endpoints yet; lanes are chosen
     /// when it is connected, where the interfaces can judge reachability).
     fn peer_for(&mut self, remote: WorkerAddress) -> Result<usize> {
-        if let Some(&p) = self.by_uuid.get(&remote.uuid) {
+        if let Some(&p) = self.by_uuid.get(&remote.uuid)
+            && self.peers[p].failed.is_none()
+            && self.peers[p].closed.is_none()
+        {
             return Ok(p);
         }
+        // New, or a reconnect after the old endpoint failed or was closed: a new endpoint, which
+        // messages from that worker reach from now on.
         let p = self.peers.len();
         self.by_uuid.insert(remote.uuid, p);
+        self.last_src.set((0, 0));
         self.peers.push(Peer {
             remote,
             eps: Lanes::default(),
@@ -1832,6 +1859,8 @@ impl State {
             next_msg: 0,
             stream_rx: StreamRx::default(),
             live: liveness::PeerLive::default(),
+            closed: None,
+            remote_ep: None,
         });
         Ok(p)
     }
@@ -1878,10 +1907,12 @@ impl State {
         peer.plan_at = (u64::MAX, u64::MAX);
         // Introduce ourselves first on the AM lane, so replies can find us.
         let addr = self.address.pack();
-        self.peers[p].queue.push_front(Pending::Ctrl {
-            id: wire::AM_WIREUP,
-            bytes: addr,
-        });
+        let (id, bytes) = Msg::Wireup {
+            ep: p as u64,
+            addr: &addr,
+        }
+        .encode();
+        self.peers[p].queue.push_front(Pending::Ctrl { id, bytes });
         self.refresh_plan(p);
         Ok(())
     }
@@ -3124,9 +3155,9 @@ impl State {
             );
         }
         match wire::parse(id, data)? {
-            Msg::Wireup { addr } => {
+            Msg::Wireup { ep, addr } => {
                 let remote = WorkerAddress::unpack(addr)?;
-                let p = self.peer_for(remote)?;
+                let p = self.peer_for_wireup(remote, ep)?;
                 self.peers[p].live.heard.set(true);
             }
             Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
@@ -3371,6 +3402,10 @@ impl State {
                 if !reply {
                     self.send_keepalive(p, true);
                 }
+            }
+            Msg::Disconnect { src } => {
+                let p = self.src_peer(src)?;
+                self.closed_by_peer(p);
             }
             Msg::User {
                 src,
@@ -3947,6 +3982,11 @@ impl State {
 
     fn post_flush(&mut self, p: usize) -> Result<u64> {
         self.check_peer(p)?;
+        Ok(self.flush_req(p))
+    }
+
+    /// A flush of every lane of peer `p` (checked by the caller).
+    fn flush_req(&mut self, p: usize) -> u64 {
         let lanes: Vec<usize> = self.peers[p].eps.keys().copied().collect();
         let id = self.new_req(ReqKind::Rma(RmaState {
             peer: p,
@@ -3961,13 +4001,13 @@ impl State {
         }));
         self.peers[p].queue.push_back(Pending::Stream(id));
         self.pump(p);
-        Ok(id)
+        id
     }
 
     // ----- failures -----
 
     fn fail_peer(&mut self, p: usize, reason: &str) {
-        let Some(peer) = self.peers.get_mut(p) else {
+        let Some(peer) = self.peers.get(p) else {
             return;
         };
         if peer.failed.is_some() {
@@ -3977,15 +4017,24 @@ impl State {
             "endpoint ep{p} to {} failed: {reason}",
             peer.remote.describe()
         );
+        let desc = peer.remote.describe();
+        let err = Error::EndpointFailure {
+            peer: desc,
+            reason: reason.to_string(),
+        };
+        self.end_peer(p, reason, &err);
+        // Reported to the error handler from progress (unless this worker is closing it).
+        self.note_ep_failure(p, err);
+    }
+
+    /// Peer `p` is gone (failed or closed, for `reason`): every request bound to it ends with
+    /// `err`, its queue and partial messages are dropped.
+    fn end_peer(&mut self, p: usize, reason: &str, err: &Error) {
+        let peer = &mut self.peers[p];
         peer.failed = Some(reason.to_string());
         peer.queue.clear();
         peer.stream_rx.clear();
-        let desc = peer.remote.describe();
         let uuid = peer.remote.uuid;
-        let err = || Error::EndpointFailure {
-            peer: desc.clone(),
-            reason: reason.to_string(),
-        };
         let ids: Vec<u64> = self
             .reqs
             .iter()
@@ -3998,7 +4047,7 @@ impl State {
             .map(|(id, _)| id)
             .collect();
         for id in ids {
-            self.finish(id, Err(err()));
+            self.finish(id, Err(err.clone()));
         }
         // Partial unexpected messages from it can never complete.
         self.matcher.drop_unexpected(|u| match u {

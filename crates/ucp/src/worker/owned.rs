@@ -13,7 +13,7 @@ use std::sync::Arc;
 use rucx_ucs::{Error, OwnedBuf, OwnedBufMut, Result};
 use rustc_hash::FxHashMap;
 
-use super::{EpId, Posted, Req, ReqKind, SendWait, State, Worker, liveness};
+use super::{EpId, Posted, Req, ReqKind, State, Worker, liveness};
 use crate::buf::{RecvBuf, SendBuf};
 use crate::matching::Tag;
 use crate::owned::{Deferred, Finish, OwnedRequest};
@@ -25,8 +25,8 @@ pub(super) struct Registry {
     slots: FxHashMap<u64, Arc<dyn Finish>>,
     /// Ended since the last reap.
     done: Vec<u64>,
-    /// Ended with an error while copies of the copy lane still run on the buffer: handed back
-    /// once those finished.
+    /// Ended with an error while copies of the copy lane (or, canceled, operations of the
+    /// transport) still run on the buffer: handed back once those finished.
     draining: Vec<u64>,
 }
 
@@ -153,7 +153,9 @@ impl Worker {
                     Some(r) if r.result.is_none() => continue,
                     Some(r)
                         if r.result.as_ref().is_some_and(|x| x.is_err())
-                            && st.copies_in_flight(id) =>
+                            && (st.copies_in_flight(id)
+                                || (r.outstanding > 0
+                                    && matches!(r.result, Some(Err(Error::Canceled))))) =>
                     {
                         st.owned.draining.push(id);
                         continue;
@@ -177,8 +179,9 @@ impl Worker {
         n
     }
 
-    /// The worker's drop with owned requests outstanding (the rule of [`crate::owned`]):
-    /// cancel what no peer touches yet, wait for what moves data now, hand every buffer back.
+    /// The worker's drop with owned requests outstanding (the rule of [`crate::owned`]): end
+    /// them all, waiting only for receives a peer may be writing into, close the interfaces,
+    /// then hand every buffer back.
     pub(super) fn shutdown_owned(&mut self) {
         if self.st.get_mut().owned.len() == 0 {
             return;
@@ -187,25 +190,28 @@ impl Worker {
             let st = self.st.get_mut();
             let ids: Vec<u64> = st.owned.slots.keys().copied().collect();
             for id in ids {
-                let waits_for_receiver = match st.reqs.get(&id) {
+                let cancel = match st.reqs.get(&id) {
                     Some(Req {
-                        kind: ReqKind::Recv(_),
+                        kind: ReqKind::Recv(rs),
                         result: None,
                         ..
                     }) => {
                         if st.matcher.cancel_expected(|e| *e == id).is_some() {
                             st.finish(id, Err(Error::Canceled));
+                            false
+                        } else {
+                            !peer_writes(rs)
                         }
-                        false
                     }
                     Some(Req {
-                        kind: ReqKind::Send(s),
+                        kind: ReqKind::Send(_),
                         result: None,
                         ..
-                    }) => s.wait == SendWait::Receiver,
+                    }) => true,
                     _ => false,
                 };
-                if waits_for_receiver {
+                if cancel {
+                    // A rendezvous peer is told (its side ends with `PeerAborted`).
                     st.fail(id, Error::Canceled);
                 }
             }
@@ -213,7 +219,13 @@ impl Worker {
         let mut backoff = liveness::Backoff::new();
         loop {
             self.reap_owned();
-            if self.st.get_mut().owned.len() == 0 {
+            let st = self.st.get_mut();
+            let waiting = st
+                .owned
+                .slots
+                .keys()
+                .any(|id| st.reqs.get(id).is_some_and(|r| r.result.is_none()));
+            if !waiting {
                 break;
             }
             if self.progress() == 0 {
@@ -222,7 +234,33 @@ impl Worker {
                 backoff.busy();
             }
         }
+        // Nothing of this process touches the buffers once the interfaces are closed (copies
+        // and operations still running on ended requests included).
+        drop(std::mem::take(self.ifaces.get_mut()));
+        let st = self.st.get_mut();
+        let slots: Vec<(u64, Arc<dyn Finish>)> = st.owned.slots.drain().collect();
+        let mut actions = Vec::new();
+        for (id, f) in slots {
+            let res = st
+                .reqs
+                .get(&id)
+                .and_then(|r| r.result.clone())
+                .unwrap_or(Err(Error::Canceled));
+            st.reqs.remove(&id);
+            actions.extend(f.finish(res));
+        }
+        st.owned.done.clear();
+        st.owned.draining.clear();
+        for a in actions {
+            a();
+        }
     }
+}
+
+/// A matched receive whose buffer the peer may be writing (a rendezvous by the peer's writes
+/// or streamed, not our own reads): the worker's drop waits for it to end.
+fn peer_writes(rs: &super::RecvState) -> bool {
+    rs.rndv.as_ref().is_some_and(|rv| !rv.via_get) && !rs.pull
 }
 
 impl State {
