@@ -354,3 +354,111 @@ fn close_with_force_across_processes_over_tcp() {
     let out = ranks::run_both("close_with_force_across_processes_over_tcp", "tcp", &[]);
     assert!(out[1].contains("reported once"), "{}", out[1]);
 }
+
+// ----- a peer killed while nothing is in flight -----
+
+/// Rank 1 tells rank 0 its pid and idles; rank 0 idles too (progress and naps, nothing in
+/// flight), kills rank 1 with SIGKILL, and measures how long until its error handler is called
+/// (exactly once); requests to the dead peer then fail.
+fn killed_idle_peer_job() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let job = Job::from_env().unwrap();
+    let w = job.worker();
+    let peer = job.ep(1 - job.rank());
+    if job.rank() == 1 {
+        let pid = std::process::id().to_le_bytes().to_vec();
+        w.tag_send_owned(peer, pid, 1).wait(w).0.unwrap();
+        println!("rank 1: idle");
+        loop {
+            w.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let calls = record_errors(w);
+    let (res, pid) = w.tag_recv_owned(vec![0u8; 4], 1, TAG_MASK_FULL).wait(w);
+    res.unwrap();
+    let pid = u32::from_le_bytes(pid.try_into().unwrap());
+    // Idle a while: nothing in flight, nothing detected.
+    let idle = |until: &dyn Fn() -> bool, limit: Duration| {
+        let t = Instant::now();
+        while !until() && t.elapsed() < limit {
+            w.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    idle(&|| false, Duration::from_millis(1500));
+    assert!(
+        calls.lock().unwrap().is_empty(),
+        "{:?}",
+        calls.lock().unwrap()
+    );
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    let t = Instant::now();
+    idle(
+        &|| !calls.lock().unwrap().is_empty(),
+        Duration::from_secs(20),
+    );
+    let detected = t.elapsed();
+    // More progress: no second call.
+    idle(&|| false, Duration::from_millis(1000));
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1, "one call: {calls:?}");
+    assert_eq!(calls[0].0, peer);
+    println!(
+        "rank 0: KILLED IDLE PEER detected after {detected:.2?}: {}",
+        calls[0].1
+    );
+    assert!(detected < Duration::from_secs(10), "{detected:?}");
+    let (res, _) = w.tag_send_owned(peer, vec![0u8; 100_000], 2).wait(w);
+    assert!(matches!(res, Err(Error::EndpointFailure { .. })), "{res:?}");
+}
+
+fn run_killed_idle_peer(test: &str, tls: &str, env: &[(&str, &str)]) -> String {
+    let mut kids = ranks::spawn(test, tls, env);
+    let rank1 = kids.pop().unwrap();
+    let (ok, text) = ranks::finish(kids.pop().unwrap(), Duration::from_secs(60));
+    // Reaped only now (a zombie while rank 0 watched it).
+    let (_, text1) = ranks::finish(rank1, Duration::from_secs(5));
+    assert!(ok, "rank 0 failed:\n{text}\nrank 1:\n{text1}");
+    assert!(text1.contains("rank 1: idle"), "{text1}");
+    println!(
+        "{tls}: {}",
+        text.lines().find(|l| l.contains("KILLED")).unwrap()
+    );
+    text
+}
+
+#[test]
+fn killed_idle_peer_is_reported_once_over_posix() {
+    if ranks::in_child() {
+        return killed_idle_peer_job();
+    }
+    let text = run_killed_idle_peer("killed_idle_peer_is_reported_once_over_posix", "posix", &[]);
+    assert!(text.contains("exited"), "found by its process:\n{text}");
+}
+
+#[test]
+fn killed_idle_peer_is_reported_once_over_tcp_by_the_connection() {
+    if ranks::in_child() {
+        return killed_idle_peer_job();
+    }
+    // The process check off: the broken connection tells.
+    run_killed_idle_peer(
+        "killed_idle_peer_is_reported_once_over_tcp_by_the_connection",
+        "tcp",
+        &[("RUCX_PROC_CHECK_INTERVAL", "inf")],
+    );
+}
+
+#[test]
+fn killed_idle_peer_is_reported_once_over_tcp_on_one_host() {
+    if ranks::in_child() {
+        return killed_idle_peer_job();
+    }
+    run_killed_idle_peer(
+        "killed_idle_peer_is_reported_once_over_tcp_on_one_host",
+        "tcp",
+        &[],
+    );
+}

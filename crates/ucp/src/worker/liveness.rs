@@ -226,6 +226,7 @@ impl Worker {
     fn check_peers(&self, now: Instant) {
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.check_peers(now);
+            st.check_procs(now);
         }
     }
 }

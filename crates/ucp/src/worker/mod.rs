@@ -26,6 +26,7 @@ mod gpu;
 mod lifecycle;
 mod liveness;
 mod owned;
+mod procwatch;
 mod query;
 
 pub(crate) use liveness::Backoff;
@@ -564,6 +565,8 @@ pub(crate) struct State {
     /// Endpoint closes in progress, endpoint failures to report, error handlers
     /// (`lifecycle.rs`).
     life: lifecycle::Life,
+    /// Liveness of same-host peers by their process (`procwatch.rs`).
+    procs: procwatch::ProcWatch,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -651,6 +654,7 @@ impl Worker {
             uuid: new_uuid(),
             host: host_name(),
             pid: std::process::id(),
+            proc: procwatch::own_stamp(),
             ifaces: entries,
         };
         let frag = cfg
@@ -718,6 +722,7 @@ impl Worker {
                 keepalive: liveness::Keepalive::from_config(cfg),
                 owned: owned::Registry::default(),
                 life: lifecycle::Life::default(),
+                procs: procwatch::ProcWatch::from_config(cfg),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -790,6 +795,10 @@ impl Worker {
             while let Some((tok, res)) = st.done_q.pop_front() {
                 st.on_tok(tok, res);
                 n += 1;
+            }
+            // Same-host peers' processes: a counter per call, the clock once in a while.
+            if st.procs.tick() {
+                st.check_procs(Instant::now());
             }
             // Peer liveness: a counter per call, the clock once in a while.
             if let Some(ka) = &mut st.keepalive {
