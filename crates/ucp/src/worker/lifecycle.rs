@@ -34,15 +34,10 @@
 //! the error its requests ended with. Not for an endpoint this worker closes. Failures while no
 //! handler is set are not kept for a later one; [`Worker::ep_error`] still tells.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
-use rucx_ucs::{Error, Result};
-use rustc_hash::FxHashMap;
-
-use super::{Completion, EpId, Lanes, ReqKind, State, Worker};
 use crate::owned::{Deferred, Finish, OwnedRequest};
-use crate::wire::Msg;
+use crate::worker::prelude::*;
 
 /// How [`Worker::close`] closes an endpoint; see the [module](self).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +50,7 @@ pub enum CloseMode {
 
 /// Who closed an endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Closed {
+pub(crate) enum Closed {
     ByUs,
     ByPeer,
 }
@@ -90,7 +85,7 @@ struct Close {
 
 /// The worker's lifecycle state.
 #[derive(Default)]
-pub(super) struct Life {
+pub(crate) struct Life {
     closes: Vec<Close>,
     /// Failed endpoints to report, in order.
     events: VecDeque<(usize, Error)>,

@@ -10,17 +10,15 @@
 
 use std::sync::Arc;
 
-use rucx_ucs::{Error, OwnedBuf, OwnedBufMut, Result};
-use rustc_hash::FxHashMap;
+use crate::worker::prelude::*;
 
-use super::{EpId, Posted, Req, ReqKind, State, Worker, liveness};
-use crate::buf::{RecvBuf, SendBuf};
-use crate::matching::Tag;
+use rucx_ucs::{OwnedBuf, OwnedBufMut};
+
 use crate::owned::{Deferred, Finish, OwnedRequest};
 
 /// Owned requests of a worker.
 #[derive(Default)]
-pub(super) struct Registry {
+pub(crate) struct Registry {
     /// The handle side of each outstanding owned request, by request id.
     slots: FxHashMap<u64, Arc<dyn Finish>>,
     /// Ended since the last reap.
@@ -33,7 +31,7 @@ pub(super) struct Registry {
 impl Registry {
     /// Request `id` just ended.
     #[inline]
-    pub(super) fn note_done(&mut self, id: u64) {
+    pub(crate) fn note_done(&mut self, id: u64) {
         if !self.slots.is_empty() && self.slots.contains_key(&id) {
             self.done.push(id);
         }
@@ -259,7 +257,7 @@ impl Worker {
 
 /// A matched receive whose buffer the peer may be writing (a rendezvous by the peer's writes
 /// or streamed, not our own reads): the worker's drop waits for it to end.
-fn peer_writes(rs: &super::RecvState) -> bool {
+fn peer_writes(rs: &RecvState) -> bool {
     rs.rndv.as_ref().is_some_and(|rv| !rv.via_get) && !rs.pull
 }
 

@@ -10,12 +10,10 @@
 //! fails with the error handler called. Peers on other hosts or in other pid namespaces are
 //! not checked (their transports report a broken connection).
 
-use std::time::{Duration, Instant};
-
 use rucx_ucs::Config;
 
-use super::State;
 use crate::address::ProcStamp;
+use crate::worker::prelude::*;
 
 /// Progress calls between two looks at the clock.
 const CHECK_POLLS: u32 = 64;
@@ -94,7 +92,7 @@ pub(super) fn ended(pid: u32, stamp: &ProcStamp, now: ProcState) -> Option<Strin
 }
 
 /// The worker's schedule of process checks.
-pub(super) struct ProcWatch {
+pub(crate) struct ProcWatch {
     /// `None` when the checks are off.
     every: Option<Duration>,
     next: Option<Instant>,
