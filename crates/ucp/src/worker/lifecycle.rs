@@ -1,45 +1,48 @@
 //! Endpoint lifecycle: closing an endpoint (flush or force), what its peer sees, reconnecting,
 //! and the error handlers that report a failed endpoint once.
 //!
-//! # Close
-//! [`Worker::close`] marks the endpoint closed at once (new requests on it are refused with
-//! [`Error::EndpointClosed`]) and returns a request that ends when the close is done:
-//! - [`CloseMode::Flush`]: every request in flight on the endpoint (sends, remote memory
-//!   access, receives matched to a message of this peer) ends first, the lanes are flushed,
-//!   then a disconnect message goes to the peer, then the lanes are released.
-//! - [`CloseMode::Force`]: every request in flight on the endpoint ends at once with
-//!   [`Error::Canceled`] (the buffer of one the transport is still reading or writing is handed
-//!   back only once the transport finished with it), queued messages are dropped, the
-//!   disconnect message goes out, and the lanes are released once the transport has finished.
-//!
-//! Closing an endpoint that failed only releases its lanes (and succeeds); closing one twice
-//! is refused.
-//!
-//! # What the peer sees
-//! The disconnect message is the last one of the endpoint, after all its data. On receipt the
-//! peer's endpoint is closed too: its requests bound to this side (sends to it, receives
-//! matched to a message from it still arriving) end with [`Error::EndpointClosed`], announced
-//! rendezvous messages from it are dropped, whole messages from it that arrived before stay
-//! receivable, receives not matched yet are not affected; new requests on the endpoint are
-//! refused with `EndpointClosed`, and its error handler is called once with that error.
-//!
-//! # Reconnect
-//! Connecting again to the address of a worker whose endpoint failed or was closed gives a new
-//! [`EpId`] (the old one keeps reporting its error); the peer sees a new endpoint too.
-//!
-//! # Error handlers
-//! [`Worker::set_error_handler`] (every endpoint) and [`Worker::set_ep_error_handler`] (one
-//! endpoint, taking precedence) are called from [`Worker::progress`], exactly once per endpoint
-//! that fails (transport error, peer death, `RUCX_PEER_TIMEOUT`) or that its peer closes, with
-//! the error its requests ended with. Not for an endpoint this worker closes. Failures while no
-//! handler is set are not kept for a later one; [`Worker::ep_error`] still tells.
+//! The rules, public, are on [`CloseMode`].
 
 use std::sync::Arc;
 
 use crate::owned::{Deferred, Finish, OwnedRequest};
 use crate::worker::prelude::*;
 
-/// How [`Worker::close`] closes an endpoint; see the [module](self).
+/// How [`Worker::close`] closes an endpoint, and the endpoint lifecycle:
+///
+/// # Close
+/// [`Worker::close`] marks the endpoint closed at once (new requests on it are refused with
+/// [`Error::EndpointClosed`]) and returns a request that ends when the close is done:
+/// - [`CloseMode::Flush`]: every request in flight on the endpoint (sends, remote memory
+///   access, receives matched to a message of this peer) ends first, the lanes are flushed,
+///   then a disconnect message goes to the peer, then the lanes are released.
+/// - [`CloseMode::Force`]: every request in flight on the endpoint ends at once with
+///   [`Error::Canceled`] (the buffer of one the transport is still reading or writing is handed
+///   back only once the transport finished with it), queued messages are dropped, the
+///   disconnect message goes out, and the lanes are released once the transport has finished.
+///
+/// Closing an endpoint that failed only releases its lanes (and succeeds); closing one twice
+/// is refused.
+///
+/// # What the peer sees
+/// The disconnect message is the last one of the endpoint, after all its data. On receipt the
+/// peer's endpoint is closed too: its requests bound to this side (sends to it, receives
+/// matched to a message from it still arriving) end with [`Error::EndpointClosed`], announced
+/// rendezvous messages from it are dropped, whole messages from it that arrived before stay
+/// receivable, receives not matched yet are not affected; new requests on the endpoint are
+/// refused with `EndpointClosed`, and its error handler is called once with that error.
+///
+/// # Reconnect
+/// Connecting again to the address of a worker whose endpoint failed or was closed gives a new
+/// [`EpId`] (the old one keeps reporting its error); the peer sees a new endpoint too.
+///
+/// # Error handlers
+/// [`Worker::set_error_handler`] (every endpoint) and [`Worker::set_ep_error_handler`] (one
+/// endpoint, taking precedence) are called from [`Worker::progress`], exactly once per endpoint
+/// that fails (transport error, peer death: a broken connection, or on the same host its process
+/// gone, `RUCX_PROC_CHECK_INTERVAL`; `RUCX_PEER_TIMEOUT`) or that its peer closes, with
+/// the error its requests ended with. Not for an endpoint this worker closes. Failures while no
+/// handler is set are not kept for a later one; [`Worker::ep_error`] still tells.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CloseMode {
     /// Let everything in flight on the endpoint end, flush, then tell the peer.
@@ -108,7 +111,7 @@ const DONE: Completion = Completion {
 };
 
 impl Worker {
-    /// Close endpoint `ep` (see [`CloseMode`] and the [module](self) for what happens to its
+    /// Close endpoint `ep` (see [`CloseMode`] for what happens to its
     /// requests and what the peer sees); the request ends when the close is done (`wait` it
     /// with this worker, await it while something progresses the worker, or give it a
     /// callback). From this call on, requests on `ep` are refused with
@@ -184,9 +187,27 @@ impl Worker {
     }
 
     /// Call `h` from progress, once, for every endpoint that fails or that its peer closes:
-    /// the endpoint and the error its requests ended with (see the [module](self)). Replaces
+    /// the endpoint and the error its requests ended with (see [`CloseMode`]). Replaces
     /// the previous handler; endpoint handlers ([`set_ep_error_handler`](Self::set_ep_error_handler))
     /// take precedence. `h` may use the worker (post, close, connect again).
+    ///
+    /// ```
+    /// # fn main() -> rucx_ucs::Result<()> {
+    /// # let mut tables = rucx_transports::config_tables();
+    /// # tables.push(rucx_ucp::CONFIG);
+    /// # let cfg = rucx_ucs::Config::from_vars(&tables, [("RUCX_TLS", "self")])?;
+    /// # let ctx = rucx_ucp::Context::new(&rucx_transports::registry(), cfg)?;
+    /// let worker = rucx_ucp::Worker::new(&ctx)?;
+    /// let (tx, failed) = std::sync::mpsc::channel();
+    /// worker.set_error_handler(move |w, ep, err| {
+    ///     // Once per endpoint, from `progress`: forget the peer, release the endpoint.
+    ///     let _ = tx.send((ep, err.to_string()));
+    ///     let _ = w.close(ep, rucx_ucp::CloseMode::Force);
+    /// });
+    /// worker.progress();
+    /// assert!(failed.try_recv().is_err(), "no endpoint failed");
+    /// # Ok(()) }
+    /// ```
     pub fn set_error_handler(&self, h: impl FnMut(&Worker, EpId, &Error) + Send + 'static) {
         self.st.borrow_mut().life.handler = Some(Box::new(h));
     }
