@@ -167,6 +167,26 @@ fn connecting_again_after_a_close_gives_a_working_endpoint_on_both_sides() {
 }
 
 #[test]
+fn a_close_in_progress_when_the_worker_is_dropped_ends_canceled() {
+    let (w0, w1) = worker_pair();
+    let ep01 = w0.connect(&w1.address()).unwrap();
+    // A rendezvous nobody receives keeps the flush close waiting.
+    let big = w0.tag_send_owned(ep01, ranks::pattern(4 << 20, 1), 3);
+    let close = w0.close(ep01, CloseMode::Flush);
+    for _ in 0..1000 {
+        w0.progress();
+        w1.progress();
+    }
+    assert!(!close.is_done());
+    drop(w0);
+    let (res, ()) = close.try_take().expect("ended by the drop");
+    assert!(matches!(res, Err(Error::Canceled)), "{res:?}");
+    let (res, b) = big.try_take().expect("ended by the drop");
+    assert!(matches!(res, Err(Error::Canceled)), "{res:?}");
+    assert!(b == ranks::pattern(4 << 20, 1));
+}
+
+#[test]
 fn an_endpoint_handler_takes_precedence_and_is_called_once() {
     let (w0, w1) = worker_pair();
     let ep01 = w0.connect(&w1.address()).unwrap();

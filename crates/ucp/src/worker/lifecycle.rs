@@ -246,6 +246,17 @@ impl Worker {
         n + self.report_failures()
     }
 
+    /// The worker's drop: closes still in progress end with [`Error::Canceled`] (their handles
+    /// are told; the interfaces close with the worker).
+    pub(super) fn cancel_closes(&mut self) {
+        let closes = std::mem::take(&mut self.st.get_mut().life.closes);
+        for c in closes {
+            if let Some(a) = c.done.finish(Err(Error::Canceled)) {
+                a();
+            }
+        }
+    }
+
     /// Run the error handlers of the endpoints that failed since the last call.
     fn report_failures(&self) -> usize {
         let mut n = 0;

@@ -504,10 +504,11 @@ impl Worker {
 }
 
 impl Drop for Worker {
-    /// Owned requests still outstanding are ended and handed back first (`owned.rs`), then the
-    /// interfaces close.
+    /// Owned requests still outstanding are ended and handed back first (`owned.rs`), closes
+    /// in progress end canceled (`lifecycle.rs`), then the interfaces close.
     fn drop(&mut self) {
         self.shutdown_owned();
+        self.cancel_closes();
     }
 }
 
