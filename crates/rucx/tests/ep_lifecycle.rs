@@ -140,10 +140,19 @@ fn connecting_again_after_a_close_gives_a_working_endpoint_on_both_sides() {
         .unwrap();
     drive(&[&w0, &w1], || first.is_done());
     let old10 = first.try_take().unwrap().0.unwrap().sender.unwrap();
+    // A rendezvous not received yet keeps the close going.
+    let pending = w0.tag_send_owned(ep01, ranks::pattern(1 << 20, 7), 7);
     let close = w0.close(ep01, CloseMode::Flush);
+    // Not while the old endpoint is still closing (its messages still arrive for it).
+    assert!(!close.is_done());
+    let early = w0.connect(&w1.address());
+    assert!(matches!(early, Err(Error::NoResource(_))), "{early:?}");
+    let late = w1.tag_recv_owned(vec![0u8; 1 << 20], 7, TAG_MASK_FULL);
     drive(&[&w0, &w1], || {
-        close.is_done() && !calls.lock().unwrap().is_empty()
+        close.is_done() && late.is_done() && !calls.lock().unwrap().is_empty()
     });
+    pending.try_take().unwrap().0.unwrap();
+    assert!(late.try_take().unwrap().1 == ranks::pattern(1 << 20, 7));
 
     let again = w0.connect(&w1.address()).unwrap();
     assert_ne!(again, ep01);

@@ -34,7 +34,9 @@ use crate::worker::prelude::*;
 ///
 /// # Reconnect
 /// Connecting again to the address of a worker whose endpoint failed or was closed gives a new
-/// [`EpId`] (the old one keeps reporting its error); the peer sees a new endpoint too.
+/// [`EpId`] (the old one keeps reporting its error); the peer sees a new endpoint too. While a
+/// close of this worker is still in progress, connecting to that peer is refused with
+/// [`Error::NoResource`] (retry once the close request ended).
 ///
 /// # Error handlers
 /// [`Worker::set_error_handler`] (every endpoint) and [`Worker::set_ep_error_handler`] (one
@@ -421,6 +423,23 @@ impl State {
         let p = self.peer_for(remote)?;
         self.peers[p].remote_ep = Some(ep);
         Ok(p)
+    }
+
+    /// A reconnect waits for the close of the old endpoint to end (its messages still arrive
+    /// for it).
+    pub(crate) fn refuse_while_closing(&self, uuid: u64) -> Result<()> {
+        match self.by_uuid.get(&uuid) {
+            Some(&p)
+                if self.peers[p].closed == Some(Closed::ByUs) && self.peers[p].failed.is_none() =>
+            {
+                Err(Error::NoResource(format!(
+                    "endpoint ep{p} to {} is still closing; connect again once its close \
+                     request ended",
+                    self.peers[p].remote.describe()
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The peer closed its endpoint to us (its disconnect message arrived).

@@ -290,6 +290,7 @@ impl Worker {
         let remote = WorkerAddress::unpack(packed)?;
         let mut ifaces = self.ifaces.borrow_mut();
         let mut st = self.st.borrow_mut();
+        st.refuse_while_closing(remote.uuid)?;
         let p = st.peer_for(remote)?;
         st.connect_peer(p, &mut ifaces)?;
         st.pump(p);
