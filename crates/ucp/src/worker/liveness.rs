@@ -159,7 +159,7 @@ impl State {
 /// How a blocking wait polls: flat out first (no clock read, no system call), then, after a
 /// long idle stretch, yielding the CPU and sleeping a little longer each time. Any event puts
 /// it back to polling flat out.
-pub(super) struct Backoff {
+pub(crate) struct Backoff {
     idle: u32,
     /// Idle long enough to yield or sleep at every idle poll.
     slow: bool,
@@ -168,7 +168,7 @@ pub(super) struct Backoff {
 }
 
 impl Backoff {
-    pub(super) fn new() -> Backoff {
+    pub(crate) fn new() -> Backoff {
         Backoff {
             idle: 0,
             slow: false,
@@ -179,7 +179,7 @@ impl Backoff {
 
     /// Something happened: poll flat out again.
     #[inline(always)]
-    pub(super) fn busy(&mut self) {
+    pub(crate) fn busy(&mut self) {
         self.idle = 0;
         if self.since.is_some() {
             *self = Backoff::new();
@@ -188,7 +188,7 @@ impl Backoff {
 
     /// A poll found nothing.
     #[inline]
-    pub(super) fn idle(&mut self, w: &Worker) {
+    pub(crate) fn idle(&mut self, w: &Worker) {
         if self.slow {
             return self.ease_off(w);
         }

@@ -24,7 +24,10 @@ use rustc_hash::FxHashMap;
 
 mod gpu;
 mod liveness;
+mod owned;
 mod query;
+
+pub(crate) use liveness::Backoff;
 
 pub use crate::plan::PathInfo;
 
@@ -550,6 +553,8 @@ pub(crate) struct State {
     mapped: FxHashMap<usize, MemHandle>,
     /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
     keepalive: Option<liveness::Keepalive>,
+    /// Requests on owned buffers (`owned.rs`).
+    owned: owned::Registry,
 }
 
 /// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
@@ -702,6 +707,7 @@ impl Worker {
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),
+                owned: owned::Registry::default(),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -736,6 +742,17 @@ impl Worker {
 
     /// Make progress on every interface; returns the number of events handled.
     pub fn progress(&self) -> usize {
+        let n = self.progress_events();
+        // Owned requests that ended are handed back after the borrows are released (their
+        // callbacks may post).
+        if self.st.borrow().owned.has_work() {
+            n + self.reap_owned()
+        } else {
+            n
+        }
+    }
+
+    fn progress_events(&self) -> usize {
         let mut n = 0;
         let inbox = {
             let mut ifaces = self.ifaces.borrow_mut();
@@ -1565,6 +1582,14 @@ impl Worker {
     }
 }
 
+impl Drop for Worker {
+    /// Owned requests still outstanding are ended and handed back first (`owned.rs`), then the
+    /// interfaces close.
+    fn drop(&mut self) {
+        self.shutdown_owned();
+    }
+}
+
 impl State {
     #[inline(always)]
     fn new_req(&mut self, kind: ReqKind) -> u64 {
@@ -1591,6 +1616,7 @@ impl State {
             let failed = res.is_err();
             r.result = Some(res);
             r.guards.clear();
+            self.owned.note_done(id);
             return failed;
         }
         false
@@ -1704,9 +1730,16 @@ impl State {
                 _ => None,
             }
         };
-        // Not found: finished already, or (sender side) not matched yet; a receive that
-        // matches it later asks the sender, which answers with another abort.
+        // Not found: finished already, or not matched yet. An announced message the sender
+        // gave up on leaves the unexpected queue (the sender may be gone by the time a receive
+        // would match it and ask); a receive the abort overtook asks the sender, which answers
+        // with another abort.
         let Some(id) = target else {
+            if by_sender {
+                self.matcher.drop_unexpected(
+                    |u| matches!(u, Unexp::Rts { src, sreq: s, .. } if *src == p && *s == sreq),
+                );
+            }
             return;
         };
         tracing::debug!(
@@ -3466,6 +3499,8 @@ impl State {
         if gpu {
             self.recv_data(rid, 0, data);
             self.recv_complete(rid);
+        } else {
+            self.owned.note_done(rid);
         }
     }
 
