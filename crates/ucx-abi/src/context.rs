@@ -140,11 +140,13 @@ pub unsafe extern "C" fn ucp_init_version(
     };
     rucx_ucs::log::init();
     if cfg.bool("ABI_ANNOUNCE") {
-        eprintln!(
-            "rucx libucp: ucp_init in pid {} from {}",
+        // One write, so that lines of several ranks forwarded by mpirun do not interleave.
+        let line = format!(
+            "rucx libucp: ucp_init in pid {} from {}\n",
             std::process::id(),
             library_path()
         );
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     }
     let ctx = match rucx::context(cfg) {
         Ok(c) => c,

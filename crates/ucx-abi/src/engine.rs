@@ -1,78 +1,89 @@
-//! The rucx side of an operation posted through the C ABI: a request that outlives any scope
-//! (the memory is the C caller's, valid until the operation ends by UCX's contract), polled
-//! from progress.
-//!
-//! Placeholder until rucx's owned-buffer requests land: every operation ends at once with
-//! `Unsupported`.
+//! The rucx side of an operation posted through the C ABI: an owned-buffer request
+//! ([`OwnedRequest`]), which outlives any scope and is polled from progress. Its memory is the C
+//! caller's ([`RawBuf`], valid until the operation ends by UCX's contract) or a buffer of ours
+//! (generic datatypes, probed messages).
 
-use rucx_ucp::{Completion, EpId, Worker};
-use rucx_ucs::{Error, Result};
+use rucx_ucp::{Completion, EpId, OwnedRequest, RawBuf, Worker};
+use rucx_ucs::Result;
 
-/// The memory of an operation: the caller's (by address) or a buffer of ours.
+/// The memory of an operation: the caller's (by address, its type found by rucx's domains:
+/// GPU memory takes rucx's GPU paths) or a buffer of ours.
 #[derive(Debug)]
 pub enum Buf {
-    #[allow(dead_code)] // until the owned-buffer requests land
-    Raw {
-        addr: usize,
-        len: usize,
-    },
+    Raw { addr: usize, len: usize },
     Owned(Vec<u8>),
+}
+
+#[derive(Debug)]
+enum Req {
+    Raw(OwnedRequest<RawBuf>),
+    Owned(OwnedRequest<Vec<u8>>),
 }
 
 /// An operation in flight.
 #[derive(Debug)]
 pub struct Op {
+    req: Req,
     send: bool,
-    res: Result<Completion>,
-    buf: Option<Vec<u8>>,
-}
-
-fn refused() -> Result<Completion> {
-    Err(Error::Unsupported {
-        what: "tag operations through the C ABI".into(),
-        why: "rucx's owned-buffer requests are not merged yet".into(),
-    })
 }
 
 impl Op {
-    /// Post a tag send.
+    /// Post a tag send (`sync`: it ends once a receive matched it).
     ///
     /// # Safety
-    /// A `Raw` buffer stays valid (and unwritten) until the operation ends.
-    pub unsafe fn send(_w: &Worker, _ep: EpId, buf: Buf, _tag: u64, _sync: bool) -> Op {
-        Op {
-            send: true,
-            res: refused(),
-            buf: match buf {
-                Buf::Owned(v) => Some(v),
-                Buf::Raw { .. } => None,
-            },
-        }
+    /// A `Raw` buffer is memory of this process that stays allocated and unwritten until the
+    /// operation ends (UCX's contract with its caller).
+    pub unsafe fn send(w: &Worker, ep: EpId, buf: Buf, tag: u64, sync: bool) -> Op {
+        let req = match buf {
+            Buf::Raw { addr, len } => {
+                // SAFETY: the caller's promise, which is `RawBuf::new`'s contract.
+                let raw = unsafe { RawBuf::new(addr, len, None) };
+                Req::Raw(if sync {
+                    w.tag_send_sync_owned(ep, raw, tag)
+                } else {
+                    w.tag_send_owned(ep, raw, tag)
+                })
+            }
+            Buf::Owned(v) => Req::Owned(if sync {
+                w.tag_send_sync_owned(ep, v, tag)
+            } else {
+                w.tag_send_owned(ep, v, tag)
+            }),
+        };
+        Op { req, send: true }
     }
 
     /// Post a tag receive.
     ///
     /// # Safety
-    /// A `Raw` buffer stays valid (and untouched by others) until the operation ends.
-    pub unsafe fn recv(_w: &Worker, buf: Buf, _tag: u64, _mask: u64) -> Op {
-        Op {
-            send: false,
-            res: refused(),
-            buf: match buf {
-                Buf::Owned(v) => Some(v),
-                Buf::Raw { .. } => None,
-            },
-        }
+    /// A `Raw` buffer is memory of this process that stays allocated, and that nothing else
+    /// reads or writes, until the operation ends (UCX's contract with its caller).
+    pub unsafe fn recv(w: &Worker, buf: Buf, tag: u64, mask: u64) -> Op {
+        let req = match buf {
+            Buf::Raw { addr, len } => {
+                // SAFETY: the caller's promise, which is `RawBuf::new`'s contract.
+                let raw = unsafe { RawBuf::new(addr, len, None) };
+                Req::Raw(w.tag_recv_owned(raw, tag, mask))
+            }
+            Buf::Owned(v) => Req::Owned(w.tag_recv_owned(v, tag, mask)),
+        };
+        Op { req, send: false }
     }
 
     /// True once the operation ended.
     pub fn poll(&mut self) -> bool {
-        true
+        match &self.req {
+            Req::Raw(r) => r.is_done(),
+            Req::Owned(r) => r.is_done(),
+        }
     }
 
     /// Cancel a receive that has not matched; true when it was canceled.
-    pub fn cancel(&self, _w: &Worker) -> bool {
-        false
+    pub fn cancel(&self, w: &Worker) -> bool {
+        match &self.req {
+            Req::Raw(r) => r.cancel(w),
+            Req::Owned(r) => r.cancel(w),
+        }
     }
 
     pub fn is_send(&self) -> bool {
@@ -81,6 +92,25 @@ impl Op {
 
     /// The result of an ended operation, and our buffer back.
     pub fn take(self) -> (Result<Completion>, Option<Vec<u8>>) {
-        (self.res, self.buf)
+        match self.req {
+            Req::Raw(r) => match r.try_take() {
+                Ok((res, _)) => (res, None),
+                Err(_) => (
+                    Err(rucx_ucs::Error::Internal(
+                        "operation taken before it ended".into(),
+                    )),
+                    None,
+                ),
+            },
+            Req::Owned(r) => match r.try_take() {
+                Ok((res, v)) => (res, Some(v)),
+                Err(_) => (
+                    Err(rucx_ucs::Error::Internal(
+                        "operation taken before it ended".into(),
+                    )),
+                    None,
+                ),
+            },
+        }
     }
 }

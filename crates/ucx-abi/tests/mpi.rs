@@ -55,10 +55,12 @@ fn setup() -> &'static Setup {
                 "`{cmd}` is missing: install the Debian package {pkg} (ci/setup.sh does)"
             );
         }
-        // target/<profile>/deps/<this test> -> target/<profile>
+        // target/<profile>/deps/<this test>: cargo builds this crate's cdylib for the test
+        // next to it (`cargo build` copies it up to target/<profile>, `cargo test` does not).
         let exe = std::env::current_exe().expect("test executable path");
-        let profile = exe.parent().and_then(Path::parent).expect("target dir");
-        let lib = profile.join("libucp.so");
+        let deps = exe.parent().expect("deps dir");
+        let profile = deps.parent().expect("target dir");
+        let lib = deps.join("libucp.so");
         assert!(lib.exists(), "{} was not built", lib.display());
         let lib = std::fs::canonicalize(&lib).expect("canonical library path");
         let dir = profile.join("ucx-abi-test");
@@ -226,32 +228,27 @@ fn run_passing(name: &str, np: usize) {
 }
 
 #[test]
-#[ignore = "needs rucx requests that outlive a scope (owned-buffer requests, branch h-life): every tag operation is refused until they land"]
 fn p2p_two_ranks() {
     run_passing("p2p", 2);
 }
 
 #[test]
-#[ignore = "needs rucx requests that outlive a scope (owned-buffer requests, branch h-life): every tag operation is refused until they land"]
 fn p2p_three_ranks() {
     run_passing("p2p", 3);
 }
 
 #[test]
-#[ignore = "needs rucx requests that outlive a scope (owned-buffer requests, branch h-life): every tag operation is refused until they land"]
 fn matching_two_ranks() {
     run_passing("match", 2);
 }
 
 #[test]
-#[ignore = "needs rucx requests that outlive a scope (owned-buffer requests, branch h-life): every tag operation is refused until they land"]
 fn matching_four_ranks() {
     run_passing("match", 4);
 }
 
 /// A rank killed mid-transfer ends the job with an error, within the limit (no hang).
 #[test]
-#[ignore = "needs rucx requests that outlive a scope (owned-buffer requests, branch h-life): every tag operation is refused until they land"]
 fn killed_rank_ends_the_job() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let prog = build("kill");
