@@ -31,6 +31,9 @@ pub mod status;
 mod tag;
 pub mod types;
 mod ucm;
+
+#[cfg(test)]
+mod abi_tests;
 mod worker;
 
 pub use request::HEADER_SIZE;
