@@ -1,7 +1,9 @@
 /* Matching: any-source/any-tag, probe/iprobe, mprobe/mrecv and improbe/imrecv (eager and
  * rendezvous sizes), synchronous sends (MPI_Ssend, and an MPI_Issend that must not complete
- * before its receive is posted), MPI_Cancel of a receive, and a derived (non-contiguous)
- * datatype on both sides. Needs 2 or more ranks; prints "match OK" per rank. */
+ * before its receive is posted), MPI_Cancel of a receive, a derived (non-contiguous)
+ * datatype on both sides, persistent and buffered sends, a send request freed before it
+ * completes, and collectives (their tags are negative). Needs 2 or more ranks; prints
+ * "match OK" per rank. */
 #include "common.h"
 
 static void any_source_any_tag(void)
@@ -185,6 +187,64 @@ static void derived_type(int nblocks)
     MPI_Type_free(&vec);
 }
 
+static void persistent_buffered_collectives(void)
+{
+    enum { N = 100000 };
+    static unsigned char b[N], r[N];
+    if (rank == 1) {
+        MPI_Request p;
+        MPI_OK(MPI_Send_init(b, N, MPI_BYTE, 0, 50, MPI_COMM_WORLD, &p));
+        for (int round = 0; round < 3; round++) {
+            fill(b, N, 1, 20 + round);
+            MPI_OK(MPI_Start(&p));
+            MPI_OK(MPI_Wait(&p, MPI_STATUS_IGNORE));
+        }
+        MPI_OK(MPI_Request_free(&p));
+        int size = N + MPI_BSEND_OVERHEAD;
+        void *att = malloc(size);
+        MPI_OK(MPI_Buffer_attach(att, size));
+        fill(b, N, 1, 30);
+        MPI_OK(MPI_Bsend(b, N, MPI_BYTE, 0, 51, MPI_COMM_WORLD));
+        MPI_OK(MPI_Buffer_detach(&att, &size));
+        free(att);
+        /* A send whose request is freed at once: it still arrives. */
+        MPI_Request q;
+        fill(r, 1000, 1, 31);
+        MPI_OK(MPI_Isend(r, 1000, MPI_BYTE, 0, 52, MPI_COMM_WORLD, &q));
+        MPI_OK(MPI_Request_free(&q));
+    } else if (rank == 0) {
+        MPI_Request p;
+        MPI_OK(MPI_Recv_init(r, N, MPI_BYTE, 1, 50, MPI_COMM_WORLD, &p));
+        for (int round = 0; round < 3; round++) {
+            memset(r, 0, N);
+            MPI_OK(MPI_Start(&p));
+            MPI_OK(MPI_Wait(&p, MPI_STATUS_IGNORE));
+            check_bytes(r, N, 1, 20 + round, "persistent");
+        }
+        MPI_OK(MPI_Request_free(&p));
+        MPI_OK(MPI_Recv(r, N, MPI_BYTE, 1, 51, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+        check_bytes(r, N, 1, 30, "bsend");
+        MPI_OK(MPI_Recv(b, 1000, MPI_BYTE, 1, 52, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+        check_bytes(b, 1000, 1, 31, "freed isend");
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    /* Collectives, small and large. */
+    long v = rank + 1, sum = 0;
+    MPI_OK(MPI_Allreduce(&v, &sum, 1, MPI_LONG, MPI_SUM, MPI_COMM_WORLD));
+    CHECK(sum == (long)nranks * (nranks + 1) / 2, "allreduce: %ld", sum);
+    if (rank == 0) {
+        fill(b, N, 0, 40);
+    }
+    MPI_OK(MPI_Bcast(b, N, MPI_BYTE, 0, MPI_COMM_WORLD));
+    check_bytes(b, N, 0, 40, "bcast");
+    int *all = malloc(sizeof(int) * nranks);
+    MPI_OK(MPI_Allgather(&rank, 1, MPI_INT, all, 1, MPI_INT, MPI_COMM_WORLD));
+    for (int i = 0; i < nranks; i++) {
+        CHECK(all[i] == i, "allgather: %d at %d", all[i], i);
+    }
+    free(all);
+}
+
 int main(int argc, char **argv)
 {
     start(&argc, &argv);
@@ -199,6 +259,8 @@ int main(int argc, char **argv)
     MPI_Barrier(MPI_COMM_WORLD);
     derived_type(100);
     derived_type(200000);
+    MPI_Barrier(MPI_COMM_WORLD);
+    persistent_buffered_collectives();
     MPI_Barrier(MPI_COMM_WORLD);
     printf("rank %d: match OK\n", rank);
     MPI_Finalize();
