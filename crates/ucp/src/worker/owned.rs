@@ -13,14 +13,15 @@ use std::sync::Arc;
 use rucx_ucs::{Error, OwnedBuf, OwnedBufMut, Result};
 use rustc_hash::FxHashMap;
 
-use super::{EpId, Posted, Req, ReqKind, SendWait, State, Worker, liveness};
+use super::state::{Req, ReqKind, SendWait};
+use super::{EpId, Posted, State, Worker, liveness};
 use crate::buf::{RecvBuf, SendBuf};
 use crate::matching::Tag;
 use crate::owned::{Deferred, Finish, OwnedRequest};
 
 /// Owned requests of a worker.
 #[derive(Default)]
-pub(super) struct Registry {
+pub(crate) struct Registry {
     /// The handle side of each outstanding owned request, by request id.
     slots: FxHashMap<u64, Arc<dyn Finish>>,
     /// Ended since the last reap.
@@ -33,7 +34,7 @@ pub(super) struct Registry {
 impl Registry {
     /// Request `id` just ended.
     #[inline]
-    pub(super) fn note_done(&mut self, id: u64) {
+    pub(crate) fn note_done(&mut self, id: u64) {
         if !self.slots.is_empty() && self.slots.contains_key(&id) {
             self.done.push(id);
         }
