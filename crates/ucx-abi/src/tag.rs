@@ -236,6 +236,7 @@ unsafe fn send(
     let w = ep.worker();
     // SAFETY: the caller's promise: the memory stays valid until the send ends.
     let mut op = unsafe { Op::send(&w.worker, ep.id, data, tag, sync) };
+    w.touch();
     if op.poll() && !opts.no_imm {
         let (res, _) = op.take();
         return match res {
@@ -303,6 +304,7 @@ unsafe fn recv(
     };
     // SAFETY: the caller's promise: the memory stays valid until the receive ends.
     let mut op = unsafe { Op::recv(&w.worker, data, tag, mask) };
+    w.touch();
     let done = op.poll();
     if done
         && !opts.no_imm
@@ -558,7 +560,10 @@ pub unsafe extern "C" fn ucp_tag_probe_nb(
     let Some(w) = (unsafe { worker.as_ref() }) else {
         return std::ptr::null_mut();
     };
-    let Some(c) = w.worker.probe(tag, tag_mask) else {
+    // The probe progresses the worker itself: what it ended is looked at by the next progress.
+    let found = w.worker.probe(tag, tag_mask);
+    w.touch();
+    let Some(c) = found else {
         return std::ptr::null_mut();
     };
     let found = info_of(&c);
@@ -571,6 +576,7 @@ pub unsafe extern "C" fn ucp_tag_probe_nb(
     }
     // SAFETY: our own buffer, owned by the operation.
     let op = unsafe { Op::recv(&w.worker, Buf::Owned(vec![0u8; c.len]), c.tag, u64::MAX) };
+    w.touch();
     Box::into_raw(Box::new(Message { op, info: found })).cast()
 }
 

@@ -6,7 +6,7 @@
 //! inside the call that posted the operation, and with nothing of the worker borrowed, so a
 //! callback may post, free or cancel.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_uint, c_void};
 
 use rucx_ucp::Worker;
@@ -24,6 +24,9 @@ pub struct AbiWorker {
     pub ctx: *const AbiContext,
     pub worker: Worker,
     pub ops: RefCell<Vec<Pending>>,
+    /// Something may have ended outside progress (a post, a cancel): look at every operation
+    /// at the next progress even if it reports no event.
+    pub dirty: Cell<bool>,
 }
 
 /// How a request's end is told to its caller.
@@ -60,14 +63,24 @@ impl AbiWorker {
     /// Queue an operation in flight.
     pub fn push(&self, p: Pending) {
         self.ops.borrow_mut().push(p);
+        self.dirty.set(true);
+    }
+
+    /// A post or cancel may have ended operations (rucx makes progress inside some calls).
+    pub fn touch(&self) {
+        self.dirty.set(true);
     }
 
     /// Progress once and deliver what ended; the number of events.
     pub fn progress(&self) -> usize {
         let mut n = self.worker.progress();
-        if self.ops.borrow().is_empty() {
+        // Operations end only through events of the worker's progress, or inside calls that
+        // set `dirty`: with neither, nothing to look at (polling every operation costs a lock
+        // each, with a window of many in flight).
+        if (n == 0 && !self.dirty.get()) || self.ops.borrow().is_empty() {
             return n;
         }
+        self.dirty.set(false);
         let ended = self.take_ended();
         n += ended.len();
         for p in ended {
@@ -106,6 +119,8 @@ impl AbiWorker {
         {
             op.cancel(&self.worker);
         }
+        drop(ops);
+        self.touch();
     }
 
     /// True while any send is in flight (for flush).
@@ -167,6 +182,7 @@ pub unsafe extern "C" fn ucp_worker_create(
                 ctx: context,
                 worker,
                 ops: RefCell::new(Vec::new()),
+                dirty: Cell::new(false),
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
