@@ -23,7 +23,7 @@ use crate::engine::{Buf, Op};
 use crate::request;
 use crate::status::{status_of, status_ptr};
 use crate::types::*;
-use crate::worker::{AbiWorker, Callback, Pending, Work};
+use crate::worker::{AbiWorker, Callback, Pending};
 
 /// What to make of an operation's result when it ends.
 #[derive(Debug)]
@@ -258,7 +258,8 @@ unsafe fn send(
     w.push(Pending {
         user,
         cb: opts.cb,
-        work: Work::Op(op, Finish::Send),
+        op,
+        fin: Finish::Send,
     });
     user
 }
@@ -330,7 +331,8 @@ unsafe fn recv(
     w.push(Pending {
         user,
         cb: opts.cb,
-        work: Work::Op(op, fin),
+        op,
+        fin,
     });
     user
 }
@@ -626,7 +628,8 @@ unsafe fn msg_recv(
     w.push(Pending {
         user,
         cb: opts.cb,
-        work: Work::Op(msg.op, Finish::MsgCopy(dest, msg.info)),
+        op: msg.op,
+        fin: Finish::MsgCopy(dest, msg.info),
     });
     user
 }

@@ -39,19 +39,14 @@ pub enum Callback {
     RecvNbx(RecvNbxCb, *mut c_void),
 }
 
-/// What an operation in flight waits for.
-#[derive(Debug)]
-pub enum Work {
-    /// A rucx operation, and what to do with its result.
-    Op(Op, Finish),
-}
-
-/// An operation in flight: the request it completes, its callback, its work.
+/// An operation in flight: the request it completes, its callback, the rucx operation and
+/// what to make of its result.
 #[derive(Debug)]
 pub struct Pending {
     pub user: *mut c_void,
     pub cb: Callback,
-    pub work: Work,
+    pub op: Op,
+    pub fin: Finish,
 }
 
 impl AbiWorker {
@@ -84,8 +79,7 @@ impl AbiWorker {
         let ended = self.take_ended();
         n += ended.len();
         for p in ended {
-            let Work::Op(op, fin) = p.work;
-            let (status, info) = fin.run(op);
+            let (status, info) = p.fin.run(p.op);
             deliver(p.user, p.cb, status, info);
         }
         n
@@ -97,8 +91,7 @@ impl AbiWorker {
         let mut ended = Vec::new();
         let mut i = 0;
         while i < ops.len() {
-            let Work::Op(op, _) = &mut ops[i].work;
-            let done = op.poll();
+            let done = ops[i].op.poll();
             if !done {
                 i += 1;
                 continue;
@@ -112,12 +105,8 @@ impl AbiWorker {
     /// is delivered by progress.
     pub fn cancel(&self, user: *mut c_void) {
         let ops = self.ops.borrow();
-        if let Some(Pending {
-            work: Work::Op(op, _),
-            ..
-        }) = ops.iter().find(|p| p.user == user)
-        {
-            op.cancel(&self.worker);
+        if let Some(p) = ops.iter().find(|p| p.user == user) {
+            p.op.cancel(&self.worker);
         }
         drop(ops);
         self.touch();
@@ -125,10 +114,7 @@ impl AbiWorker {
 
     /// True while any send is in flight (for flush).
     pub fn sends_in_flight(&self) -> bool {
-        self.ops
-            .borrow()
-            .iter()
-            .any(|p| matches!(&p.work, Work::Op(op, _) if op.is_send()))
+        self.ops.borrow().iter().any(|p| p.op.is_send())
     }
 }
 
@@ -208,12 +194,8 @@ pub unsafe extern "C" fn ucp_worker_destroy(worker: *mut AbiWorker) {
     // SAFETY: made by `Box::into_raw` in `ucp_worker_create`, destroyed once.
     let w = unsafe { Box::from_raw(worker) };
     let ops = std::mem::take(&mut *w.ops.borrow_mut());
-    for Pending {
-        work: Work::Op(op, _),
-        ..
-    } in &ops
-    {
-        op.cancel(&w.worker);
+    for p in &ops {
+        p.op.cancel(&w.worker);
     }
     drop(ops);
     drop(w);
