@@ -115,6 +115,11 @@ impl EventSet {
 /// to whole milliseconds otherwise). Returns whether it is readable; an interrupted wait
 /// returns `Ok(false)`.
 pub fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> io::Result<bool> {
+    wait_any_readable(&[fd], timeout)
+}
+
+/// [`wait_readable`] on several descriptors: whether one of them is readable.
+pub fn wait_any_readable(fds: &[RawFd], timeout: Option<Duration>) -> io::Result<bool> {
     let ms: libc::c_int = match timeout {
         None => -1,
         Some(t) => {
@@ -122,13 +127,16 @@ pub fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> io::Result<bool> {
             libc::c_int::try_from(ms).unwrap_or(libc::c_int::MAX)
         }
     };
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one initialized pollfd that lives across the call.
-    let rc = unsafe { libc::poll(&mut p, 1, ms) };
+    let mut p: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `p` is an initialized array of `p.len()` pollfds that lives across the call.
+    let rc = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms) };
     if rc < 0 {
         let e = io::Error::last_os_error();
         if e.kind() == io::ErrorKind::Interrupted {

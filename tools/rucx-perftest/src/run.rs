@@ -4,9 +4,10 @@
 //! Every iteration is timed with [`Instant`]; the client keeps the per-iteration times and
 //! the whole run's time, from which [`Figures`] follow.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
-use std::rc::Rc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rucx::bootstrap::Placement;
@@ -522,26 +523,28 @@ fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
 }
 
 fn am_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let got = Rc::new(Cell::new(0usize));
+    let got = Arc::new(AtomicUsize::new(0));
     let g = got.clone();
-    w.set_am_handler(AM_PONG, move |_, _| g.set(g.get() + 1));
+    w.set_am_handler(AM_PONG, move |_, _| {
+        g.fetch_add(1, Relaxed);
+    });
     let sbuf = pattern(spec.size);
     for i in 0..spec.warmup + spec.iters {
         t.begin(i);
         w.am_send(ep, AM_PING, &[], &sbuf)
             .map_err(ctx("active message"))?;
-        progress_until(w, ep, || got.get() > i)?;
+        progress_until(w, ep, || got.load(Relaxed) > i)?;
         t.end(i);
     }
     Ok(())
 }
 
 fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let acked = Rc::new(Cell::new(0usize));
+    let acked = Arc::new(AtomicUsize::new(0));
     let a = acked.clone();
     w.set_am_handler(AM_CREDIT, move |_, m| {
         if let Ok(b) = <[u8; 8]>::try_from(m.data.as_slice()) {
-            a.set(a.get().max(u64::from_le_bytes(b) as usize));
+            a.fetch_max(u64::from_le_bytes(b) as usize, Relaxed);
         }
     });
     let sbuf = pattern(spec.size);
@@ -549,12 +552,12 @@ fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     for i in 0..total {
         t.begin(i);
         // Credits: at most `window` messages the receiver has not counted yet.
-        progress_until(w, ep, || i - acked.get() < spec.window)?;
+        progress_until(w, ep, || i - acked.load(Relaxed) < spec.window)?;
         w.am_send(ep, AM_DATA, &[], &sbuf)
             .map_err(ctx("active message"))?;
         t.end(i);
     }
-    progress_until(w, ep, || acked.get() >= total)?;
+    progress_until(w, ep, || acked.load(Relaxed) >= total)?;
     Ok(())
 }
 
@@ -737,20 +740,20 @@ fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 }
 
 fn am_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let count = Rc::new(Cell::new(0usize));
-    let failed: Rc<Cell<Option<Error>>> = Rc::new(Cell::new(None));
+    let count = Arc::new(AtomicUsize::new(0));
+    let failed: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
     let (c, f) = (count.clone(), failed.clone());
     let reply = pattern(spec.size);
     w.set_am_handler(AM_PING, move |w, m| {
-        c.set(c.get() + 1);
+        c.fetch_add(1, Relaxed);
         if let Err(e) = w.am_send(m.reply_ep, AM_PONG, &[], &reply) {
-            f.set(Some(e));
+            *f.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
         }
     });
     send(w, ep, &[], TAG_READY)?;
     let total = spec.warmup + spec.iters;
-    progress_until(w, ep, || count.get() >= total)?;
-    if let Some(e) = failed.take() {
+    progress_until(w, ep, || count.load(Relaxed) >= total)?;
+    if let Some(e) = failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
         return Err(format!("replying: {e}"));
     }
     Ok(())
@@ -759,21 +762,20 @@ fn am_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 fn am_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     let total = spec.warmup + spec.iters;
     let batch = (spec.window / 2).max(1);
-    let count = Rc::new(Cell::new(0usize));
-    let failed: Rc<Cell<Option<Error>>> = Rc::new(Cell::new(None));
+    let count = Arc::new(AtomicUsize::new(0));
+    let failed: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
     let (c, f) = (count.clone(), failed.clone());
     w.set_am_handler(AM_DATA, move |w, m| {
-        let n = c.get() + 1;
-        c.set(n);
+        let n = c.fetch_add(1, Relaxed) + 1;
         if (n.is_multiple_of(batch) || n == total)
             && let Err(e) = w.am_send(m.reply_ep, AM_CREDIT, &[], &(n as u64).to_le_bytes())
         {
-            f.set(Some(e));
+            *f.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
         }
     });
     send(w, ep, &[], TAG_READY)?;
-    progress_until(w, ep, || count.get() >= total)?;
-    if let Some(e) = failed.take() {
+    progress_until(w, ep, || count.load(Relaxed) >= total)?;
+    if let Some(e) = failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
         return Err(format!("sending credits: {e}"));
     }
     Ok(())

@@ -22,6 +22,7 @@ use crate::slab::Slab;
 use crate::wire::{self, Msg, MsgKind, NamedKey};
 use rustc_hash::FxHashMap;
 
+mod events;
 mod gpu;
 mod liveness;
 mod query;
@@ -74,7 +75,7 @@ pub struct AmMessage {
     pub reply_ep: EpId,
 }
 
-type AmHandler = Box<dyn FnMut(&Worker, AmMessage)>;
+type AmHandler = Box<dyn FnMut(&Worker, AmMessage) + Send>;
 
 /// Reconstruct a host slice from the address of a buffer the request API borrowed.
 ///
@@ -552,7 +553,12 @@ pub(crate) struct State {
     keepalive: Option<liveness::Keepalive>,
 }
 
-/// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
+/// A worker: owns interfaces and drives progress.
+///
+/// A worker is `Send` but not `Sync`: it may move to another thread (or live in a `Mutex`),
+/// and one thread at a time uses it. Requests borrow it, so it cannot move while a scope is
+/// open. Active-message handlers are `Send` for that reason. It can sleep instead of polling:
+/// [`Worker::event_fd`], [`Worker::arm`], [`Worker::wait`] (`events.rs`).
 pub struct Worker {
     ifaces: RefCell<Vec<Box<dyn Iface>>>,
     st: RefCell<State>,
@@ -560,6 +566,8 @@ pub struct Worker {
     /// Emptied request-id lists of ended scopes, reused by the next ones (a scope per message
     /// is the common pattern; this spares an allocation each).
     id_lists: RefCell<Vec<Vec<u64>>>,
+    /// The event set for sleeping (`events.rs`).
+    events: events::Events,
 }
 
 impl fmt::Debug for Worker {
@@ -705,6 +713,7 @@ impl Worker {
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
+            events: events::Events::default(),
         })
     }
 
@@ -734,8 +743,9 @@ impl Worker {
         Ok(EpId(p))
     }
 
-    /// Make progress on every interface; returns the number of events handled.
-    pub fn progress(&self) -> usize {
+    /// One progress pass (`progress` in `events.rs` adds waking awaited requests).
+    #[inline(always)]
+    fn progress_once(&self) -> usize {
         let mut n = 0;
         let inbox = {
             let mut ifaces = self.ifaces.borrow_mut();
@@ -795,7 +805,7 @@ impl Worker {
     }
 
     /// Set the handler of user active messages with id `id`.
-    pub fn set_am_handler(&self, id: u16, h: impl FnMut(&Worker, AmMessage) + 'static) {
+    pub fn set_am_handler(&self, id: u16, h: impl FnMut(&Worker, AmMessage) + Send + 'static) {
         self.handlers.borrow_mut().insert(id, Box::new(h));
     }
 
@@ -1527,20 +1537,26 @@ impl Worker {
 
     /// Cancel a receive that has not matched yet. Returns true when it was canceled.
     pub(crate) fn cancel_recv(&self, id: u64) -> bool {
-        let mut st = self.st.borrow_mut();
-        if st.matcher.cancel_expected(|e| *e == id).is_some() {
-            st.finish(id, Err(Error::Canceled));
-            true
-        } else {
-            st.stream_cancel(id)
+        let canceled = {
+            let mut st = self.st.borrow_mut();
+            if st.matcher.cancel_expected(|e| *e == id).is_some() {
+                st.finish(id, Err(Error::Canceled));
+                true
+            } else {
+                st.stream_cancel(id)
+            }
+        };
+        if canceled {
+            self.wake_finished();
         }
+        canceled
     }
 
     /// Progress until request `id` finished or `limit` passed.
     pub(crate) fn wait_req(&self, id: u64, limit: Option<Duration>) -> Result<Completion> {
         // The clock is read only when there is a limit: it is not free on the hot path.
         let start = limit.map(|_| Instant::now());
-        let mut backoff = liveness::Backoff::new();
+        let mut backoff = liveness::Backoff::until(start.zip(limit).map(|(s, l)| s + l));
         loop {
             if let Some(r) = self.req_result(id) {
                 return r;
@@ -1556,7 +1572,8 @@ impl Worker {
             if self.progress() == 0 {
                 // Poll flat out first (a pause instruction costs tens of cycles on some CPUs,
                 // straight onto the latency), and ease off only when nothing comes for a while:
-                // after a millisecond, yield, then sleep (up to a millisecond a poll).
+                // after a millisecond, yield, then arm and sleep on the worker's events
+                // (`events.rs`) until a message or completion comes.
                 backoff.idle(self);
             } else {
                 backoff.busy();
