@@ -5,8 +5,8 @@
 //! the whole run's time, from which [`Figures`] follow.
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,7 @@ use rucx::{
     Worker,
 };
 
-use crate::args::{Options, TestKind};
+use crate::args::{Options, TestKind, WaitMode};
 use crate::mem::{self, Buf, Gpu, Ring};
 use crate::stats::{Figures, MB, percentile};
 
@@ -53,20 +53,23 @@ pub struct Spec {
     pub window: usize,
     /// Memory types of the send and receive buffers (on both sides).
     pub mem: (MemoryType, MemoryType),
+    /// How both sides wait between messages.
+    pub wait: WaitMode,
 }
 
 impl Spec {
     /// The control message that announces this spec.
     pub fn encode(&self) -> String {
         format!(
-            "run {} {} {} {} {} {} {}",
+            "run {} {} {} {} {} {} {} {}",
             self.test.name(),
             self.size,
             self.iters,
             self.warmup,
             self.window,
             self.mem.0,
-            self.mem.1
+            self.mem.1,
+            self.wait.name()
         )
     }
 
@@ -75,7 +78,7 @@ impl Spec {
         let w: Vec<&str> = s.split_whitespace().collect();
         match w.as_slice() {
             ["quit"] => Ok(None),
-            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 2 => {
+            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 3 => {
                 let num = |x: &str| {
                     x.parse::<usize>()
                         .map_err(|_| format!("bad control message {s:?}"))
@@ -91,6 +94,7 @@ impl Spec {
                     warmup: num(warm)?,
                     window: num(window)?.max(1),
                     mem: (mt(rest[0])?, mt(rest[1])?),
+                    wait: rest[2].parse()?,
                 }))
             }
             _ => Err(format!(
@@ -145,12 +149,7 @@ fn wait(w: &Worker, peer: EpId, r: Request<'_>) -> R<Completion> {
             return res.map_err(|e| e.to_string());
         }
         if w.progress() == 0 {
-            idle = idle.wrapping_add(1);
-            if idle.is_multiple_of(4096)
-                && let Some(why) = w.ep_error(peer)
-            {
-                return Err(format!("the peer failed: {why}"));
-            }
+            idle_step(w, peer, &mut idle)?;
         }
     }
 }
@@ -160,13 +159,33 @@ fn progress_until(w: &Worker, peer: EpId, mut done: impl FnMut() -> bool) -> R<(
     let mut idle = 0u32;
     while !done() {
         if w.progress() == 0 {
-            idle = idle.wrapping_add(1);
-            if idle.is_multiple_of(4096)
-                && let Some(why) = w.ep_error(peer)
-            {
-                return Err(format!("the peer failed: {why}"));
-            }
+            idle_step(w, peer, &mut idle)?;
         }
+    }
+    Ok(())
+}
+
+/// The wait mode of the spec being run (`-E`; both sides set it from the spec).
+static SLEEP: AtomicBool = AtomicBool::new(false);
+
+fn set_wait_mode(m: WaitMode) {
+    SLEEP.store(m == WaitMode::Sleep, Relaxed);
+}
+
+/// A progress call found nothing: in sleep mode, sleep until the worker's events; look at
+/// the peer's endpoint now and then (at every wake-up when sleeping).
+#[inline]
+fn idle_step(w: &Worker, peer: EpId, idle: &mut u32) -> R<()> {
+    *idle = idle.wrapping_add(1);
+    let sleep = SLEEP.load(Relaxed);
+    if sleep {
+        w.wait(None)
+            .map_err(ctx("waiting for the worker's events"))?;
+    }
+    if (sleep || idle.is_multiple_of(4096))
+        && let Some(why) = w.ep_error(peer)
+    {
+        return Err(format!("the peer failed: {why}"));
     }
     Ok(())
 }
@@ -564,6 +583,7 @@ fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
 /// Run one spec on the client (the server must be told first); returns the figures.
 pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let w = job.worker();
+    set_wait_mode(spec.wait);
     let ep = job.ep(0);
     // The client's buffers (GPU ones on GPU 1 % count), set up before anything is timed.
     let gpu = mem::gpu_for(spec.mem, 1)?;
@@ -792,6 +812,7 @@ pub fn serve(job: &Job) -> R<()> {
         let Some(spec) = Spec::decode(&text)? else {
             return Ok(());
         };
+        set_wait_mode(spec.wait);
         let res = match spec.test {
             TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat => {
                 tag_lat_server(w, ep, &spec)
@@ -817,6 +838,7 @@ pub fn spec_for(opts: &Options, test: TestKind, size: usize) -> Spec {
         warmup: opts.warmup_for(test, size),
         window: if test.is_pingpong() { 1 } else { opts.window },
         mem: opts.mem,
+        wait: opts.wait,
     }
 }
 
@@ -862,8 +884,15 @@ mod tests {
             warmup: 2,
             window: 16,
             mem: (MemoryType::Host, MemoryType::Host),
+            wait: WaitMode::Poll,
         };
         assert_eq!(Spec::decode(&s.encode()).unwrap(), Some(s));
+        let sleep = Spec {
+            wait: WaitMode::Sleep,
+            ..s
+        };
+        assert_eq!(Spec::decode(&sleep.encode()).unwrap(), Some(sleep));
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host nap").is_err());
         for mem in [
             (MemoryType::Cuda, MemoryType::Cuda),
             (MemoryType::Host, MemoryType::Cuda),
@@ -873,10 +902,10 @@ mod tests {
             assert_eq!(Spec::decode(&g.encode()).unwrap(), Some(g));
         }
         assert_eq!(Spec::decode("quit").unwrap(), None);
-        assert!(Spec::decode("run tag_bw x 1 1 1 host host").is_err());
-        assert!(Spec::decode("run nope 1 1 1 1 host host").is_err());
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm").is_err());
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host").is_err());
+        assert!(Spec::decode("run tag_bw x 1 1 1 host host poll").is_err());
+        assert!(Spec::decode("run nope 1 1 1 1 host host poll").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm poll").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host").is_err());
         assert!(Spec::decode("hello").unwrap_err().contains("versions"));
     }
 
