@@ -12,17 +12,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 
-use std::time::Duration;
-
 use rucx_ucs::event::{EventFd, wait_any_readable};
 
 use crate::{Error, Result, Worker};
 
 /// Progress calls that find nothing before the driver sleeps on the worker's events.
 const SPIN_IDLE: u32 = 64;
-
-/// Longest sleep between two progress calls (the worker's timers need them).
-const TICK: Duration = Duration::from_secs(1);
 
 /// Wakes [`block_on`]: sets the flag (the worker's progress calls it from this thread) and
 /// signals an eventfd that the sleeping thread polls next to the worker's descriptor (for
@@ -48,7 +43,8 @@ impl Wake for Flag {
 /// runtime: the blocking way to await requests (e.g. several of one scope with a join, or a
 /// request with a timeout future of one's own). Sleeps on the worker's events when nothing
 /// happens, so an idle wait uses no CPU. Errors only when the worker cannot wait (its event
-/// set failed); a poll-only worker (a transport that cannot signal) is polled with naps.
+/// set failed); a worker with a transport that cannot signal wakes every
+/// [`Worker::wait_tick`] to poll it.
 pub fn block_on<F: Future>(worker: &Worker, fut: F) -> Result<F::Output> {
     let flag = Arc::new(Flag {
         woken: AtomicBool::new(true),
@@ -82,12 +78,10 @@ pub fn block_on<F: Future>(worker: &Worker, fut: F) -> Result<F::Output> {
         match worker.arm() {
             Ok(()) => {
                 let fds = [worker.event_fd()?, flag.fd.fd()];
-                wait_any_readable(&fds, Some(TICK))
+                wait_any_readable(&fds, Some(worker.wait_tick()))
                     .map_err(|e| Error::io("block_on: waiting for events", e))?;
             }
             Err(Error::Busy(_)) => {}
-            // A transport that cannot signal: nap (the worker's wait does).
-            Err(Error::Unsupported { .. }) => worker.wait(Some(Duration::from_millis(1)))?,
             Err(e) => return Err(e),
         }
     }

@@ -26,7 +26,6 @@ use std::future::{Future, poll_fn};
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::pin;
 use std::task::Poll;
-use std::time::Duration;
 
 use ::tokio::io::Interest;
 use ::tokio::io::unix::AsyncFd;
@@ -36,8 +35,6 @@ use crate::{Error, Result, Worker};
 /// Progress calls that find nothing before the driver arms the worker and waits for its
 /// descriptor.
 const SPIN_IDLE: u32 = 16;
-/// Longest wait for the descriptor before a progress call anyway (the worker's timers).
-const TICK: Duration = Duration::from_secs(1);
 
 /// The worker's descriptor as tokio registers it (owned by the worker, not closed here).
 struct WorkerFd(RawFd);
@@ -52,8 +49,8 @@ impl AsRawFd for WorkerFd {
 /// when nothing does, armed and waiting (without CPU) until the worker's event descriptor is
 /// readable. Must run inside a tokio runtime with I/O and time enabled (`enable_all`).
 ///
-/// Errors when the worker has no event descriptor (a poll-only transport: [`Error::Unsupported`])
-/// or its wait fails.
+/// Errors when the worker's event set or the registration with tokio fails. The worker is
+/// progressed at least every [`Worker::wait_tick`] (its timers; transports that cannot signal).
 pub async fn drive<F: Future>(worker: &Worker, fut: F) -> Result<F::Output> {
     let raw = worker.event_fd()?;
     // SAFETY: the descriptor is the worker's event set, which stays open, the same
@@ -67,7 +64,8 @@ pub async fn drive<F: Future>(worker: &Worker, fut: F) -> Result<F::Output> {
             )
         })?;
     let mut fut = pin!(fut);
-    let mut tick = pin!(::tokio::time::sleep(TICK));
+    let period = worker.wait_tick();
+    let mut tick = pin!(::tokio::time::sleep(period));
     poll_fn(|cx| {
         loop {
             if let Poll::Ready(v) = fut.as_mut().poll(cx) {
@@ -111,7 +109,7 @@ pub async fn drive<F: Future>(worker: &Worker, fut: F) -> Result<F::Output> {
             // Timers of the worker (peer checks, transport deadlines) need a progress call now
             // and then, even when nothing happens.
             if tick.as_mut().poll(cx).is_ready() {
-                tick.as_mut().reset(::tokio::time::Instant::now() + TICK);
+                tick.as_mut().reset(::tokio::time::Instant::now() + period);
                 continue;
             }
             return Poll::Pending;

@@ -35,7 +35,9 @@ pub use listener::Listener;
 pub use matching::Tag;
 pub use plan::{EpPlan, PathInfo};
 pub use scope::{Request, Scope, wait_all, wait_all_timeout, wait_any, wait_any_timeout};
-pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};
+pub use worker::{
+    AmMessage, Completion, EpId, MemMap, POLL_ONLY_TICK, RkeyBundle, WAIT_TICK, Worker,
+};
 
 /// What `docs/architecture.md` says of [`Context`]'s registration: `can_register`,
 /// `reg_domains`, `demote`, `demotions` and `refusals` are public, `register` is crate-private

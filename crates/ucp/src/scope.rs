@@ -283,9 +283,7 @@ fn wait_many(
                         let left = limit
                             .zip(start)
                             .map(|(l, t)| l.saturating_sub(now.saturating_duration_since(t)));
-                        if !Worker::sleep_on_many(&workers, left)? {
-                            std::thread::sleep(Duration::from_micros(200));
-                        }
+                        Worker::wait_many(&workers, left)?;
                     }
                 }
             }

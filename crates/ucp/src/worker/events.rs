@@ -18,9 +18,10 @@
 //! [`Worker::wait`] is steps 2 and 3. The worker's descriptor is an epoll set of its own that
 //! holds every interface's descriptor ([`EventSource::Fd`]); interfaces that never have
 //! anything later ([`EventSource::Silent`]) are left out. An interface that cannot signal
-//! ([`EventSource::PollOnly`], e.g. the simulated fabric of the tests) makes the worker
-//! poll-only: `event_fd` and `arm` refuse with [`Error::Unsupported`], and `wait` naps briefly
-//! instead of sleeping (a blocking request wait then still eases off as before).
+//! ([`EventSource::PollOnly`]: the simulated fabric of the tests, and rc_verbs for now) makes
+//! the worker *poll-only*: its sleeps last at most [`POLL_ONLY_TICK`]
+//! ([`Worker::wait_tick`]), so that interface is still looked at a thousand times a second
+//! (a little CPU instead of none).
 //!
 //! Besides its interfaces' events, the worker has work of its own that no descriptor shows:
 //! messages queued for a peer whose transport said "no resources", wire-up of a new endpoint,
@@ -45,13 +46,20 @@ use super::{State, Worker};
 
 /// Longest sleep of [`Worker::wait`] before it returns for a progress call (timers).
 pub const WAIT_TICK: Duration = Duration::from_secs(1);
-/// Sleep of a poll-only worker (see the module documentation) between two looks.
-const POLL_ONLY_NAP: Duration = Duration::from_millis(1);
+/// Longest sleep of a poll-only worker (see the module documentation).
+pub const POLL_ONLY_TICK: Duration = Duration::from_millis(1);
+
+/// The event set and whether an interface is left out of it (poll-only).
+#[derive(Debug)]
+struct Set {
+    set: EventSet,
+    poll_only: bool,
+}
 
 /// The worker's event set, made at the first use, and the wakers of awaited requests.
 #[derive(Debug, Default)]
 pub(super) struct Events {
-    set: std::cell::OnceCell<std::result::Result<EventSet, Error>>,
+    set: std::cell::OnceCell<std::result::Result<Set, Error>>,
     /// Requests polled as futures and not finished then: woken when a progress call (or a
     /// cancel) finishes them.
     wakers: RefCell<Vec<(u64, Waker)>>,
@@ -60,12 +68,13 @@ pub(super) struct Events {
 }
 
 impl Events {
-    /// The set over `ifaces`' descriptors, or why the worker is poll-only.
-    fn get(&self, ifaces: &[Box<dyn rucx_uct::Iface>]) -> Result<&EventSet> {
+    /// The set over `ifaces`' descriptors.
+    fn get(&self, ifaces: &[Box<dyn rucx_uct::Iface>]) -> Result<&Set> {
         self.set
             .get_or_init(|| {
                 let set = EventSet::new()
                     .map_err(|e| Error::io("worker: creating its event set (epoll)", e))?;
+                let mut poll_only = false;
                 for (i, iface) in ifaces.iter().enumerate() {
                     match iface.event_source() {
                         EventSource::Fd(fd) => set.add(fd, i as u64).map_err(|e| {
@@ -79,19 +88,17 @@ impl Events {
                         })?,
                         EventSource::Silent => {}
                         EventSource::PollOnly => {
-                            return Err(Error::Unsupported {
-                                what: "sleeping on the worker's events".into(),
-                                why: format!(
-                                    "transport {}/{} cannot signal events (poll-only); poll \
-                                     the worker or leave the transport out with RUCX_TLS",
-                                    iface.attr().tl_name,
-                                    iface.attr().dev_name
-                                ),
-                            });
+                            tracing::debug!(
+                                "{}/{} cannot signal events: the worker sleeps {:?} at most",
+                                iface.attr().tl_name,
+                                iface.attr().dev_name,
+                                POLL_ONLY_TICK
+                            );
+                            poll_only = true;
                         }
                     }
                 }
-                Ok(set)
+                Ok(Set { set, poll_only })
             })
             .as_ref()
             .map_err(Clone::clone)
@@ -175,17 +182,36 @@ impl Worker {
     /// The worker's event descriptor: it becomes readable after [`arm`](Self::arm) succeeded
     /// and then something happened that [`progress`](Self::progress) handles (a message, a
     /// completion, a failed peer). Poll it with `poll(2)`/epoll or an async runtime (the
-    /// facade's `tokio` feature); it lives as long as the worker. [`Error::Unsupported`] when
-    /// a transport of the worker cannot signal (see the [module docs](self)).
+    /// facade's `tokio` feature); it lives as long as the worker. Wait on it for
+    /// [`wait_tick`](Self::wait_tick) at most: timers (and poll-only transports) need progress
+    /// calls even when it stays idle.
     pub fn event_fd(&self) -> Result<RawFd> {
         let ifaces = self.ifaces.borrow();
-        self.events.get(&ifaces).map(EventSet::fd)
+        self.events.get(&ifaces).map(|s| s.set.fd())
+    }
+
+    /// The longest a sleeper may wait on the [event descriptor](Self::event_fd) before it
+    /// calls [`progress`](Self::progress) anyway: [`WAIT_TICK`], the peer-check interval of
+    /// `RUCX_PEER_TIMEOUT` when shorter, [`POLL_ONLY_TICK`] when a transport cannot signal.
+    pub fn wait_tick(&self) -> Duration {
+        let tick = self.st.borrow().wait_tick();
+        let poll_only = {
+            let ifaces = self.ifaces.borrow();
+            self.events.get(&ifaces).map_or(true, |s| s.poll_only)
+        };
+        if poll_only {
+            tick.min(POLL_ONLY_TICK)
+        } else {
+            tick
+        }
     }
 
     /// Ask for the [event descriptor](Self::event_fd) to become readable at the next event.
     /// Returns [`Error::Busy`] (nothing armed, or a wake-up may come anyway) when events are
     /// pending: progress the worker and arm again. Call it only after progress found nothing,
     /// as `ucp_worker_arm`.
+    /// With a poll-only transport, arming succeeds for the others (see
+    /// [`wait_tick`](Self::wait_tick)).
     pub fn arm(&self) -> Result<()> {
         let mut ifaces = self.ifaces.borrow_mut();
         self.events.get(&ifaces)?;
@@ -193,62 +219,52 @@ impl Worker {
             return Err(Error::Busy(format!("worker: {why}")));
         }
         for iface in ifaces.iter_mut() {
-            iface.arm()?;
+            if let EventSource::Fd(_) = iface.event_source() {
+                iface.arm()?;
+            }
         }
         Ok(())
     }
 
     /// Sleep until an event (the worker armed itself; see [`arm`](Self::arm)), `timeout`
-    /// passed (`None`: no limit), or a timer needs a progress call ([`WAIT_TICK`] at most).
-    /// Returns at once when events are pending. Returns `Ok` in every case: progress the worker
-    /// afterwards and look at what you wait for (a return without an event is possible, as
-    /// with `ucp_worker_wait`). On a poll-only worker it naps for a millisecond.
+    /// passed (`None`: no limit), or a timer needs a progress call
+    /// ([`wait_tick`](Self::wait_tick) at most). Returns at once when events are pending.
+    /// Progress the worker afterwards and look at what you wait for: a return without an event
+    /// is possible, as with `ucp_worker_wait`.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
-        if !self.sleep_on_events(timeout)? {
-            std::thread::sleep(timeout.map_or(POLL_ONLY_NAP, |t| t.min(POLL_ONLY_NAP)));
-        }
-        Ok(())
-    }
-
-    /// [`wait`](Self::wait), telling whether the worker could sleep on its descriptor
-    /// (`false`: poll-only, returned at once). Errors other than busy or poll-only are
-    /// returned.
-    pub(super) fn sleep_on_events(&self, timeout: Option<Duration>) -> Result<bool> {
         match self.arm() {
             Ok(()) => {}
-            Err(Error::Busy(_)) => return Ok(true),
-            Err(Error::Unsupported { .. }) => return Ok(false),
+            Err(Error::Busy(_)) => return Ok(()),
             Err(e) => return Err(e),
         }
-        let tick = self.st.borrow().wait_tick();
+        let tick = self.wait_tick();
         let limit = timeout.map_or(tick, |t| t.min(tick));
         let ifaces = self.ifaces.borrow();
         let set = self.events.get(&ifaces)?;
-        set.wait(Some(limit))
+        set.set
+            .wait(Some(limit))
             .map_err(|e| Error::io("worker: waiting on its event set", e))?;
-        Ok(true)
+        Ok(())
     }
 
     /// Sleep until an event on any of `workers` (each armed), `timeout`, or the shortest
-    /// timer tick; at once when one has events pending. Returns false (at once) when one of
-    /// them is poll-only.
-    pub(crate) fn sleep_on_many(workers: &[&Worker], timeout: Option<Duration>) -> Result<bool> {
+    /// [`wait_tick`](Self::wait_tick); at once when one has events pending.
+    pub(crate) fn wait_many(workers: &[&Worker], timeout: Option<Duration>) -> Result<()> {
         let mut fds = Vec::with_capacity(workers.len());
         let mut tick = WAIT_TICK;
         for w in workers {
             match w.arm() {
                 Ok(()) => {}
-                Err(Error::Busy(_)) => return Ok(true),
-                Err(Error::Unsupported { .. }) => return Ok(false),
+                Err(Error::Busy(_)) => return Ok(()),
                 Err(e) => return Err(e),
             }
             fds.push(w.event_fd()?);
-            tick = tick.min(w.st.borrow().wait_tick());
+            tick = tick.min(w.wait_tick());
         }
         let limit = timeout.map_or(tick, |t| t.min(tick));
         rucx_ucs::event::wait_any_readable(&fds, Some(limit))
             .map_err(|e| Error::io("waiting on the events of several workers", e))?;
-        Ok(true)
+        Ok(())
     }
 
     /// Progress until `done` says so or `deadline` passed (false then), polling flat out

@@ -24,7 +24,7 @@ const CLOCK_POLLS: u32 = 256;
 /// Idle this long, a wait yields the CPU between polls ...
 const YIELD_AFTER: Duration = Duration::from_millis(1);
 /// ... and idle this long, it arms the worker and sleeps on its event descriptor until
-/// something happens (`events.rs`); a poll-only worker sleeps between polls instead, from
+/// something happens (`events.rs`); should that fail, it sleeps between polls instead, from
 /// [`NAP_MIN`] doubling up to [`NAP_MAX`].
 const SLEEP_AFTER: Duration = Duration::from_millis(4);
 const NAP_MIN: Duration = Duration::from_micros(20);
@@ -235,14 +235,10 @@ impl Backoff {
             return;
         }
         // Sleep on the worker's events (armed: any message or completion wakes it), up to the
-        // deadline; a poll-only worker naps instead, a little longer each time.
+        // deadline; should that fail, nap, a little longer each time.
         let left = self.deadline.map(|d| d.saturating_duration_since(now));
-        match w.sleep_on_events(left) {
-            Ok(true) => self.slept += 1,
-            Ok(false) => {
-                std::thread::sleep(self.nap);
-                self.nap = (self.nap * 2).min(NAP_MAX);
-            }
+        match w.wait(left) {
+            Ok(()) => self.slept += 1,
             Err(e) => {
                 tracing::warn!("a blocking wait cannot sleep on the worker's events: {e}");
                 std::thread::sleep(self.nap);

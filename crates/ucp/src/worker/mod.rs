@@ -28,6 +28,7 @@ mod liveness;
 mod query;
 
 pub use crate::plan::PathInfo;
+pub use events::{POLL_ONLY_TICK, WAIT_TICK};
 
 /// Largest payload (source and data) of the eager-short fast path.
 const SHORT_MAX: usize = 256;
