@@ -758,11 +758,15 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> R
     stream.context().bind()?;
     // SAFETY: forwarded to the caller's contract; the stream handle is live.
     let r = unsafe { sys::cuMemcpyAsync(dst, src, len, stream.raw()) };
-    check(
+    // The message is made on failure only: this call is on every GPU message's path.
+    if r == E::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(cuda_error(
         r,
         &format!("cuMemcpyAsync({len} bytes, {src:#x} -> {dst:#x})"),
         Some(stream.context().ordinal),
-    )
+    ))
 }
 
 macro_rules! device_copy_methods {

@@ -305,7 +305,8 @@ pub struct Cli {
     pub mem: (MemoryType, MemoryType),
     /// With -m cuda: also time a pinned host->device copy, a device->pinned host copy and the
     /// GPU 0 -> GPU 1 peer copy at the largest size, and print the ratio of the measured
-    /// bandwidth to each.
+    /// bandwidth to each (latency tests: one copy at the smallest size, polled by an event,
+    /// against the one-way latency).
     #[arg(long)]
     pub bounds: bool,
     /// TCP port of the rendezvous (the server listens there).
@@ -360,7 +361,8 @@ pub struct Options {
     pub wait: WaitMode,
     /// Send and receive memory types.
     pub mem: (MemoryType, MemoryType),
-    /// Measure the GPU copy bounds at the largest size.
+    /// Measure the GPU copy bounds (bandwidth at the largest size; latency tests: one copy's
+    /// latency at the smallest).
     pub bounds: bool,
     /// Run both sides locally.
     pub local: bool,

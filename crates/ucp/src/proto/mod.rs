@@ -3,6 +3,13 @@
 
 use std::fmt;
 
+pub(crate) mod am;
+pub(crate) mod eager;
+pub(crate) mod eager_multi;
+pub(crate) mod gpu;
+pub(crate) mod io;
+pub(crate) mod rma;
+pub(crate) mod rndv;
 pub(crate) mod stream;
 
 /// A send protocol.

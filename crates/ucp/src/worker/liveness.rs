@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use rucx_ucs::{Config, units};
 
-use super::{ReqKind, State, Worker};
+use super::Worker;
+use super::state::{ReqKind, State};
 use crate::wire::Msg;
 
 /// Progress calls between two looks at the clock for the peer check (when a timeout is set).
@@ -31,7 +32,7 @@ const NAP_MIN: Duration = Duration::from_micros(20);
 const NAP_MAX: Duration = Duration::from_millis(1);
 
 /// The worker's peer timeout, when one is set.
-pub(super) struct Keepalive {
+pub(crate) struct Keepalive {
     pub(super) timeout: Duration,
     /// A peer silent this long with requests bound to it is probed (and again this often).
     pub(super) probe_every: Duration,
@@ -72,7 +73,7 @@ impl Keepalive {
 
 /// What a worker knows of a peer's liveness.
 #[derive(Default)]
-pub(super) struct PeerLive {
+pub(crate) struct PeerLive {
     /// A message came from the peer since the last check (set on every message: no clock).
     pub(super) heard: Cell<bool>,
     /// The first check that found the peer silent with requests bound to it.
@@ -323,9 +324,9 @@ mod tests {
     }
 
     fn flush_req(st: &mut State, peer: usize) -> u64 {
-        st.new_req(ReqKind::Rma(super::super::RmaState {
+        st.new_req(ReqKind::Rma(crate::proto::rma::RmaState {
             peer,
-            dir: super::super::RmaDir::Flush,
+            dir: crate::proto::rma::RmaDir::Flush,
             len: 0,
             lane: 0,
             addr: 0,

@@ -1,0 +1,280 @@
+//! Eager protocols of whole messages: eager short (`am_short`, the fast path without a request),
+//! eager copy-in (one `am_bcopy`), and the eager message of a synchronous send (acknowledged by
+//! the receiver once matched); their receive side delivers a whole message in one copy.
+//! `start_send` starts a send request on the protocol the plan chose.
+
+use crate::worker::prelude::*;
+
+impl State {
+    /// Send a small host message with one `am_short` if the AM lane is idle. `Ok(false)`: not
+    /// sent (queue busy, lane not connected, or the transport pushed back).
+    pub(crate) fn try_eager_short(
+        &mut self,
+        p: usize,
+        addr: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<bool> {
+        let peer = &mut self.peers[p];
+        if !peer.queue.is_empty() || !peer.connected {
+            return Ok(false);
+        }
+        if 8 + len > SHORT_MAX {
+            return Ok(false);
+        }
+        // SAFETY: the caller's buffer is borrowed for the call (and the scope).
+        let data = unsafe { host_slice(addr, len) };
+        // The source and the data, contiguous (a reused buffer: nothing to zero or allocate).
+        let small = &mut self.short_buf;
+        small.clear();
+        small.extend_from_slice(&self.address.uuid.to_le_bytes());
+        small.extend_from_slice(data);
+        let ep = peer.eps.get_mut(&peer.am).expect("am lane");
+        match ep.am_short(wire::AM_EAGER_SHORT, tag, small) {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_retryable() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub(crate) fn start_send(&mut self, id: u64) {
+        let (p, proto, len, addr) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.proto, s.len, s.addr),
+            _ => unreachable!("start_send on a send request"),
+        };
+        self.count(proto.name());
+        let src = self.address.uuid;
+        match proto {
+            Proto::EagerSync => {
+                // Copied now; complete when the receiver's acknowledgement of the match comes.
+                // SAFETY: the scope keeps the send buffer alive while this runs.
+                let data = unsafe { host_slice(addr, len) };
+                let tag = self.send_tag(id);
+                if let Some(Req {
+                    kind: ReqKind::Send(s),
+                    ..
+                }) = self.reqs.get_mut(&id)
+                {
+                    s.wait = SendWait::Receiver;
+                }
+                self.ctrl(
+                    p,
+                    &Msg::EagerSync {
+                        src,
+                        tag,
+                        sreq: id,
+                        data,
+                    },
+                );
+                self.pump(p);
+            }
+            Proto::EagerShort | Proto::EagerBcopy => {
+                // Copy now: the request is complete once the bytes are in our queue or ring.
+                // SAFETY: the scope keeps the send buffer alive while this runs.
+                let data = unsafe { host_slice(addr, len) };
+                let tag = self.send_tag(id);
+                if proto == Proto::EagerShort
+                    && self.peers[p].queue.is_empty()
+                    && self.peers[p].connected
+                {
+                    let am = self.peers[p].am;
+                    // Small payloads are laid out on the stack; no allocation on the fast path.
+                    let mut small = [0u8; 256];
+                    let mut big = Vec::new();
+                    let payload: &[u8] = if 8 + len <= small.len() {
+                        small[..8].copy_from_slice(&src.to_le_bytes());
+                        small[8..8 + len].copy_from_slice(data);
+                        &small[..8 + len]
+                    } else {
+                        big.reserve(8 + len);
+                        big.extend_from_slice(&src.to_le_bytes());
+                        big.extend_from_slice(data);
+                        &big
+                    };
+                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane");
+                    match ep.am_short(wire::AM_EAGER_SHORT, tag, payload) {
+                        Ok(()) => {
+                            self.finish(
+                                id,
+                                Ok(Completion {
+                                    len,
+                                    tag,
+                                    sender: None,
+                                }),
+                            );
+                            return;
+                        }
+                        Err(e) if e.is_retryable() => {}
+                        Err(e) => {
+                            self.finish(id, Err(e));
+                            return;
+                        }
+                    }
+                }
+                self.ctrl(p, &Msg::EagerOne { src, tag, data });
+                self.finish(
+                    id,
+                    Ok(Completion {
+                        len,
+                        tag,
+                        sender: None,
+                    }),
+                );
+                self.pump(p);
+            }
+            Proto::EagerBcopyMulti
+            | Proto::EagerZcopy
+            | Proto::RndvAm
+            | Proto::RndvGet
+            | Proto::RndvPut
+            | Proto::RndvPipeline => {
+                if proto.is_rndv() {
+                    self.send_rts(id);
+                } else {
+                    let msg_id = self.next_msg(p);
+                    if let Some(Req {
+                        kind: ReqKind::Send(s),
+                        ..
+                    }) = self.reqs.get_mut(&id)
+                    {
+                        s.msg_id = msg_id;
+                    }
+                    let am = self.peers[p].am;
+                    if proto == Proto::EagerZcopy
+                        && let Err(e) = self.register_send(id, am)
+                    {
+                        tracing::debug!("zero-copy send falls back to copy-in: {e}");
+                        self.refresh_plan(p);
+                        if let Some(Req {
+                            kind: ReqKind::Send(s),
+                            ..
+                        }) = self.reqs.get_mut(&id)
+                        {
+                            s.proto = Proto::EagerBcopyMulti;
+                        }
+                    }
+                    self.peers[p].queue.push_back(Pending::Stream(id));
+                }
+                self.pump(p);
+            }
+            Proto::EagerBounce
+            | Proto::StreamCopy
+            | Proto::AmCopy
+            | Proto::PutZcopy
+            | Proto::GetZcopy => {
+                // Not tag-send protocols: the plan never puts them in a send request.
+                self.finish(
+                    id,
+                    Err(Error::Internal(format!(
+                        "{} is not a tag-send protocol",
+                        proto.name()
+                    ))),
+                );
+            }
+        }
+    }
+
+    /// Register the send buffer with the domain of `lane`; on failure the context demotes the
+    /// domain and the error is returned for re-planning.
+    pub(crate) fn register_send(&mut self, id: u64, lane: usize) -> Result<()> {
+        let (addr, len, mem, dev) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.addr, s.len, s.mem, s.dev),
+            _ => return Ok(()),
+        };
+        let md = self.slots[lane].md;
+        if !self.may_register(md, mem, dev) {
+            return Err(Error::Unsupported {
+                what: "registration".into(),
+                why: format!("{} is demoted for {mem} memory", self.ctx.domain(md).name()),
+            });
+        }
+        self.register(
+            id,
+            lane,
+            MemRegion {
+                addr,
+                len,
+                mem_type: mem,
+                device: dev,
+            },
+        )
+    }
+
+    /// A whole tagged message in one packet (eager short or single-fragment copy-in).
+    pub(crate) fn on_eager_one(
+        &mut self,
+        src: u64,
+        tag: Tag,
+        data: &[u8],
+        sync: Option<u64>,
+    ) -> Result<()> {
+        let p = self.src_peer(src)?;
+        let queued = || Unexp::Eager {
+            src: p,
+            msg_id: None,
+            total: data.len(),
+            data: Vec::new(),
+            sync,
+        };
+        match self.matcher.arrive_with(tag, queued) {
+            Some(rid) => {
+                self.deliver_whole(rid, p, tag, data);
+                if let Some(sreq) = sync {
+                    self.send_ats(p, sreq);
+                    self.pump(p);
+                }
+            }
+            None => {
+                // Store the data in the queued entry.
+                if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
+                    d.extend_from_slice(data);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A whole eager message matched a posted receive: copy it and finish the receive with one
+    /// lookup of the request (the common small-message path).
+    pub(crate) fn deliver_whole(&mut self, rid: u64, src: usize, tag: Tag, data: &[u8]) {
+        let gpu = match self.reqs.get_mut(&rid) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result,
+                ..
+            }) if result.is_none() => {
+                rs.sender = Some(src);
+                rs.tag = tag;
+                rs.total = data.len();
+                if rs.mem.is_gpu() {
+                    true
+                } else {
+                    let n = data.len().min(rs.cap);
+                    // SAFETY: the receive buffer was lent mutably to the scope, which keeps it
+                    // alive and unaliased until the request is finished; `n <= cap`.
+                    let dst = unsafe { host_slice_mut(rs.addr, n) };
+                    dst.copy_from_slice(&data[..n]);
+                    rs.received = data.len();
+                    *result = Some(if data.len() > rs.cap {
+                        Err(Error::Truncated {
+                            incoming: data.len(),
+                            capacity: rs.cap,
+                        })
+                    } else {
+                        Ok(Completion {
+                            len: data.len(),
+                            tag,
+                            sender: Some(EpId(src)),
+                        })
+                    });
+                    false
+                }
+            }
+            _ => return,
+        };
+        if gpu {
+            self.recv_data(rid, 0, data);
+            self.recv_complete(rid);
+        }
+    }
+}

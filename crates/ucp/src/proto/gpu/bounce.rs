@@ -1,0 +1,122 @@
+//! GPU bounce eager: a small GPU message copied to a pinned bounce fragment by the copy lane
+//! and sent eagerly; eager bytes that land in GPU memory copied on with the copy lane.
+
+use crate::worker::prelude::*;
+
+impl State {
+    /// Copy arrived eager bytes into GPU memory through the copy lane (small messages).
+    pub(crate) fn copy_to_gpu(&mut self, rid: u64, offset: usize, data: &[u8]) -> Result<()> {
+        let (addr, cap, mem, dev) = match &self.reqs[&rid].kind {
+            ReqKind::Recv(rs) => (rs.addr, rs.cap, rs.mem, rs.dev),
+            _ => return Ok(()),
+        };
+        if !matches!(
+            &self.reqs[&rid].kind,
+            ReqKind::Recv(RecvState {
+                dev_memh: Some(_),
+                ..
+            })
+        ) {
+            let k = self.copy_key(addr, cap, mem, dev)?;
+            if let Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) = self.reqs.get_mut(&rid)
+            {
+                rs.dev_memh = Some(Box::new(k));
+            }
+        }
+        let key = match &self.reqs[&rid].kind {
+            ReqKind::Recv(RecvState {
+                dev_memh: Some(dm), ..
+            }) => dm.1.clone(),
+            _ => unreachable!("set above"),
+        };
+        let (ci, ep) = self.copy.as_mut().expect("copy_key checked the copy lane");
+        let max = self.slots[*ci].attr.limits.put_max_short.max(1);
+        let mut done = 0;
+        while done < data.len() {
+            let n = max.min(data.len() - done);
+            loop {
+                match ep.put_short(&data[done..done + n], (addr + offset + done) as u64, &key) {
+                    Err(e) if e.is_retryable() => std::hint::spin_loop(),
+                    other => break other?,
+                }
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+impl Worker {
+    /// Copy a small GPU buffer into a send staging fragment and wait for the copy (it takes a
+    /// few microseconds); returns the fragment's address and index.
+    pub(crate) fn bounce(
+        &self,
+        st: &mut State,
+        addr: usize,
+        len: usize,
+        mem: MemoryType,
+        dev: Option<u32>,
+    ) -> Result<(usize, usize)> {
+        st.ensure_staging()?;
+        let (memh, key) = st.copy_key(addr, len, mem, dev)?;
+        let stg = st.staging.as_mut().expect("staging");
+        let f = stg
+            .free_send
+            .pop()
+            .ok_or_else(|| Error::NoResource("every send staging fragment is in use".into()))?;
+        if len > stg.frag {
+            stg.free_send.push(f);
+            return Err(Error::InvalidParam("bounce larger than a fragment".into()));
+        }
+        let host = stg.addr(f);
+        let smemh = stg.copy_memh.clone();
+        let iov = [Iov {
+            addr: host,
+            len,
+            memh: &smemh,
+        }];
+        let token = st.next_token;
+        st.next_token += 1;
+        let (ci, ep) = st.copy.as_mut().expect("copy lane");
+        let ci = *ci;
+        let res = match ep.get_zcopy(&iov, addr as u64, &key, token) {
+            Ok(OpStatus::Done) => Ok(()),
+            Ok(OpStatus::InProgress) => {
+                // Wait on the copy interface alone; other completions are kept for later.
+                let mut mine = None;
+                while mine.is_none() {
+                    let mut others = Vec::new();
+                    self.ifaces.borrow_mut()[ci].progress(&mut |ev| {
+                        if let Event::Completion { token: t, result } = ev {
+                            if t == token {
+                                mine = Some(result);
+                            } else {
+                                others.push((t, result));
+                            }
+                        }
+                    });
+                    for (t, r) in others {
+                        if let Some(tok) = st.tokens.remove(&t) {
+                            st.done_q.push_back((tok, r));
+                        }
+                    }
+                }
+                mine.expect("loop ends with a result")
+            }
+            Err(e) => Err(e),
+        };
+        drop(memh);
+        match res {
+            Ok(()) => Ok((host, f)),
+            Err(e) => {
+                if let Some(stg) = st.staging.as_mut() {
+                    stg.free_send.push(f);
+                }
+                Err(e)
+            }
+        }
+    }
+}

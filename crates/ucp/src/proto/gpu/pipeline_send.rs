@@ -1,0 +1,208 @@
+//! The staged pipeline, sender side: asked to stage (`PULL`), the sender copies fragments
+//! device -> pinned host with the copy lane, announces each (`FRAG`) and reuses it once
+//! acknowledged.
+
+use crate::worker::prelude::*;
+
+/// Sender side of a staged pipeline.
+pub(crate) struct StageSend {
+    pub(crate) rreq: u64,
+    pub(crate) next_off: usize,
+    pub(crate) acked: usize,
+    /// The user buffer, registered with the copy lane's domain, and its key.
+    pub(crate) _dev_memh: RegGuard,
+    pub(crate) dev_key: RemoteKey,
+}
+
+impl State {
+    /// The receiver asked us to stage a (GPU) buffer.
+    pub(crate) fn on_pull(&mut self, p: usize, sreq: u64, rreq: u64) {
+        let (addr, len, mem, dev) = match self.reqs.get(&sreq) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) if s.peer == p => (s.addr, s.len, s.mem, s.dev),
+            _ => {
+                self.answer_for_gone_send(p, sreq, rreq);
+                return;
+            }
+        };
+        let staged = self
+            .copy_key(addr, len, mem, dev)
+            .and_then(|k| self.ensure_staging().map(|_| k));
+        match staged {
+            Ok((memh, key)) => {
+                let r = self.reqs.get_mut(&sreq).expect("req");
+                // A zero-copy registration made for the RTS is no longer needed.
+                r.guards.clear();
+                if let ReqKind::Send(s) = &mut r.kind {
+                    s.stage = Some(Box::new(StageSend {
+                        rreq,
+                        next_off: 0,
+                        acked: 0,
+                        _dev_memh: memh,
+                        dev_key: key,
+                    }));
+                    s.wait = SendWait::Posting;
+                }
+                self.peers[p].queue.push_back(Pending::Stream(sreq));
+                self.pump(p);
+            }
+            // We cannot stage, and the receiver waits for fragments: end both sides.
+            Err(e) => {
+                if let Some(Req {
+                    kind: ReqKind::Send(s),
+                    ..
+                }) = self.reqs.get_mut(&sreq)
+                {
+                    s.rndv_to = Some(rreq);
+                }
+                self.fail(sreq, e);
+            }
+        }
+    }
+
+    /// Stage the next fragments of a pipelined send (device -> pinned host).
+    pub(crate) fn stream_stage(&mut self, id: u64) -> Result<bool> {
+        loop {
+            let (addr, len, next_off) = match &self.reqs[&id].kind {
+                ReqKind::Send(SendState {
+                    addr,
+                    len,
+                    stage: Some(st),
+                    ..
+                }) => (*addr, *len, st.next_off),
+                _ => return Ok(true),
+            };
+            if next_off >= len {
+                return Ok(true);
+            }
+            let stg = self.staging.as_mut().expect("staging");
+            let Some(f) = stg.free_send.pop() else {
+                // Resumed when the receiver acknowledges a fragment.
+                return Ok(true);
+            };
+            let limit = self.peers[p_of(&self.reqs[&id])]
+                .rma
+                .map_or(usize::MAX, |l| {
+                    self.slots[l].attr.limits.get_max_zcopy.max(1)
+                });
+            let stg = self.staging.as_mut().expect("staging");
+            let n = stg.frag.min(limit).min(len - next_off);
+            let faddr = stg.addr(f);
+            let memh = stg.copy_memh.clone();
+            let key = match &self.reqs[&id].kind {
+                ReqKind::Send(SendState {
+                    stage: Some(st), ..
+                }) => st.dev_key.clone(),
+                _ => unreachable!("checked above"),
+            };
+            let iov = [Iov {
+                addr: faddr,
+                len: n,
+                memh: &memh,
+            }];
+            let token = self.next_token;
+            let ep = &mut self.copy.as_mut().expect("copy lane").1;
+            match ep.get_zcopy(&iov, (addr + next_off) as u64, &key, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    self.post_tok(
+                        id,
+                        token,
+                        st,
+                        TokWhat::StageD2H {
+                            frag: f,
+                            off: next_off,
+                            len: n,
+                        },
+                    );
+                }
+                Err(e) => {
+                    self.staging.as_mut().expect("staging").free_send.push(f);
+                    if e.is_retryable() {
+                        return Ok(false);
+                    }
+                    self.wake_staged_sends(id, false);
+                    return Err(e);
+                }
+            }
+            if let Some(Req {
+                kind:
+                    ReqKind::Send(SendState {
+                        stage: Some(st), ..
+                    }),
+                ..
+            }) = self.reqs.get_mut(&id)
+            {
+                st.next_off += n;
+            }
+        }
+    }
+
+    /// A send staging fragment came free: every staged send still waiting for one (but
+    /// `except`) may go on. Queued on their peers, which the progress loop pumps, or pumped at
+    /// once when `pump`.
+    pub(crate) fn wake_staged_sends(&mut self, except: u64, pump: bool) {
+        let waiting: Vec<(usize, u64)> = self
+            .reqs
+            .iter()
+            .filter_map(|(id, r)| match &r.kind {
+                ReqKind::Send(s)
+                    if r.result.is_none()
+                        && id != except
+                        && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
+                {
+                    Some((s.peer, id))
+                }
+                _ => None,
+            })
+            .collect();
+        for (q, id) in waiting {
+            if !self.peers[q]
+                .queue
+                .iter()
+                .any(|x| matches!(x, Pending::Stream(y) if *y == id))
+            {
+                self.peers[q].queue.push_back(Pending::Stream(id));
+            }
+            if pump {
+                self.pump(q);
+            }
+        }
+    }
+
+    /// The receiver read one of our staged fragments.
+    pub(crate) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
+        if let Some(stg) = self.staging.as_mut() {
+            stg.free_send.push(frag);
+        }
+        // The send may have ended meanwhile (aborted): its fragments still come back.
+        if let Some(Req {
+            kind: ReqKind::Send(s),
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&sreq)
+            && let Some(st) = &mut s.stage
+        {
+            st.acked += len;
+            let (p, done, total, tag) = (s.peer, st.acked >= s.len, s.len, s.tag);
+            if done {
+                self.finish(
+                    sreq,
+                    Ok(Completion {
+                        len: total,
+                        tag,
+                        sender: None,
+                    }),
+                );
+            } else {
+                self.peers[p].queue.push_back(Pending::Stream(sreq));
+                self.pump(p);
+            }
+        }
+        // Not only this one, which may just have finished or ended.
+        self.wake_staged_sends(sreq, true);
+    }
+}

@@ -1,0 +1,197 @@
+//! The receiver's choice for a rendezvous that involves GPU memory on either side: the plan's
+//! steps in order (GPU zero-copy read, staged read of a host sender, staged pipeline).
+
+use crate::worker::prelude::*;
+
+impl State {
+    /// A rendezvous that involves GPU memory on either side.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rndv_recv_gpu(
+        &mut self,
+        rid: u64,
+        p: usize,
+        sreq: u64,
+        size: usize,
+        saddr: u64,
+        sgpu: bool,
+        keys: Vec<NamedKey>,
+    ) {
+        let (raddr, cap, rmem, rdev) = match &self.reqs[&rid].kind {
+            ReqKind::Recv(rs) => (rs.addr, rs.cap, rs.mem, rs.dev),
+            _ => return,
+        };
+        let want = size.min(cap);
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.rndv = Some(Box::new(RndvRecv::new(p, sreq, want)));
+        }
+        if let Some(reason) = self.peers[p].failed.clone() {
+            let peer = self.peers[p].remote.describe();
+            self.finish(rid, Err(Error::EndpointFailure { peer, reason }));
+            return;
+        }
+        if want == 0 {
+            self.send_ats(p, sreq);
+            self.complete_recv(rid);
+            self.pump(p);
+            return;
+        }
+        let region = MemRegion {
+            addr: raddr,
+            len: want,
+            mem_type: rmem,
+            device: rdev,
+        };
+        // The plan's steps for this pair, in order.
+        let rkey = MemKey::new(rmem, rdev);
+        if rmem.is_gpu() {
+            self.note_gpu_key(rkey);
+        }
+        self.refresh_plan(p);
+        let smem = if sgpu {
+            MemoryType::Cuda
+        } else {
+            MemoryType::Host
+        };
+        let plan = &self.peers[p].plan;
+        let steps = plan::recv_steps(plan, smem, rkey).to_vec();
+        let notes = plan
+            .recv_plan(smem, rkey)
+            .map(|r| r.notes.join("; "))
+            .unwrap_or_default();
+        let md_name = |st: &Self, lane: usize| st.ctx.domain(st.slots[lane].md).name().to_string();
+        // 1. GPU to GPU, zero-copy through a lane whose domain registers GPU memory.
+        if let Some(lane) = steps.iter().find_map(|s| match s {
+            RecvStep::Get { lane } if sgpu && rmem.is_gpu() => Some(*lane),
+            _ => None,
+        }) && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
+        {
+            let md = self.slots[lane].md;
+            if self.may_register(md, rmem, rdev) {
+                match self.register_md(md, region) {
+                    Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
+                        Ok(rkey) => {
+                            self.count("rendezvous receive by read (GPU zero-copy)");
+                            let r = self.reqs.get_mut(&rid).expect("req");
+                            r.guards.push(g);
+                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                                rv.via_get = true;
+                                rv.get = Some((lane, saddr, rkey, raddr));
+                            }
+                            self.peers[p].queue.push_back(Pending::Stream(rid));
+                            self.pump(p);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!("sender's GPU key did not unpack ({e}); staging instead")
+                        }
+                    },
+                    Err(e) => {
+                        tracing::debug!("GPU receive registration failed ({e}); staging instead")
+                    }
+                }
+            }
+        }
+        // 2. Staged: read host memory (the sender's buffer, or its staging fragments).
+        let Some(lane) = steps.iter().find_map(|s| match s {
+            RecvStep::StagedRead { lane } | RecvStep::Pull { lane } => Some(*lane),
+            _ => None,
+        }) else {
+            let e = Error::Unsupported {
+                what: format!(
+                    "receiving into {rmem} memory from {}",
+                    self.peers[p].remote.describe()
+                ),
+                why: if notes.is_empty() {
+                    "no path left for this pair of memory types".into()
+                } else {
+                    notes
+                },
+            };
+            self.fail(rid, e);
+            return;
+        };
+        let staged_read = steps.contains(&RecvStep::StagedRead { lane });
+        let md = self.slots[lane].md;
+        // The user buffer: host memory is read into directly; GPU memory through staging.
+        if rmem.is_gpu() {
+            match self
+                .copy_key(raddr, cap, rmem, rdev)
+                .and_then(|k| self.ensure_staging().map(|_| k))
+            {
+                Ok(k) => {
+                    if let Some(Req {
+                        kind: ReqKind::Recv(rs),
+                        ..
+                    }) = self.reqs.get_mut(&rid)
+                    {
+                        rs.dev_memh = Some(Box::new(k));
+                    }
+                }
+                // No other path into this GPU buffer: end both sides with the reason.
+                Err(e) => {
+                    self.fail(rid, e);
+                    return;
+                }
+            }
+        } else {
+            match self.register_md(md, region) {
+                Ok(g) => self.reqs.get_mut(&rid).expect("req").guards.push(g),
+                Err(e) => {
+                    self.fail(rid, e);
+                    return;
+                }
+            }
+        }
+        let host_md = md_name(self, lane);
+        let host_key = keys.iter().find(|k| k.md == host_md);
+        let r = self.reqs.get_mut(&rid).expect("req");
+        let ReqKind::Recv(rs) = &mut r.kind else {
+            return;
+        };
+        rs.chunk_lane = lane;
+        if staged_read && let Some(k) = host_key {
+            // Host sender with a key: read it in fragments (into staging, then to the GPU).
+            match self.ctx.domain(md).rkey_unpack(&k.key) {
+                Ok(rkey) => {
+                    let frag = self
+                        .frag
+                        .min(self.slots[lane].attr.limits.get_max_zcopy.max(1));
+                    let mut off = 0;
+                    while off < want {
+                        let n = frag.min(want - off);
+                        rs.chunks.push_back(Chunk {
+                            raddr: saddr + off as u64,
+                            len: n,
+                            off,
+                            rkey: rkey.clone(),
+                            sfrag: None,
+                            local: None,
+                        });
+                        off += n;
+                    }
+                    self.count("rendezvous receive by read, staged to the GPU");
+                    self.peers[p].queue.push_back(Pending::Stream(rid));
+                    self.pump(p);
+                    return;
+                }
+                Err(e) => tracing::warn!("sender's key did not unpack ({e}); asking it to stage"),
+            }
+        }
+        // GPU sender (or no usable key): ask it to stage and announce fragments.
+        rs.pull = true;
+        self.count("rendezvous receive pipelined through host staging");
+        self.ctrl(
+            p,
+            &Msg::Pull {
+                src: self.address.uuid,
+                sreq,
+                rreq: rid,
+            },
+        );
+        self.pump(p);
+    }
+}

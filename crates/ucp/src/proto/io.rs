@@ -1,0 +1,39 @@
+//! The narrow I/O the protocols act through: post a transport operation (counted in its request,
+//! with a completion token), register a buffer through the context's one register path (which
+//! demotes the domain or refuses the buffer, and warns once), and queue a control message behind
+//! a peer's other messages. The worker's state implements it over real interfaces; the harness
+//! (`crates/ucp/tests/harness`) drives it over the simulated fabric.
+
+use rucx_ucs::{MemoryType, Result};
+use rucx_uct::{Endpoint, MemRegion, OpStatus};
+
+use crate::context::RegGuard;
+use crate::wire::Msg;
+
+/// What a protocol asks of the worker.
+pub(crate) trait ProtoIo {
+    /// Post one operation on `lane` to peer `p` for request `req`; an operation in progress is
+    /// counted in the request until its completion comes. `Ok(false)`: the transport pushed
+    /// back (nothing happened; call again after progress).
+    fn post(
+        &mut self,
+        req: u64,
+        p: usize,
+        lane: usize,
+        op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
+    ) -> Result<bool>;
+
+    /// Register `region` with the domain of `lane` for request `req` (the registration is
+    /// released with the request). A failure demotes the domain (or refuses the buffer) and
+    /// warns, through the context; the plan made after it no longer offers what failed.
+    fn register(&mut self, req: u64, lane: usize, region: MemRegion) -> Result<()>;
+
+    /// Register `region` with domain `md` (kept by the caller).
+    fn register_md(&mut self, md: usize, region: MemRegion) -> Result<RegGuard>;
+
+    /// Whether domain `md` may register `mem` memory of `dev` now (not demoted).
+    fn may_register(&self, md: usize, mem: MemoryType, dev: Option<u32>) -> bool;
+
+    /// Queue control message `m` to peer `p`, behind its other messages.
+    fn ctrl(&mut self, p: usize, m: &Msg<'_>);
+}

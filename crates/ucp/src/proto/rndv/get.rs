@@ -1,0 +1,125 @@
+//! Rendezvous by read (`get_zcopy`): the receiver reads the sender's registered buffer in
+//! fragments and acknowledges; a read that cannot start or fails asks the sender to stream.
+
+use crate::worker::prelude::*;
+
+impl State {
+    /// Post the reads of a rendezvous receive.
+    pub(crate) fn stream_get(&mut self, rid: u64) -> Result<bool> {
+        if matches!(&self.reqs[&rid].kind, ReqKind::Recv(rs) if rs.chunk_lane != usize::MAX) {
+            return self.stream_chunks(rid);
+        }
+        let r = &self.reqs[&rid];
+        let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind else {
+            return Ok(true);
+        };
+        let Some((lane, raddr, rkey, laddr)) = rv.get.clone() else {
+            return Ok(true);
+        };
+        if !rv.via_get {
+            return Ok(true);
+        }
+        let (p, want, sreq) = (rv.peer, rv.get_end, rv.sreq);
+        let mut off = rv.posted;
+        // GPU zero-copy lanes move the whole buffer in one operation; host lanes in fragments.
+        let frag = if matches!(&r.kind, ReqKind::Recv(rs) if rs.mem.is_gpu()) {
+            usize::MAX
+        } else {
+            self.frag
+        };
+        let max = self.slots[lane].attr.limits.get_max_zcopy.min(frag).max(1);
+        let memh = r.guards[0].registration().clone();
+        let f = Frags {
+            put: false,
+            local: laddr,
+            remote: raddr,
+            key: &rkey,
+            memh: &memh,
+            max,
+            end: want,
+        };
+        let res = self.post_frags(rid, p, lane, &f, &mut off);
+        if let Some(Req {
+            kind:
+                ReqKind::Recv(RecvState {
+                    rndv: Some(rv),
+                    received,
+                    ..
+                }),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rv.posted = off;
+            *received = off;
+        }
+        match res {
+            Ok(true) => {}
+            Ok(false) => return Ok(false),
+            Err(e @ Error::EndpointFailure { .. }) => return Err(e),
+            Err(e) => {
+                // Could not read: steer the sender to stream instead (no byte lost).
+                tracing::warn!(
+                    "rendezvous read failed to start ({e}); asking the sender to stream"
+                );
+                self.restart_as_stream(rid);
+                return Ok(true);
+            }
+        }
+        if self.reqs[&rid].outstanding == 0 {
+            self.gets_finished(rid, p, sreq);
+        }
+        Ok(true)
+    }
+
+    /// The reads of a rendezvous receive are complete: tell the sender; finish unless the
+    /// sender still writes the tail (split).
+    pub(crate) fn gets_finished(&mut self, rid: u64, p: usize, sreq: u64) {
+        self.send_ats(p, sreq);
+        if let Some(Req {
+            kind: ReqKind::Recv(RecvState { rndv: Some(rv), .. }),
+            ..
+        }) = self.reqs.get_mut(&rid)
+            && rv.fin_pending
+        {
+            rv.gets_done = true;
+            return;
+        }
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.received = rs.total.min(rs.cap);
+        }
+        self.complete_recv(rid);
+    }
+
+    /// A read-based receive could not proceed: drop its registration and ask the sender to
+    /// stream the whole message through active messages.
+    pub(crate) fn restart_as_stream(&mut self, rid: u64) {
+        let Some(r) = self.reqs.get_mut(&rid) else {
+            return;
+        };
+        r.guards.clear();
+        let ReqKind::Recv(rs) = &mut r.kind else {
+            return;
+        };
+        rs.received = 0;
+        let Some(rv) = &mut rs.rndv else { return };
+        if rv.fin_pending || rv.gets_done {
+            // The sender is writing the tail into our buffer: streaming the whole message now
+            // could race with those writes. Fail rather than risk a mixed buffer.
+            self.fail(
+                rid,
+                Error::Internal(
+                    "the read half of a split rendezvous failed; the message is lost".into(),
+                ),
+            );
+            return;
+        }
+        rv.via_get = false;
+        rv.get = None;
+        let (p, sreq) = (rv.peer, rv.sreq);
+        self.send_rtr(p, sreq, rid, None);
+    }
+}

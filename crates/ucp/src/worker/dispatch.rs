@@ -1,0 +1,305 @@
+//! Incoming protocol messages: each is parsed once (`wire`) and handed to the protocol it
+//! belongs to.
+
+use crate::worker::prelude::*;
+
+impl State {
+    pub(crate) fn src_peer(&self, src: u64) -> Result<usize> {
+        // Messages come in runs from one peer: remember the last one (uuids are never 0).
+        let (last, p) = self.last_src.get();
+        if last == src
+            && let Some(peer) = self.peers.get(p)
+        {
+            peer.live.heard.set(true);
+            return Ok(p);
+        }
+        let p = self.by_uuid.get(&src).copied().ok_or_else(|| {
+            Error::InvalidAddress(format!(
+                "message from unknown worker {src:#x} (no wire-up yet)"
+            ))
+        })?;
+        self.last_src.set((src, p));
+        self.peers[p].live.heard.set(true);
+        Ok(p)
+    }
+
+    pub(crate) fn on_am(&mut self, id: AmId, data: &[u8]) -> Result<()> {
+        // The most frequent message, decoded in place (`wire::parse` reads the same layout).
+        if id == wire::AM_EAGER_SHORT
+            && let Some((tag, rest)) = data.split_first_chunk::<8>()
+            && let Some((src, payload)) = rest.split_first_chunk::<8>()
+        {
+            return self.on_eager_one(
+                u64::from_le_bytes(*src),
+                u64::from_le_bytes(*tag),
+                payload,
+                None,
+            );
+        }
+        match wire::parse(id, data)? {
+            Msg::Wireup { addr } => {
+                let remote = WorkerAddress::unpack(addr)?;
+                let p = self.peer_for(remote)?;
+                self.peers[p].live.heard.set(true);
+            }
+            Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
+            Msg::StreamData { src, data } => {
+                let p = self.src_peer(src)?;
+                let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
+                peer.stream_rx
+                    .arrive(&mut StreamReqs { reqs, peer: p }, data);
+            }
+            Msg::EagerSync {
+                src,
+                tag,
+                sreq,
+                data,
+            } => self.on_eager_one(src, tag, data, Some(sreq))?,
+            Msg::EagerFirst {
+                src,
+                kind,
+                tag,
+                msg_id,
+                total,
+                data,
+            } => {
+                let p = self.src_peer(src)?;
+                let total = total as usize;
+                if kind == MsgKind::Am {
+                    let mut d = Vec::with_capacity(total);
+                    d.extend_from_slice(data);
+                    let dest = RxDest::UserAm {
+                        id: tag as u16,
+                        total,
+                        data: d,
+                    };
+                    self.rx.insert((src, msg_id), dest);
+                    self.maybe_finish_user_am(src, msg_id, p);
+                    return Ok(());
+                }
+                let u = Unexp::Eager {
+                    src: p,
+                    msg_id: Some(msg_id),
+                    total,
+                    data: Vec::new(),
+                    sync: None,
+                };
+                match self.matcher.arrive(tag, u) {
+                    Some((rid, _)) => {
+                        self.rx.insert((src, msg_id), RxDest::Req(rid));
+                        self.recv_begin(rid, p, tag, total);
+                        self.recv_data(rid, 0, data);
+                        if self.recv_complete(rid) {
+                            self.rx.remove(&(src, msg_id));
+                        }
+                    }
+                    None => {
+                        if let Some(Unexp::Eager { data: d, .. }) =
+                            self.matcher.unexpected_mut().last()
+                        {
+                            d.reserve(total);
+                            d.extend_from_slice(data);
+                        }
+                        self.rx.insert((src, msg_id), RxDest::Unexpected);
+                    }
+                }
+            }
+            Msg::EagerMiddle {
+                src,
+                msg_id,
+                offset,
+                data,
+            } => {
+                let p = self.src_peer(src)?;
+                let key = (src, msg_id);
+                match self.rx.get_mut(&key) {
+                    Some(RxDest::Req(rid)) => {
+                        let rid = *rid;
+                        self.recv_data(rid, offset as usize, data);
+                        if self.recv_complete(rid) {
+                            self.rx.remove(&key);
+                        }
+                    }
+                    Some(RxDest::Unexpected) => {
+                        let mut done = false;
+                        for u in self.matcher.unexpected_mut() {
+                            if let Unexp::Eager {
+                                src: s,
+                                msg_id: Some(m),
+                                total,
+                                data: d,
+                                ..
+                            } = u
+                                && *s == p
+                                && *m == msg_id
+                            {
+                                if d.len() == offset as usize {
+                                    d.extend_from_slice(data);
+                                }
+                                done = d.len() >= *total;
+                                break;
+                            }
+                        }
+                        if done {
+                            self.rx.remove(&key);
+                        }
+                    }
+                    Some(RxDest::UserAm { data: d, .. }) => {
+                        if d.len() == offset as usize {
+                            d.extend_from_slice(data);
+                        }
+                        self.maybe_finish_user_am(src, msg_id, p);
+                    }
+                    None => {
+                        return Err(Error::InvalidAddress(format!(
+                            "fragment of unknown message {msg_id}"
+                        )));
+                    }
+                }
+            }
+            Msg::Rts {
+                src,
+                tag,
+                sreq,
+                size,
+                addr,
+                smem,
+                keys,
+            } => {
+                let p = self.src_peer(src)?;
+                let u = Unexp::Rts {
+                    src: p,
+                    sreq,
+                    size: size as usize,
+                    addr,
+                    smem,
+                    keys,
+                };
+                if let Some((rid, u)) = self.matcher.arrive(tag, u) {
+                    self.matched(rid, tag, u);
+                }
+            }
+            Msg::Ats { src, sreq, ok } => {
+                let p = self.src_peer(src)?;
+                if let Some(Req {
+                    kind: ReqKind::Send(s),
+                    ..
+                }) = self.reqs.get(&sreq)
+                {
+                    let (len, tag) = (s.len, s.tag);
+                    if ok && !self.split_step(sreq) {
+                        return Ok(());
+                    }
+                    let res = if ok {
+                        Ok(Completion {
+                            len,
+                            tag,
+                            sender: None,
+                        })
+                    } else {
+                        Err(Error::PeerAborted {
+                            peer: self.peers[p].remote.describe(),
+                            reason: "the receiver gave the rendezvous up".into(),
+                        })
+                    };
+                    self.finish(sreq, res);
+                }
+            }
+            Msg::Rtr {
+                src,
+                sreq,
+                rreq,
+                addr,
+                size,
+                offset,
+                keys,
+            } => {
+                let p = self.src_peer(src)?;
+                self.on_rtr(p, sreq, rreq, addr, size as usize, offset as usize, keys);
+            }
+            Msg::RndvData {
+                src,
+                rreq,
+                offset,
+                data,
+            } => {
+                let _ = self.src_peer(src)?;
+                if !self.split_tail_data(rreq, offset as usize, data) {
+                    self.recv_data(rreq, offset as usize, data);
+                    self.recv_complete(rreq);
+                }
+            }
+            Msg::Fin { src, rreq } => {
+                let _ = self.src_peer(src)?;
+                self.tail_landed(rreq);
+            }
+            Msg::Abort {
+                src,
+                sreq,
+                rreq,
+                by_sender,
+                reason,
+            } => {
+                let p = self.src_peer(src)?;
+                self.on_abort(p, sreq, rreq, by_sender, reason);
+            }
+            Msg::Pull { src, sreq, rreq } => {
+                let p = self.src_peer(src)?;
+                self.on_pull(p, sreq, rreq);
+            }
+            Msg::Frag {
+                src,
+                rreq,
+                sreq,
+                offset,
+                len,
+                addr,
+                frag,
+                key,
+            } => {
+                let p = self.src_peer(src)?;
+                self.on_frag(
+                    p,
+                    rreq,
+                    sreq,
+                    offset as usize,
+                    len as usize,
+                    addr,
+                    frag,
+                    key,
+                );
+            }
+            Msg::FragAck {
+                src,
+                sreq,
+                frag,
+                len,
+            } => {
+                let _ = self.src_peer(src)?;
+                self.on_frag_ack(sreq, frag as usize, len as usize);
+            }
+            Msg::Keepalive { src, reply } => {
+                // Any message shows the peer alive; a probe is answered.
+                let p = self.src_peer(src)?;
+                if !reply {
+                    self.send_keepalive(p, true);
+                }
+            }
+            Msg::User {
+                src,
+                id,
+                header,
+                data,
+            } => {
+                let p = self.src_peer(src)?;
+                self.am_inbox.push(AmMessage {
+                    id,
+                    header: header.to_vec(),
+                    data: data.to_vec(),
+                    reply_ep: EpId(p),
+                });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,426 @@
+//! Request plumbing used by [`Scope`](crate::Scope): posting sends, receives, streams, remote
+//! memory access and flushes, reading results, waiting, canceling, and ending a scope. A send
+//! looks its protocol up in the plan and hands the request to `proto/`.
+
+use crate::worker::prelude::*;
+
+impl Worker {
+    /// Post a tag send; with `sync`, it completes only once the receiver matched it (small
+    /// messages carry a request for an acknowledgement, larger ones use the rendezvous, which
+    /// completes after the match anyway).
+    pub(crate) fn post_send(
+        &self,
+        ep: EpId,
+        buf: SendBuf<'_>,
+        tag: Tag,
+        sync: bool,
+    ) -> Result<Posted> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        let (addr, len) = (buf.addr, buf.len);
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, len)?,
+        };
+        let key = MemKey::new(mem, dev);
+        if mem.is_gpu() {
+            st.note_gpu_key(key);
+        }
+        self.ensure_plan(&mut st, ep.0);
+        let op = if sync { Op::TagSync } else { Op::Tag };
+        let table = st.peers[ep.0].plan.table(op, key);
+        let proto = match table.lookup(len) {
+            Some(r) => r.proto,
+            None => return Err(table.refusal(&st.peers[ep.0].remote.describe())),
+        };
+        // Small GPU messages: copy them to a pinned bounce buffer and send eagerly, rather than
+        // paying a rendezvous round trip.
+        if proto == Proto::EagerBounce {
+            match self.bounce(&mut st, addr, len, mem, dev) {
+                Ok((host, frag)) => {
+                    let hproto = st.peers[ep.0]
+                        .plan
+                        .table(Op::Tag, MemKey::HOST)
+                        .lookup(len)
+                        .map(|r| r.proto)
+                        .unwrap_or(Proto::EagerBcopy);
+                    let id = st.new_req(ReqKind::Send(SendState {
+                        peer: ep.0,
+                        addr: host,
+                        len,
+                        tag,
+                        proto: hproto,
+                        msg_id: 0,
+                        posted: 0,
+                        rndv_to: None,
+                        put: None,
+                        wait: SendWait::Posting,
+                        mem: MemoryType::Host,
+                        dev: None,
+                        stage: None,
+                        split_left: 0,
+                    }));
+                    st.count(Proto::EagerBounce.name());
+                    // Eager protocols copy the bytes out before returning.
+                    st.start_send(id);
+                    if let Some(stg) = st.staging.as_mut() {
+                        stg.free_send.push(frag);
+                    }
+                    return Ok(Posted::Pending(id));
+                }
+                Err(e) => {
+                    tracing::debug!("no bounce buffer for a small GPU message ({e}); rendezvous")
+                }
+            }
+        }
+        let proto = if proto == Proto::EagerBounce {
+            // The large-message protocol of the same table.
+            st.peers[ep.0]
+                .plan
+                .table(op, key)
+                .rows
+                .last()
+                .map(|r| r.proto)
+                .filter(|p| p.is_rndv())
+                .ok_or_else(|| Error::Internal("a GPU table without a rendezvous row".into()))?
+        } else {
+            proto
+        };
+        // Fast path: a small host message that fits one `am_short` and finds the lane idle is
+        // sent at once, without a request in the table.
+        if !sync
+            && proto == Proto::EagerShort
+            && !mem.is_gpu()
+            && st.try_eager_short(ep.0, addr, len, tag)?
+        {
+            st.count(proto.name());
+            return Ok(Posted::Done(Completion {
+                len,
+                tag,
+                sender: None,
+            }));
+        }
+        let id = st.new_req(ReqKind::Send(SendState {
+            peer: ep.0,
+            addr,
+            len,
+            tag,
+            proto,
+            msg_id: 0,
+            posted: 0,
+            rndv_to: None,
+            put: None,
+            wait: SendWait::Posting,
+            mem,
+            dev,
+            stage: None,
+            split_left: 0,
+        }));
+        st.start_send(id);
+        Ok(Posted::Pending(id))
+    }
+
+    pub(crate) fn post_recv(&self, buf: RecvBuf<'_>, tag: Tag, mask: Tag) -> u64 {
+        let mut st = self.st.borrow_mut();
+        let (addr, cap) = (buf.addr, buf.len);
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => match st.ctx.detect(addr, cap) {
+                Ok(m) => m,
+                Err(e) => {
+                    let id = st.new_req(ReqKind::Rma(RmaState {
+                        peer: usize::MAX,
+                        dir: RmaDir::Flush,
+                        len: 0,
+                        lane: 0,
+                        addr: 0,
+                        remote: 0,
+                        key: None,
+                        posted: 0,
+                        flush_lanes: Vec::new(),
+                    }));
+                    st.finish(id, Err(e));
+                    return id;
+                }
+            },
+        };
+        // Built in its slot (the request is a few hundred bytes; a move costs a memcpy call).
+        let id = st.reqs.insert_with(|| Req {
+            kind: ReqKind::Recv(RecvState {
+                addr,
+                cap,
+                total: 0,
+                received: 0,
+                tag,
+                sender: None,
+                rndv: None,
+                mem,
+                dev,
+                chunks: VecDeque::new(),
+                landed: 0,
+                pull: false,
+                chunk_lane: usize::MAX,
+                dev_memh: None,
+                stream: false,
+            }),
+            result: None,
+            outstanding: 0,
+            guards: Vec::new(),
+        });
+        if let Some((mtag, u, id)) = st.matcher.post_recv(tag, mask, id) {
+            st.matched(id, mtag, u);
+        }
+        id
+    }
+
+    /// Append `buf` to the byte stream to `ep` in pieces packed straight from `buf`; the request
+    /// finishes once every piece was handed to the transport (the sender's flow control).
+    pub(crate) fn post_stream_send(&self, ep: EpId, buf: SendBuf<'_>) -> Result<Posted> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        let p = ep.0;
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(buf.addr, buf.len)?,
+        };
+        let key = MemKey::new(mem, dev);
+        if mem.is_gpu() {
+            st.note_gpu_key(key);
+        }
+        st.refresh_plan(p);
+        let t = st.peers[p].plan.table(Op::Stream, key);
+        if t.rows.is_empty() {
+            return Err(t.refusal(&st.peers[p].remote.describe()));
+        }
+        // The pieces are packed from `buf` as the transport takes them: the buffer stays lent
+        // to the request's scope until the request finishes, after the last piece.
+        let id = st.new_req(ReqKind::Send(SendState {
+            peer: p,
+            addr: buf.addr,
+            len: buf.len,
+            tag: 0,
+            proto: Proto::EagerBcopy,
+            msg_id: 0,
+            posted: 0,
+            rndv_to: None,
+            put: None,
+            wait: SendWait::Posting,
+            mem: MemoryType::Host,
+            dev: None,
+            stage: None,
+            split_left: 0,
+        }));
+        let am = st.peers[p].am;
+        let piece = st.slots[am]
+            .attr
+            .limits
+            .am_max_bcopy
+            .saturating_sub(8)
+            .max(1);
+        let len = buf.len;
+        let mut off = 0;
+        while off < len {
+            let n = piece.min(len - off);
+            st.peers[p]
+                .queue
+                .push_back(Pending::StreamPiece { id, off, len: n });
+            off += n;
+        }
+        st.peers[p].queue.push_back(Pending::Finish { id, len });
+        st.pump(p);
+        st.count("stream send");
+        Ok(Posted::Pending(id))
+    }
+
+    /// Receive exactly `buf.len` bytes into `buf` (host memory) from the byte stream of `ep`.
+    pub(crate) fn post_stream_recv(&self, ep: EpId, buf: RecvBuf<'_>) -> Result<u64> {
+        let mut st = self.st.borrow_mut();
+        let p = ep.0;
+        if p >= st.peers.len() {
+            return Err(Error::InvalidParam(format!(
+                "endpoint ep{p} does not exist"
+            )));
+        }
+        let (addr, cap) = (buf.addr, buf.len);
+        let (mem, _) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, cap)?,
+        };
+        if mem.is_gpu() {
+            return Err(Error::Unsupported {
+                what: format!("a stream receive into {mem} memory"),
+                why: "streams move host memory only; use tag_recv for GPU buffers".into(),
+            });
+        }
+        let id = st.new_req(ReqKind::Recv(RecvState {
+            addr,
+            cap,
+            total: cap,
+            received: 0,
+            tag: 0,
+            sender: Some(p),
+            rndv: None,
+            mem: MemoryType::Host,
+            dev: None,
+            chunks: VecDeque::new(),
+            landed: 0,
+            pull: false,
+            chunk_lane: usize::MAX,
+            dev_memh: None,
+            stream: true,
+        }));
+        if let Some(reason) = st.peers[p].failed.clone() {
+            let peer = st.peers[p].remote.describe();
+            st.finish(id, Err(Error::EndpointFailure { peer, reason }));
+            return Ok(id);
+        }
+        if cap == 0 {
+            // Needs no bytes: complete now rather than wait in line.
+            st.finish(
+                id,
+                Ok(Completion {
+                    len: 0,
+                    tag: 0,
+                    sender: Some(ep),
+                }),
+            );
+            return Ok(id);
+        }
+        let st = &mut *st;
+        let (reqs, peer) = (&mut st.reqs, &mut st.peers[p]);
+        peer.stream_rx.post(&mut StreamReqs { reqs, peer: p }, id);
+        Ok(id)
+    }
+
+    pub(crate) fn post_rma(
+        &self,
+        ep: EpId,
+        put: bool,
+        addr: usize,
+        len: usize,
+        remote: u64,
+        rkey: &RkeyBundle,
+    ) -> Result<u64> {
+        let mut st = self.st.borrow_mut();
+        st.post_rma(ep.0, put, addr, len, remote, rkey)
+    }
+
+    pub(crate) fn post_flush(&self, ep: EpId) -> Result<u64> {
+        let mut st = self.st.borrow_mut();
+        st.post_flush(ep.0)
+    }
+
+    pub(crate) fn req_result(&self, id: u64) -> Option<Result<Completion>> {
+        let st = self.st.borrow();
+        match st.reqs.get(&id) {
+            // Every look (test, wait, await) reports the error the request really had.
+            Some(r) => r.result.clone(),
+            None => Some(Err(Error::Internal(format!("request {id} is unknown")))),
+        }
+    }
+
+    /// An empty list for a new scope's request ids.
+    pub(crate) fn take_id_list(&self) -> Vec<u64> {
+        self.id_lists.borrow_mut().pop().unwrap_or_default()
+    }
+
+    /// End of a scope: cancel its receives that never matched, wait for everything else, and
+    /// release the requests.
+    pub(crate) fn finish_scope(&self, mut ids: Vec<u64>) {
+        {
+            let mut st = self.st.borrow_mut();
+            for id in &ids {
+                if st.reqs.get(id).is_some_and(|r| r.result.is_none()) {
+                    if st.matcher.cancel_expected(|e| e == id).is_some() {
+                        st.finish(*id, Err(Error::Canceled));
+                    } else {
+                        st.stream_cancel(*id);
+                    }
+                }
+            }
+        }
+        let mut backoff = liveness::Backoff::new();
+        for id in &ids {
+            loop {
+                let mut st = self.st.borrow_mut();
+                match st.reqs.get(id) {
+                    Some(r) if r.result.is_none() => {}
+                    // Ended early (an abort) with copies of the copy lane still running on its
+                    // buffer: they finish first, so the buffer is the caller's again only once
+                    // nothing of ours touches it.
+                    // (Only a request that ended with an error can; the check scans the
+                    // tokens, so successful requests skip it.)
+                    Some(r)
+                        if r.result.as_ref().is_some_and(|x| x.is_err())
+                            && st.copies_in_flight(*id) => {}
+                    _ => {
+                        st.reqs.remove(id);
+                        break;
+                    }
+                }
+                drop(st);
+                if self.progress() == 0 {
+                    backoff.idle(self);
+                } else {
+                    backoff.busy();
+                }
+            }
+        }
+        ids.clear();
+        let mut lists = self.id_lists.borrow_mut();
+        if lists.len() < 8 {
+            lists.push(ids);
+        }
+    }
+
+    /// Requests in the worker's table: those of open scopes (a leak check for tests).
+    pub fn live_requests(&self) -> usize {
+        self.st.borrow().reqs.len()
+    }
+
+    /// Cancel a receive that has not matched yet. Returns true when it was canceled.
+    pub(crate) fn cancel_recv(&self, id: u64) -> bool {
+        let canceled = {
+            let mut st = self.st.borrow_mut();
+            if st.matcher.cancel_expected(|e| *e == id).is_some() {
+                st.finish(id, Err(Error::Canceled));
+                true
+            } else {
+                st.stream_cancel(id)
+            }
+        };
+        if canceled {
+            self.wake_finished();
+        }
+        canceled
+    }
+
+    /// Progress until request `id` finished or `limit` passed.
+    pub(crate) fn wait_req(&self, id: u64, limit: Option<Duration>) -> Result<Completion> {
+        // The clock is read only when there is a limit: it is not free on the hot path.
+        let start = limit.map(|_| Instant::now());
+        let mut backoff = liveness::Backoff::until(start.zip(limit).map(|(s, l)| s + l));
+        loop {
+            if let Some(r) = self.req_result(id) {
+                return r;
+            }
+            if let (Some(l), Some(t)) = (limit, start)
+                && t.elapsed() > l
+            {
+                return Err(Error::Timeout {
+                    after: l,
+                    what: format!("request {id}"),
+                });
+            }
+            if self.progress() == 0 {
+                // Poll flat out first (a pause instruction costs tens of cycles on some CPUs,
+                // straight onto the latency), and ease off only when nothing comes for a while:
+                // after a millisecond, yield, then arm and sleep on the worker's events
+                // (`events.rs`) until a message or completion comes.
+                backoff.idle(self);
+            } else {
+                backoff.busy();
+            }
+        }
+    }
+}

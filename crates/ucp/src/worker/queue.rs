@@ -1,0 +1,329 @@
+//! A peer's queue of work (control messages, fragments to post, stream pieces), posting
+//! transport operations with completion tokens, and the events interfaces report.
+
+use crate::worker::prelude::*;
+
+impl State {
+    /// Queue a control message to peer `p` (sent in order by [`pump`](Self::pump)).
+    pub(crate) fn send_msg(&mut self, p: usize, m: &Msg<'_>) {
+        let (id, bytes) = m.encode();
+        self.queue_ctrl(p, id, bytes);
+    }
+
+    pub(crate) fn queue_ctrl(&mut self, p: usize, id: AmId, bytes: Vec<u8>) {
+        self.peers[p].queue.push_back(Pending::Ctrl { id, bytes });
+    }
+
+    /// Post queued work of peer `p` in order until the transport pushes back.
+    pub(crate) fn pump(&mut self, p: usize) {
+        if !self.peers[p].connected || self.peers[p].failed.is_some() {
+            return;
+        }
+        while let Some(front) = self.peers[p].queue.pop_front() {
+            match front {
+                Pending::Ctrl { id, bytes } => {
+                    let am = self.peers[p].am;
+                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane connected");
+                    let res = ep.am_bcopy(id, &mut rucx_uct::iface::pack_bytes(&bytes));
+                    match res {
+                        Ok(_) => {}
+                        Err(e) if e.is_retryable() => {
+                            self.peers[p].queue.push_front(Pending::Ctrl { id, bytes });
+                            return;
+                        }
+                        Err(e) => {
+                            self.fail_peer(p, &format!("sending a control message: {e}"));
+                            return;
+                        }
+                    }
+                }
+                Pending::StreamPiece { id, off, len } => {
+                    let addr = match self.reqs.get(&id) {
+                        Some(Req {
+                            kind: ReqKind::Send(s),
+                            result: None,
+                            ..
+                        }) => s.addr,
+                        // Finished otherwise (endpoint failure): nothing more to send.
+                        _ => continue,
+                    };
+                    let src = self.address.uuid.to_le_bytes();
+                    // SAFETY: the stream send's buffer is lent to its scope until the request
+                    // finishes, which is after its last piece (the `Finish` behind it).
+                    let data = unsafe { host_slice(addr + off, len) };
+                    let am = self.peers[p].am;
+                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane connected");
+                    let res = ep.am_bcopy(wire::AM_STREAM_DATA, &mut |buf: &mut [u8]| {
+                        buf[..8].copy_from_slice(&src);
+                        buf[8..8 + len].copy_from_slice(data);
+                        8 + len
+                    });
+                    match res {
+                        Ok(_) => {}
+                        Err(e) if e.is_retryable() => {
+                            self.peers[p]
+                                .queue
+                                .push_front(Pending::StreamPiece { id, off, len });
+                            return;
+                        }
+                        Err(e) => {
+                            self.fail_peer(p, &format!("sending stream bytes: {e}"));
+                            return;
+                        }
+                    }
+                }
+                Pending::Finish { id, len } => self.finish(
+                    id,
+                    Ok(Completion {
+                        len,
+                        tag: 0,
+                        sender: None,
+                    }),
+                ),
+                Pending::Stream(req) => match self.stream(req) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        self.peers[p].queue.push_front(Pending::Stream(req));
+                        return;
+                    }
+                    Err(e) => self.fail(req, e),
+                },
+            }
+        }
+    }
+
+    /// Post the next operations of a request. Ok(true): all posted; Ok(false): the transport
+    /// pushed back, call again after progress.
+    pub(crate) fn stream(&mut self, id: u64) -> Result<bool> {
+        match self.reqs.get(&id) {
+            None => Ok(true),
+            Some(r) if r.result.is_some() => Ok(true),
+            Some(Req {
+                kind: ReqKind::Send(_),
+                ..
+            }) => self.stream_send(id),
+            Some(Req {
+                kind: ReqKind::Recv(_),
+                ..
+            }) => self.stream_get(id),
+            Some(Req {
+                kind: ReqKind::Rma(_),
+                ..
+            }) => self.stream_rma(id),
+        }
+    }
+
+    /// Post one operation on `lane` of peer `p` with a fresh token and count it in request `id`.
+    /// `Ok(false)`: the transport pushed back; progress and call again.
+    pub(crate) fn post_counted(
+        &mut self,
+        id: u64,
+        p: usize,
+        lane: usize,
+        op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
+    ) -> Result<bool> {
+        let token = self.next_token;
+        let ep = self.peers[p]
+            .eps
+            .get_mut(&lane)
+            .ok_or_else(|| Error::Internal(format!("lane {lane} of ep{p} is not connected")))?;
+        match op(ep.as_mut(), token) {
+            Ok(st) => {
+                self.next_token += 1;
+                self.account(id, token, st);
+                Ok(true)
+            }
+            Err(e) if e.is_retryable() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Count an in-progress operation of request `id` posted with `token`, or forget the token
+    /// when the operation completed at once.
+    pub(crate) fn account(&mut self, id: u64, token: u64, st: OpStatus) {
+        match st {
+            OpStatus::Done => {}
+            OpStatus::InProgress => {
+                self.tokens.insert(
+                    token,
+                    Tok {
+                        req: id,
+                        what: TokWhat::Plain,
+                    },
+                );
+                if let Some(r) = self.reqs.get_mut(&id) {
+                    r.outstanding += 1;
+                }
+            }
+        }
+    }
+
+    /// Record a posted operation of a pipeline.
+    pub(crate) fn post_tok(&mut self, req: u64, token: u64, st: OpStatus, what: TokWhat) {
+        let tok = Tok { req, what };
+        match st {
+            OpStatus::InProgress => {
+                self.tokens.insert(token, tok);
+            }
+            OpStatus::Done => self.done_q.push_back((tok, Ok(()))),
+        }
+    }
+
+    pub(crate) fn on_event(&mut self, _iface: usize, ev: Event<'_>) {
+        match ev {
+            Event::Am { id, data } => {
+                if let Err(e) = self.on_am(id, data) {
+                    tracing::warn!("dropped a malformed or unexpected protocol message: {e}");
+                }
+            }
+            Event::Completion { token, result } => {
+                let Some(tok) = self.tokens.remove(&token) else {
+                    return;
+                };
+                self.on_tok(tok, result);
+            }
+            Event::EpError { user_id, error } => {
+                self.fail_peer(user_id as usize, &error.to_string());
+            }
+        }
+    }
+
+    /// A completion arrived (or an operation finished at once).
+    pub(crate) fn on_tok(&mut self, tok: Tok, result: Result<()>) {
+        match tok.what {
+            TokWhat::Plain => self.on_completion(tok.req, result),
+            what => {
+                // Give staging fragments back whatever happened.
+                if result.is_err()
+                    && let Some(stg) = self.staging.as_mut()
+                {
+                    match what {
+                        TokWhat::StageD2H { frag, .. } => stg.free_send.push(frag),
+                        TokWhat::PullGet { rfrag: Some(f), .. } | TokWhat::H2D { rfrag: f, .. } => {
+                            stg.free_recv.push(f)
+                        }
+                        _ => {}
+                    }
+                }
+                if result.is_err() && matches!(what, TokWhat::StageD2H { .. }) {
+                    self.wake_staged_sends(tok.req, false);
+                }
+                if result.is_err() {
+                    // A read or copy of an announced fragment failed: the sender may still
+                    // reuse the fragment (we no longer need it).
+                    if let TokWhat::PullGet {
+                        sfrag: Some(sf), ..
+                    }
+                    | TokWhat::DirectH2D {
+                        sfrag: Some(sf), ..
+                    } = what
+                    {
+                        self.ack_fragment(sf);
+                    }
+                }
+                match result {
+                    Ok(()) => {
+                        if let Err(e) = self.on_pipeline(tok.req, what) {
+                            self.fail(tok.req, e);
+                        }
+                    }
+                    Err(e) => self.fail(tok.req, e),
+                }
+            }
+        }
+    }
+
+    pub(crate) fn on_completion(&mut self, id: u64, result: Result<()>) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        r.outstanding = r.outstanding.saturating_sub(1);
+        if let Err(e) = result {
+            // A failed read: fall back to streaming (not one byte lost).
+            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind
+                && rv.via_get
+                && !matches!(e, Error::EndpointFailure { .. })
+            {
+                tracing::warn!("rendezvous read failed ({e}); asking the sender to stream instead");
+                self.restart_as_stream(id);
+                return;
+            }
+            self.fail(id, e);
+            return;
+        }
+        if r.outstanding > 0 || r.result.is_some() {
+            return;
+        }
+        match &r.kind {
+            ReqKind::Send(s) if s.wait == SendWait::Completions => {
+                let (len, tag) = (s.len, s.tag);
+                if s.put.is_some() {
+                    self.put_done(id);
+                } else if self.split_step(id) {
+                    self.finish(
+                        id,
+                        Ok(Completion {
+                            len,
+                            tag,
+                            sender: None,
+                        }),
+                    );
+                }
+            }
+            ReqKind::Recv(RecvState { rndv: Some(rv), .. })
+                if rv.via_get && rv.posted >= rv.get_end && !rv.gets_done =>
+            {
+                let (peer, sreq) = (rv.peer, rv.sreq);
+                self.gets_finished(id, peer, sreq);
+            }
+            ReqKind::Rma(rm) if rm.posted == usize::MAX => {
+                let len = rm.len;
+                self.finish(
+                    id,
+                    Ok(Completion {
+                        len,
+                        tag: 0,
+                        sender: None,
+                    }),
+                );
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The protocols' I/O over the worker's interfaces, peers and context.
+impl ProtoIo for State {
+    #[inline]
+    fn post(
+        &mut self,
+        req: u64,
+        p: usize,
+        lane: usize,
+        op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
+    ) -> Result<bool> {
+        self.post_counted(req, p, lane, op)
+    }
+
+    fn register(&mut self, req: u64, lane: usize, region: MemRegion) -> Result<()> {
+        let md = self.slots[lane].md;
+        let g = self.register_md(md, region)?;
+        if let Some(r) = self.reqs.get_mut(&req) {
+            r.guards.push(g);
+        }
+        Ok(())
+    }
+
+    fn register_md(&mut self, md: usize, region: MemRegion) -> Result<RegGuard> {
+        self.ctx.register(md, region)
+    }
+
+    fn may_register(&self, md: usize, mem: MemoryType, dev: Option<u32>) -> bool {
+        self.ctx.can_register(md, mem, dev)
+    }
+
+    #[inline]
+    fn ctrl(&mut self, p: usize, m: &Msg<'_>) {
+        self.send_msg(p, m);
+    }
+}

@@ -1,0 +1,483 @@
+//! The worker's state: peers (their lanes, plan and queue of work), requests (a generational
+//! slab), completion tokens, unexpected messages, and the request bookkeeping every protocol
+//! shares (ending a request, failing it and telling the peer).
+
+use std::collections::VecDeque;
+
+use rucx_ucs::{Error, MemoryType, Result};
+use rucx_uct::{AmId, Endpoint, IfaceAttr, MemHandle, RemoteKey};
+use rustc_hash::FxHashMap;
+
+use crate::address::{IfaceEntry, WorkerAddress};
+use crate::context::{Context, RegGuard};
+use crate::matching::{Tag, TagMatcher};
+use crate::plan::{EpPlan, MemKey, PlanConfig};
+use crate::proto::Proto;
+use crate::proto::gpu::{Chunk, StageSend, Staging};
+use crate::proto::rma::RmaState;
+use crate::proto::rndv::RndvRecv;
+use crate::proto::stream::{StreamRecvs, StreamRx};
+use crate::slab::Slab;
+use crate::wire::NamedKey;
+
+use super::{AmMessage, Completion, EpId, liveness};
+
+/// Reconstruct a host slice from the address of a buffer the request API borrowed.
+///
+/// # Safety
+/// `addr..addr+len` must be a live host buffer for the whole use of the slice: guaranteed by
+/// [`Scope`](crate::Scope), which borrows every buffer until all its requests are finished.
+pub(crate) unsafe fn host_slice<'a>(addr: usize, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: per this function's contract.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+/// Mutable variant of [`host_slice`].
+///
+/// # Safety
+/// As [`host_slice`], and the buffer was lent mutably (receives), so nothing else reads or
+/// writes it meanwhile.
+pub(crate) unsafe fn host_slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: per this function's contract.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+pub(crate) struct Slot {
+    pub(crate) md: usize,
+    pub(crate) attr: IfaceAttr,
+}
+
+/// What a completion token stands for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tok {
+    pub(crate) req: u64,
+    pub(crate) what: TokWhat,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum TokWhat {
+    /// Counted in the request's outstanding operations.
+    Plain,
+    /// Device -> host staging copy of a sender fragment.
+    StageD2H { frag: usize, off: usize, len: usize },
+    /// Read of a chunk, into the user buffer or a receive staging fragment.
+    PullGet {
+        off: usize,
+        len: usize,
+        /// The sender's staging fragment to acknowledge.
+        sfrag: Option<FragAck>,
+        rfrag: Option<usize>,
+    },
+    /// Host staging -> device copy of a received chunk.
+    H2D { rfrag: usize, len: usize },
+    /// Copy of a peer's mapped staging fragment straight to the device.
+    DirectH2D { len: usize, sfrag: Option<FragAck> },
+}
+
+/// A sender's staging fragment to hand back once read (or no longer needed): the peer, its
+/// send request, the fragment, and the bytes it staged there. Kept with the operation that reads
+/// it, so the acknowledgement goes out even if the receive is gone by then.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FragAck {
+    pub(crate) peer: usize,
+    pub(crate) sreq: u64,
+    pub(crate) frag: u64,
+    pub(crate) staged: usize,
+}
+
+/// Queued work of a peer, in order.
+pub(crate) enum Pending {
+    /// One control message.
+    Ctrl { id: AmId, bytes: Vec<u8> },
+    /// Continue posting the fragments of a request.
+    Stream(u64),
+    /// Bytes `off..off + len` of stream send `id`, packed straight from the caller's buffer
+    /// (lent to the request's scope until the request finishes, after its last piece).
+    StreamPiece { id: u64, off: usize, len: usize },
+    /// Everything queued before this was handed to the transport: finish request `id` (a
+    /// stream send, `len` bytes).
+    Finish { id: u64, len: usize },
+}
+
+/// A peer's uct endpoints by local interface index: a handful at most, found by a linear scan
+/// (cheaper than hashing on every send).
+#[derive(Default)]
+pub(crate) struct Lanes(pub(crate) Vec<(usize, Box<dyn Endpoint>)>);
+
+impl Lanes {
+    pub(crate) fn get_mut(&mut self, iface: &usize) -> Option<&mut Box<dyn Endpoint>> {
+        self.0
+            .iter_mut()
+            .find(|(i, _)| i == iface)
+            .map(|(_, ep)| ep)
+    }
+
+    pub(crate) fn insert(&mut self, iface: usize, ep: Box<dyn Endpoint>) {
+        match self.get_mut(&iface) {
+            Some(old) => *old = ep,
+            None => self.0.push((iface, ep)),
+        }
+    }
+
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &usize> {
+        self.0.iter().map(|(i, _)| i)
+    }
+}
+
+pub(crate) struct Peer {
+    pub(crate) remote: WorkerAddress,
+    /// uct endpoints by local interface index.
+    pub(crate) eps: Lanes,
+    pub(crate) connected: bool,
+    /// The active-message lane (the plan's; it never changes once connected).
+    pub(crate) am: usize,
+    /// The host remote-memory-access lane of the current plan.
+    pub(crate) rma: Option<usize>,
+    /// What this endpoint does, and the (context epoch, local generation) it was made at.
+    pub(crate) plan: EpPlan,
+    pub(crate) plan_at: (u64, u64),
+    /// The plan wants lanes that are not connected yet (its `wanted` is not empty).
+    pub(crate) needs_lanes: bool,
+    /// The peer's interfaces this worker reaches, by local interface index.
+    pub(crate) targets: Vec<(usize, IfaceEntry)>,
+    pub(crate) failed: Option<String>,
+    pub(crate) queue: VecDeque<Pending>,
+    pub(crate) next_msg: u64,
+    /// The receive side of the byte stream from this peer.
+    pub(crate) stream_rx: StreamRx,
+    /// When it was last heard from (`RUCX_PEER_TIMEOUT`).
+    pub(crate) live: liveness::PeerLive,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum SendWait {
+    /// Posting fragments.
+    Posting,
+    /// Waiting for the receiver (ATS or RTR).
+    Receiver,
+    /// Everything posted; waiting for completions.
+    Completions,
+}
+
+pub(crate) struct SendState {
+    pub(crate) peer: usize,
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+    pub(crate) tag: Tag,
+    pub(crate) proto: Proto,
+    pub(crate) msg_id: u64,
+    /// Bytes of the (prefixed) message posted so far.
+    pub(crate) posted: usize,
+    /// Streaming rendezvous data to this receive request.
+    pub(crate) rndv_to: Option<u64>,
+    /// Remote buffer of a put rendezvous, and the lane writing it.
+    pub(crate) put: Option<(u64, RemoteKey, usize)>,
+    pub(crate) wait: SendWait,
+    /// Memory type and device of the buffer.
+    pub(crate) mem: MemoryType,
+    pub(crate) dev: Option<u32>,
+    /// Staging pipeline (GPU memory sent through host fragments).
+    pub(crate) stage: Option<Box<StageSend>>,
+    /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
+    pub(crate) split_left: u8,
+}
+
+pub(crate) struct RecvState {
+    pub(crate) addr: usize,
+    pub(crate) cap: usize,
+    pub(crate) total: usize,
+    pub(crate) received: usize,
+    pub(crate) tag: Tag,
+    pub(crate) sender: Option<usize>,
+    pub(crate) rndv: Option<Box<RndvRecv>>,
+    pub(crate) mem: MemoryType,
+    pub(crate) dev: Option<u32>,
+    /// Reads still to post (host keyed pull into GPU memory, or staged fragments).
+    pub(crate) chunks: VecDeque<Chunk>,
+    /// Bytes that reached the user buffer through chunks.
+    pub(crate) landed: usize,
+    /// Fragments are announced by the sender (staged pipeline).
+    pub(crate) pull: bool,
+    /// Lane the chunks are read on.
+    pub(crate) chunk_lane: usize,
+    /// The user buffer registered with the copy lane's domain (GPU memory only).
+    pub(crate) dev_memh: Option<Box<(RegGuard, RemoteKey)>>,
+    /// A stream receive (filled from the peer's byte stream, not matched by tag).
+    pub(crate) stream: bool,
+}
+
+pub(crate) enum ReqKind {
+    Send(SendState),
+    Recv(RecvState),
+    Rma(RmaState),
+}
+
+pub(crate) struct Req {
+    pub(crate) kind: ReqKind,
+    pub(crate) result: Option<Result<Completion>>,
+    pub(crate) outstanding: usize,
+    pub(crate) guards: Vec<RegGuard>,
+}
+
+pub(crate) enum Unexp {
+    Eager {
+        src: usize,
+        msg_id: Option<u64>,
+        total: usize,
+        data: Vec<u8>,
+        /// A synchronous send's request, acknowledged when the message is matched.
+        sync: Option<u64>,
+    },
+    Rts {
+        src: usize,
+        sreq: u64,
+        size: usize,
+        addr: u64,
+        smem: u8,
+        keys: Vec<NamedKey>,
+    },
+}
+
+/// Where the fragments of a multi-fragment eager message go.
+pub(crate) enum RxDest {
+    Req(u64),
+    Unexpected,
+    UserAm {
+        id: u16,
+        total: usize,
+        data: Vec<u8>,
+    },
+}
+
+pub(crate) struct State {
+    pub(crate) ctx: Context,
+    pub(crate) slots: Vec<Slot>,
+    pub(crate) address: WorkerAddress,
+    pub(crate) peers: Vec<Peer>,
+    pub(crate) by_uuid: FxHashMap<u64, usize>,
+    /// The sender of the last message and its peer (a one-entry cache of `by_uuid`).
+    pub(crate) last_src: std::cell::Cell<(u64, usize)>,
+    /// Payload of the eager-short fast path (source and data), reused.
+    pub(crate) short_buf: Vec<u8>,
+    pub(crate) matcher: TagMatcher<u64, Unexp>,
+    pub(crate) reqs: Slab<Req>,
+    pub(crate) tokens: FxHashMap<u64, Tok>,
+    pub(crate) next_token: u64,
+    pub(crate) rx: FxHashMap<(u64, u64), RxDest>,
+    pub(crate) am_inbox: Vec<AmMessage>,
+    pub(crate) proto_info: bool,
+    pub(crate) frag: usize,
+    /// The planner's configuration.
+    pub(crate) plan_cfg: PlanConfig,
+    /// GPU memory this worker has met (planned for besides host memory).
+    pub(crate) gpu_keys: Vec<MemKey>,
+    /// Bumped when something the plans read changes locally (GPU keys, connected lanes).
+    pub(crate) plan_gen: u64,
+    /// Protocol counters, by static name (a handful; a linear scan beats a map).
+    pub(crate) counters: Vec<(&'static str, u64)>,
+    pub(crate) closing: bool,
+    /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
+    pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,
+    pub(crate) staging: Option<Staging>,
+    pub(crate) stage_count: usize,
+    /// Completions that happened at once, handled after the current step.
+    pub(crate) done_q: VecDeque<(Tok, Result<()>)>,
+    /// Peers' shared staging mapped here, registered with the copy lane, by local base.
+    pub(crate) mapped: FxHashMap<usize, MemHandle>,
+    /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
+    pub(crate) keepalive: Option<liveness::Keepalive>,
+}
+
+/// Stream receives of peer `peer` as the stream protocol fills them.
+pub(crate) struct StreamReqs<'a> {
+    pub(crate) reqs: &'a mut Slab<Req>,
+    pub(crate) peer: usize,
+}
+
+impl StreamRecvs for StreamReqs<'_> {
+    fn room(&mut self, id: u64) -> Option<&mut [u8]> {
+        match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) => {
+                // SAFETY: the receive buffer was lent mutably to the scope, which keeps it alive
+                // and unaliased until the request is finished; `received <= cap`, and the slice
+                // lives only while the stream protocol copies into it.
+                Some(unsafe { host_slice_mut(rs.addr + rs.received, rs.cap - rs.received) })
+            }
+            _ => None,
+        }
+    }
+
+    fn filled(&mut self, id: u64, n: usize, full: bool) {
+        if let Some(r) = self.reqs.get_mut(&id)
+            && let ReqKind::Recv(rs) = &mut r.kind
+        {
+            rs.received += n;
+            if full && r.result.is_none() {
+                r.result = Some(Ok(Completion {
+                    len: rs.cap,
+                    tag: 0,
+                    sender: Some(EpId(self.peer)),
+                }));
+                r.guards.clear();
+            }
+        }
+    }
+
+    fn cancel(&mut self, id: u64) -> Vec<u8> {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Vec::new();
+        };
+        let taken = match &r.kind {
+            ReqKind::Recv(rs) if r.result.is_none() => {
+                // SAFETY: the receive buffer is still lent to the scope (the request is not
+                // finished); its first `received <= cap` bytes were written by the stream
+                // protocol.
+                unsafe { host_slice(rs.addr, rs.received) }.to_vec()
+            }
+            _ => Vec::new(),
+        };
+        if r.result.is_none() {
+            r.result = Some(Err(Error::Canceled));
+            r.guards.clear();
+        }
+        taken
+    }
+}
+
+/// The peer of a send request.
+pub(crate) fn p_of(r: &Req) -> usize {
+    match &r.kind {
+        ReqKind::Send(s) => s.peer,
+        ReqKind::Recv(rs) => rs.rndv.as_ref().map_or(0, |v| v.peer),
+        ReqKind::Rma(rm) => rm.peer,
+    }
+}
+
+impl State {
+    #[inline(always)]
+    pub(crate) fn new_req(&mut self, kind: ReqKind) -> u64 {
+        self.reqs.insert(Req {
+            kind,
+            result: None,
+            outstanding: 0,
+            guards: Vec::new(),
+        })
+    }
+
+    pub(crate) fn finish(&mut self, id: u64, res: Result<Completion>) {
+        if self.set_result(id, res) {
+            self.release_chunks(id);
+        }
+    }
+
+    /// End request `id` with `res` unless it ended already; true when it now ended with an
+    /// error (its announced fragments are then to be released: [`Self::release_chunks`]).
+    pub(crate) fn set_result(&mut self, id: u64, res: Result<Completion>) -> bool {
+        if let Some(r) = self.reqs.get_mut(&id)
+            && r.result.is_none()
+        {
+            let failed = res.is_err();
+            r.result = Some(res);
+            r.guards.clear();
+            return failed;
+        }
+        false
+    }
+
+    /// End request `id` with `e` and, when it is one side of a rendezvous, tell the peer, so
+    /// that the other side's request ends too rather than waiting for messages that will never
+    /// come. Every failure of a rendezvous in progress ends here.
+    pub(crate) fn fail(&mut self, id: u64, e: Error) {
+        let notice = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) if s.proto.is_rndv() => {
+                let rreq = s.stage.as_ref().map(|st| st.rreq).or(s.rndv_to);
+                Some((s.peer, id, rreq.unwrap_or(0), true))
+            }
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) => rs.rndv.as_ref().map(|rv| (rv.peer, rv.sreq, id, false)),
+            Some(Req { result: None, .. }) => None,
+            _ => return,
+        };
+        // A broken endpoint fails the peer's requests on its side by itself.
+        let notify = !matches!(e, Error::EndpointFailure { .. });
+        let reason = e.to_string();
+        self.set_result(id, Err(e));
+        if notify && let Some((p, sreq, rreq, by_sender)) = notice {
+            self.send_abort(p, sreq, rreq, by_sender, &reason);
+        }
+        // Only after the abort: the acknowledgements of the fragments announced to a receive
+        // carry their whole staged length, and ahead of it they would complete the send.
+        self.release_chunks(id);
+    }
+
+    pub(crate) fn check_peer(&self, p: usize) -> Result<()> {
+        let peer = self
+            .peers
+            .get(p)
+            .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
+        match &peer.failed {
+            Some(reason) => Err(Error::EndpointFailure {
+                peer: peer.remote.describe(),
+                reason: reason.clone(),
+            }),
+            None if !peer.connected => Err(Error::NoResource(format!(
+                "endpoint ep{p} to {} is still being wired up",
+                peer.remote.describe()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn next_msg(&mut self, p: usize) -> u64 {
+        let peer = &mut self.peers[p];
+        peer.next_msg += 1;
+        peer.next_msg
+    }
+
+    pub(crate) fn count(&mut self, what: &'static str) {
+        match self
+            .counters
+            .iter_mut()
+            .find(|(k, _)| std::ptr::eq(*k, what) || *k == what)
+        {
+            Some((_, n)) => *n += 1,
+            None => self.counters.push((what, 1)),
+        }
+    }
+
+    /// Whether copy-lane operations (local copies between a request's buffer and staging,
+    /// which always complete) are still running for request `id`.
+    pub(crate) fn copies_in_flight(&self, id: u64) -> bool {
+        self.tokens.values().any(|t| {
+            t.req == id
+                && matches!(
+                    t.what,
+                    TokWhat::StageD2H { .. } | TokWhat::H2D { .. } | TokWhat::DirectH2D { .. }
+                )
+        })
+    }
+
+    pub(crate) fn send_tag(&self, id: u64) -> Tag {
+        match &self.reqs[&id].kind {
+            ReqKind::Send(s) => s.tag,
+            _ => 0,
+        }
+    }
+}
