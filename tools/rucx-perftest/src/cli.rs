@@ -9,6 +9,7 @@ use clap::Parser;
 use rucx::Job;
 
 use crate::args::{self, Cli, Format, Options, TestKind};
+use crate::floors;
 use crate::mem;
 use crate::plot::{self, Panel, Series};
 use crate::report;
@@ -23,6 +24,15 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    if let Some(path) = &cli.floors_child {
+        return match floors::cacheline_child(path) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("rucx-perftest --floors-child: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let port_given = argv.iter().skip(1).any(|a| {
         let a = a.to_string_lossy();
         a == "-p" || (a.starts_with("-p") && !a.starts_with("--"))
@@ -34,6 +44,22 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(effort) = opts.floors {
+        return match floors::measure(&self_cmd, effort, opts.progress) {
+            Ok(f) => {
+                if opts.format == Format::Json {
+                    println!("{}", report::to_json(&f));
+                } else {
+                    print!("{}", f.render());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rucx-perftest --floors: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     rucx::ucs::log::init();
     let res = if opts.is_server() {
         server(&opts)

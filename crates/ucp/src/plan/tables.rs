@@ -63,7 +63,8 @@ fn rndv_threshold(l: &HostLanes<'_>, cfg: &PlanConfig) -> usize {
 /// Smallest rendezvous worth it on a lane whose rendezvous is a split read (shared memory, the
 /// `auto` scheme): below `RNDV_SPLIT_THRESH` the read is one core copying after a round trip,
 /// which the pipelined eager copy beats (posix, measured: 128 KiB eager 7.8 GB/s and 6.6 us one
-/// way, rendezvous 4.8 GB/s and 13.7 us; 256 KiB split rendezvous 12.0 GB/s, eager 7.4).
+/// way, rendezvous 4.8 GB/s and 13.7 us); from it the split read, both cores copying once, beats
+/// eager's two copies (see `DEFAULT_SPLIT_THRESH`).
 fn split_floor(l: &HostLanes<'_>, cfg: &PlanConfig) -> usize {
     match l.rma {
         Some((r, _))
