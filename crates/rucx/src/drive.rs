@@ -1,5 +1,5 @@
 //! Driving a worker while futures await its requests: [`block_on`] without any runtime, and
-//! (feature `tokio`) [`crate::tokio::drive`] inside a tokio runtime.
+//! (feature `tokio`) `rucx::tokio::drive` inside a tokio runtime.
 //!
 //! The rule (see [`Request`](crate::Request)): an awaited request registers its task's waker
 //! with the worker and is woken by the progress call that finishes it. A driver therefore

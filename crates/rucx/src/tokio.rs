@@ -1,6 +1,6 @@
 //! Driving a worker from tokio (feature `tokio`): [`drive`] runs a future to completion while
 //! it progresses the worker whenever the worker's event descriptor is readable
-//! ([`tokio::io::unix::AsyncFd`](::tokio::io::unix::AsyncFd)), re-arms it, and so wakes the
+//! ([`tokio::io::unix::AsyncFd`]), re-arms it, and so wakes the
 //! tasks whose requests finished (see [`Request`](crate::Request)).
 //!
 //! A worker is not `Sync`, so the future [`drive`] returns is not `Send`: run it with
