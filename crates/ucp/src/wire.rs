@@ -7,7 +7,8 @@ use rucx_ucs::{Error, Result};
 use rucx_uct::AmId;
 use rucx_uct::rkey::{Reader, put_lv};
 
-/// Wire-up: sender's packed worker address.
+/// Wire-up: the sender's endpoint id for the receiver (tells a reconnect from the old
+/// connection's messages), then its packed worker address.
 pub const AM_WIREUP: AmId = 1;
 /// Eager, whole message in an `am_short`: header = tag, payload = src + data.
 pub const AM_EAGER_SHORT: AmId = 2;
@@ -53,6 +54,9 @@ pub const AM_RNDV_ABORT: AmId = 17;
 /// answer. Sent to a peer that has requests bound to it and has been silent for a while
 /// (`RUCX_PEER_TIMEOUT`); any message from a peer, this one included, shows it is alive.
 pub const AM_KEEPALIVE: AmId = 18;
+/// The sender closed its endpoint to the receiver (`Worker::close`): src. The last message of
+/// the endpoint; the receiver's endpoint to the sender is closed on receipt.
+pub const AM_DISCONNECT: AmId = 19;
 
 /// Longest reason an abort message carries (longer ones are cut at a character boundary).
 pub const MAX_ABORT_REASON: usize = 1024;
@@ -79,7 +83,7 @@ pub struct NamedKey {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Msg<'a> {
     /// Wire-up.
-    Wireup { addr: &'a [u8] },
+    Wireup { ep: u64, addr: &'a [u8] },
     /// Whole eager message.
     EagerOne { src: u64, tag: u64, data: &'a [u8] },
     /// Stream bytes.
@@ -171,6 +175,8 @@ pub enum Msg<'a> {
     },
     /// Keepalive probe (`reply` false), or the answer to one (`reply` true).
     Keepalive { src: u64, reply: bool },
+    /// The sender closed its endpoint.
+    Disconnect { src: u64 },
     /// User active message.
     User {
         src: u64,
@@ -202,6 +208,7 @@ impl Msg<'_> {
             Msg::Fin { .. } => AM_RNDV_FIN,
             Msg::Abort { .. } => AM_RNDV_ABORT,
             Msg::Keepalive { .. } => AM_KEEPALIVE,
+            Msg::Disconnect { .. } => AM_DISCONNECT,
             Msg::User { .. } => AM_USER,
         }
     }
@@ -211,7 +218,10 @@ impl Msg<'_> {
     /// encoding of the message with empty data.
     pub fn encode_into(&self, out: &mut Vec<u8>) -> AmId {
         match self {
-            Msg::Wireup { addr } => out.extend_from_slice(addr),
+            Msg::Wireup { ep, addr } => {
+                put_u64s(out, &[*ep]);
+                out.extend_from_slice(addr)
+            }
             Msg::EagerOne { src, tag, data } => {
                 put_u64s(out, &[*src, *tag]);
                 out.extend_from_slice(data);
@@ -325,6 +335,7 @@ impl Msg<'_> {
                 put_u64s(out, &[*src]);
                 out.push(u8::from(*reply));
             }
+            Msg::Disconnect { src } => put_u64s(out, &[*src]),
             Msg::User {
                 src,
                 id,
@@ -406,7 +417,13 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
     let mut r = Reader::new(data, "protocol message");
     let m = (|| -> Result<Msg<'_>> {
         Ok(match id {
-            AM_WIREUP => Msg::Wireup { addr: data },
+            AM_WIREUP => {
+                let ep = r.u64()?;
+                Msg::Wireup {
+                    ep,
+                    addr: &data[8..],
+                }
+            }
             AM_EAGER_SHORT => {
                 let tag = r.u64()?;
                 let src = r.u64()?;
@@ -629,6 +646,11 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                 r.finish()?;
                 Msg::Keepalive { src, reply }
             }
+            AM_DISCONNECT => {
+                let src = r.u64()?;
+                r.finish()?;
+                Msg::Disconnect { src }
+            }
             AM_USER => {
                 let src = r.u64()?;
                 let id = r.u16()?;
@@ -757,6 +779,18 @@ mod tests {
     }
 
     #[test]
+    fn disconnect_round_trip_and_validation() {
+        let m = Msg::Disconnect { src: 0x1234 };
+        let (id, b) = m.encode();
+        assert_eq!((id, b.len()), (AM_DISCONNECT, 8));
+        assert_eq!(parse(AM_DISCONNECT, &b).unwrap(), m);
+        assert!(parse(AM_DISCONNECT, &b[..7]).is_err(), "truncated source");
+        let mut long = b.clone();
+        long.push(0);
+        assert!(parse(AM_DISCONNECT, &long).is_err(), "trailing bytes");
+    }
+
+    #[test]
     fn keepalive_round_trip_and_validation() {
         for reply in [false, true] {
             let m = Msg::Keepalive { src: 7, reply };
@@ -791,7 +825,8 @@ mod tests {
         let nz = || 1u64..;
         let data = move || (0..=buf.len()).prop_map(move |n| &buf[..n]);
         prop_oneof![
-            data().prop_map(|addr| Msg::Wireup { addr }),
+            (u(), data()).prop_map(|(ep, addr)| Msg::Wireup { ep, addr }),
+            u().prop_map(|src| Msg::Disconnect { src }),
             (u(), u(), data()).prop_map(|(src, tag, data)| Msg::EagerOne { src, tag, data }),
             (u(), data()).prop_map(|(src, data)| Msg::StreamData { src, data }),
             (u(), u(), u(), data()).prop_map(|(src, tag, sreq, data)| Msg::EagerSync {

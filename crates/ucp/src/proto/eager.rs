@@ -275,6 +275,8 @@ impl State {
         if gpu {
             self.recv_data(rid, 0, data);
             self.recv_complete(rid);
+        } else {
+            self.owned.note_done(rid);
         }
     }
 }

@@ -37,9 +37,9 @@ impl State {
             );
         }
         match wire::parse(id, data)? {
-            Msg::Wireup { addr } => {
+            Msg::Wireup { ep, addr } => {
                 let remote = WorkerAddress::unpack(addr)?;
-                let p = self.peer_for(remote)?;
+                let p = self.peer_for_wireup(remote, ep)?;
                 self.peers[p].live.heard.set(true);
             }
             Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
@@ -284,6 +284,10 @@ impl State {
                 if !reply {
                     self.send_keepalive(p, true);
                 }
+            }
+            Msg::Disconnect { src } => {
+                let p = self.src_peer(src)?;
+                self.closed_by_peer(p);
             }
             Msg::User {
                 src,

@@ -25,8 +25,8 @@
 //!
 //! Besides its interfaces' events, the worker has work of its own that no descriptor shows:
 //! messages queued for a peer whose transport said "no resources", wire-up of a new endpoint,
-//! copies that finished at once, active messages not yet handed to their handlers. `arm`
-//! reports those as busy too.
+//! copies that finished at once, active messages not yet handed to their handlers, owned
+//! requests, closes and endpoint errors to hand out. `arm` reports those as busy too.
 //!
 //! Timers: the peer check of `RUCX_PEER_TIMEOUT` and the deadlines of transports (a tcp
 //! connect) run in `progress`, so a sleep lasts at most [`WAIT_TICK`] (or the peer-check
@@ -113,6 +113,9 @@ impl State {
         }
         if !self.am_inbox.is_empty() {
             return Some("active messages wait for their handlers".into());
+        }
+        if self.owned.has_work() || self.life.has_work() {
+            return Some("owned requests, closes or endpoint errors wait to be handed out".into());
         }
         for p in &self.peers {
             if p.failed.is_none() && (!p.connected || p.needs_lanes) {

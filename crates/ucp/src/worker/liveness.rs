@@ -167,7 +167,7 @@ impl State {
 /// How a blocking wait polls: flat out first (no clock read, no system call), then, after a
 /// long idle stretch, yielding the CPU and sleeping a little longer each time. Any event puts
 /// it back to polling flat out.
-pub(super) struct Backoff {
+pub(crate) struct Backoff {
     idle: u32,
     /// Idle long enough to yield or sleep at every idle poll.
     slow: bool,
@@ -180,12 +180,12 @@ pub(super) struct Backoff {
 }
 
 impl Backoff {
-    pub(super) fn new() -> Backoff {
+    pub(crate) fn new() -> Backoff {
         Backoff::until(None)
     }
 
     /// For a wait that ends at `deadline`.
-    pub(super) fn until(deadline: Option<Instant>) -> Backoff {
+    pub(crate) fn until(deadline: Option<Instant>) -> Backoff {
         Backoff {
             idle: 0,
             slow: false,
@@ -198,7 +198,7 @@ impl Backoff {
 
     /// Something happened: poll flat out again.
     #[inline(always)]
-    pub(super) fn busy(&mut self) {
+    pub(crate) fn busy(&mut self) {
         self.idle = 0;
         if self.since.is_some() {
             *self = Backoff::until(self.deadline);
@@ -207,7 +207,7 @@ impl Backoff {
 
     /// A poll found nothing.
     #[inline]
-    pub(super) fn idle(&mut self, w: &Worker) {
+    pub(crate) fn idle(&mut self, w: &Worker) {
         if self.slow {
             return self.ease_off(w);
         }
@@ -254,6 +254,7 @@ impl Worker {
     fn check_peers(&self, now: Instant) {
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.check_peers(now);
+            st.check_procs(now);
         }
     }
 }

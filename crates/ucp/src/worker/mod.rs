@@ -30,11 +30,14 @@ use rustc_hash::FxHashMap;
 
 mod dispatch;
 mod events;
+pub(crate) mod lifecycle;
 pub(crate) mod liveness;
 mod memmap;
+pub(crate) mod owned;
 mod peers;
 mod post;
 pub(crate) mod prelude;
+pub(crate) mod procwatch;
 mod query;
 mod queue;
 mod recv;
@@ -42,6 +45,8 @@ pub(crate) mod state;
 
 pub use crate::plan::PathInfo;
 pub use events::{POLL_ONLY_TICK, WAIT_TICK};
+pub use lifecycle::CloseMode;
+pub(crate) use liveness::Backoff;
 pub use memmap::{MemMap, RkeyBundle};
 use state::{Slot, State, Unexp};
 
@@ -185,6 +190,7 @@ impl Worker {
             uuid: new_uuid(),
             host: host_name(),
             pid: std::process::id(),
+            proc: procwatch::own_stamp(),
             ifaces: entries,
         };
         let frag = cfg
@@ -264,6 +270,9 @@ impl Worker {
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),
+                owned: owned::Registry::default(),
+                life: lifecycle::Life::default(),
+                procs: procwatch::ProcWatch::from_config(cfg),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -305,6 +314,17 @@ impl Worker {
     /// One progress pass (`progress` in `events.rs` adds waking awaited requests).
     #[inline(always)]
     fn progress_once(&self) -> usize {
+        let n = self.progress_events();
+        // Owned requests that ended are handed back, closes stepped and endpoint failures
+        // reported after the borrows are released (callbacks and handlers may post).
+        let more = {
+            let st = self.st.borrow();
+            st.owned.has_work() || st.life.has_work()
+        };
+        if more { n + self.after_progress() } else { n }
+    }
+
+    fn progress_events(&self) -> usize {
         let mut n = 0;
         let inbox = {
             let mut ifaces = self.ifaces.borrow_mut();
@@ -332,6 +352,10 @@ impl Worker {
             while let Some((tok, res)) = st.done_q.pop_front() {
                 st.on_tok(tok, res);
                 n += 1;
+            }
+            // Same-host peers' processes: a counter per call, the clock once in a while.
+            if st.procs.tick() {
+                st.check_procs(Instant::now());
             }
             // Peer liveness: a counter per call, the clock once in a while.
             if let Some(ka) = &mut st.keepalive {
@@ -501,6 +525,15 @@ impl Worker {
             .peers
             .get(ep.0)
             .and_then(|p| p.failed.clone())
+    }
+}
+
+impl Drop for Worker {
+    /// Owned requests still outstanding are ended and handed back first (`owned.rs`), closes
+    /// in progress end canceled (`lifecycle.rs`), then the interfaces close.
+    fn drop(&mut self) {
+        self.shutdown_owned();
+        self.cancel_closes();
     }
 }
 

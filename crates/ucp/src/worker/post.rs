@@ -353,6 +353,10 @@ impl Worker {
                     Some(r)
                         if r.result.as_ref().is_some_and(|x| x.is_err())
                             && st.copies_in_flight(*id) => {}
+                    // Canceled (a forced endpoint close) while the transport still runs
+                    // operations on its buffer: those finish first.
+                    Some(r)
+                        if r.outstanding > 0 && matches!(r.result, Some(Err(Error::Canceled))) => {}
                     _ => {
                         st.reqs.remove(id);
                         break;

@@ -153,6 +153,10 @@ pub(crate) struct Peer {
     pub(crate) stream_rx: StreamRx,
     /// When it was last heard from (`RUCX_PEER_TIMEOUT`).
     pub(crate) live: liveness::PeerLive,
+    /// Closed, or being closed, and by whom (`lifecycle.rs`).
+    pub(crate) closed: Option<super::lifecycle::Closed>,
+    /// The peer's endpoint id for us, from its wire-up (`lifecycle.rs`: reconnects).
+    pub(crate) remote_ep: Option<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -295,6 +299,13 @@ pub(crate) struct State {
     pub(crate) mapped: FxHashMap<usize, MemHandle>,
     /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
     pub(crate) keepalive: Option<liveness::Keepalive>,
+    /// Requests on owned buffers (`owned.rs`).
+    pub(crate) owned: super::owned::Registry,
+    /// Endpoint closes in progress, endpoint failures to report, error handlers
+    /// (`lifecycle.rs`).
+    pub(crate) life: super::lifecycle::Life,
+    /// Liveness of same-host peers by their process (`procwatch.rs`).
+    pub(crate) procs: super::procwatch::ProcWatch,
 }
 
 /// Stream receives of peer `peer` as the stream protocol fills them.
@@ -392,6 +403,7 @@ impl State {
             let failed = res.is_err();
             r.result = Some(res);
             r.guards.clear();
+            self.owned.note_done(id);
             return failed;
         }
         false
@@ -435,6 +447,13 @@ impl State {
             .peers
             .get(p)
             .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
+        if let Some(c) = peer.closed {
+            return Err(Error::EndpointClosed {
+                ep: format!("ep{p}"),
+                peer: peer.remote.describe(),
+                by: c.describe().into(),
+            });
+        }
         match &peer.failed {
             Some(reason) => Err(Error::EndpointFailure {
                 peer: peer.remote.describe(),
