@@ -1191,7 +1191,12 @@ impl State {
                 return Err(Error::InvalidParam(self.violation(s)));
             };
             let (rnode, rkind, region, alloc) = (info.node, info.kind, info.region, info.alloc);
-            if rnode != node || rkind != kind {
+            // As cuda_ipc, the ipc lane takes any handle for local host memory (page-locked by
+            // the copy domain); everything else must be registered with the lane's own domain.
+            let foreign_ok = kind == LaneKind::Ipc
+                && rkind == LaneKind::Copy
+                && region.mem_type == MemoryType::Host;
+            if rnode != node || (rkind != kind && !foreign_ok) {
                 let s = format!(
                     "{who}: local buffer registered with {rkind} of node {}, not with this lane",
                     self.nodes[rnode].name
@@ -1307,8 +1312,7 @@ impl State {
 fn lane_touches(kind: LaneKind, mt: MemoryType) -> bool {
     match kind {
         LaneKind::Shm | LaneKind::Net => mt == MemoryType::Host,
-        LaneKind::Ipc => mt == MemoryType::Cuda,
-        LaneKind::Copy => matches!(mt, MemoryType::Host | MemoryType::Cuda),
+        LaneKind::Ipc | LaneKind::Copy => matches!(mt, MemoryType::Host | MemoryType::Cuda),
     }
 }
 

@@ -63,15 +63,24 @@ impl State {
             .map(|r| r.notes.join("; "))
             .unwrap_or_default();
         let md_name = |st: &Self, lane: usize| st.ctx.domain(st.slots[lane].md).name().to_string();
-        // 1. GPU to GPU, zero-copy through a lane whose domain registers GPU memory.
+        // 1. From GPU memory, zero-copy through a lane whose domain registers GPU memory: into
+        // GPU memory registered with that domain, or into host memory page-locked by the copy
+        // lane's domain (the GPU lane's transport takes any handle for its local side).
         if let Some(lane) = steps.iter().find_map(|s| match s {
-            RecvStep::Get { lane } if sgpu && rmem.is_gpu() => Some(*lane),
+            RecvStep::Get { lane } if sgpu => Some(*lane),
             _ => None,
         }) && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
         {
             let md = self.slots[lane].md;
-            if self.may_register(md, rmem, rdev) {
-                match self.register_md(md, region) {
+            let local_md = if rmem.is_gpu() {
+                Some(md)
+            } else {
+                self.copy_md()
+            };
+            if let Some(local_md) = local_md
+                && self.may_register(local_md, rmem, rdev)
+            {
+                match self.register_md(local_md, region) {
                     Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
                         Ok(rkey) => {
                             self.count("rendezvous receive by read (GPU zero-copy)");
