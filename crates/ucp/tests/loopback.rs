@@ -151,24 +151,23 @@ fn unmatched_receive_is_canceled_at_scope_end() {
 
 #[test]
 fn active_messages_small_and_large() {
-    use std::cell::RefCell;
-    use std::rc::Rc;
+    use std::sync::{Arc, Mutex};
     let w = worker(&[]);
     let ep = w.connect(&w.address()).unwrap();
     type Got = Vec<(Vec<u8>, Vec<u8>)>;
-    let got: Rc<RefCell<Got>> = Rc::default();
+    let got: Arc<Mutex<Got>> = Arc::default();
     let g = got.clone();
-    w.set_am_handler(7, move |_w, m| g.borrow_mut().push((m.header, m.data)));
+    w.set_am_handler(7, move |_w, m| g.lock().unwrap().push((m.header, m.data)));
     let big = pattern(100_000, 4);
     w.am_send(ep, 7, b"hdr", b"small").unwrap();
     w.am_send(ep, 7, b"h2", &big).unwrap();
     for _ in 0..1000 {
         w.progress();
-        if got.borrow().len() == 2 {
+        if got.lock().unwrap().len() == 2 {
             break;
         }
     }
-    let got = got.borrow();
+    let got = got.lock().unwrap();
     assert_eq!(got.len(), 2);
     assert_eq!(got[0], (b"hdr".to_vec(), b"small".to_vec()));
     assert_eq!(got[1].0, b"h2".to_vec());
