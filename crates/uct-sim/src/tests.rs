@@ -55,7 +55,12 @@ fn conformance_between(spec: FabricSpec, kind: LaneKind) {
     let report = conformance::run_in_process(open(&f, a, kind), open(&f, b, kind)).unwrap();
     report.print();
     assert!(report.passed.len() > 20, "{report:?}");
-    assert!(report.skipped.is_empty(), "{report:?}");
+    // The simulated fabric gives no event source (a worker over it sleeps in short ticks): the
+    // arm/wait checks are the only ones it skips.
+    assert!(
+        report.skipped.iter().all(|s| s.starts_with("arm/wait")),
+        "{report:?}"
+    );
 }
 
 #[test]
@@ -139,9 +144,17 @@ fn device_memory_is_classified_and_kept_off_host_lanes() {
     // SAFETY: refused before anything touches it.
     assert!(unsafe { ipc.md.mem_reg(bogus) }.is_err());
     assert_eq!(f.violations().len(), 2);
-    // Host memory on ipc is a typed, ordinary refusal.
+    // Host memory on ipc is described (the local side of a copy out of a peer's device
+    // buffer), as cuda_ipc does; managed memory is a typed, ordinary refusal.
     // SAFETY: as above.
-    let e = unsafe { ipc.md.mem_reg(MemRegion::of_slice(&host)) }.unwrap_err();
+    let h = unsafe { ipc.md.mem_reg(MemRegion::of_slice(&host)) }.unwrap();
+    assert_eq!(h.region().mem_type, MemoryType::Host);
+    let managed = MemRegion {
+        mem_type: MemoryType::CudaManaged,
+        ..MemRegion::of_slice(&host)
+    };
+    // SAFETY: as above.
+    let e = unsafe { ipc.md.mem_reg(managed) }.unwrap_err();
     assert_eq!(
         e.as_registration().unwrap().kind,
         RegErrorKind::UnsupportedMemoryType
