@@ -1,4 +1,4 @@
-//! Protocol messages on the wire (active-message ids 1..=18 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=19 belong to UCP).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.
@@ -53,6 +53,11 @@ pub const AM_RNDV_ABORT: AmId = 17;
 /// answer. Sent to a peer that has requests bound to it and has been silent for a while
 /// (`RUCX_PEER_TIMEOUT`); any message from a peer, this one included, shows it is alive.
 pub const AM_KEEPALIVE: AmId = 18;
+/// Multi-fragment eager abort: the sender could not post the rest of a message whose first
+/// fragments may have gone out (a transport error part-way), so the receiver drops what it
+/// reassembled and a receive that matched it ends with `PeerAborted`: src, message id, and the
+/// reason (as in [`AM_RNDV_ABORT`]).
+pub const AM_EAGER_ABORT: AmId = 19;
 
 /// Longest reason an abort message carries (longer ones are cut at a character boundary).
 pub const MAX_ABORT_REASON: usize = 1024;
@@ -169,6 +174,12 @@ pub enum Msg<'a> {
         by_sender: bool,
         reason: &'a str,
     },
+    /// The sender gave a multi-fragment eager message up part-way.
+    EagerAbort {
+        src: u64,
+        msg_id: u64,
+        reason: &'a str,
+    },
     /// Keepalive probe (`reply` false), or the answer to one (`reply` true).
     Keepalive { src: u64, reply: bool },
     /// User active message.
@@ -201,6 +212,7 @@ impl Msg<'_> {
             Msg::RndvData { .. } => AM_RNDV_DATA,
             Msg::Fin { .. } => AM_RNDV_FIN,
             Msg::Abort { .. } => AM_RNDV_ABORT,
+            Msg::EagerAbort { .. } => AM_EAGER_ABORT,
             Msg::Keepalive { .. } => AM_KEEPALIVE,
             Msg::User { .. } => AM_USER,
         }
@@ -319,6 +331,14 @@ impl Msg<'_> {
             } => {
                 put_u64s(out, &[*src, *sreq, *rreq]);
                 out.push(u8::from(*by_sender));
+                put_reason(out, reason);
+            }
+            Msg::EagerAbort {
+                src,
+                msg_id,
+                reason,
+            } => {
+                put_u64s(out, &[*src, *msg_id]);
                 put_reason(out, reason);
             }
             Msg::Keepalive { src, reply } => {
@@ -569,6 +589,25 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                     sreq,
                     rreq,
                     by_sender,
+                    reason,
+                }
+            }
+            AM_EAGER_ABORT => {
+                let src = r.u64()?;
+                let msg_id = r.u64()?;
+                let reason = r.lv()?;
+                r.finish()?;
+                if reason.len() > MAX_ABORT_REASON {
+                    return Err(Error::InvalidAddress(format!(
+                        "abort reason of {} bytes (at most {MAX_ABORT_REASON})",
+                        reason.len()
+                    )));
+                }
+                let reason = std::str::from_utf8(reason)
+                    .map_err(|_| Error::InvalidAddress("abort reason is not UTF-8".into()))?;
+                Msg::EagerAbort {
+                    src,
+                    msg_id,
                     reason,
                 }
             }
@@ -891,6 +930,14 @@ mod tests {
                     }
                 }
             ),
+            (u(), u(), "[ -~]{0,100}").prop_map(|(src, msg_id, r)| {
+                let reason: &'static str = Box::leak(r.into_boxed_str());
+                Msg::EagerAbort {
+                    src,
+                    msg_id,
+                    reason,
+                }
+            }),
             (u(), any::<bool>()).prop_map(|(src, reply)| Msg::Keepalive { src, reply }),
             (u(), any::<u16>(), data(), data()).prop_map(|(src, id, header, data)| Msg::User {
                 src,

@@ -779,3 +779,73 @@ fn the_tail_of_a_split_rendezvous_is_written_after_the_sender_s_lane_moved() {
     assert_eq!(r_big.guard_damage(), None);
     pair.check_clean();
 }
+
+/// A multi-fragment eager send that fails part-way (a transport error after its first
+/// fragment went out) ends with that error and tells the receiver: a receive that matched the
+/// first fragment ends with `PeerAborted` instead of waiting forever for the rest, and a
+/// partial message nobody matched yet is dropped, so a later receive gets the next message
+/// whole. In order and delivered out of order (the abort may overtake the first fragment).
+#[test]
+fn a_multi_fragment_eager_send_failing_part_way_ends_the_receive() {
+    let n = 12_000;
+    for delivery in [
+        Delivery::InOrder,
+        Delivery::Random {
+            seed: 11,
+            noresource_per_mille: 0,
+        },
+        Delivery::Random {
+            seed: 12,
+            noresource_per_mille: 0,
+        },
+    ] {
+        let pair = Pair::new(
+            FabricSpec::host().delivery(delivery),
+            [HOST_VARS, HOST_VARS],
+        );
+        let table = pair.w[0].proto_table(pair.ep[0]).unwrap();
+        assert_eq!(
+            rucx_ucp::proto::lookup(&table, n).map(|r| r.proto),
+            Some(Proto::EagerBcopyMulti)
+        );
+        // Matched: the receive is posted first.
+        pair.fabric
+            .fail_ops_after(pair.nodes[0], LaneKind::Shm, 1, 1);
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 1);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+        let out = pair.transfer(0, &send, &mut recv, 5, false);
+        assert!(out.hang.is_none(), "{delivery:?}: {}", out.hang.unwrap());
+        assert!(
+            matches!(
+                (&out.send, &out.recv),
+                (
+                    Some(Err(Error::Io { .. })),
+                    Some(Err(Error::PeerAborted { .. }))
+                )
+            ),
+            "{delivery:?}: {out:?}"
+        );
+        assert_eq!(recv.guard_damage(), None);
+        // Unexpected: the partial message arrives before any receive.
+        pair.fabric
+            .fail_ops_after(pair.nodes[0], LaneKind::Shm, 1, 1);
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 2);
+        pair.w[0].scope(|s| {
+            let r = s.tag_send(pair.ep[0], send.send(), 6);
+            pair.drive(|| r.test().is_some()).unwrap();
+            assert!(
+                matches!(r.test(), Some(Err(Error::Io { .. }))),
+                "{delivery:?}: {:?}",
+                r.test()
+            );
+        });
+        pair.settle();
+        assert_eq!(pair.w[1].probe(6, TAG_MASK_FULL), None, "{delivery:?}");
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 3);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+        pair.transfer(0, &send, &mut recv, 6, false).expect_ok();
+        assert!(recv.bytes() == pattern(3, n), "{delivery:?}");
+        assert_eq!(pair.w[0].live_requests() + pair.w[1].live_requests(), 0);
+        pair.check_clean();
+    }
+}

@@ -253,6 +253,9 @@ pub(crate) enum RxDest {
         total: usize,
         data: Vec<u8>,
     },
+    /// The sender gave the message up before its first fragment arrived (delivered out of
+    /// order): the fragments still on their way are dropped.
+    Aborted,
 }
 
 pub(crate) struct State {
@@ -272,6 +275,8 @@ pub(crate) struct State {
     pub(crate) rx: FxHashMap<(u64, u64), RxDest>,
     pub(crate) am_inbox: Vec<AmMessage>,
     pub(crate) proto_info: bool,
+    /// Entries of `rx` that are [`RxDest::Aborted`] (looked for only while there are some).
+    pub(crate) rx_aborted: usize,
     pub(crate) frag: usize,
     /// The planner's configuration.
     pub(crate) plan_cfg: PlanConfig,
@@ -398,6 +403,22 @@ impl State {
     /// that the other side's request ends too rather than waiting for messages that will never
     /// come. Every failure of a rendezvous in progress ends here.
     pub(crate) fn fail(&mut self, id: u64, e: Error) {
+        // A multi-fragment eager send stopped part-way (its first fragments went out): the
+        // receiver drops them, and a receive that matched them ends.
+        let eager = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) if matches!(s.proto, Proto::EagerBcopyMulti | Proto::EagerZcopy)
+                && s.rndv_to.is_none()
+                && s.posted > 0
+                && s.posted < s.len =>
+            {
+                Some((s.peer, s.msg_id))
+            }
+            _ => None,
+        };
         let notice = match self.reqs.get(&id) {
             Some(Req {
                 kind: ReqKind::Send(s),
@@ -421,6 +442,9 @@ impl State {
         self.set_result(id, Err(e));
         if notify && let Some((p, sreq, rreq, by_sender)) = notice {
             self.send_abort(p, sreq, rreq, by_sender, &reason);
+        }
+        if notify && let Some((p, msg_id)) = eager {
+            self.send_eager_abort(p, msg_id, &reason);
         }
         // Only after the abort: the acknowledgements of the fragments announced to a receive
         // carry their whole staged length, and ahead of it they would complete the send.
