@@ -161,6 +161,7 @@ impl Worker {
                 pull: false,
                 chunk_lane: usize::MAX,
                 dev_memh: None,
+                staged_host: false,
                 stream: false,
             }),
             result: None,
@@ -267,6 +268,7 @@ impl Worker {
             pull: false,
             chunk_lane: usize::MAX,
             dev_memh: None,
+            staged_host: false,
             stream: true,
         }));
         if let Some(reason) = st.peers[p].failed.clone() {

@@ -208,6 +208,9 @@ pub(crate) struct RecvState {
     pub(crate) chunk_lane: usize,
     /// The user buffer registered with the copy lane's domain (GPU memory only).
     pub(crate) dev_memh: Option<Box<(RegGuard, RemoteKey)>>,
+    /// A host buffer that no lane could register: its chunks are read into receive staging and
+    /// copied on by the CPU.
+    pub(crate) staged_host: bool,
     /// A stream receive (filled from the peer's byte stream, not matched by tag).
     pub(crate) stream: bool,
 }
