@@ -890,3 +890,39 @@ fn a_host_receive_whose_registration_fails_continues_through_staging() {
         pair.check_clean();
     }
 }
+
+/// A rendezvous send whose registration fails is selected again from the plan made after the
+/// demotion (the network lane's domain now carries host memory), rather than being sent
+/// without a key for the receiver to stream; the sends after it start there.
+#[test]
+fn a_rendezvous_send_whose_registration_fails_is_reselected_from_the_new_plan() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_SCHEME", "get_zcopy"),
+    ];
+    let pair = Pair::new(FabricSpec::host().with_net(), [vars, vars]);
+    let n = 1 << 20;
+    let nth = pair.fabric.reg_attempts(pair.nodes[0], LaneKind::Shm) + 1;
+    pair.fabric
+        .fail_registration(pair.nodes[0], LaneKind::Shm, nth, RegErrorKind::BadAddress);
+    for i in 0..2u64 {
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 40 + i);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+        let out = pair.transfer(0, &send, &mut recv, 8, false);
+        assert!(out.hang.is_none(), "{}", out.hang.unwrap());
+        out.expect_ok();
+        assert!(recv.bytes() == pattern(40 + i, n));
+    }
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    let counters = pair.w[1].counters();
+    assert_eq!(
+        counters.get("rendezvous receive streamed"),
+        None,
+        "{counters:?}"
+    );
+    assert_eq!(
+        pair.fabric.live_registrations(pair.nodes[0], LaneKind::Shm),
+        0
+    );
+    pair.check_clean();
+}

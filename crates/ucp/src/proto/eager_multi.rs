@@ -6,7 +6,20 @@ use crate::worker::prelude::*;
 
 impl State {
     pub(crate) fn stream_send(&mut self, id: u64) -> Result<bool> {
-        if matches!(&self.reqs[&id].kind, ReqKind::Send(s) if s.stage.is_some()) {
+        if let ReqKind::Send(s) = &self.reqs[&id].kind
+            && s.rndv.deferred
+            && s.rndv.rreq.is_none()
+            && s.wait == SendWait::Posting
+        {
+            // A request to send that waits for a lane (see `send_rts`); the progress loop
+            // connects it before it posts the queue again.
+            if self.peers[s.peer].needs_lanes {
+                return Ok(false);
+            }
+            self.send_rts(id);
+            return Ok(true);
+        }
+        if matches!(&self.reqs[&id].kind, ReqKind::Send(s) if s.rndv.stage.is_some()) {
             return self.stream_stage(id);
         }
         let ReqKind::Send(s) = &self.reqs[&id].kind else {
@@ -14,8 +27,8 @@ impl State {
         };
         let (p, addr, len, proto, posted, msg_id, tag) =
             (s.peer, s.addr, s.len, s.proto, s.posted, s.msg_id, s.tag);
-        let rndv_to = s.rndv_to;
-        let put = s.put.clone();
+        let rndv_to = s.rndv.rreq;
+        let put = s.rndv.put.clone();
         let src = self.address.uuid;
         if let Some((raddr, rkey, lane)) = put {
             return self.stream_put(id, p, lane, addr, len, raddr, &rkey);
@@ -24,7 +37,7 @@ impl State {
         let limits = self.slots[am].attr.limits;
         // Zero-copy from a registration of the AM lane's domain; a streamed split tail is
         // copied in (its registrations serve the receiver's reads of the head).
-        let split_tail = s.split_left > 0;
+        let split_tail = s.rndv.split_left > 0;
         let am_name = self.ctx.domain(self.slots[am].md).name();
         let zcopy = !split_tail
             && self.reqs[&id]

@@ -52,13 +52,10 @@ impl Worker {
                         proto: hproto,
                         msg_id: 0,
                         posted: 0,
-                        rndv_to: None,
-                        put: None,
+                        rndv: RndvSend::default(),
                         wait: SendWait::Posting,
                         mem: MemoryType::Host,
                         dev: None,
-                        stage: None,
-                        split_left: 0,
                     }));
                     st.count(Proto::EagerBounce.name());
                     // Eager protocols copy the bytes out before returning.
@@ -108,13 +105,10 @@ impl Worker {
             proto,
             msg_id: 0,
             posted: 0,
-            rndv_to: None,
-            put: None,
+            rndv: RndvSend::default(),
             wait: SendWait::Posting,
             mem,
             dev,
-            stage: None,
-            split_left: 0,
         }));
         st.start_send(id);
         Ok(Posted::Pending(id))
@@ -203,13 +197,10 @@ impl Worker {
             proto: Proto::EagerBcopy,
             msg_id: 0,
             posted: 0,
-            rndv_to: None,
-            put: None,
+            rndv: RndvSend::default(),
             wait: SendWait::Posting,
             mem: MemoryType::Host,
             dev: None,
-            stage: None,
-            split_left: 0,
         }));
         let am = st.peers[p].am;
         let piece = st.slots[am]

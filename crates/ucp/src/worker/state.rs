@@ -13,9 +13,9 @@ use crate::context::{Context, RegGuard};
 use crate::matching::{Tag, TagMatcher};
 use crate::plan::{EpPlan, MemKey, PlanConfig};
 use crate::proto::Proto;
-use crate::proto::gpu::{Chunk, StageSend, Staging};
+use crate::proto::gpu::{Chunk, Staging};
 use crate::proto::rma::RmaState;
-use crate::proto::rndv::RndvRecv;
+use crate::proto::rndv::{RndvRecv, RndvSend};
 use crate::proto::stream::{StreamRecvs, StreamRx};
 use crate::slab::Slab;
 use crate::wire::NamedKey;
@@ -165,27 +165,25 @@ pub(crate) enum SendWait {
     Completions,
 }
 
+/// A send request: what every send protocol has, and the rendezvous part
+/// ([`RndvSend`], untouched by eager protocols).
 pub(crate) struct SendState {
     pub(crate) peer: usize,
     pub(crate) addr: usize,
     pub(crate) len: usize,
     pub(crate) tag: Tag,
+    /// The protocol the plan chose (re-selected from a new plan after a registration failure).
     pub(crate) proto: Proto,
+    /// Message id of a multi-fragment eager send.
     pub(crate) msg_id: u64,
     /// Bytes of the (prefixed) message posted so far.
     pub(crate) posted: usize,
-    /// Streaming rendezvous data to this receive request.
-    pub(crate) rndv_to: Option<u64>,
-    /// Remote buffer of a put rendezvous, and the lane writing it.
-    pub(crate) put: Option<(u64, RemoteKey, usize)>,
     pub(crate) wait: SendWait,
     /// Memory type and device of the buffer.
     pub(crate) mem: MemoryType,
     pub(crate) dev: Option<u32>,
-    /// Staging pipeline (GPU memory sent through host fragments).
-    pub(crate) stage: Option<Box<StageSend>>,
-    /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
-    pub(crate) split_left: u8,
+    /// The rendezvous protocols' state.
+    pub(crate) rndv: RndvSend,
 }
 
 pub(crate) struct RecvState {
@@ -362,15 +360,6 @@ impl StreamRecvs for StreamReqs<'_> {
     }
 }
 
-/// The peer of a send request.
-pub(crate) fn p_of(r: &Req) -> usize {
-    match &r.kind {
-        ReqKind::Send(s) => s.peer,
-        ReqKind::Recv(rs) => rs.rndv.as_ref().map_or(0, |v| v.peer),
-        ReqKind::Rma(rm) => rm.peer,
-    }
-}
-
 impl State {
     #[inline(always)]
     pub(crate) fn new_req(&mut self, kind: ReqKind) -> u64 {
@@ -414,7 +403,7 @@ impl State {
                 result: None,
                 ..
             }) if matches!(s.proto, Proto::EagerBcopyMulti | Proto::EagerZcopy)
-                && s.rndv_to.is_none()
+                && s.rndv.rreq.is_none()
                 && s.posted > 0
                 && s.posted < s.len =>
             {
@@ -428,7 +417,7 @@ impl State {
                 result: None,
                 ..
             }) if s.proto.is_rndv() => {
-                let rreq = s.stage.as_ref().map(|st| st.rreq).or(s.rndv_to);
+                let rreq = s.rndv.stage.as_ref().map(|st| st.rreq).or(s.rndv.rreq);
                 Some((s.peer, id, rreq.unwrap_or(0), true))
             }
             Some(Req {

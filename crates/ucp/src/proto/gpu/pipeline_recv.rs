@@ -25,17 +25,20 @@ impl State {
             TokWhat::Plain => Ok(()),
             TokWhat::StageD2H { frag, off, len } => {
                 // A fragment is staged: announce it to the receiver.
-                let (p, rreq) = match self.reqs.get(&id) {
+                let (p, rreq, lane) = match self.reqs.get(&id) {
                     Some(Req {
                         kind:
                             ReqKind::Send(SendState {
                                 peer,
-                                stage: Some(st),
+                                rndv:
+                                    RndvSend {
+                                        stage: Some(st), ..
+                                    },
                                 ..
                             }),
                         result: None,
                         ..
-                    }) => (*peer, st.rreq),
+                    }) => (*peer, st.rreq, st.lane),
                     // Ended meanwhile (aborted): the fragment is not announced.
                     _ => {
                         if let Some(stg) = self.staging.as_mut() {
@@ -45,8 +48,7 @@ impl State {
                         return Ok(());
                     }
                 };
-                let key = match self.peers[p]
-                    .rma
+                let key = match lane
                     .ok_or_else(|| Error::Unsupported {
                         what: "the staged pipeline".into(),
                         why: "no transport with remote memory access reaches the receiver".into(),
