@@ -446,6 +446,21 @@ impl Driver {
         }
     }
 
+    /// A context for work that any context can do (page-locking host memory portably,
+    /// allocating pinned host memory): one this process already retained, so that no GPU's
+    /// context is created only for that (creating one costs about 100 ms and device memory),
+    /// else device 0's.
+    pub fn any_context(&'static self) -> Result<&'static PrimaryContext> {
+        match self
+            .contexts
+            .iter()
+            .find_map(|slot| slot.get().and_then(|r| r.as_ref().ok()))
+        {
+            Some(c) => Ok(c),
+            None => self.context(0),
+        }
+    }
+
     /// Whether device `a` can access memory of device `b` directly (`cuDeviceCanAccessPeer`).
     pub fn can_access_peer(&self, a: u32, b: u32) -> Result<bool> {
         let da = self.device(a)?.handle;
@@ -735,11 +750,15 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> R
     stream.context().bind()?;
     // SAFETY: forwarded to the caller's contract; the stream handle is live.
     let r = unsafe { sys::cuMemcpyAsync(dst, src, len, stream.raw()) };
-    check(
+    // The message is made on failure only: this call is on every GPU message's path.
+    if r == E::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(cuda_error(
         r,
         &format!("cuMemcpyAsync({len} bytes, {src:#x} -> {dst:#x})"),
         Some(stream.context().ordinal),
-    )
+    ))
 }
 
 macro_rules! device_copy_methods {

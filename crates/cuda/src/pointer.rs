@@ -269,7 +269,7 @@ pub fn query(addr: usize) -> Result<RawAttrs> {
     let mut res = unsafe { get_attrs(&mut first, &mut first_data, ptr) };
     if res == Err(E::CUDA_ERROR_INVALID_CONTEXT) {
         // Some drivers want a current context even for this query.
-        drv.context(0)?.bind()?;
+        drv.any_context()?.bind()?;
         // SAFETY: as above.
         res = unsafe { get_attrs(&mut first, &mut first_data, ptr) };
     }

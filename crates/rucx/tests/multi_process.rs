@@ -390,12 +390,16 @@ fn peer_dying_mid_transfer_fails_pending_requests_and_others_go_on() {
 
 struct Netns {
     names: [String; 2],
+    /// The veth end inside each namespace.
+    devs: [String; 2],
 }
 
 impl Netns {
     fn create(tag: &str) -> Result<Netns, String> {
-        let a = format!("rucx-{tag}-a");
-        let b = format!("rucx-{tag}-b");
+        // The pid keeps two test runs (two checkouts at once) out of each other's namespaces.
+        let pid = std::process::id();
+        let a = format!("rucx-{tag}-{pid}-a");
+        let b = format!("rucx-{tag}-{pid}-b");
         let sh = |args: &[&str]| -> Result<(), String> {
             let o = Command::new("ip")
                 .args(args)
@@ -413,13 +417,15 @@ impl Netns {
         };
         let _ = Command::new("ip").args(["netns", "del", &a]).output();
         let _ = Command::new("ip").args(["netns", "del", &b]).output();
+        // Interface names have at most 15 bytes.
+        let va = format!("rx{}a{}", &tag[..1], pid % 100_000);
+        let vb = format!("rx{}b{}", &tag[..1], pid % 100_000);
         let ns = Netns {
             names: [a.clone(), b.clone()],
+            devs: [va.clone(), vb.clone()],
         };
         sh(&["netns", "add", &a])?;
         sh(&["netns", "add", &b])?;
-        let va = format!("rx{tag}a");
-        let vb = format!("rx{tag}b");
         sh(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
         sh(&["link", "set", &va, "netns", &a])?;
         sh(&["link", "set", &vb, "netns", &b])?;
@@ -454,6 +460,7 @@ fn tcp_across_two_network_namespaces() {
         }
     };
     let names = ns.names.clone();
+    let devs = ns.devs.clone();
     let r = run_ranks(
         "tcp_across_two_network_namespaces",
         2,
@@ -467,10 +474,7 @@ fn tcp_across_two_network_namespaces() {
                     "exec".into(),
                     names[rank].clone(),
                 ],
-                vec![(
-                    "RUCX_TCP_IFACES".into(),
-                    format!("rxucp{}", if rank == 0 { "a" } else { "b" }),
-                )],
+                vec![("RUCX_TCP_IFACES".into(), devs[rank].clone())],
             )
         },
         Duration::from_secs(120),

@@ -35,7 +35,7 @@ pub static CONFIG: &[OptionSpec] = &[
     OptionSpec {
         name: "RNDV_SPLIT_THRESH",
         kind: OptKind::MemUnits,
-        default: "256K",
+        default: "64K",
         help: "Rendezvous reads of at least this size are split: the receiver reads the first half \
                while the sender writes the second, so both sides copy at once (inf: never).",
     },
@@ -46,6 +46,15 @@ pub static CONFIG: &[OptionSpec] = &[
         help: "Pinned host staging fragments of RNDV_FRAG_SIZE for GPU memory pipelines, per \
                direction (sends and receives each get this many; 1 to 1024). Staging lives in host memory, \
                so it never uses a GPU's BAR1 aperture.",
+    },
+    OptionSpec {
+        name: "RNDV_STAGING_AHEAD",
+        kind: OptKind::Bool,
+        default: "y",
+        help: "With a copy transport (cuda_copy) open, allocate and page-lock the staging \
+               fragments (2 x RNDV_FRAG_COUNT x RNDV_FRAG_SIZE of host memory) on a helper thread \
+               when the worker starts, so that the first transfer needing them (e.g. one that \
+               demotes a zero-copy GPU path) does not wait tens of milliseconds (n: on first use).",
     },
     OptionSpec {
         name: "PROTO_INFO",

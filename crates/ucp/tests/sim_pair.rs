@@ -10,7 +10,8 @@ use rucx_ucs::{Error, RegErrorKind};
 use rucx_uct_sim::{Delivery, FabricSpec, LaneKind};
 
 /// Sizes that cover every protocol of the host table built from these variables: eager short
-/// (..8112), copy-in multi-fragment (..16K), zero-copy (..256K) and rendezvous.
+/// (..8112), copy-in multi-fragment (..16K), zero-copy (..64K, below the default
+/// `RUCX_RNDV_SPLIT_THRESH`) and rendezvous (split reads from 64K).
 const HOST_VARS: &[(&str, &str)] = &[
     ("RUCX_ZCOPY_THRESH", "16K"),
     ("RUCX_RNDV_FRAG_SIZE", "256K"),
@@ -270,9 +271,9 @@ fn peer_failure_ends_every_pending_request() {
             for (n, r) in &reqs {
                 match r.test().unwrap() {
                     Err(Error::EndpointFailure { .. }) => {}
-                    // Eager messages (below the 256K rendezvous threshold) may have
+                    // Eager messages (below the 64K rendezvous threshold) may have
                     // completed before the failure.
-                    Ok(c) if *n < 256 << 10 => assert_eq!(c.len, *n),
+                    Ok(c) if *n < 64 << 10 => assert_eq!(c.len, *n),
                     other => panic!("{n} B send after the peer failed: {other:?}"),
                 }
             }

@@ -448,7 +448,7 @@ impl CudaCopyMd {
 
     /// Page-lock a pageable host range. `Ok(None)` when someone else already did.
     fn pin_host(&self, region: &MemRegion) -> Result<Option<HostPin>> {
-        let ctx = self.drv.context(0)?;
+        let ctx = self.drv.any_context()?;
         ctx.bind()?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller of `mem_reg` promised the range stays mapped while registered;
@@ -467,7 +467,7 @@ impl CudaCopyMd {
                         "cuMemHostRegister({} bytes at {:#x})",
                         region.len, region.addr
                     ),
-                    Some(0),
+                    Some(ctx.ordinal()),
                 );
                 Err(Self::reg_error(region, reg_error_kind(r), e.to_string()))
             }

@@ -66,7 +66,7 @@ impl StagingPool {
                     settings.frag_count, settings.frag_size
                 ))
             })?;
-        let ctx = driver()?.context(0)?;
+        let ctx = driver()?.any_context()?;
         let buf = PinnedHostBuffer::new(ctx, total)?;
         let base = buf.ptr() as usize;
         Ok(Self::with_backing(

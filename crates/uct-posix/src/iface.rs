@@ -31,6 +31,8 @@ const PROGRESS_BUDGET: usize = 64;
 const PROGRESS_CHECK_EVERY: u32 = 32;
 /// Sends between liveness-check opportunities.
 const SEND_CHECK_EVERY: u32 = 1024;
+/// A sender facing a full ring checks its peer on every this many refused sends.
+const FULL_CHECK_EVERY: u32 = 64;
 
 /// State an endpoint shares with the interface that created it, so that the interface can
 /// report the endpoint's failure from `progress`.
@@ -325,11 +327,17 @@ impl Iface for PosixIface {
             return Err(e);
         }
         self.eps.push(Arc::downgrade(&shared));
+        let full_msg = format!(
+            "receive ring of the posix interface of pid {} is full ({} cells)",
+            a.pid, a.geo.cell_count
+        );
         Ok(Box::new(PosixEndpoint {
             shared,
             limits: self.attr.limits,
             cma: self.cma,
             sends: 0,
+            full: 0,
+            full_msg,
             last_check: Instant::now(),
             peer_check: self.peer_check,
         }))
@@ -352,6 +360,31 @@ impl Iface for PosixIface {
     }
 }
 
+/// The `(address, length)` pieces of an iov, kept inline: a send or an RMA operation of a
+/// few pieces allocates nothing.
+#[derive(Debug)]
+struct Pieces {
+    buf: [(usize, usize); MAX_IOV],
+    len: usize,
+}
+
+impl Default for Pieces {
+    fn default() -> Self {
+        Pieces {
+            buf: [(0, 0); MAX_IOV],
+            len: 0,
+        }
+    }
+}
+
+impl std::ops::Deref for Pieces {
+    type Target = [(usize, usize)];
+
+    fn deref(&self) -> &[(usize, usize)] {
+        &self.buf[..self.len]
+    }
+}
+
 /// A posix endpoint: sends into one peer interface's ring and reaches its memory through
 /// cross-memory attach.
 #[derive(Debug)]
@@ -360,6 +393,10 @@ pub struct PosixEndpoint {
     limits: IfaceLimits,
     cma: bool,
     sends: u32,
+    /// Sends refused in a row because the peer's ring was full.
+    full: u32,
+    /// The message of those refusals.
+    full_msg: String,
     last_check: Instant,
     peer_check: Duration,
 }
@@ -393,13 +430,19 @@ impl PosixEndpoint {
             self.check_peer_bounded()?;
         }
         match self.shared.ring.send(fill)? {
-            Some(n) => Ok(n),
+            Some(n) => {
+                self.full = 0;
+                Ok(n)
+            }
             None => {
-                self.check_peer_bounded()?;
-                Err(Error::NoResource(format!(
-                    "receive ring of the posix interface of pid {} is full ({} cells)",
-                    self.shared.peer.pid, self.shared.peer.geo.cell_count
-                )))
+                // A sender retries a full ring from every progress call: check the peer (a
+                // clock read) on the first failure and then every so often, and hand out the
+                // message formatted once.
+                if self.full.is_multiple_of(FULL_CHECK_EVERY) {
+                    self.check_peer_bounded()?;
+                }
+                self.full = self.full.wrapping_add(1);
+                Err(Error::NoResource(self.full_msg.clone()))
             }
         }
     }
@@ -483,19 +526,21 @@ impl PosixEndpoint {
         })
     }
 
-    fn iov_pieces(&self, iov: &[Iov<'_>]) -> Result<Vec<(usize, usize)>> {
-        Iov::check_all(iov, self.limits.max_iov)?;
-        iov.iter()
-            .map(|v| {
-                if v.memh.region().mem_type != MemoryType::Host {
-                    return Err(Error::Unsupported {
-                        what: format!("posix transfer of {} memory", v.memh.region().mem_type),
-                        why: "posix moves host memory only".into(),
-                    });
-                }
-                Ok((v.addr, v.len))
-            })
-            .collect()
+    fn iov_pieces(&self, iov: &[Iov<'_>]) -> Result<Pieces> {
+        Iov::check_all(iov, self.limits.max_iov.min(MAX_IOV))?;
+        let mut p = Pieces::default();
+        for v in iov {
+            if v.memh.region().mem_type != MemoryType::Host {
+                return Err(Error::Unsupported {
+                    what: format!("posix transfer of {} memory", v.memh.region().mem_type),
+                    why: "posix moves host memory only".into(),
+                });
+            }
+            // `check_all` bounds the entries by `max_iov`, which is `MAX_IOV`.
+            p.buf[p.len] = (v.addr, v.len);
+            p.len += 1;
+        }
+        Ok(p)
     }
 }
 
@@ -552,7 +597,7 @@ impl Endpoint for PosixEndpoint {
         self.send(|buf| {
             buf[..header.len()].copy_from_slice(header);
             let mut at = header.len();
-            for &(addr, len) in &pieces {
+            for &(addr, len) in pieces.iter() {
                 // SAFETY: `addr..addr+len` lies inside a memory handle of host memory (checked by
                 // `iov_pieces`), which `mem_reg`'s contract keeps valid for reads while the handle
                 // lives; the iov borrows the handle for this call. The destination is the claimed

@@ -269,7 +269,8 @@ pub struct Cli {
     pub mem: (MemoryType, MemoryType),
     /// With -m cuda: also time a pinned host->device copy, a device->pinned host copy and the
     /// GPU 0 -> GPU 1 peer copy at the largest size, and print the ratio of the measured
-    /// bandwidth to each.
+    /// bandwidth to each (latency tests: one copy at the smallest size, polled by an event,
+    /// against the one-way latency).
     #[arg(long)]
     pub bounds: bool,
     /// TCP port of the rendezvous (the server listens there).
@@ -299,6 +300,17 @@ pub struct Cli {
     /// Internal: this process is the server half of --local.
     #[arg(long, hide = true)]
     pub local_server: bool,
+    /// Measure this machine's floors instead of rucx: a cache line bounced between two
+    /// processes, single-core memcpy at 64K/1M/4M/64M, a loopback TCP stream (1 MiB writes)
+    /// and a loopback TCP ping-pong at 8/256/4K/64K (a table, or --json).
+    #[arg(long)]
+    pub floors: bool,
+    /// With --floors: fewer and shorter batches.
+    #[arg(long, requires = "floors")]
+    pub quick: bool,
+    /// Internal: the second process of the cache-line floor, on this shared file.
+    #[arg(long, hide = true)]
+    pub floors_child: Option<PathBuf>,
 }
 
 /// What to run, validated.
@@ -322,7 +334,8 @@ pub struct Options {
     pub window: usize,
     /// Send and receive memory types.
     pub mem: (MemoryType, MemoryType),
-    /// Measure the GPU copy bounds at the largest size.
+    /// Measure the GPU copy bounds (bandwidth at the largest size; latency tests: one copy's
+    /// latency at the smallest).
     pub bounds: bool,
     /// Run both sides locally.
     pub local: bool,
@@ -338,6 +351,8 @@ pub struct Options {
     pub bind: String,
     /// Internal server half of --local.
     pub local_server: bool,
+    /// Measure the floors (`--floors`), quick or not, instead of a test.
+    pub floors: Option<crate::floors::Effort>,
 }
 
 impl Options {
@@ -420,6 +435,11 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
             "--bounds measures GPU copy bounds: give -m cuda (or host,cuda / cuda,host)".into(),
         );
     }
+    if cli.floors && (cli.csv || cli.sweep || cli.server.is_some() || cli.local_server) {
+        return Err(
+            "--floors measures this machine alone: give it alone (with --json or --quick)".into(),
+        );
+    }
     if cli.local && cli.server.is_some() {
         return Err("--local runs both sides here; do not give a server host too".into());
     }
@@ -472,6 +492,11 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         progress: !cli.quiet,
         bind: cli.bind,
         local_server: cli.local_server,
+        floors: cli.floors.then_some(if cli.quick {
+            crate::floors::Effort::QUICK
+        } else {
+            crate::floors::Effort::FULL
+        }),
     })
 }
 
@@ -616,6 +641,19 @@ mod tests {
         assert!(p(&["-p", "70000"]).is_err());
         assert!(p(&["--plot", "a.svg"]).unwrap_err().contains("--sweep"));
         assert!(p(&["-t", "ucp_put_bw", "-s", "0"]).is_err());
+        assert_eq!(
+            p(&["--floors"]).unwrap().floors,
+            Some(crate::floors::Effort::FULL)
+        );
+        let o = p(&["--floors", "--quick", "--json"]).unwrap();
+        assert_eq!(
+            (o.floors, o.format),
+            (Some(crate::floors::Effort::QUICK), Format::Json)
+        );
+        assert!(p(&["--quick"]).is_err());
+        assert!(p(&["--floors", "--csv"]).unwrap_err().contains("--floors"));
+        assert!(p(&["--floors", "host1"]).unwrap_err().contains("--floors"));
+        assert_eq!(p(&[]).unwrap().floors, None);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use clap::Parser;
 use rucx::Job;
 
 use crate::args::{self, Cli, Format, Options, TestKind};
+use crate::floors;
 use crate::mem;
 use crate::plot::{self, Panel, Series};
 use crate::report;
@@ -23,6 +24,15 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    if let Some(path) = &cli.floors_child {
+        return match floors::cacheline_child(path) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("rucx-perftest --floors-child: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let port_given = argv.iter().skip(1).any(|a| {
         let a = a.to_string_lossy();
         a == "-p" || (a.starts_with("-p") && !a.starts_with("--"))
@@ -34,6 +44,22 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(effort) = opts.floors {
+        return match floors::measure(&self_cmd, effort, opts.progress) {
+            Ok(f) => {
+                if opts.format == Format::Json {
+                    println!("{}", report::to_json(&f));
+                } else {
+                    print!("{}", f.render());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rucx-perftest --floors: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     rucx::ucs::log::init();
     let res = if opts.is_server() {
         server(&opts)
@@ -239,19 +265,63 @@ pub fn bounds_lines(f: &Figures, b: &mem::Bounds) -> Vec<(String, String)> {
     v
 }
 
-/// Measure and print the bounds at the largest size of `figs` (stdout for the table, stderr
-/// for CSV; JSON gets them as fields). Returns the JSON fields.
+/// The latency bound lines of `--bounds` for a ping-pong test: its one-way 50th percentile
+/// (`f`, the smallest size) against one copy of that size, polled by an event, this run.
+pub fn lat_bounds_lines(f: &Figures, b: &mem::LatBounds) -> Vec<(String, String)> {
+    let line = |us: f64| {
+        format!(
+            "{us:.3} us; {} 50%ile {:.3} us is {:.2}x it",
+            f.test,
+            f.lat_p50_us,
+            f.lat_p50_us / us
+        )
+    };
+    vec![
+        ("pinned host -> GPU 0 copy".to_string(), line(b.h2d_us)),
+        ("GPU 1 -> pinned host copy".to_string(), line(b.d2h_us)),
+        (
+            "peer copy GPU 0 -> GPU 1".to_string(),
+            match &b.p2p_us {
+                Ok(us) => line(*us),
+                Err(why) => format!("not measured: {why}"),
+            },
+        ),
+    ]
+}
+
+/// Measure and print the bounds (stdout for the table, stderr for CSV; JSON gets them as
+/// fields): for ping-pong tests one copy's latency at the smallest size of `figs`, else copy
+/// bandwidth at the largest. Returns the JSON fields.
 fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, String)>> {
-    let Some(f) = figs.iter().max_by_key(|f| f.size) else {
+    let lat = opts.test.is_pingpong() && !opts.sweep;
+    let f = if lat {
+        figs.iter().min_by_key(|f| f.size)
+    } else {
+        figs.iter().max_by_key(|f| f.size)
+    };
+    let Some(f) = f else {
         return Ok(Vec::new());
     };
     let iters = f.iterations.clamp(10, 1000);
-    let b = mem::measure_bounds(f.size, iters)?;
-    let lines = bounds_lines(f, &b);
-    let head = format!(
-        "Bounds at {} B (copies of one message, {} in a row on one stream, this run):",
-        b.size, b.iters
-    );
+    let (head, lines) = if lat {
+        let b = mem::measure_copy_latency(f.size, iters)?;
+        (
+            format!(
+                "Latency bounds at {} B (one copy, polled by an event until done; median of {}):",
+                b.size, b.iters
+            ),
+            lat_bounds_lines(f, &b),
+        )
+    } else {
+        let b = mem::measure_bounds(f.size, iters)?;
+        (
+            format!(
+                "Bounds at {} B (copies of one message, {} in a row on one stream, this run):",
+                b.size, b.iters
+            ),
+            bounds_lines(f, &b),
+        )
+    };
     match opts.format {
         Format::Table => {
             println!("{head}");
@@ -267,7 +337,11 @@ fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, Strin
         }
         Format::Json => {}
     }
-    let keys = ["bound_h2d", "bound_d2h", "bound_p2p"];
+    let keys = if lat {
+        ["lat_bound_h2d", "lat_bound_d2h", "lat_bound_p2p"]
+    } else {
+        ["bound_h2d", "bound_d2h", "bound_p2p"]
+    };
     Ok(keys
         .into_iter()
         .zip(lines.into_iter().map(|(_, v)| v))
@@ -527,5 +601,29 @@ mod tests {
             ..b
         };
         assert!(bounds_lines(&f, &b)[2].1.ends_with("is 1.000 of it"));
+    }
+
+    #[test]
+    fn latency_bound_lines_give_the_ratios() {
+        // A ping-pong of 20 us round trips: 10 us one way.
+        let f = Figures::compute(
+            "tag_lat",
+            8,
+            &[Duration::from_micros(20); 10],
+            Duration::from_micros(200),
+            true,
+        );
+        let b = mem::LatBounds {
+            size: 8,
+            iters: 10,
+            h2d_us: 5.0,
+            d2h_us: 8.0,
+            p2p_us: Err("needs two GPUs (1 visible)".into()),
+        };
+        let l = lat_bounds_lines(&f, &b);
+        assert_eq!(l.len(), 3);
+        assert_eq!(l[0].1, "5.000 us; tag_lat 50%ile 10.000 us is 2.00x it");
+        assert!(l[1].1.ends_with("is 1.25x it"), "{}", l[1].1);
+        assert_eq!(l[2].1, "not measured: needs two GPUs (1 visible)");
     }
 }

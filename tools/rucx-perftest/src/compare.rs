@@ -1,5 +1,6 @@
 //! `rucx-bench-compare`: rucx-perftest and UCX's `ucx_perftest` on this machine in one
-//! sitting, alternating, several repetitions, medians, ratios next to the goals of issue 8.
+//! sitting, alternating, several repetitions, medians, ratios to UCX and to this machine's
+//! floors ([`crate::floors`]) next to the goals of issue 17.
 
 use std::ffi::OsString;
 use std::fmt::Write as _;
@@ -13,6 +14,7 @@ use crate::args::{SizeList, size_list_arg};
 use crate::plot::{self, Panel, Series};
 use serde::Serialize;
 
+use crate::floors::Floors;
 use crate::report::{self, Num};
 use crate::stats::median;
 
@@ -24,7 +26,9 @@ pub type R<T> = std::result::Result<T, String>;
 #[command(
     name = "rucx-bench-compare",
     about = "Run rucx-perftest and ucx_perftest side by side on this machine (shm and tcp over \
-             loopback), alternating, and print the ratios rucx/ucx next to the goals of issue 8."
+             loopback), alternating, with this machine's floors (rucx-perftest --floors) measured \
+             at the start of each repetition; print each rucx figure as a ratio to UCX and to \
+             its floor, next to the goals of issue 17."
 )]
 pub struct CompareCli {
     /// Repetitions of every measurement (medians are reported).
@@ -51,6 +55,14 @@ pub struct CompareCli {
     /// Do not try to install ucx-utils when ucx_perftest is missing.
     #[arg(long)]
     pub no_install: bool,
+    /// rucx-perftest to run instead of this program's own (e.g. an older build, to compare
+    /// two builds in one sitting; the floors are still measured by this program).
+    #[arg(long)]
+    pub rucx_perftest: Option<PathBuf>,
+    /// Do not measure the floors (`rucx-perftest --floors`, run at the start of every
+    /// repetition; each rucx figure is printed as a ratio to its floor).
+    #[arg(long)]
+    pub no_floors: bool,
     /// Also write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -129,7 +141,17 @@ impl Sample {
     }
 }
 
-/// A goal of issue 8.
+/// What a goal's ratio is taken against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Against {
+    /// rucx/ucx, paired by repetition.
+    Ucx,
+    /// rucx/floor, paired by repetition (the floors of `rucx-perftest --floors`, measured at
+    /// the start of each repetition).
+    Floor,
+}
+
+/// A goal of issue 17.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Goal {
     /// Transport.
@@ -138,53 +160,81 @@ pub struct Goal {
     pub test: &'static str,
     /// Size.
     pub size: usize,
-    /// The ratio rucx/ucx must be at most this (latency) or at least this (bandwidth).
+    /// What the ratio is taken against.
+    pub against: Against,
+    /// The ratio must be at most this (latency) or at least this (bandwidth).
     pub ratio: f64,
 }
 
-/// The goals of issue 8.
-pub const GOALS: [Goal; 4] = [
+const fn goal(
+    transport: &'static str,
+    test: &'static str,
+    size: usize,
+    against: Against,
+    ratio: f64,
+) -> Goal {
     Goal {
-        transport: "shm",
-        test: "tag_lat",
-        size: 8,
-        ratio: 0.9,
-    },
-    Goal {
-        transport: "shm",
-        test: "tag_bw",
-        size: 1 << 20,
-        ratio: 1.2,
-    },
-    Goal {
-        transport: "tcp",
-        test: "tag_lat",
-        size: 8,
-        ratio: 1.0,
-    },
-    Goal {
-        transport: "tcp",
-        test: "tag_bw",
-        size: 1 << 20,
-        ratio: 1.5,
-    },
+        transport,
+        test,
+        size,
+        against,
+        ratio,
+    }
+}
+
+/// The goals of issue 17 (host paths against measured floors).
+pub const GOALS: [Goal; 7] = [
+    goal("shm", "tag_lat", 8, Against::Floor, 1.5),
+    goal("shm", "tag_lat", 8, Against::Ucx, 0.75),
+    goal("shm", "tag_bw", 64 << 10, Against::Floor, 0.6),
+    goal("tcp", "tag_lat", 256, Against::Ucx, 0.95),
+    goal("tcp", "tag_lat", 4 << 10, Against::Ucx, 0.95),
+    goal("tcp", "tag_bw", 1 << 20, Against::Ucx, 1.0),
+    goal("tcp", "tag_lat", 8, Against::Ucx, 1.0),
 ];
 
-/// The goal of a case, if it has one.
-pub fn goal_for(c: &Case) -> Option<Goal> {
+/// The goals of a case (none, one or several).
+pub fn goals_for(c: &Case) -> Vec<Goal> {
     GOALS
         .iter()
         .copied()
-        .find(|g| g.transport == c.transport && g.test == c.test && g.size == c.size)
+        .filter(|g| g.transport == c.transport && g.test == c.test && g.size == c.size)
+        .collect()
 }
 
 /// Text of a goal and whether `ratio` meets it.
 pub fn judge(g: &Goal, lat: bool, ratio: f64) -> (String, bool) {
+    let what = match g.against {
+        Against::Ucx => "ucx",
+        Against::Floor => "floor",
+    };
     if lat {
-        (format!("<= {:.1}x", g.ratio), ratio <= g.ratio)
+        (format!("{what} <= {}x", g.ratio), ratio <= g.ratio)
     } else {
-        (format!(">= {:.1}x", g.ratio), ratio >= g.ratio)
+        (format!("{what} >= {}x", g.ratio), ratio >= g.ratio)
     }
+}
+
+/// The goals of a row judged on its paired ratios: the goals' text (joined by `, `) and
+/// whether all are met; `None` without goals. A floor goal without floors is not met.
+pub fn verdict(r: &Row) -> Option<(String, bool)> {
+    let gs = goals_for(&r.case);
+    if gs.is_empty() {
+        return None;
+    }
+    let lat = r.case.is_lat();
+    let mut text = Vec::new();
+    let mut all = true;
+    for g in &gs {
+        let ratio = match g.against {
+            Against::Ucx => r.paired_ratio(),
+            Against::Floor => r.floor_ratio(),
+        };
+        let (t, ok) = judge(g, lat, ratio);
+        text.push(t);
+        all &= ok;
+    }
+    Some((text.join(", "), all))
 }
 
 /// Parse the CSV line of `ucx_perftest -v -f`:
@@ -335,6 +385,17 @@ fn run_rucx(self_cmd: &[OsString], t: &Transport, c: &Case, window: usize) -> R<
 
 fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
     let mut last = String::new();
+    let lib_env: Vec<(String, OsString)> = ucx_lib_dir(ucx)
+        .map(|d| {
+            let mut v = OsString::from(d.as_os_str());
+            if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+                v.push(":");
+                v.push(old);
+            }
+            ("LD_LIBRARY_PATH".to_string(), v)
+        })
+        .into_iter()
+        .collect();
     for _attempt in 0..3 {
         let port = free_port()?.to_string();
         let mut params: Vec<String> = vec![
@@ -355,6 +416,7 @@ fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
         let mut server = Command::new(ucx)
             .args(&params)
             .envs(t.ucx_env.iter().copied())
+            .envs(lib_env.iter().cloned())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -366,7 +428,8 @@ fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
             .arg("127.0.0.1")
             .args(&params)
             .args(["-v", "-f"])
-            .envs(t.ucx_env.iter().copied());
+            .envs(t.ucx_env.iter().copied())
+            .envs(lib_env.iter().cloned());
         let res = run_limited(client, Duration::from_secs(300));
         let srv_done = Instant::now();
         loop {
@@ -394,6 +457,79 @@ fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
         t.name,
         tail(&last, 20)
     ))
+}
+
+/// Measure the floors with `rucx-perftest --floors --json` (this program again).
+fn run_floors(self_cmd: &[OsString], quick: bool) -> R<Floors> {
+    let (exe, lead) = self_cmd.split_first().ok_or("no rucx-perftest command")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(lead).args(["--floors", "--json", "-q"]);
+    if quick {
+        cmd.arg("--quick");
+    }
+    let (ok, so, se) = run_limited(cmd, Duration::from_secs(300))?;
+    if !ok {
+        return Err(format!(
+            "rucx-perftest --floors failed:\n{}",
+            tail(&format!("{so}{se}"), 20)
+        ));
+    }
+    serde_json::from_str(so.trim()).map_err(|e| {
+        format!(
+            "rucx-perftest --floors printed no floors ({e}):\n{}",
+            tail(&so, 20)
+        )
+    })
+}
+
+/// The floors of all repetitions in one line: medians of each figure over the repetitions.
+pub fn floors_summary(all: &[Floors]) -> String {
+    let med = |f: &dyn Fn(&Floors) -> f64| {
+        median(&all.iter().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+    };
+    let mut parts = vec![format!(
+        "cache line {:.3} us one way",
+        med(&|f| f.cacheline_us.median)
+    )];
+    let first = &all[0];
+    for (i, m) in first.memcpy_mbs.iter().enumerate() {
+        parts.push(format!(
+            "memcpy {} {:.0} MB/s",
+            plot::size_label(m.size as f64),
+            med(&|f| f.memcpy_mbs.get(i).map_or(f64::NAN, |x| x.value.median))
+        ));
+    }
+    parts.push(format!(
+        "tcp stream {:.0} MB/s",
+        med(&|f| f.tcp_stream_mbs.median)
+    ));
+    for (i, l) in first.tcp_lat_us.iter().enumerate() {
+        parts.push(format!(
+            "tcp ping-pong {} {:.3} us",
+            plot::size_label(l.size as f64),
+            med(&|f| f.tcp_lat_us.get(i).map_or(f64::NAN, |x| x.value.median))
+        ));
+    }
+    format!(
+        "{} (medians of {} repetitions; rucx-perftest --floors)",
+        parts.join(", "),
+        all.len()
+    )
+}
+
+/// The library folder of a UCX tree unpacked beside `ucx_perftest` (`dpkg -x` of the Debian
+/// packages: `usr/bin/ucx_perftest` and `usr/lib/<triplet>/libucp.so.0`), to be put on
+/// `LD_LIBRARY_PATH` for its runs; `None` when there is none.
+pub fn ucx_lib_dir(ucx: &Path) -> Option<PathBuf> {
+    let lib = ucx.parent()?.parent()?.join("lib");
+    if lib.join("libucp.so.0").is_file() {
+        return Some(lib);
+    }
+    std::fs::read_dir(&lib)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|d| d.join("libucp.so.0").is_file())
 }
 
 /// Find `ucx_perftest`, installing Debian's `ucx-utils` when missing (as root, unless told
@@ -451,9 +587,19 @@ pub fn find_ucx(explicit: Option<&Path>, install: bool) -> R<PathBuf> {
     }
 }
 
-fn ucx_version() -> String {
-    Command::new("ucx_info")
-        .arg("-v")
+/// The version `ucx_info -v` prints: the `ucx_info` beside `ucx` when there is one (with its
+/// libraries), else the one in PATH.
+fn ucx_version(ucx: &Path) -> String {
+    let beside = ucx.with_file_name("ucx_info");
+    let mut c = Command::new(if beside.is_file() {
+        beside.as_os_str()
+    } else {
+        std::ffi::OsStr::new("ucx_info")
+    });
+    if let Some(d) = ucx_lib_dir(ucx) {
+        c.env("LD_LIBRARY_PATH", d);
+    }
+    c.arg("-v")
         .output()
         .ok()
         .and_then(|o| {
@@ -505,9 +651,31 @@ pub struct Row {
     pub rucx: Vec<Sample>,
     /// ucx runs.
     pub ucx: Vec<Sample>,
+    /// The case's floor in each repetition (same unit as the compared figure; empty with
+    /// `--no-floors`).
+    pub floors: Vec<f64>,
 }
 
 impl Row {
+    /// Median of the floors of the repetitions (NaN without floors).
+    pub fn floor(&self) -> f64 {
+        median(&self.floors).unwrap_or(f64::NAN)
+    }
+
+    /// Median of the per-repetition ratios rucx/floor (each repetition measured its floors
+    /// right before its runs). Latency: 1.0 or more, lower is better; bandwidth: at most
+    /// about 1.0, higher is better. NaN without floors.
+    pub fn floor_ratio(&self) -> f64 {
+        let lat = self.case.is_lat();
+        let r: Vec<f64> = self
+            .rucx
+            .iter()
+            .zip(&self.floors)
+            .map(|(a, f)| a.key(lat) / f)
+            .collect();
+        median(&r).unwrap_or(f64::NAN)
+    }
+
     /// Median of the compared figure: (rucx, ucx).
     pub fn medians(&self) -> (f64, f64) {
         let lat = self.case.is_lat();
@@ -570,18 +738,25 @@ pub fn render(rows: &[Row]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7}  {:<8} verdict",
-        "tl", "test", "size", "figure", "rucx", "ucx", "ratio", "paired", "best", "goal"
+        "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7}  {:<7} goal",
+        "tl",
+        "test",
+        "size",
+        "figure",
+        "rucx",
+        "ucx",
+        "ratio",
+        "paired",
+        "best",
+        "floor",
+        "/floor",
+        "verdict"
     );
     for r in rows {
         let (a, b) = r.medians();
-        let paired = r.paired_ratio();
         let lat = r.case.is_lat();
-        let (goal, mut verdict) = match goal_for(&r.case) {
-            Some(g) => {
-                let (t, ok) = judge(&g, lat, paired);
-                (t, if ok { "met" } else { "MISSED" }.to_string())
-            }
+        let (goal, mut verdict) = match verdict(r) {
+            Some((t, ok)) => (t, if ok { "met" } else { "MISSED" }.to_string()),
             None => (String::new(), String::new()),
         };
         if r.noisy() {
@@ -592,15 +767,24 @@ pub fn render(rows: &[Row]) -> String {
             });
         }
         let num = |x: f64| {
-            if lat {
+            if !x.is_finite() {
+                "-".to_string()
+            } else if lat {
                 format!("{x:.3}")
             } else {
                 format!("{x:.0}")
             }
         };
+        let ratio = |x: f64| {
+            if x.is_finite() {
+                format!("{x:.2}x")
+            } else {
+                "-".to_string()
+            }
+        };
         let _ = writeln!(
             s,
-            "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>6.2}x {:>6.2}x {:>6.2}x  {:<8} {}",
+            "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7}  {:<7} {}",
             r.case.transport,
             r.case.test,
             plot::size_label(r.case.size as f64),
@@ -611,11 +795,13 @@ pub fn render(rows: &[Row]) -> String {
             },
             num(a),
             num(b),
-            a / b,
-            paired,
-            r.best_ratio(),
-            goal,
-            verdict
+            ratio(a / b),
+            ratio(r.paired_ratio()),
+            ratio(r.best_ratio()),
+            num(r.floor()),
+            ratio(r.floor_ratio()),
+            verdict,
+            goal
         );
         if lat {
             let (oa, ob) = r.overall_lat();
@@ -636,8 +822,12 @@ pub fn render(rows: &[Row]) -> String {
     let mut s: String = s.lines().map(|l| format!("{}\n", l.trim_end())).collect();
     s.push_str(
         "rucx, ucx: medians of the runs; ratio: rucx/ucx of the medians; paired: median of the \
-         per-repetition ratios (the verdict); best: best run against best run; (noisy): a \
-         tool's runs spread by more than 1.5x.\n",
+         per-repetition ratios (the verdict); best: best run against best run; floor: median of \
+         the floors measured at the start of each repetition (shm latency: a cache line between \
+         two processes plus one memcpy of the message; shm bandwidth: single-core memcpy of the \
+         size; tcp: a plain loopback ping-pong of the size, or stream of 1 MiB writes); /floor: \
+         median of the per-repetition ratios rucx/floor; goals (issue 17) are judged on the \
+         paired ratios; (noisy): a tool's runs spread by more than 1.5x.\n",
     );
     s
 }
@@ -689,6 +879,9 @@ struct JsonRow<'a> {
     met: Option<bool>,
     rucx_runs: Vec<Num>,
     ucx_runs: Vec<Num>,
+    floor: Num,
+    floor_ratio: Num,
+    floor_runs: Vec<Num>,
 }
 
 fn json(rows: &[Row], header: &[(&str, String)]) -> String {
@@ -697,7 +890,7 @@ fn json(rows: &[Row], header: &[(&str, String)]) -> String {
         .map(|r| {
             let (a, b) = r.medians();
             let lat = r.case.is_lat();
-            let goal = goal_for(&r.case).map(|g| judge(&g, lat, r.paired_ratio()));
+            let goal = verdict(r);
             let runs = |v: &[Sample]| v.iter().map(|x| Num(x.key(lat))).collect();
             JsonRow {
                 transport: r.case.transport,
@@ -718,6 +911,9 @@ fn json(rows: &[Row], header: &[(&str, String)]) -> String {
                 goal: goal.map(|g| g.0),
                 rucx_runs: runs(&r.rucx),
                 ucx_runs: runs(&r.ucx),
+                floor: Num(r.floor()),
+                floor_ratio: Num(r.floor_ratio()),
+                floor_runs: r.floors.iter().map(|&f| Num(f)).collect(),
             }
         })
         .collect();
@@ -815,15 +1011,23 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
     let reps = if cli.quick { cli.reps.min(3) } else { cli.reps };
     let ucx = find_ucx(cli.ucx_perftest.as_deref(), !cli.no_install)?;
     let cases = cases(cli)?;
+    let rucx_cmd: Vec<OsString> = match &cli.rucx_perftest {
+        Some(p) if p.is_file() => vec![p.clone().into_os_string()],
+        Some(p) => return Err(format!("--rucx-perftest {}: no such file", p.display())),
+        None => self_cmd.to_vec(),
+    };
     let header = vec![
         ("machine", machine()),
-        ("ucx", format!("{} ({})", ucx_version(), ucx.display())),
+        ("ucx", format!("{} ({})", ucx_version(&ucx), ucx.display())),
         (
             "rucx",
             format!(
-                "rucx-perftest {} ({})",
+                "rucx-perftest {} ({}){}",
                 env!("CARGO_PKG_VERSION"),
-                source_version()
+                source_version(),
+                cli.rucx_perftest
+                    .as_ref()
+                    .map_or(String::new(), |p| format!("; runs {}", p.display()))
             ),
         ),
         ("load_before", load()),
@@ -849,16 +1053,34 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
             case: c.clone(),
             rucx: Vec::new(),
             ucx: Vec::new(),
+            floors: Vec::new(),
         })
         .collect();
     let started = Instant::now();
+    let mut all_floors = Vec::new();
     for rep in 0..reps {
+        if !cli.no_floors {
+            let f = run_floors(self_cmd, cli.quick)?;
+            eprintln!(
+                "[bench-compare] rep {}/{reps}: floors: cache line {:.3} us, memcpy 64K {:.0} MB/s, tcp stream {:.0} MB/s ({:.0} s)",
+                rep + 1,
+                f.cacheline_us.median,
+                f.floor_for("shm", "tag_bw", 64 << 10).unwrap_or(f64::NAN),
+                f.tcp_stream_mbs.median,
+                started.elapsed().as_secs_f64()
+            );
+            for (row, (_, c)) in rows.iter_mut().zip(&cases) {
+                row.floors
+                    .push(f.floor_for(c.transport, c.test, c.size).unwrap_or(f64::NAN));
+            }
+            all_floors.push(f);
+        }
         for (i, (t, c)) in cases.iter().enumerate() {
             let rucx_first = (rep + i) % 2 == 0;
             for k in 0..2 {
                 let rucx_turn = (k == 0) == rucx_first;
                 if rucx_turn {
-                    let s = run_rucx(self_cmd, t, c, cli.window)?;
+                    let s = run_rucx(&rucx_cmd, t, c, cli.window)?;
                     rows[i].rucx.push(s);
                 } else {
                     let s = run_ucx(&ucx, t, c, cli.window)?;
@@ -878,6 +1100,12 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
         }
     }
     println!("  load_after: {}", load());
+    let mut header = header;
+    if !all_floors.is_empty() {
+        let summary = floors_summary(&all_floors);
+        println!("  floors: {summary}");
+        header.push(("floors", summary));
+    }
     println!();
     print!("{}", render(&rows));
     println!();
@@ -965,25 +1193,70 @@ mod tests {
             iters: 1,
             warmup: 0,
         };
-        let g = goal_for(&c).unwrap();
-        assert_eq!(judge(&g, true, 0.85), ("<= 0.9x".to_string(), true));
-        assert!(!judge(&g, true, 0.95).1);
+        let g = goals_for(&c);
+        assert_eq!(g.len(), 2);
+        assert_eq!(g[0].against, Against::Floor);
+        assert_eq!(judge(&g[0], true, 1.4), ("floor <= 1.5x".to_string(), true));
+        assert_eq!(judge(&g[1], true, 0.7), ("ucx <= 0.75x".to_string(), true));
+        assert!(!judge(&g[1], true, 0.8).1);
         let c = Case {
             transport: "tcp",
             test: "tag_bw",
             size: 1 << 20,
             ..c
         };
-        let g = goal_for(&c).unwrap();
-        assert!(judge(&g, false, 1.6).1 && !judge(&g, false, 1.4).1);
+        let g = goals_for(&c);
+        assert_eq!(g.len(), 1);
+        assert!(judge(&g[0], false, 1.1).1 && !judge(&g[0], false, 0.9).1);
         assert!(
-            goal_for(&Case {
+            goals_for(&Case {
                 size: 4096,
                 ..c.clone()
             })
-            .is_none()
+            .is_empty()
         );
         assert!(transport("ib").is_err());
+        // A row judged on both ratios: rucx 0.3 us, ucx 0.5 us, floor 0.25 us.
+        let s = |l: f64| Sample {
+            lat_p50: l,
+            lat_overall: l,
+            bw_overall: 1.0,
+        };
+        let mut r = Row {
+            case: Case {
+                transport: "shm",
+                test: "tag_lat",
+                size: 8,
+                iters: 1,
+                warmup: 0,
+            },
+            rucx: vec![s(0.3)],
+            ucx: vec![s(0.5)],
+            floors: vec![0.25],
+        };
+        assert_eq!(
+            verdict(&r),
+            Some(("floor <= 1.5x, ucx <= 0.75x".to_string(), true))
+        );
+        // Without floors a floor goal is not met.
+        r.floors.clear();
+        assert!(!verdict(&r).unwrap().1);
+        assert!(r.floor().is_nan() && r.floor_ratio().is_nan());
+    }
+
+    #[test]
+    fn ucx_libraries_beside_an_unpacked_tree() {
+        let root = std::env::temp_dir().join(format!("rucx-compare-ucx-{}", std::process::id()));
+        let bin = root.join("usr/bin");
+        let lib = root.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::create_dir_all(&lib).unwrap();
+        let exe = bin.join("ucx_perftest");
+        std::fs::write(&exe, "").unwrap();
+        assert_eq!(ucx_lib_dir(&exe), None);
+        std::fs::write(lib.join("libucp.so.0"), "").unwrap();
+        assert_eq!(ucx_lib_dir(&exe), Some(lib));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
@@ -1004,6 +1277,7 @@ mod tests {
                 },
                 rucx: vec![s(0.5, 1.0), s(0.6, 1.0), s(0.7, 1.0)],
                 ucx: vec![s(0.6, 1.0), s(0.7, 1.0), s(0.8, 1.0)],
+                floors: vec![0.4, 0.4, 0.4],
             },
             Row {
                 case: Case {
@@ -1015,26 +1289,35 @@ mod tests {
                 },
                 rucx: vec![s(1.0, 3000.0)],
                 ucx: vec![s(1.0, 1500.0)],
+                floors: vec![6000.0],
             },
         ];
         let t = render(&rows);
-        assert!(t.contains("0.86x") && t.contains("met"), "{t}");
+        assert!(t.contains("0.86x") && t.contains("MISSED"), "{t}");
+        assert!(t.contains("floor <= 1.5x, ucx <= 0.75x"), "{t}");
+        assert!(
+            t.contains("1.50x") && t.contains("0.50x") && t.contains("6000"),
+            "{t}"
+        );
+        assert!((rows[0].floor_ratio() - 1.5).abs() < 1e-9);
         assert!((rows[0].paired_ratio() - 0.857).abs() < 0.01);
         assert!((rows[0].best_ratio() - 0.5 / 0.6).abs() < 1e-9);
         assert!(!rows[0].noisy() && !rows[1].noisy());
-        assert!(t.contains("2.00x") && t.contains(">= 1.2x"), "{t}");
+        assert!(t.contains("2.00x"), "{t}");
         let v: serde_json::Value =
             serde_json::from_str(&json(&rows, &[("k", "v".into())])).unwrap();
-        assert_eq!(v["rows"][0]["met"], true);
+        assert_eq!(v["rows"][0]["met"], false);
         assert_eq!(v["rows"][1]["ratio"], 2.0);
+        assert_eq!(v["rows"][1]["floor_ratio"], 0.5);
+        assert_eq!(v["rows"][1]["met"], serde_json::Value::Null);
         assert_eq!(v["rows"][0]["rucx_runs"].as_array().unwrap().len(), 3);
         let svg = plot::svg(&panels(&rows), "c").unwrap();
         assert!(svg.contains("rucx shm") && svg.contains("ucx shm"));
         assert!(render_raw(&rows).contains("rucx [0.500 0.600 0.700]"));
     }
 
-    /// The JSON of fixed rows (a NaN run, a zero median, goals met and absent) is what the
-    /// hand-written serializer produced (`tests/golden/compare.json`).
+    /// The JSON of fixed rows (a NaN run, a zero median, goals met and absent, floors present,
+    /// absent and NaN) is `tests/golden/compare.json` (`RUCX_BLESS_GOLDEN=1` rewrites it).
     #[test]
     fn json_unchanged_for_fixed_rows() {
         let s = |l: f64, b: f64| Sample {
@@ -1054,19 +1337,29 @@ mod tests {
                 case: case("shm", "tag_lat", 8),
                 rucx: vec![s(0.5, 1.0), s(0.6, 1.0), s(0.7, 1.0)],
                 ucx: vec![s(0.6, 1.0), s(0.7, 1.0), s(0.8, 1.0)],
+                floors: vec![0.4, 0.5, 0.35],
             },
             Row {
                 case: case("shm", "tag_bw", 1 << 20),
                 rucx: vec![s(1.0, 3000.0)],
                 ucx: vec![s(1.0, 1500.0)],
+                floors: vec![],
             },
             Row {
                 case: case("tcp", "tag_bw", 4096),
                 rucx: vec![s(1.0, 12.25), s(1.0, f64::NAN)],
                 ucx: vec![s(1.0, 0.0)],
+                floors: vec![5000.0, f64::NAN],
             },
         ];
         let doc = json(&rows, &[("host", "h \"1\"".into()), ("ucx", "1.19".into())]);
+        if std::env::var_os("RUCX_BLESS_GOLDEN").is_some() {
+            std::fs::write(
+                concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/compare.json"),
+                &doc,
+            )
+            .unwrap();
+        }
         let golden = include_str!("../tests/golden/compare.json");
         assert_eq!(doc, golden);
         let (a, b): (serde_json::Value, serde_json::Value) = (

@@ -12,6 +12,7 @@
 pub mod args;
 pub mod cli;
 pub mod compare;
+pub mod floors;
 pub mod mem;
 pub mod plot;
 pub mod report;

@@ -360,6 +360,89 @@ pub fn measure_bounds(size: usize, iters: usize) -> R<Bounds> {
     })
 }
 
+/// One-copy latencies, microseconds (the median of single copies, each queued alone and polled
+/// by an event until done, as a protocol waits for its copy).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LatBounds {
+    /// Message size.
+    pub size: usize,
+    /// Copies timed per bound.
+    pub iters: usize,
+    /// Pinned host -> device of GPU 0.
+    pub h2d_us: f64,
+    /// Device of GPU `count - 1` -> pinned host.
+    pub d2h_us: f64,
+    /// GPU 0 -> GPU 1 peer copy, or why there is none.
+    pub p2p_us: Result<f64, String>,
+}
+
+/// Measure one copy of `size` bytes `iters` times per direction (after a few untimed ones):
+/// queue it, record an event, poll the event until the copy is done. The median is the floor
+/// a message that needs one such copy cannot beat.
+pub fn measure_copy_latency(size: usize, iters: usize) -> R<LatBounds> {
+    let g0 = Gpu::open(0)?;
+    let size = size.max(1);
+    let iters = iters.max(1);
+    let e = |what: &'static str| move |e: rucx::Error| format!("latency bounds, {what}: {e}");
+    let host = PinnedHostBuffer::new(g0.ctx, size).map_err(e("pinned host buffer"))?;
+    let dev0 = DeviceBuffer::new(g0.ctx, size).map_err(e("GPU 0 buffer"))?;
+    let timed = |ctx: &'static PrimaryContext, stream: &Stream, dst: u64, src: u64| -> R<f64> {
+        let ev = rucx_cuda::Event::new(ctx).map_err(e("event"))?;
+        let mut us = Vec::with_capacity(iters);
+        for k in 0..iters + 10 {
+            let t = Instant::now();
+            // SAFETY: `dst` and `src` are live allocations of at least `size` bytes that
+            // outlive this closure; the copy is done (event polled) before the next starts.
+            unsafe { rucx_cuda::memcpy_async(dst, src, size, stream) }.map_err(e("copy"))?;
+            ev.record(stream).map_err(e("event record"))?;
+            while !ev.query().map_err(e("event query"))? {
+                std::hint::spin_loop();
+            }
+            if k >= 10 {
+                us.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        us.sort_by(f64::total_cmp);
+        Ok(us[us.len() / 2])
+    };
+    let s0 = Stream::new(g0.ctx).map_err(e("stream on GPU 0"))?;
+    let h2d_us = timed(g0.ctx, &s0, dev0.ptr(), host.ptr())?;
+    let last = g0.count - 1;
+    let d2h_us = if last == 0 {
+        timed(g0.ctx, &s0, host.ptr(), dev0.ptr())?
+    } else {
+        let c = g0.driver.context(last).map_err(e("GPU context"))?;
+        let dev = DeviceBuffer::new(c, size).map_err(e("GPU buffer"))?;
+        let s = Stream::new(c).map_err(e("stream"))?;
+        timed(c, &s, host.ptr(), dev.ptr())?
+    };
+    let p2p_us = if g0.count < 2 {
+        Err(format!(
+            "needs two GPUs ({} visible)",
+            g0.driver.device_count()
+        ))
+    } else {
+        let c1 = g0.driver.context(1).map_err(e("GPU 1 context"))?;
+        let dev1 = DeviceBuffer::new(c1, size).map_err(e("GPU 1 buffer"))?;
+        if g0.driver.can_access_peer(0, 1).map_err(e("peer query"))? {
+            // Already enabled (an earlier measurement) is fine.
+            let _ = g0.ctx.enable_peer_access(c1);
+            g0.ctx.bind().map_err(e("GPU 0 context"))?;
+            Ok(timed(g0.ctx, &s0, dev1.ptr(), dev0.ptr())?)
+        } else {
+            Err("GPU 0 cannot access GPU 1 directly (no peer path)".into())
+        }
+    };
+    g0.ctx.bind().map_err(e("GPU 0 context"))?;
+    Ok(LatBounds {
+        size,
+        iters,
+        h2d_us,
+        d2h_us,
+        p2p_us,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

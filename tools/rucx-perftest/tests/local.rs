@@ -366,3 +366,105 @@ fn stream_over_tcp() {
     assert!(o.status.success(), "{out}");
     assert!(out.contains("stream_bw,1048576,40,"), "{out}");
 }
+
+/// `--floors`: every floor measured, positive and finite, as JSON and as a table.
+#[test]
+fn floors_are_measured_and_sane() {
+    let o = perftest(&["--floors", "--quick", "--json", "-q"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value =
+        serde_json::from_slice(&o.stdout).expect("--floors --json prints one document");
+    let positive = |x: &serde_json::Value, what: &str| {
+        let m = x["median"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{what}: {x}"));
+        let b = x["best"].as_f64().unwrap();
+        assert!(m > 0.0 && m.is_finite() && b > 0.0, "{what}: {x}");
+    };
+    positive(&v["cacheline_us"], "cache line");
+    positive(&v["tcp_stream_mbs"], "tcp stream");
+    let sizes = |k: &str| -> Vec<u64> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                positive(&e["value"], k);
+                e["size"].as_u64().unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(sizes("memcpy_mbs"), [64 << 10, 1 << 20, 4 << 20, 64 << 20]);
+    assert_eq!(sizes("tcp_lat_us"), [8, 256, 4 << 10, 64 << 10]);
+    // A cache line crosses in less than a millisecond, and a copy moves more than 100 MB/s.
+    assert!(
+        v["cacheline_us"]["median"].as_f64().unwrap() < 1000.0,
+        "{v}"
+    );
+    assert!(v["memcpy_mbs"][0]["value"]["median"].as_f64().unwrap() > 100.0);
+
+    let o = perftest(&["--floors", "--quick", "-q"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", text(&o));
+    for want in [
+        "cache line ping-pong",
+        "memcpy, one core",
+        "tcp loopback stream",
+        "64M",
+    ] {
+        assert!(out.contains(want), "missing {want:?}:\n{out}");
+    }
+}
+
+/// `rucx-bench-compare` end to end, unattended, against a stand-in `ucx_perftest` (a script
+/// printing a fixed CSV line): floors, rucx runs, ratios to UCX and to the floors, JSON.
+#[test]
+fn bench_compare_runs_end_to_end_with_floors() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("rucx-compare-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fake = dir.join("ucx_perftest");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\n# a stand-in: the client prints one result line, the server nothing\n\
+         case \"$1\" in 127.0.0.1) echo '2000,0.500,0.600,0.700,100.0,1000.0,10,10';; esac\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let json = dir.join("c.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_rucx-bench-compare"))
+        .args([
+            "--reps",
+            "1",
+            "--quick",
+            "--no-install",
+            "--transports",
+            "shm",
+        ])
+        .args(["--lat-sizes", "8", "--bw-sizes", "64K", "--ucx-perftest"])
+        .arg(&fake)
+        .arg("--json")
+        .arg(&json)
+        .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+        .output()
+        .expect("rucx-bench-compare runs");
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("floors: cache line"), "{out}");
+    assert!(
+        out.contains("/floor") && out.contains("floor >= 0.6x"),
+        "{out}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    for r in rows {
+        assert!(r["floor"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["floor_ratio"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["rucx"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(rows[0]["ucx"], 0.5);
+    assert_eq!(rows[1]["ucx"], 1000);
+    assert!(v["floors"].as_str().unwrap().contains("memcpy 64K"), "{v}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

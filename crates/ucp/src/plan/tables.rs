@@ -63,7 +63,8 @@ fn rndv_threshold(l: &HostLanes<'_>, cfg: &PlanConfig) -> usize {
 /// Smallest rendezvous worth it on a lane whose rendezvous is a split read (shared memory, the
 /// `auto` scheme): below `RNDV_SPLIT_THRESH` the read is one core copying after a round trip,
 /// which the pipelined eager copy beats (posix, measured: 128 KiB eager 7.8 GB/s and 6.6 us one
-/// way, rendezvous 4.8 GB/s and 13.7 us; 256 KiB split rendezvous 12.0 GB/s, eager 7.4).
+/// way, rendezvous 4.8 GB/s and 13.7 us); from it the split read, both cores copying once, beats
+/// eager's two copies (see `DEFAULT_SPLIT_THRESH`).
 fn split_floor(l: &HostLanes<'_>, cfg: &PlanConfig) -> usize {
     match l.rma {
         Some((r, _))
@@ -260,6 +261,50 @@ pub(crate) fn host_lanes<'a>(input: &PlanInput<'a>, lanes: &Lanes) -> HostLanes<
     }
 }
 
+/// The largest GPU message (at most `eager_end`) that goes faster through a pinned bounce buffer
+/// than by the large-message protocol `large` (0: none). The bounce costs two copies by the copy
+/// lane (out of the sender's GPU, into the receiver's) around one eager message; a rendezvous
+/// through a zero-copy GPU lane costs a control round trip and one transfer by that lane, so
+/// next to NVLink/IPC or GPUDirect it wins from the first byte; the staged pipeline pays both
+/// copies and the round trip, so the bounce wins below the eager limit.
+fn bounce_end(
+    input: &PlanInput<'_>,
+    am: usize,
+    copy: usize,
+    large: (Proto, usize),
+    eager_end: usize,
+) -> usize {
+    let am = input.lanes[am].attr.perf;
+    let cp = input.lanes[copy].attr.perf;
+    let data = input.lanes[large.1].attr.perf;
+    let bounce = |n: usize| 2.0 * cp.time_ns(n) + am.time_ns(n);
+    let large_ns = |n: usize| {
+        let ctrl = 2.0 * (am.latency_ns + am.overhead_ns);
+        match large.0 {
+            Proto::RndvPipeline => ctrl + data.time_ns(n) + 2.0 * cp.time_ns(n),
+            _ => ctrl + data.time_ns(n),
+        }
+    };
+    let wins = |n: usize| bounce(n) < large_ns(n);
+    if !wins(1) {
+        return 0;
+    }
+    if wins(eager_end) {
+        return eager_end;
+    }
+    // Both costs are linear in the size: the bounce wins up to one crossing.
+    let (mut lo, mut hi) = (1usize, eager_end);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if wins(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 /// Every table for sender memory `mem`.
 pub(super) fn for_mem(input: &PlanInput<'_>, lanes: &Lanes, mem: MemKey) -> Vec<OpTable> {
     let hl = host_lanes(input, lanes);
@@ -342,11 +387,15 @@ pub(super) fn for_mem(input: &PlanInput<'_>, lanes: &Lanes, mem: MemKey) -> Vec<
     let mut sync = Vec::new();
     if let Some((p, l)) = large {
         sync.push(lane_row(0, usize::MAX, p, l, input));
-        if lanes.copy.is_some() && eager_end >= 1 {
+        let bounce_end = match lanes.copy {
+            Some(c) if eager_end >= 1 => bounce_end(input, lanes.am, c, (p, l), eager_end),
+            _ => 0,
+        };
+        if bounce_end >= 1 {
             tag.push(lane_row(0, 0, p, l, input));
-            tag.push(lane_row(1, eager_end, Proto::EagerBounce, lanes.am, input));
-            if eager_end < usize::MAX {
-                tag.push(lane_row(eager_end + 1, usize::MAX, p, l, input));
+            tag.push(lane_row(1, bounce_end, Proto::EagerBounce, lanes.am, input));
+            if bounce_end < usize::MAX {
+                tag.push(lane_row(bounce_end + 1, usize::MAX, p, l, input));
             }
         } else {
             tag.push(lane_row(0, usize::MAX, p, l, input));

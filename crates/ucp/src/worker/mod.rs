@@ -212,6 +212,19 @@ impl Worker {
         } else {
             Vec::new()
         };
+        let stage_count = (cfg.uint("RNDV_FRAG_COUNT") as usize).clamp(1, 1024);
+        // With a copy lane, make the staging now on a helper thread: the transfer that first
+        // needs it (one that demotes a zero-copy GPU path) then does not wait for it.
+        let staging_ahead = match &copy {
+            Some((i, _)) if cfg.bool("RNDV_STAGING_AHEAD") => {
+                crate::proto::gpu::staging::StagingMem::ahead(
+                    ctx,
+                    slots[*i].md,
+                    frag * stage_count * 2,
+                )
+            }
+            _ => None,
+        };
         Ok(Worker {
             ifaces: RefCell::new(ifaces),
             st: RefCell::new(State {
@@ -238,7 +251,8 @@ impl Worker {
                 closing: false,
                 copy,
                 staging: None,
-                stage_count: (cfg.uint("RNDV_FRAG_COUNT") as usize).clamp(1, 1024),
+                staging_ahead,
+                stage_count,
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),

@@ -291,6 +291,9 @@ pub(crate) struct State {
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
     pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,
     pub(crate) staging: Option<Staging>,
+    /// The staging being made ahead by a helper thread (`RUCX_RNDV_STAGING_AHEAD`), taken by
+    /// the first transfer that needs staging.
+    pub(crate) staging_ahead: Option<crate::proto::gpu::staging::StagingAhead>,
     pub(crate) stage_count: usize,
     /// Completions that happened at once, handled after the current step.
     pub(crate) done_q: VecDeque<(Tok, Result<()>)>,

@@ -6,7 +6,7 @@ mod bounce;
 mod pipeline_recv;
 mod pipeline_send;
 mod recv;
-mod staging;
+pub(crate) mod staging;
 
 pub(crate) use pipeline_recv::Chunk;
 pub(crate) use pipeline_send::StageSend;
