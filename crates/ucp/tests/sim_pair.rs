@@ -101,6 +101,33 @@ fn host_every_size_class_random_delivery_and_network_lane() {
 }
 
 #[test]
+fn staging_made_ahead_on_a_helper_thread_carries_the_pipeline() {
+    let ahead: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "16K"),
+        ("RUCX_RNDV_FRAG_SIZE", "256K"),
+        ("RUCX_RNDV_STAGING_AHEAD", "y"),
+    ];
+    let pair = Pair::new(FabricSpec::gpu().ipc(false), [ahead, ahead]);
+    exchange_sizes(&pair, 0, [Mem::Device(0), Mem::Device(1)], false);
+    exchange_sizes(&pair, 1, [Mem::Device(1), Mem::Host], false);
+    assert!(
+        pair.w[1]
+            .counters()
+            .contains_key("rendezvous receive pipelined through host staging"),
+        "{:?}",
+        pair.w[1].counters()
+    );
+    for w in &pair.w {
+        assert!(
+            w.counters().contains_key("staging made ahead"),
+            "{:?}",
+            w.counters()
+        );
+    }
+    pair.check_clean();
+}
+
+#[test]
 fn gpu_memory_every_combination() {
     for delivery in [
         Delivery::InOrder,
@@ -109,8 +136,11 @@ fn gpu_memory_every_combination() {
             noresource_per_mille: 20,
         },
     ] {
-        for shared in [true, false] {
-            let spec = FabricSpec::gpu().shared_staging(shared).delivery(delivery);
+        for (shared, ipc) in [(true, true), (false, true), (true, false), (false, false)] {
+            let spec = FabricSpec::gpu()
+                .shared_staging(shared)
+                .ipc(ipc)
+                .delivery(delivery);
             let pair = Pair::new(spec, [HOST_VARS, HOST_VARS]);
             for mem in [
                 [Mem::Device(0), Mem::Device(1)],
@@ -119,18 +149,20 @@ fn gpu_memory_every_combination() {
             ] {
                 exchange_sizes(&pair, 0, mem, false);
             }
-            let c = pair.w[1].counters();
-            assert!(
-                c.contains_key("rendezvous receive by read (GPU zero-copy)"),
-                "{c:?}"
-            );
-            assert!(
-                pair.w[0]
-                    .counters()
-                    .contains_key("eager through a pinned bounce buffer"),
-                "{:?}",
-                pair.w[0].counters()
-            );
+            let (c0, c1) = (pair.w[0].counters(), pair.w[1].counters());
+            let bounced = c0.contains_key("eager through a pinned bounce buffer");
+            if ipc {
+                // A zero-copy GPU lane: every device send is a rendezvous (one copy beats the
+                // bounce's two), read straight into device receives.
+                assert!(
+                    c1.contains_key("rendezvous receive by read (GPU zero-copy)"),
+                    "{c1:?}"
+                );
+                assert!(!bounced, "{c0:?}");
+            } else {
+                // Only the staged pipeline is left: small device sends take the bounce.
+                assert!(bounced, "{c0:?}");
+            }
             pair.check_clean();
         }
     }

@@ -86,9 +86,14 @@ impl StagingMem {
     /// 20 ms once staged. `None` when the thread cannot be started (made on first use then).
     pub(crate) fn ahead(ctx: &Context, mi: usize, len: usize) -> Option<StagingAhead> {
         let ctx = ctx.clone();
+        // The caller's log subscriber sees what the helper thread reports (a failed
+        // registration demotes and warns like any other).
+        let log = tracing::dispatcher::get_default(|d| d.clone());
         std::thread::Builder::new()
             .name("rucx-staging".into())
-            .spawn(move || StagingMem::make(&ctx, mi, len))
+            .spawn(move || {
+                tracing::dispatcher::with_default(&log, || StagingMem::make(&ctx, mi, len))
+            })
             .map_err(|e| tracing::debug!("no helper thread for staging ({e}); made on first use"))
             .ok()
     }
@@ -181,7 +186,10 @@ impl State {
             mem,
             ..
         } = match ahead {
-            Some(m) => m,
+            Some(m) => {
+                self.count("staging made ahead");
+                m
+            }
             None => StagingMem::make(&self.ctx, mi, total)?,
         };
         self.staging = Some(Staging {
