@@ -21,8 +21,15 @@ impl State {
         }
         let (p, want, sreq) = (rv.peer, rv.get_end, rv.sreq);
         if self.peers[p].eps.get_mut(&lane).is_none() {
-            // Being connected (see `read_lane`): the reads wait for it.
-            return Ok(false);
+            if self.peers[p].targets.iter().any(|(l, _)| *l == lane) {
+                // Being connected (see `read_lane`; asked again: a re-plan meanwhile makes a
+                // new list of wanted lanes): the reads wait for it.
+                self.want_lane(p, lane);
+                return Ok(false);
+            }
+            // It could not be connected: the sender streams instead.
+            self.restart_as_stream(rid);
+            return Ok(true);
         }
         let mut off = rv.posted;
         // GPU zero-copy lanes move the whole buffer in one operation; host lanes in fragments.
