@@ -10,6 +10,9 @@ command -v cc >/dev/null || need+=(gcc)
 # The ib component's verbs binding (sideway / rdma-mummy-sys) runs bindgen and a cmake build.
 command -v cmake >/dev/null || need+=(cmake)
 if ! ldconfig -p 2>/dev/null | grep -q 'libclang[-.0-9]*\.so'; then need+=(libclang-dev); fi
+# The C ABI's tests run unmodified MPI programs under Open MPI's pml ucx (crates/ucx-abi).
+command -v mpirun >/dev/null || need+=(openmpi-bin)
+command -v mpicc >/dev/null || need+=(libopenmpi-dev)
 for pkg in ${RUCX_EXTRA_PACKAGES:-}; do need+=("$pkg"); done
 
 if [ ${#need[@]} -gt 0 ]; then

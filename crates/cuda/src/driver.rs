@@ -1139,6 +1139,32 @@ gpu_memory_impl!(DeviceBuffer, MemoryType::Cuda);
 gpu_memory_impl!(PoolBuffer, MemoryType::Cuda);
 gpu_memory_impl!(ManagedBuffer, MemoryType::CudaManaged);
 
+/// [`OwnedBuf`](rucx_ucs::OwnedBuf) and [`OwnedBufMut`](rucx_ucs::OwnedBufMut) for a buffer type
+/// whose `Memory` range is an allocation it owns: requests may then own the buffer.
+macro_rules! owned_impl {
+    ($t:ty) => {
+        // SAFETY: the allocation is owned by the value (a pointer to it, not the bytes, moves
+        // with the value) and freed only when it drops; the range `Memory` gives is the same
+        // for both borrows; writes go only through `&mut self`, which the request holds.
+        unsafe impl rucx_ucs::OwnedBuf for $t {
+            fn owned_ref(&self) -> rucx_ucs::MemRef<'_> {
+                self.mem_ref()
+            }
+        }
+        // SAFETY: as above; the request owning the value is the only one that can reach it.
+        unsafe impl rucx_ucs::OwnedBufMut for $t {
+            fn owned_mut(&mut self) -> rucx_ucs::MemMut<'_> {
+                self.mem_mut()
+            }
+        }
+    };
+}
+
+owned_impl!(DeviceBuffer);
+owned_impl!(PoolBuffer);
+owned_impl!(ManagedBuffer);
+owned_impl!(PinnedHostBuffer);
+
 // SAFETY: the pinned allocation is owned by the value and freed only when it drops; shared
 // borrows hand out only `&[u8]`, and writes take `&mut self` (`as_mut_slice`), whose pointer is
 // the same `ptr` the allocation was made with (writable). Pinned memory is host memory to rucx.

@@ -22,6 +22,11 @@
 //! sends, `&mut buf` receives, and `buf.slice(a..b)` / `buf.slice_mut(a..b)` name a part (the
 //! `gpu_hello` example, and the README).
 //!
+//! Requests that must outlive a scope (a service keeping receives posted, a future handed to
+//! another task, a C caller's pointer) own their buffer instead: [`Worker::tag_send_owned`] and
+//! [`Worker::tag_recv_owned`] take a `Vec<u8>`, `bytes::Bytes`/`BytesMut`, a GPU buffer or a
+//! [`RawBuf`], and the [`OwnedRequest`] hands it back with the result ([`ucp::owned`]).
+//!
 //! Lower layers are re-exported: [`ucs`] (errors, configuration), [`uct`] (transports),
 //! [`ucp`] (protocols), [`cuda`] (the CUDA driver, GPU buffers, pointer classification).
 
@@ -36,12 +41,14 @@ pub use bootstrap::Job;
 pub use rucx_cuda as cuda;
 pub use rucx_ucp as ucp;
 pub use rucx_ucp::{
-    AmMessage, Completion, Context, Demotion, EpId, MemMap, RecvBuf, Request, RkeyBundle, Scope,
-    SendBuf, TAG_MASK_ANY, TAG_MASK_FULL, Tag, Worker, wait_all, wait_all_timeout, wait_any,
-    wait_any_timeout,
+    AmMessage, CloseMode, Completion, Context, Demotion, EpId, MemMap, OwnedHandle, OwnedRequest,
+    Progressing, RecvBuf, Request, RkeyBundle, Scope, SendBuf, TAG_MASK_ANY, TAG_MASK_FULL, Tag,
+    Worker, wait_all, wait_all_timeout, wait_any, wait_any_timeout,
 };
 pub use rucx_ucs as ucs;
-pub use rucx_ucs::{Error, MemMut, MemRef, Memory, MemoryType, Result};
+pub use rucx_ucs::{
+    Error, MemInfo, MemMut, MemRef, Memory, MemoryType, OwnedBuf, OwnedBufMut, RawBuf, Result,
+};
 pub use rucx_uct as uct;
 
 use rucx_ucs::{Config, OptionSpec};

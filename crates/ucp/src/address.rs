@@ -23,6 +23,26 @@ pub struct IfaceEntry {
     pub iface_addr: Vec<u8>,
 }
 
+/// A process as the kernel knows it: a peer whose stamp has the same boot and pid namespace
+/// as ours can be looked up by pid in `/proc`, and its start time tells it from a later process
+/// that reused the pid.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcStamp {
+    /// FNV-1a hash of the kernel's boot id (`/proc/sys/kernel/random/boot_id`).
+    pub boot: u64,
+    /// Inode of the pid namespace (`/proc/self/ns/pid`).
+    pub pidns: u64,
+    /// Start time of the process in clock ticks since boot (`/proc/<pid>/stat`, field 22).
+    pub start: u64,
+}
+
+impl ProcStamp {
+    /// True when both stamps are known and their pids live in one pid space of one kernel.
+    pub fn same_pid_space(&self, other: &ProcStamp) -> bool {
+        self.boot != 0 && self.pidns != 0 && self.boot == other.boot && self.pidns == other.pidns
+    }
+}
+
 /// A worker's address.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerAddress {
@@ -30,8 +50,11 @@ pub struct WorkerAddress {
     pub uuid: u64,
     /// Host name, for messages.
     pub host: String,
-    /// Process id, for messages.
+    /// Process id, for messages and the liveness check of same-host peers.
     pub pid: u32,
+    /// Who the process is to the kernel, for the liveness check of same-host peers; all zero
+    /// where unknown.
+    pub proc: ProcStamp,
     /// Interfaces.
     pub ifaces: Vec<IfaceEntry>,
 }
@@ -42,6 +65,9 @@ impl WorkerAddress {
         let mut p = Vec::new();
         p.extend_from_slice(&self.uuid.to_le_bytes());
         p.extend_from_slice(&self.pid.to_le_bytes());
+        for v in [self.proc.boot, self.proc.pidns, self.proc.start] {
+            p.extend_from_slice(&v.to_le_bytes());
+        }
         put_lv(&mut p, self.host.as_bytes());
         p.extend_from_slice(&(self.ifaces.len() as u16).to_le_bytes());
         for e in &self.ifaces {
@@ -61,6 +87,11 @@ impl WorkerAddress {
         let mut r = Reader::new(payload, "worker address");
         let uuid = r.u64()?;
         let pid = r.u32()?;
+        let proc = ProcStamp {
+            boot: r.u64()?,
+            pidns: r.u64()?,
+            start: r.u64()?,
+        };
         let host = text(r.lv()?)?;
         let n = r.u16()? as usize;
         let mut ifaces = Vec::with_capacity(n.min(64));
@@ -78,6 +109,7 @@ impl WorkerAddress {
             uuid,
             host,
             pid,
+            proc,
             ifaces,
         })
     }
@@ -103,6 +135,11 @@ mod tests {
             uuid: 42,
             host: "node1".into(),
             pid: 7,
+            proc: ProcStamp {
+                boot: 1,
+                pidns: 2,
+                start: 3,
+            },
             ifaces: vec![IfaceEntry {
                 tl_name: "posix".into(),
                 dev_name: "memory".into(),

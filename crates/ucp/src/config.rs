@@ -82,4 +82,10 @@ pub static CONFIG: &[OptionSpec] = &[
                doing so looks exactly like a frozen one, hence the default inf. Receives not \
                matched to a peer yet never time out.",
     },
+    OptionSpec {
+        name: "PROC_CHECK_INTERVAL",
+        kind: OptKind::TimeIn(Bounds::millis(10, 3_600_000).or_inf()),
+        default: "500ms",
+        help: "How often a worker looks up the processes of its peers on this host (same kernel                and pid namespace) from progress: a peer process that exited or was killed fails                its endpoint (error handler, requests bound to it) even when nothing is in                flight (10ms to 1h, or inf: never).",
+    },
 ];

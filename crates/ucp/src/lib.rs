@@ -6,6 +6,9 @@
 //!   ([`EpId`]) created from a peer's address;
 //! - [`Scope`] and [`Request`]: non-blocking tag send/receive, put/get and flush on borrowed
 //!   buffers, polled, waited on, or `.await`ed;
+//! - [`OwnedRequest`]: tag send/receive on owned buffers (`Vec<u8>`, `bytes`, GPU buffers,
+//!   [`RawBuf`]) that may outlive any scope, with a future, a completion callback and cancel
+//!   ([`owned`]);
 //! - tag matching with MPI semantics ([`matching`]), active messages
 //!   ([`Worker::am_send`], [`Worker::set_am_handler`]), remote memory access
 //!   ([`Worker::mem_map`], [`Worker::rkey_unpack`]);
@@ -21,6 +24,7 @@ pub mod config;
 pub mod context;
 mod listener;
 pub mod matching;
+pub mod owned;
 pub mod plan;
 pub mod proto;
 mod scope;
@@ -33,9 +37,11 @@ pub use config::CONFIG;
 pub use context::{Context, Demotion, Refusal, RegGuard};
 pub use listener::Listener;
 pub use matching::Tag;
+pub use owned::{OwnedHandle, OwnedRequest, Progressing};
 pub use plan::{EpPlan, PathInfo};
+pub use rucx_ucs::{OwnedBuf, OwnedBufMut, RawBuf};
 pub use scope::{Request, Scope, wait_all, wait_all_timeout, wait_any, wait_any_timeout};
-pub use worker::{AmMessage, Completion, EpId, MemMap, RkeyBundle, Worker};
+pub use worker::{AmMessage, CloseMode, Completion, EpId, MemMap, RkeyBundle, Worker};
 
 /// What `docs/architecture.md` says of [`Context`]'s registration: `can_register`,
 /// `reg_domains`, `demote`, `demotions` and `refusals` are public, `register` is crate-private

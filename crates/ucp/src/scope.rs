@@ -190,6 +190,53 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         let ids = std::mem::take(&mut *self.reqs.borrow_mut());
         self.worker.finish_scope(ids);
     }
+
+    /// End of a [`Worker::scope_timeout`]: cancel what can be, wait at most `limit` for the
+    /// rest, then fail the endpoints of what is left.
+    fn finish_within(&self, limit: Duration) -> Result<()> {
+        let ids = std::mem::take(&mut *self.reqs.borrow_mut());
+        self.worker.finish_scope_within(ids, limit)
+    }
+}
+
+impl Worker {
+    /// A [`scope`](Worker::scope) that can be left when its requests do not end: its end
+    /// cancels every request that can be canceled (receives that never matched, sends that
+    /// no receive has seen: see [`Request::cancel`]), waits at most `limit` for the others,
+    /// and if some are still pending then, fails the endpoints they are bound to (every
+    /// request on such an endpoint ends with
+    /// [`Error::EndpointFailure`](rucx_ucs::Error::EndpointFailure), as after
+    /// `RUCX_PEER_TIMEOUT`; the endpoint cannot be used again) and returns
+    /// [`Error::Timeout`](rucx_ucs::Error::Timeout) naming what was still pending. Either way
+    /// no request outlives the scope, and the worker and its other endpoints stay usable.
+    ///
+    /// `limit` bounds the wait at the scope's end, not `f`: bound `f`'s own waits with
+    /// [`Request::wait_timeout`] (a request left pending by a timed-out wait is what the end
+    /// of the scope then cancels).
+    ///
+    /// ```
+    /// # fn demo(w: &rucx_ucp::Worker, ep: rucx_ucp::EpId) -> rucx_ucs::Result<()> {
+    /// use std::time::Duration;
+    /// let mut buf = vec![0u8; 4096];
+    /// let r = w.scope_timeout(Duration::from_secs(1), |s| {
+    ///     s.tag_recv(&mut buf, 7, rucx_ucp::TAG_MASK_FULL)
+    ///         .wait_timeout(Duration::from_millis(10))
+    /// })?; // Ok: the receive that never matched was canceled at the scope's end
+    /// assert!(matches!(r, Err(rucx_ucs::Error::Timeout { .. })));
+    /// # Ok(()) }
+    /// ```
+    pub fn scope_timeout<'w, F, T>(&'w self, limit: Duration, f: F) -> Result<T>
+    where
+        F: for<'scope> FnOnce(&'scope Scope<'scope, 'w>) -> T,
+    {
+        let scope = Scope::new(self);
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&scope)));
+        let end = scope.finish_within(limit);
+        match res {
+            Ok(v) => end.map(|()| v),
+            Err(p) => std::panic::resume_unwind(p),
+        }
+    }
 }
 
 impl Request<'_> {
@@ -221,11 +268,24 @@ impl Request<'_> {
         self.wait_inner(Some(limit))
     }
 
-    /// Cancel a receive that has not matched yet; returns true when it was canceled (it then
-    /// completes with [`Error::Canceled`](rucx_ucs::Error::Canceled)).
+    /// Cancel the request where that is still possible; true when it was canceled (it then
+    /// completes with [`Error::Canceled`](rucx_ucs::Error::Canceled)) or, for a send the peer
+    /// was told about, the peer is asked to drop it.
+    ///
+    /// - A **receive** is canceled while no message matched it (a stream receive gives back
+    ///   the bytes it took).
+    /// - A **send** is canceled while no receive has seen any of it: still queued (nothing
+    ///   on the wire), at once; announced but unmatched (a rendezvous send waiting for the
+    ///   receiver, a synchronous eager send waiting for its match), by asking the receiver,
+    ///   which drops the message if no receive matched it; the request then ends with
+    ///   `Canceled`, or completes as usual when a receive had matched it first. An eager send
+    ///   handed to the transport (most are complete when posted), a stream send, or a
+    ///   rendezvous whose data is moving cannot be canceled: `false`.
+    ///
+    /// A canceled request still belongs to its scope (its buffer stays lent until it ends).
     pub fn cancel(&self) -> bool {
         match self.state {
-            ReqState::Pending(id) => self.worker.cancel_recv(id),
+            ReqState::Pending(id) => self.worker.cancel_req(id),
             _ => false,
         }
     }

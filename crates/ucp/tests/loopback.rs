@@ -774,3 +774,93 @@ fn two_workers_in_one_process_through_wait_all() {
     assert_eq!(small, send[..8]);
     assert_eq!(a.live_requests() + b.live_requests(), 0);
 }
+
+/// A message that arrives before its receive and is larger than what can be allocated to keep
+/// it (the allocation failure injected) fails that receive with `NoMemory`, not the process;
+/// messages that fit, before and after it, are received whole, and the worker stays usable.
+#[test]
+fn an_unexpected_message_too_large_to_keep_fails_its_receive_cleanly() {
+    // Multi-fragment eager messages, and single-packet synchronous ones (larger synchronous
+    // sends take the rendezvous, which needs no buffer at the receiver).
+    for (sync, limit, big_len, after_len) in [
+        (false, 50_000, 200_000, 40_000),
+        (true, 4_000, 8_000, 3_000),
+    ] {
+        let w = worker(&[("RUCX_RNDV_THRESH", "1M")]);
+        let ep = w.connect(&w.address()).unwrap();
+        w.inject_alloc_limit(Some(limit));
+        let small = pattern(1000, 1);
+        let big = pattern(big_len, 2);
+        let after = pattern(after_len, 3);
+        let (mut r1, mut r2, mut r3) = (vec![0u8; 1000], vec![0u8; big_len], vec![0u8; after_len]);
+        w.scope(|s| {
+            let send = |b, t| {
+                if sync {
+                    s.tag_send_sync(ep, b, t)
+                } else {
+                    s.tag_send(ep, b, t)
+                }
+            };
+            let s1 = send(&small, 1);
+            let s2 = send(&big, 2);
+            let s3 = send(&after, 3);
+            for _ in 0..1000 {
+                w.progress();
+            }
+            // Every message arrived unexpected; the big one could not be kept.
+            assert_eq!(w.probe(2, TAG_MASK_FULL).map(|c| c.len), Some(big_len));
+            let g2 = s.tag_recv(&mut r2, 2, TAG_MASK_FULL);
+            let g1 = s.tag_recv(&mut r1, 1, TAG_MASK_FULL);
+            let g3 = s.tag_recv(&mut r3, 3, TAG_MASK_FULL);
+            let e = g2.wait().unwrap_err();
+            assert!(
+                matches!(&e, Error::NoMemory(m) if m.contains(&format!("{big_len}-byte"))),
+                "{e}"
+            );
+            assert_eq!(g1.wait().unwrap().len, 1000);
+            assert_eq!(g3.wait().unwrap().len, after_len);
+            // The sender's side is unaffected: its messages were sent (and matched).
+            s1.wait().unwrap();
+            s2.wait().unwrap();
+            s3.wait().unwrap();
+        });
+        assert!(r1 == small && r3 == after, "sync {sync}");
+        assert!(
+            r2.iter().all(|&b| b == 0),
+            "nothing of the dropped message was written"
+        );
+        // The worker goes on; a receive posted first needs no buffer of the library at all.
+        let mut r = vec![0u8; big_len];
+        w.scope(|s| {
+            let g = s.tag_recv(&mut r, 9, TAG_MASK_FULL);
+            s.tag_send(ep, &big, 9).wait().unwrap();
+            assert_eq!(g.wait().unwrap().len, big_len);
+        });
+        assert!(r == big);
+        assert_eq!(w.live_requests(), 0);
+    }
+}
+
+/// A user active message larger than what can be allocated is dropped with a warning; the
+/// next ones arrive.
+#[test]
+fn an_active_message_too_large_to_keep_is_dropped_and_the_next_arrive() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    let w = worker(&[]);
+    let ep = w.connect(&w.address()).unwrap();
+    w.inject_alloc_limit(Some(50_000));
+    let got: Rc<RefCell<Vec<usize>>> = Rc::default();
+    let g = got.clone();
+    w.set_am_handler(7, move |_w, m| g.borrow_mut().push(m.data.len()));
+    w.am_send(ep, 7, b"h", &pattern(200_000, 1)).unwrap();
+    w.am_send(ep, 7, b"h", &pattern(30_000, 2)).unwrap();
+    w.am_send(ep, 7, b"h", b"small").unwrap();
+    for _ in 0..1000 {
+        w.progress();
+        if got.borrow().len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(*got.borrow(), vec![30_000, 5]);
+}

@@ -536,7 +536,7 @@ impl Config {
             Ok(e) => &e.value,
             // The typed getters take names declared in the tables the calling crate links, so
             // an undeclared one is a programming error in rucx; names that come from users go
-            // through `try_raw`/`try_get`.
+            // through `raw`/`try_get`.
             Err(_) => panic!("rucx bug: option {ENV_PREFIX}{name} is not declared in any table"),
         }
     }
@@ -547,8 +547,8 @@ impl Config {
     }
 
     /// The value of `name` as the user wrote it (or the default); `name` may carry the `RUCX_`
-    /// prefix or not. A name no table declares is [`Error::InvalidParam`], never a panic: use
-    /// this for names that come from users.
+    /// prefix or not. A name no table declares is [`Error::InvalidParam`] naming it, never a
+    /// panic, so names that come from users can be looked up as they are.
     ///
     /// ```
     /// use rucx_ucs::{Config, Error, OptKind, OptionSpec};
@@ -561,35 +561,24 @@ impl Config {
     /// }];
     /// let mut cfg = Config::new(&[TABLE])?;
     /// cfg.set("ZCOPY_THRESH", "16K")?;
-    /// assert_eq!(cfg.try_raw("ZCOPY_THRESH")?, "16K");
-    /// assert_eq!(cfg.try_raw("RUCX_ZCOPY_THRESH")?, "16K");
-    /// let e = cfg.try_raw("ZCOPY_TRESH").unwrap_err();
+    /// assert_eq!(cfg.raw("ZCOPY_THRESH")?, "16K");
+    /// assert_eq!(cfg.raw("RUCX_ZCOPY_THRESH")?, "16K");
+    /// let e = cfg.raw("ZCOPY_TRESH").unwrap_err();
     /// assert!(matches!(e, Error::InvalidParam(_)));
     /// assert!(e.to_string().contains("RUCX_ZCOPY_TRESH is not a rucx option"));
     /// # Ok::<(), Error>(())
     /// ```
-    pub fn try_raw(&self, name: &str) -> Result<&str> {
+    pub fn raw(&self, name: &str) -> Result<&str> {
         self.entry(name).map(|e| e.raw.as_str())
-    }
-
-    /// The value as the user wrote it (or the default), for a name declared in a table the
-    /// caller links.
-    ///
-    /// # Panics
-    /// When no table declares `name` (a bug in the caller); [`try_raw`](Self::try_raw) returns
-    /// an error instead.
-    pub fn raw(&self, name: &str) -> &str {
-        match self.try_raw(name) {
-            Ok(v) => v,
-            Err(_) => panic!("rucx bug: option {ENV_PREFIX}{name} is not declared in any table"),
-        }
     }
 
     /// The typed value of `name` (with or without the `RUCX_` prefix): `bool`, [`Ternary`],
     /// [`MemUnits`], [`Duration`], `u64`, `String` (text and enum options), `Vec<String>`
     /// (lists) or [`TlsSelection`]. A name no table declares, or an option of another kind, is
-    /// [`Error::InvalidParam`], never a panic; the typed getters below ([`bool`](Self::bool),
-    /// ...) are for names declared in the caller's tables and panic otherwise.
+    /// [`Error::InvalidParam`], never a panic. The typed getters below ([`bool`](Self::bool),
+    /// ...) are shorthands for rucx's own code, which names options it declares itself (a
+    /// constant, never user input): they panic on an undeclared name or another kind, a bug in
+    /// the caller. Names that come from users go through `raw` or `try_get`.
     ///
     /// ```
     /// use rucx_ucs::{Config, OptKind, OptionSpec};
@@ -1123,7 +1112,7 @@ mod tests {
                 c.set(name, &text).unwrap();
                 c
             };
-            prop_assert_eq!(c.raw(name), text.as_str());
+            prop_assert_eq!(c.raw(name).unwrap(), text.as_str());
             prop_assert!(c.options().any(|(s, raw, from_env)| s.name == name && raw == text && from_env == env));
             match v {
                 Valid::Bool(_, b) => prop_assert_eq!(c.bool(name), b),
@@ -1150,7 +1139,7 @@ mod tests {
         ) {
             let name = STRICT[idx];
             let mut c = Config::new(&[KINDS]).unwrap();
-            let before = c.raw(name).to_string();
+            let before = c.raw(name).unwrap().to_string();
             let arg = if prefixed { format!("RUCX_{name}") } else { name.to_string() };
             let e = c.set(&arg, &garbage).unwrap_err();
             let kind = KINDS.iter().find(|s| s.name == name).unwrap().kind;
@@ -1164,7 +1153,7 @@ mod tests {
             }
             let msg = e.to_string();
             prop_assert!(msg.contains(&format!("RUCX_{name}")) && msg.contains("accepted"), "{}", msg);
-            prop_assert_eq!(c.raw(name), before.as_str(), "a rejected value must not stick");
+            prop_assert_eq!(c.raw(name).unwrap(), before.as_str(), "a rejected value must not stick");
             // The same value from the environment fails the same way.
             let from_env = Config::from_vars(&[KINDS], [(format!("RUCX_{name}"), garbage.clone())]);
             let is_config_err = matches!(from_env, Err(Error::Config { .. }));
@@ -1175,13 +1164,13 @@ mod tests {
         fn set_never_panics(idx in 0..KINDS.len(), value in "\\PC{0,24}") {
             let mut c = Config::new(&[KINDS]).unwrap();
             let name = KINDS[idx].name;
-            let before = c.raw(name).to_string();
+            let before = c.raw(name).unwrap().to_string();
             match c.set(name, &value) {
-                Ok(()) => prop_assert_eq!(c.raw(name), value.as_str()),
+                Ok(()) => prop_assert_eq!(c.raw(name).unwrap(), value.as_str()),
                 Err(e) => {
                     let is_config_err = matches!(e, Error::Config { .. });
                     prop_assert!(is_config_err);
-                    prop_assert_eq!(c.raw(name), before.as_str());
+                    prop_assert_eq!(c.raw(name).unwrap(), before.as_str());
                 }
             }
         }
@@ -1246,26 +1235,25 @@ mod lookup_tests {
     ];
 
     #[test]
-    fn try_raw_reads_declared_names_with_or_without_prefix() {
+    fn raw_reads_declared_names_with_or_without_prefix() {
         let mut c = Config::new(&[TABLE]).unwrap();
         c.set("SEG", "16k").unwrap();
-        assert_eq!(c.try_raw("SEG").unwrap(), "16k");
-        assert_eq!(c.try_raw("RUCX_SEG").unwrap(), "16k");
-        assert_eq!(c.raw("SEG"), "16k");
-        assert_eq!(c.raw("RUCX_MODE"), "get");
+        assert_eq!(c.raw("SEG").unwrap(), "16k");
+        assert_eq!(c.raw("RUCX_SEG").unwrap(), "16k");
+        assert_eq!(c.raw("RUCX_MODE").unwrap(), "get");
     }
 
     #[test]
     fn undeclared_names_are_errors() {
         let c = Config::new(&[TABLE]).unwrap();
         for name in ["SEGG", "RUCX_", "", "rucx_seg", "RUCX_RUCX_SEG"] {
-            let e = c.try_raw(name).unwrap_err();
+            let e = c.raw(name).unwrap_err();
             assert!(matches!(e, Error::InvalidParam(_)), "{name}: {e:?}");
             assert!(e.to_string().contains("is not a rucx option"), "{e}");
             assert!(c.try_get::<bool>(name).is_err());
         }
         // The message names the variable the way a user writes it.
-        let e = c.try_raw("SEGG").unwrap_err().to_string();
+        let e = c.raw("SEGG").unwrap_err().to_string();
         assert!(e.contains("RUCX_SEGG") && e.contains("rucx-info -c"), "{e}");
     }
 
@@ -1310,7 +1298,7 @@ mod lookup_tests {
             let declared = TABLE
                 .iter()
                 .any(|s| name.strip_prefix(ENV_PREFIX).unwrap_or(&name) == s.name);
-            prop_assert_eq!(c.try_raw(&name).is_ok(), declared);
+            prop_assert_eq!(c.raw(&name).is_ok(), declared);
             let _ = c.try_get::<bool>(&name);
             let _ = c.try_get::<TlsSelection>(&name);
         }

@@ -311,6 +311,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// The endpoint was closed (`Worker::close` on this side, or the peer closed its side): it
+    /// takes no more requests. Connecting again to the peer's address gives a new endpoint.
+    #[error(
+        "endpoint {ep} to {peer} is closed ({by}); connect again to the peer's address for a new endpoint"
+    )]
+    EndpointClosed {
+        /// The endpoint, as the worker names it (`ep3`).
+        ep: String,
+        /// Peer description (address, rank).
+        peer: String,
+        /// Who closed it: "closed by this worker" or "the peer closed it".
+        by: String,
+    },
+
     /// The connection to a peer broke.
     #[error("endpoint to {peer} failed: {reason}")]
     EndpointFailure {

@@ -4,6 +4,8 @@
 //! - [`memtype`]: [`MemoryType`] and [`MemoryTypes`];
 //! - [`memory`]: the [`Memory`] trait buffer types implement to be sent and received without
 //!   `unsafe`, and its borrowed views [`MemRef`]/[`MemMut`];
+//! - [`owned`]: buffers a request may own beyond any scope ([`OwnedBuf`], [`OwnedBufMut`],
+//!   [`RawBuf`] for memory by address);
 //! - [`config`]: options declared once (name, kind with its range, default, help), read from
 //!   `RUCX_*` variables and overridable in code, every value checked when it is read;
 //! - [`units`]: memory units (`8K`, `4M`, `inf`, `auto`) and time units (`10us`, `2s`);
@@ -23,6 +25,7 @@ pub mod log;
 pub mod memory;
 pub mod memtype;
 pub mod memtype_cache;
+pub mod owned;
 pub mod rcache;
 pub mod stats;
 pub mod tls;
@@ -34,5 +37,6 @@ pub use interval::IntervalMap;
 pub use memory::{MemMut, MemRef, Memory};
 pub use memtype::{MemoryType, MemoryTypes};
 pub use memtype_cache::{MemInfo, MemtypeCache};
+pub use owned::{OwnedBuf, OwnedBufMut, RawBuf};
 pub use rcache::{Rcache, RcacheConfig, RcacheGuard};
 pub use units::MemUnits;

@@ -131,7 +131,7 @@ impl RcacheConfig {
             .filter(|a| a.is_power_of_two())
             .ok_or_else(|| Error::Config {
                 var: format!("{ENV_PREFIX}{OPT_ALIGNMENT}"),
-                value: cfg.raw(OPT_ALIGNMENT).to_string(),
+                value: cfg.raw(OPT_ALIGNMENT).unwrap_or_default().to_string(),
                 reason: "the alignment must be a power of two that fits the address space".into(),
                 accepted: "a power of two such as 4K, 64K, 2M, or auto".into(),
             })?;

@@ -244,10 +244,14 @@ impl CudaIpcEp {
         let mut local_dev = None;
         for v in iov.iter().filter(|v| v.len > 0) {
             let r = v.memh.region();
+            if r.mem_type == MemoryType::Host {
+                // The local side of a device <-> host copy: any context may queue it.
+                continue;
+            }
             if r.mem_type != MemoryType::Cuda {
                 return Err(Error::InvalidParam(format!(
-                    "cuda_ipc copies between CUDA device buffers; the local buffer {:#x}+{} is \
-                     {} memory",
+                    "cuda_ipc copies between a peer's CUDA device buffer and a local device or \
+                     host buffer; the local buffer {:#x}+{} is {} memory",
                     v.addr, v.len, r.mem_type
                 )));
             }
@@ -266,7 +270,11 @@ impl CudaIpcEp {
                 Some(_) => {}
             }
         }
-        let local_dev = local_dev.expect("total > 0");
+        // Host memory only: queue the copies in a context this process already has.
+        let local_dev = match local_dev {
+            Some(d) => d,
+            None => driver()?.any_context()?.ordinal(),
+        };
         let mut keep: Vec<KeepAlive> = Vec::with_capacity(iov.len() + 1);
         let same_process = key.pid == std::process::id() && key.boot_id == self.host.boot_id;
         let remote_local = if same_process {
@@ -471,12 +479,23 @@ mod tests {
             boot_id: HostId::local().boot_id,
         };
         let rkey = crate::md::unpack_remote(&k.pack(), &HostId::local()).unwrap();
-        // A host buffer as the local side is refused.
+        // A managed buffer as the local side is refused (device and host memory are taken).
         let buf = [0u8; 64];
+        let managed = MemHandle::new(
+            MemRegion {
+                mem_type: MemoryType::CudaManaged,
+                ..MemRegion::of_slice(&buf)
+            },
+            "cuda_cpy",
+            Arc::new(()),
+        );
+        let e = ep
+            .put_zcopy(&[Iov::whole(&managed)], 0x10000, &rkey, 1)
+            .unwrap_err();
+        let managed_name = MemoryType::CudaManaged.to_string();
+        assert!(e.to_string().contains(&managed_name), "{e}");
         let memh = MemHandle::new(MemRegion::of_slice(&buf), "cuda_cpy", Arc::new(()));
         let iov = [Iov::whole(&memh)];
-        let e = ep.put_zcopy(&iov, 0x10000, &rkey, 1).unwrap_err();
-        assert!(e.to_string().contains("host memory"), "{e}");
         // Out of the remote range.
         let e = ep.get_zcopy(&iov, 0x10fc1, &rkey, 1).unwrap_err();
         assert!(matches!(e, Error::OutOfBounds { .. }), "{e:?}");

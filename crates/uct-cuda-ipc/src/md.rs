@@ -134,7 +134,11 @@ pub struct IpcReg {
 
 /// The memory-domain attributes of `cuda_ipc` (no driver needed).
 pub fn md_attr() -> MdAttr {
-    let mut a = MdAttr::new(NAME).with(MemoryType::Cuda, MemTypeFlags::REG | MemTypeFlags::ACCESS);
+    // Device memory is exported (registered) and copied; host memory is only the local side of
+    // a copy (a device-to-host read out of a peer's mapped buffer, or host-to-device write).
+    let mut a = MdAttr::new(NAME)
+        .with(MemoryType::Cuda, MemTypeFlags::REG | MemTypeFlags::ACCESS)
+        .with(MemoryType::Host, MemTypeFlags::ACCESS);
     // cuIpcGetMemHandle: one driver call, independent of size.
     a.reg_cost = LinearCost::fixed(5_000.0);
     a.rkey_packed_size = IpcKey::packed_size();
@@ -258,8 +262,14 @@ impl MemoryDomain for CudaIpcMd {
         )))
     }
 
-    /// Export the allocation containing the buffer through a legacy IPC handle.
+    /// Export the allocation containing the buffer through a legacy IPC handle. Host memory
+    /// gets a handle that only describes it, for the local side of a copy out of (or into) a
+    /// peer's mapped buffer: nothing is page-locked (no registration outlives the request, so a
+    /// freed and reused buffer can never meet a stale one) and nothing is exported.
     unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
+        if region.mem_type == MemoryType::Host {
+            return Ok(MemHandle::new(region, NAME, Arc::new(())));
+        }
         if region.mem_type != MemoryType::Cuda {
             return Err(Self::reg_error(
                 &region,
@@ -435,7 +445,7 @@ mod tests {
             a.flags(MemoryType::Cuda),
             MemTypeFlags::REG | MemTypeFlags::ACCESS
         );
-        assert_eq!(a.flags(MemoryType::Host), MemTypeFlags::empty());
+        assert_eq!(a.flags(MemoryType::Host), MemTypeFlags::ACCESS);
         assert_eq!(a.flags(MemoryType::CudaManaged), MemTypeFlags::empty());
         assert!(!a.need_memh_for_zcopy);
         assert_eq!(a.rkey_packed_size, sample().pack().len());

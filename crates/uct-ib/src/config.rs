@@ -228,7 +228,7 @@ impl RcConfig {
         };
         let seg = c.mem_units("RC_SEG_SIZE").resolve(8192);
         if seg < SEG_SIZE_RANGE.0 as u64 || seg > SEG_SIZE_RANGE.1 as u64 {
-            return Err(range_err("RC_SEG_SIZE", c.raw("RC_SEG_SIZE"), "256 to 1M"));
+            return Err(range_err("RC_SEG_SIZE", c.raw("RC_SEG_SIZE")?, "256 to 1M"));
         }
         Ok(RcConfig {
             path_mtu,

@@ -1079,8 +1079,11 @@ impl State {
         let nname = self.nodes[node].name.clone();
         let accepts = match kind {
             LaneKind::Shm | LaneKind::Net => region.mem_type == MemoryType::Host,
-            LaneKind::Ipc => region.mem_type == MemoryType::Cuda,
-            LaneKind::Copy => matches!(region.mem_type, MemoryType::Host | MemoryType::Cuda),
+            // As cuda_ipc: exports device memory; host memory is only described (the local
+            // side of a copy out of a peer's device buffer).
+            LaneKind::Ipc | LaneKind::Copy => {
+                matches!(region.mem_type, MemoryType::Host | MemoryType::Cuda)
+            }
         };
         if !accepts {
             return Err(region.reg_error(
@@ -1346,8 +1349,7 @@ impl State {
 fn lane_touches(kind: LaneKind, mt: MemoryType) -> bool {
     match kind {
         LaneKind::Shm | LaneKind::Net => mt == MemoryType::Host,
-        LaneKind::Ipc => mt == MemoryType::Cuda,
-        LaneKind::Copy => matches!(mt, MemoryType::Host | MemoryType::Cuda),
+        LaneKind::Ipc | LaneKind::Copy => matches!(mt, MemoryType::Host | MemoryType::Cuda),
     }
 }
 

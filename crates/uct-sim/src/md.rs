@@ -61,8 +61,11 @@ pub(crate) fn md_attr(kind: LaneKind) -> MdAttr {
             a.reg_cost = LinearCost::fixed(100.0);
         }
         LaneKind::Ipc => {
-            // As cuda_ipc: registers (exports) device memory; peers read it.
-            a = a.with(MemoryType::Cuda, host);
+            // As cuda_ipc: registers (exports) device memory; peers read it, into their device
+            // or host memory.
+            a = a
+                .with(MemoryType::Cuda, host)
+                .with(MemoryType::Host, MemTypeFlags::ACCESS);
             a.reg_cost = LinearCost::fixed(5_000.0);
             a.need_memh_for_zcopy = false;
         }

@@ -257,7 +257,7 @@ impl TcpOptions {
             if d < Duration::from_secs(1) || d > Duration::from_secs(u64::from(u16::MAX)) {
                 return Err(Error::Config {
                     var: format!("RUCX_{name}"),
-                    value: config.raw(name).into(),
+                    value: config.raw(name)?.into(),
                     reason: "must be between 1s and 65535s".into(),
                     accepted: rucx_ucs::units::TIME_FORMS.into(),
                 });
@@ -289,7 +289,7 @@ impl TcpOptions {
         if user_timeout.as_millis() > u128::from(u32::MAX) {
             return Err(Error::Config {
                 var: "RUCX_TCP_USER_TIMEOUT".into(),
-                value: config.raw("TCP_USER_TIMEOUT").into(),
+                value: config.raw("TCP_USER_TIMEOUT")?.into(),
                 reason: "too large".into(),
                 accepted: rucx_ucs::units::TIME_FORMS.into(),
             });

@@ -179,7 +179,7 @@ pub fn render_devices(d: &Discovery, config: &Config) -> String {
         let _ = writeln!(
             out,
             "# Left out by RUCX_TLS={}: {}",
-            config.raw("TLS"),
+            config.raw("TLS").unwrap_or_default(),
             d.deselected.join(", ")
         );
     }

@@ -236,7 +236,7 @@ Server and client on two hosts:
 Both sides as two local processes:
   rucx-perftest --local -t tag_bw -s 1M -O 16
 OSU-style sweep with a plot:
-  rucx-perftest --local --sweep --plot sweep.svg
+  rucx-perftest --local --sweep --plot sweep.svg   (or sweep.png)
 Transports are chosen like in any rucx program: RUCX_TLS=posix, RUCX_TLS=tcp, ...
 
 Tests: tag_lat, tag_bw, tag_sync_lat, tag_sync_bw, stream_lat, stream_bw, ucp_put_lat,
@@ -288,7 +288,7 @@ pub struct Cli {
     /// OSU-style sweep: tag_lat and tag_bw over 1 B..4 MiB (powers of two, or -s).
     #[arg(long)]
     pub sweep: bool,
-    /// With --sweep: write the plot here (SVG; default rucx-sweep.svg).
+    /// With --sweep: write the plot here (PNG when the name ends in .png, else SVG; default rucx-sweep.svg).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// No progress lines on stderr.

@@ -66,6 +66,14 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
     } else {
         client(&opts, &self_cmd)
     };
+    if std::env::var_os("RUCX_PERFTEST_PEAK_RSS").is_some() {
+        // For the memory test: each side's peak resident memory, on stderr.
+        let side = if opts.is_server() { "server" } else { "client" };
+        match mem::peak_rss_kib() {
+            Some(k) => eprintln!("rucx-perftest: {side} peak RSS {k} KiB"),
+            None => eprintln!("rucx-perftest: {side} peak RSS unknown (no /proc/self/status)"),
+        }
+    }
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -532,7 +540,7 @@ fn sweep(job: &Job, opts: &Options) -> R<()> {
         "rucx-perftest --sweep, RUCX_TLS={tls}, transports: {}",
         job.worker().transports().join(", ")
     );
-    std::fs::write(&opts.plot, plot::svg(&panels, &caption)?)
+    plot::write(&opts.plot, &panels, &caption)
         .map_err(|e| format!("writing the plot to {}: {e}", opts.plot.display()))?;
     eprintln!("rucx-perftest: plot written to {}", opts.plot.display());
     Ok(())

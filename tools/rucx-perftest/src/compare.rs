@@ -66,7 +66,7 @@ pub struct CompareCli {
     /// Also write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Also draw the medians as an SVG plot here.
+    /// Also draw the medians as a plot here (PNG when the name ends in .png, else SVG).
     #[arg(long)]
     pub plot: Option<PathBuf>,
 }
@@ -1117,11 +1117,11 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
         eprintln!("bench-compare: JSON written to {}", p.display());
     }
     if let Some(p) = &cli.plot {
-        let svg = plot::svg(
+        plot::write(
+            p,
             &panels(&rows),
             &format!("rucx-bench-compare: medians of {reps} runs, {}", machine()),
         )?;
-        std::fs::write(p, svg).map_err(|e| format!("writing {}: {e}", p.display()))?;
         eprintln!("bench-compare: plot written to {}", p.display());
     }
     Ok(())

@@ -122,6 +122,36 @@ impl Buf {
         }
     }
 
+    /// A send buffer of `len` bytes of [`pattern_byte`]s: the only copy of the message on this
+    /// side (a device buffer is filled through bounded host chunks).
+    pub fn pattern(mt: MemoryType, gpu: Option<&Gpu>, len: usize) -> R<Buf> {
+        match mt {
+            MemoryType::Host => Ok(Buf::Host(crate::run::pattern(len))),
+            _ => {
+                let mut mem = dev_alloc(gpu, len, "send buffer")?;
+                let mut off = 0;
+                while off < len {
+                    let n = CHUNK.min(len - off);
+                    let part: Vec<u8> = (off..off + n).map(pattern_byte).collect();
+                    // Complete on return: the buffer can be sent right away.
+                    mem.copy_from_host(off, &part)
+                        .map_err(|e| format!("filling the send buffer: {e}"))?;
+                    off += n;
+                }
+                Ok(Buf::Dev { mem, len })
+            }
+        }
+    }
+
+    /// Check that the buffer holds the [`pattern_byte`]s, without a copy of the message (a
+    /// device buffer is read back in bounded chunks).
+    pub fn verify(&self, what: &str) -> R<()> {
+        match self {
+            Buf::Host(v) => verify_pattern(what, v, 0, v.len()),
+            Buf::Dev { mem, len } => verify_dev(what, mem, 0, *len),
+        }
+    }
+
     /// A receive buffer with every byte written (host pages faulted in), last byte 0.
     pub fn touched(mt: MemoryType, gpu: Option<&Gpu>, len: usize) -> R<Buf> {
         match mt {
@@ -241,6 +271,17 @@ impl Ring {
         }
     }
 
+    /// Check that slot `k` holds the [`pattern_byte`]s (without a copy of the message).
+    pub fn verify(&self, k: usize, what: &str) -> R<()> {
+        if k >= self.len() {
+            return Err(format!("no receive slot {k}"));
+        }
+        match self {
+            Ring::Host(v) => verify_pattern(what, &v[k], 0, v[k].len()),
+            Ring::Dev { mem, size, .. } => verify_dev(what, mem, k * *size, *size),
+        }
+    }
+
     /// Slot `k`'s contents, copied to the host.
     pub fn read(&self, k: usize) -> R<Vec<u8>> {
         match self {
@@ -259,6 +300,53 @@ impl Ring {
             }
         }
     }
+}
+
+/// This process's peak resident memory (`VmHWM`) in KiB, where `/proc` tells it.
+pub fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Bytes a device buffer is filled or checked through at a time.
+const CHUNK: usize = 64 << 20;
+
+/// Byte `i` of every message sent (`run::pattern` is these bytes).
+pub fn pattern_byte(i: usize) -> u8 {
+    (i.wrapping_mul(7).wrapping_add(1)) as u8
+}
+
+/// Check that `got`, bytes `offset..offset + got.len()` of a message of `total` bytes, are the
+/// [`pattern_byte`]s; the error names the first differing byte.
+pub fn verify_pattern(what: &str, got: &[u8], offset: usize, total: usize) -> R<()> {
+    match got
+        .iter()
+        .enumerate()
+        .position(|(i, &b)| b != pattern_byte(offset + i))
+    {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: data received wrong at byte {} of {total} (got {:#04x}, sent {:#04x})",
+            offset + i,
+            got[i],
+            pattern_byte(offset + i)
+        )),
+    }
+}
+
+/// [`verify_pattern`] of `len` bytes of `mem` from `base`, read back in chunks.
+fn verify_dev(what: &str, mem: &DeviceBuffer, base: usize, len: usize) -> R<()> {
+    let mut part = vec![0u8; CHUNK.min(len)];
+    let mut off = 0;
+    while off < len {
+        let n = CHUNK.min(len - off);
+        mem.copy_to_host(base + off, &mut part[..n])
+            .map_err(|e| format!("{what}: reading the receive buffer back: {e}"))?;
+        verify_pattern(what, &part[..n], off, len)?;
+        off += n;
+    }
+    Ok(())
 }
 
 /// Compare received bytes with what was sent; the error names the first differing byte.
@@ -509,6 +597,20 @@ mod tests {
     #[test]
     fn verify_names_the_first_bad_byte() {
         assert!(verify("x", &[1, 2], &[1, 2]).is_ok());
+        let p = crate::run::pattern(1000);
+        assert!(verify_pattern("x", &p, 0, 1000).is_ok());
+        assert!(verify_pattern("x", &p[10..], 10, 1000).is_ok());
+        let e = verify_pattern("x", &p[10..], 11, 1000).unwrap_err();
+        assert!(e.contains("byte 11 of 1000"), "{e}");
+        let b = Buf::pattern(MemoryType::Host, None, 300).unwrap();
+        assert!(b.verify("b").is_ok());
+        assert_eq!(b.read().unwrap(), crate::run::pattern(300));
+        let mut r = Ring::new(MemoryType::Host, None, 5, 2).unwrap();
+        assert!(r.verify(1, "r").unwrap_err().contains("byte 0 of 5"));
+        if let Ring::Host(v) = &mut r {
+            v[1].copy_from_slice(&crate::run::pattern(5));
+        }
+        assert!(r.verify(1, "r").is_ok() && r.verify(2, "r").is_err());
         let e = verify("tag_bw", &[1, 9, 3], &[1, 2, 3]).unwrap_err();
         assert!(e.contains("at byte 1 of 3"), "{e}");
         assert!(verify("x", &[1], &[1, 2]).unwrap_err().contains("1 bytes"));

@@ -1,10 +1,12 @@
-//! SVG line plots with a log2 size axis, drawn with `plotters` (its SVG backend).
+//! Line plots with a log2 size axis, drawn with `plotters`: SVG (its SVG backend) or PNG (its
+//! bitmap backend), the same drawing code for both.
 //!
-//! SVG only: the bitmap (PNG) backend of `plotters` draws text with a font rasterizer, which
-//! needs either fontconfig and FreeType (its `ttf` feature: system libraries the GPU machine
-//! may lack, where the sweeps run) or a font file found at run time (`ab_glyph`, which would
-//! then be needed for SVG text layout too). The SVG backend writes text as `<text>` and needs
-//! neither; `rsvg-convert -o x.png x.svg` makes a PNG.
+//! Text is laid out (and, in a PNG, rasterized) with `ab_glyph` and a font embedded in the
+//! binary, DejaVu Sans (`assets/`, free license in `assets/DejaVu-LICENSE`): no fontconfig or
+//! FreeType, nothing looked up at run time, so plots come out alike on every machine.
+
+use std::path::Path;
+use std::sync::OnceLock;
 
 use plotters::coord::Shift;
 use plotters::element::DashedPathElement;
@@ -93,8 +95,23 @@ fn px(size: f64) -> f64 {
     size * 1.24
 }
 
-type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 type DrawResult = Result<(), String>;
+
+/// DejaVu Sans, the font of every label (bold text uses it too: one file is enough).
+static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+/// Register the embedded font with `plotters` once (text layout needs it in SVGs too).
+fn fonts() -> DrawResult {
+    static DONE: OnceLock<DrawResult> = OnceLock::new();
+    DONE.get_or_init(|| {
+        for style in [FontStyle::Normal, FontStyle::Bold] {
+            plotters::style::register_font("sans-serif", style, FONT)
+                .map_err(|_| "the embedded font does not load".to_string())?;
+        }
+        Ok(())
+    })
+    .clone()
+}
 
 fn err<E: std::fmt::Debug>(e: E) -> String {
     format!("drawing the plot: {e:?}")
@@ -106,7 +123,7 @@ fn drawable(p: &Panel, (x, y): (f64, f64)) -> bool {
     x > 0.0 && y.is_finite() && (!p.log_y || y > 0.0)
 }
 
-fn panel(area: &Area<'_>, p: &Panel) -> DrawResult {
+fn panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> DrawResult {
     let legend_rows = p.series.len().div_ceil(2) as u32;
     let legend_h = (6 + LEGEND_ROW_H * legend_rows).min(PH / 2);
     let (chart_area, legend_area) = area.split_vertically(PH - legend_h);
@@ -242,32 +259,76 @@ fn panel(area: &Area<'_>, p: &Panel) -> DrawResult {
     Ok(())
 }
 
+/// Draw the panels side by side and the caption below them on `root` (`w` pixels wide).
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    w: u32,
+    panels: &[Panel],
+    caption: &str,
+) -> DrawResult {
+    root.fill(&WHITE).map_err(err)?;
+    let (body, foot) = root.split_vertically(PH);
+    for (p, area) in panels
+        .iter()
+        .zip(body.split_evenly((1, panels.len().max(1))))
+    {
+        panel(&area, p)?;
+    }
+    let text = TextStyle::from(("sans-serif", px(11.0)).into_font())
+        .color(&RGBColor(0x55, 0x55, 0x55))
+        .pos(Pos::new(HPos::Center, VPos::Center));
+    foot.draw(&Text::new(
+        caption,
+        (w as i32 / 2, CAPTION_H as i32 / 2),
+        text,
+    ))
+    .map_err(err)?;
+    root.present().map_err(err)
+}
+
+/// Width and height of a figure of `n` panels, pixels.
+fn dims(n: usize) -> (u32, u32) {
+    (PW * n.max(1) as u32, PH + CAPTION_H)
+}
+
 /// An SVG document with the panels side by side and a caption below.
 pub fn svg(panels: &[Panel], caption: &str) -> Result<String, String> {
-    let w = PW * panels.len().max(1) as u32;
+    fonts()?;
+    let (w, h) = dims(panels.len());
     let mut out = String::new();
-    {
-        let root = SVGBackend::with_string(&mut out, (w, PH + CAPTION_H)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let (body, foot) = root.split_vertically(PH);
-        for (p, area) in panels
-            .iter()
-            .zip(body.split_evenly((1, panels.len().max(1))))
-        {
-            panel(&area, p)?;
-        }
-        let text = TextStyle::from(("sans-serif", px(11.0)).into_font())
-            .color(&RGBColor(0x55, 0x55, 0x55))
-            .pos(Pos::new(HPos::Center, VPos::Center));
-        foot.draw(&Text::new(
-            caption,
-            (w as i32 / 2, CAPTION_H as i32 / 2),
-            text,
-        ))
-        .map_err(err)?;
-        root.present().map_err(err)?;
-    }
+    draw(
+        SVGBackend::with_string(&mut out, (w, h)).into_drawing_area(),
+        w,
+        panels,
+        caption,
+    )?;
     Ok(out)
+}
+
+/// The same figure as a PNG file at `path`.
+pub fn png(panels: &[Panel], caption: &str, path: &Path) -> Result<(), String> {
+    fonts()?;
+    let (w, h) = dims(panels.len());
+    draw(
+        BitMapBackend::new(path, (w, h)).into_drawing_area(),
+        w,
+        panels,
+        caption,
+    )
+    .map_err(|e| format!("{e} (writing {})", path.display()))
+}
+
+/// Write the figure to `path`: PNG when its name ends in `.png` (any case), else SVG.
+pub fn write(path: &Path, panels: &[Panel], caption: &str) -> Result<(), String> {
+    let is_png = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+    if is_png {
+        png(panels, caption, path)
+    } else {
+        let doc = svg(panels, caption)?;
+        std::fs::write(path, doc).map_err(|e| format!("writing {}: {e}", path.display()))
+    }
 }
 
 #[cfg(test)]
@@ -367,6 +428,48 @@ mod tests {
         assert!(!s.contains("NaN") && !s.contains("inf"));
         let s = svg(&[], "nothing").unwrap();
         assert!(s.contains(r#"width="520""#));
+    }
+
+    /// A PNG is written, decodes, has the figure's size and shows the lines in their color.
+    #[test]
+    fn png_is_written_and_decodes() {
+        let dir = std::env::temp_dir().join(format!("rucx-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pts: Vec<(f64, f64)> = (0..23).map(|k| (2f64.powi(k), 1.0 + k as f64)).collect();
+        let panels = [panel(true, pts.clone(), true), panel(false, pts, false)];
+        let path = dir.join("sweep.PNG");
+        write(&path, &panels, "caption").unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "PNG signature");
+        assert_eq!(&bytes[12..16], b"IHDR");
+        let be = |i: usize| u32::from_be_bytes(bytes[i..i + 4].try_into().unwrap());
+        assert_eq!((be(16), be(20)), (1040, 384), "two panels side by side");
+        let img = image::load_from_memory(&bytes).unwrap().to_rgb8();
+        assert_eq!(img.dimensions(), (1040, 384));
+        let line = image::Rgb([0x1f, 0x77, 0xb4]);
+        let colored = img.pixels().filter(|p| **p == line).count();
+        assert!(
+            colored > 500,
+            "the series are drawn: {colored} pixels of their color"
+        );
+        // Text was rasterized: dark pixels besides the lines (titles, labels, caption).
+        let dark = img
+            .pixels()
+            .filter(|p| p.0.iter().all(|&c| c < 0x40))
+            .count();
+        assert!(dark > 500, "{dark} dark pixels");
+        // Another extension is SVG.
+        let svg_path = dir.join("sweep.svg");
+        write(&svg_path, &panels, "caption").unwrap();
+        assert!(
+            std::fs::read_to_string(&svg_path)
+                .unwrap()
+                .starts_with("<svg")
+        );
+        // An unwritable place is an error naming it, not a panic.
+        let e = write(&dir.join("no/such/dir/x.png"), &panels, "").unwrap_err();
+        assert!(e.contains("x.png"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

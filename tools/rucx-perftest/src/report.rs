@@ -102,30 +102,45 @@ pub fn table_header() -> String {
     s
 }
 
+/// `x` with `decimals` digits after the point, or fewer when that does not fit `width`
+/// characters (a latency of seconds in microseconds, a bandwidth of millions of MB/s), or in
+/// scientific notation when even no digits do: a row keeps the table's width at every size.
+fn fit(x: f64, width: usize, decimals: usize) -> String {
+    for d in (0..=decimals).rev() {
+        let s = format!("{x:>width$.d$}");
+        if s.len() <= width {
+            return s;
+        }
+    }
+    for d in (0..=3).rev() {
+        let s = format!("{x:>width$.d$e}");
+        if s.len() <= width {
+            return s;
+        }
+    }
+    format!("{:>width$}", "#")
+}
+
 /// One row of the table.
 pub fn table_row(f: &Figures) -> String {
     let w = WIDTHS;
-    format!(
-        "|{:>a$} |{:>b$} |{:>c$.3} |{:>d$.3} |{:>e$.3} |{:>f$.2} |{:>g$.2} |{:>h$.0} |{:>i$.0} |",
-        f.size,
-        f.iterations,
-        f.lat_p50_us,
-        f.lat_avg_us,
-        f.lat_overall_us,
-        f.bw_avg_mbs,
-        f.bw_overall_mbs,
-        f.mr_avg,
-        f.mr_overall,
-        a = w[0] - 1,
-        b = w[1] - 1,
-        c = w[2] - 1,
-        d = w[3] - 1,
-        e = w[4] - 1,
-        f = w[5] - 1,
-        g = w[6] - 1,
-        h = w[7] - 1,
-        i = w[8] - 1,
-    )
+    let cols = [
+        format!("{:>a$}", f.size, a = w[0] - 1),
+        format!("{:>b$}", f.iterations, b = w[1] - 1),
+        fit(f.lat_p50_us, w[2] - 1, 3),
+        fit(f.lat_avg_us, w[3] - 1, 3),
+        fit(f.lat_overall_us, w[4] - 1, 3),
+        fit(f.bw_avg_mbs, w[5] - 1, 2),
+        fit(f.bw_overall_mbs, w[6] - 1, 2),
+        fit(f.mr_avg, w[7] - 1, 0),
+        fit(f.mr_overall, w[8] - 1, 0),
+    ];
+    let mut s = String::from("|");
+    for c in cols {
+        s.push_str(&c);
+        s.push_str(" |");
+    }
+    s
 }
 
 /// The closing rule of the table.
@@ -297,6 +312,35 @@ pub(crate) mod tests {
         for line in b.lines() {
             assert_eq!(line.chars().count(), w, "{line:?}");
         }
+    }
+
+    #[test]
+    fn columns_are_right_and_line_up_at_huge_sizes() {
+        let w = table_width();
+        let s = Duration::from_secs;
+        // 2 GiB + 1 and 4 GiB messages, one a second (a window drained inside the last
+        // iteration): about 2048 and 4096 MB/s both ways, and rows as wide as the table.
+        for (size, mbs) in [((2usize << 30) + 1, 2048.0), (4usize << 30, 4096.0)] {
+            let f = Figures::compute("tag_bw", size, &[s(1); 10], s(10), false);
+            assert!((f.bw_avg_mbs - mbs).abs() < 0.01, "{f:?}");
+            assert!((f.bw_overall_mbs - mbs).abs() < 0.01, "{f:?}");
+            assert!((f.mr_avg - 1.0).abs() < 1e-9 && (f.lat_avg_us - 1e6).abs() < 1e-6);
+            let row = table_row(&f);
+            assert_eq!(row.chars().count(), w, "{row:?}");
+            assert!(row.contains(&format!(" {size} |")), "{row}");
+            assert!(row.contains(&format!("{mbs:.2}")), "{row}");
+            // Latency columns of a million microseconds lose decimals, not their alignment.
+            assert!(row.contains("1000000.0"), "{row}");
+        }
+        // Values past every column's width still keep it (scientific notation).
+        let mut f = Figures::compute("tag_bw", 1 << 40, &[s(100_000)], s(100_000), false);
+        f.bw_avg_mbs = 1.8e13;
+        let row = table_row(&f);
+        assert_eq!(row.chars().count(), w, "{row:?}");
+        assert!(row.contains("1.8") && row.contains('e'), "{row}");
+        assert_eq!(fit(2.5, 9, 3), "    2.500");
+        assert_eq!(fit(19778.5, 8, 3), "19778.50");
+        assert_eq!(fit(123456789.0, 8, 3), " 1.235e8");
     }
 
     #[test]

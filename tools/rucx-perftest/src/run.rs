@@ -252,6 +252,55 @@ struct Timer {
     progress: Progress,
 }
 
+/// Where iterations begin and end (the [`Timer`]; a recorder in tests).
+trait Marks {
+    /// Iteration `i` starts.
+    fn begin(&mut self, i: usize);
+    /// Iteration `i` ended.
+    fn end(&mut self, i: usize);
+}
+
+impl Marks for Timer {
+    fn begin(&mut self, i: usize) {
+        Timer::begin(self, i)
+    }
+
+    fn end(&mut self, i: usize) {
+        Timer::end(self, i)
+    }
+}
+
+/// Iterations `range` of a bandwidth test: at most `window` requests in flight (the oldest is
+/// waited for before the next is posted), and every request finished before the last
+/// iteration ends. The drain belongs to the measured run: were it left out, the iterations of
+/// a window that holds the whole run (a few 2 GiB messages) would time only the posts, and
+/// the average bandwidth would read millions of MB/s.
+fn windowed<Q>(
+    range: std::ops::Range<usize>,
+    window: usize,
+    t: &mut impl Marks,
+    mut post: impl FnMut(usize) -> Q,
+    mut wait: impl FnMut(Q) -> R<()>,
+) -> R<()> {
+    let mut q: VecDeque<Q> = VecDeque::with_capacity(window);
+    let last = range.end.saturating_sub(1);
+    for j in range {
+        t.begin(j);
+        if q.len() >= window.max(1) {
+            let r = q.pop_front().expect("window not empty");
+            wait(r)?;
+        }
+        q.push_back(post(j));
+        if j == last {
+            while let Some(r) = q.pop_front() {
+                wait(r)?;
+            }
+        }
+        t.end(j);
+    }
+    Ok(())
+}
+
 impl Timer {
     fn new(spec: &Spec, progress: bool) -> Timer {
         let clock = quanta::Clock::new();
@@ -305,9 +354,21 @@ impl Timer {
 /// buffer, which stays in cache; rucx's buffers cannot alias, and a ring much larger than the
 /// last-level cache would measure DRAM write bandwidth instead of the transport (64 MiB of
 /// 1 MiB slots ran at half the speed of 16 on a 16-core Xeon).
+///
+/// The ring never takes more than [`RING_BYTES`] (one slot at least), so a side needs memory
+/// for one message where one message fits: with messages too large for a window of slots,
+/// fewer receives are posted at once than sends are in flight, and the rest wait at the
+/// receiver as rendezvous announcements, which hold no payload.
 fn ring_len(size: usize, window: usize) -> usize {
-    window.max((16usize << 20) / size.max(1)).clamp(1, 1024)
+    let budget = (RING_BYTES / size.max(1)).max(1);
+    window
+        .max((16usize << 20) / size.max(1))
+        .clamp(1, 1024)
+        .min(budget)
 }
+
+/// The most memory a ring of receive (or get) buffers takes, unless one message is larger.
+const RING_BYTES: usize = 256 << 20;
 
 /// Iterations per scope of sends and puts (bounds the requests a scope keeps).
 fn chunk_len(window: usize) -> usize {
@@ -326,7 +387,7 @@ pub(crate) fn touched(size: usize) -> Vec<u8> {
 
 /// The bytes every sent message carries.
 pub(crate) fn pattern(size: usize) -> Vec<u8> {
-    (0..size).map(|i| (i * 7 + 1) as u8).collect()
+    (0..size).map(mem::pattern_byte).collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -335,7 +396,7 @@ pub(crate) fn pattern(size: usize) -> Vec<u8> {
 /// Send and receive buffers of a ping-pong, of the spec's memory types.
 fn pingpong_bufs(spec: &Spec, gpu: Option<&Gpu>) -> R<(Buf, Buf)> {
     Ok((
-        Buf::filled(spec.mem.0, gpu, &pattern(spec.size))?,
+        Buf::pattern(spec.mem.0, gpu, spec.size)?,
         Buf::touched(spec.mem.1, gpu, spec.size)?,
     ))
 }
@@ -386,21 +447,14 @@ fn tag_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) -
     let mut i = 0;
     while i < total {
         let end = (i + chunk_len(spec.window)).min(total);
-        w.scope(|s| -> R<()> {
-            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
-            for j in i..end {
-                t.begin(j);
-                if q.len() >= spec.window {
-                    let r = q.pop_front().expect("window not empty");
-                    wait(w, ep, r)?;
-                }
-                q.push_back(post_send(s, ep, sbuf.send_buf(), spec.test));
-                t.end(j);
-            }
-            while let Some(r) = q.pop_front() {
-                wait(w, ep, r)?;
-            }
-            Ok(())
+        w.scope(|s| {
+            windowed(
+                i..end,
+                spec.window,
+                t,
+                |_| post_send(s, ep, sbuf.send_buf(), spec.test),
+                |r| wait(w, ep, r).map(|_| ()),
+            )
         })?;
         i = end;
     }
@@ -424,21 +478,14 @@ fn put_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     let mut i = 0;
     while i < total {
         let end = (i + chunk_len(spec.window)).min(total);
-        w.scope(|s| -> R<()> {
-            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
-            for j in i..end {
-                t.begin(j);
-                if q.len() >= spec.window {
-                    let r = q.pop_front().expect("window not empty");
-                    wait(w, ep, r)?;
-                }
-                q.push_back(s.put(ep, &sbuf, remote, &rkey));
-                t.end(j);
-            }
-            while let Some(r) = q.pop_front() {
-                wait(w, ep, r)?;
-            }
-            Ok(())
+        w.scope(|s| {
+            windowed(
+                i..end,
+                spec.window,
+                t,
+                |_| s.put(ep, &sbuf, remote, &rkey),
+                |r| wait(w, ep, r).map(|_| ()),
+            )
         })?;
         i = end;
     }
@@ -454,21 +501,18 @@ fn get_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     let mut i = 0;
     while i < total {
         let n = bufs.len().min(total - i);
-        w.scope(|s| -> R<()> {
-            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
-            for (k, b) in bufs.iter_mut().take(n).enumerate() {
-                t.begin(i + k);
-                if q.len() >= spec.window {
-                    let r = q.pop_front().expect("window not empty");
-                    wait(w, ep, r)?;
-                }
-                q.push_back(s.get(ep, b, remote, &rkey));
-                t.end(i + k);
-            }
-            while let Some(r) = q.pop_front() {
-                wait(w, ep, r)?;
-            }
-            Ok(())
+        w.scope(|s| {
+            let mut free = bufs.iter_mut();
+            windowed(
+                i..i + n,
+                spec.window,
+                t,
+                |_| {
+                    let b = free.next().expect("one buffer per iteration of the scope");
+                    s.get(ep, b, remote, &rkey)
+                },
+                |r| wait(w, ep, r).map(|_| ()),
+            )
         })?;
         i += n;
     }
@@ -573,7 +617,7 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     };
     let bw_buf = match spec.test {
         TestKind::TagBw | TestKind::TagSyncBw | TestKind::StreamBw => {
-            Some(Buf::filled(spec.mem.0, gpu, &pattern(spec.size))?)
+            Some(Buf::pattern(spec.mem.0, gpu, spec.size)?)
         }
         _ => None,
     };
@@ -608,11 +652,7 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let (samples, total) = t.finish();
     if let Some(rbuf) = check {
         // The last message the server sent, checked after the clock stopped.
-        mem::verify(
-            &format!("{} {} B, client", spec.test, spec.size),
-            &rbuf.read()?,
-            &pattern(spec.size),
-        )?;
+        rbuf.verify(&format!("{} {} B, client", spec.test, spec.size))?;
     }
     Ok(Figures::compute(
         spec.test.name(),
@@ -661,7 +701,7 @@ fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
             wait(w, ep, post_send(s, ep, sbuf.send_buf(), spec.test))
         })?;
     }
-    mem::verify("server", &rbuf.read()?, &pattern(spec.size))
+    rbuf.verify("server")
 }
 
 fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
@@ -699,11 +739,7 @@ fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     // Checked after the client's clock stopped (at the acknowledgement).
     let last = (total - 1) % ring.len().max(1);
     for k in [0, last] {
-        mem::verify(
-            &format!("server, slot {k}"),
-            &ring.read(k)?,
-            &pattern(spec.size),
-        )?;
+        ring.verify(k, &format!("server, slot {k}"))?;
     }
     Ok(())
 }
@@ -878,6 +914,56 @@ mod tests {
         assert!(Spec::decode("hello").unwrap_err().contains("versions"));
     }
 
+    /// Records the order of begins and ends, into the log the posts and waits write too.
+    struct Log<'a>(&'a std::cell::RefCell<Vec<String>>);
+
+    impl Marks for Log<'_> {
+        fn begin(&mut self, i: usize) {
+            self.0.borrow_mut().push(format!("begin {i}"));
+        }
+        fn end(&mut self, i: usize) {
+            self.0.borrow_mut().push(format!("end {i}"));
+        }
+    }
+
+    #[test]
+    fn the_window_is_drained_inside_the_last_iteration() {
+        for (n, window) in [(3, 16), (10, 4), (1, 1), (5, 1)] {
+            let log = std::cell::RefCell::new(Vec::new());
+            let in_flight = std::cell::Cell::new(0usize);
+            windowed(
+                0..n,
+                window,
+                &mut Log(&log),
+                |j| {
+                    in_flight.set(in_flight.get() + 1);
+                    assert!(in_flight.get() <= window, "more than the window in flight");
+                    log.borrow_mut().push(format!("post {j}"));
+                    j
+                },
+                |j| {
+                    in_flight.set(in_flight.get() - 1);
+                    log.borrow_mut().push(format!("wait {j}"));
+                    Ok(())
+                },
+            )
+            .unwrap();
+            let log = log.into_inner();
+            assert_eq!(in_flight.get(), 0);
+            assert_eq!(log.iter().filter(|e| e.starts_with("wait")).count(), n);
+            assert_eq!(log.iter().filter(|e| e.starts_with("end")).count(), n);
+            // The last iteration ends after every wait: the time of a window that holds the
+            // whole run is inside the measured iterations.
+            let last_wait = log.iter().rposition(|e| e.starts_with("wait")).unwrap();
+            assert_eq!(log.last().unwrap(), &format!("end {}", n - 1), "{log:?}");
+            assert!(last_wait < log.len() - 1);
+        }
+        // A failed wait ends the loop with its error.
+        let log = std::cell::RefCell::new(Vec::new());
+        let e = windowed(0..4, 2, &mut Log(&log), |j| j, |_| Err("boom".to_string()));
+        assert_eq!(e.unwrap_err(), "boom");
+    }
+
     #[test]
     fn rings_and_chunks_are_bounded() {
         assert_eq!(ring_len(8, 16), 1024);
@@ -885,6 +971,18 @@ mod tests {
         assert_eq!(ring_len(4 << 20, 1), 4);
         assert_eq!(ring_len(1 << 20, 16), 16);
         assert_eq!(ring_len(1 << 30, 1), 1);
+        // Memory bounded by the message: one slot of a huge message whatever the window.
+        assert_eq!(ring_len(16 << 20, 16), 16);
+        assert_eq!(ring_len(32 << 20, 16), 8);
+        assert_eq!(ring_len(256 << 20, 16), 1);
+        assert_eq!(ring_len((2 << 30) + 1, 16), 1);
+        assert_eq!(ring_len(4 << 30, 64), 1);
+        for size in [1usize, 4096, 1 << 20, 100 << 20, 1 << 30] {
+            for window in [1, 4, 16, 256] {
+                let n = ring_len(size, window);
+                assert!(n >= 1 && n.saturating_mul(size) <= RING_BYTES.max(size));
+            }
+        }
         assert!(chunk_len(1) >= 1024);
     }
 }

@@ -116,7 +116,6 @@ pub enum Scheme {
     Am,
 }
 
-/// The configuration the planner reads, parsed once.
 /// `RUCX_RNDV_SPLIT_THRESH`'s default: 64 KiB. On shared memory between two cores that do not
 /// share their caches, an eager message moves every line dirty from the sender's cache to the
 /// receiver's (twice copied, both copies waiting on the other core), while the split read copies
@@ -126,6 +125,7 @@ pub enum Scheme {
 /// share a core's caches, eager wins at 64 KiB: 10-20 GB/s against 6.2-6.6.)
 pub const DEFAULT_SPLIT_THRESH: usize = 64 << 10;
 
+/// The configuration the planner reads, parsed once.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanConfig {
     /// `RUCX_RNDV_THRESH`.

@@ -8,8 +8,8 @@ use super::{Lanes, MemKey, PlanInput, RecvPlan};
 /// One way for a rendezvous receive to get its data, tried in the plan's order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecvStep {
-    /// Read the sender's registered buffer straight into ours on `lane` (between GPU buffers:
-    /// a zero-copy GPU lane).
+    /// Read the sender's registered buffer straight into ours on `lane` (from GPU memory: a
+    /// zero-copy GPU lane, into GPU memory or into host memory).
     Get {
         /// Lane.
         lane: usize,
@@ -87,14 +87,28 @@ pub(super) fn plan(
             notes,
         };
     }
-    // 1. GPU to GPU, zero-copy through a lane whose domain registers the receive buffer.
+    // 1. GPU to GPU, zero-copy through a lane whose domain registers the receive buffer; GPU
+    // to host, through a zero-copy GPU lane whose transport also writes local host memory
+    // (cuda_ipc: one device-to-host copy out of the mapped sender's buffer).
     if send.is_gpu() && recv.mem.is_gpu() {
         match lanes.gpu(recv) {
             Some(l) => steps.push(RecvStep::Get { lane: l }),
             None => notes.push(no_gpu_lane(input, recv)),
         }
+    } else if send.is_gpu() {
+        match lanes.gpu.iter().filter_map(|(_, l)| *l).find(|&l| {
+            input.lanes[l]
+                .md_attr
+                .access_mem_types()
+                .has(MemoryType::Host)
+        }) {
+            Some(l) => steps.push(RecvStep::Get { lane: l }),
+            None => notes.push(
+                "no zero-copy GPU lane to this peer reads into host memory (cuda_ipc does)".into(),
+            ),
+        }
     } else {
-        notes.push("zero-copy GPU lanes (cuda_ipc) read only between GPU buffers".into());
+        notes.push("zero-copy GPU lanes (cuda_ipc) do not read host memory".into());
     }
     // 2. Staged through host memory: needs a lane with remote reads, and a copy lane on the
     // side(s) holding GPU memory (ours is checked here; the sender checks its own).

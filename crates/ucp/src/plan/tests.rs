@@ -150,7 +150,14 @@ fn cuda_ipc() -> LaneCand {
     lane(
         "cuda_ipc",
         a,
-        md("cuda_ipc", &[(MemoryType::Cuda, RW)], 5_000.0),
+        md(
+            "cuda_ipc",
+            &[
+                (MemoryType::Cuda, RW),
+                (MemoryType::Host, MemTypeFlags::ACCESS),
+            ],
+            5_000.0,
+        ),
     )
 }
 
@@ -321,7 +328,10 @@ fn two_h200_over_nvlink() {
     }
     let q = paths(&p, Some(0));
     assert!(q[1].zero_copy && q[1].lane == "cuda_ipc/cuda", "{}", q[1]);
-    assert_eq!(q[2].protocol, Proto::RndvPipeline.name(), "{}", q[2]);
+    // GPU into host memory: the receiver reads through the IPC mapping (one device-to-host
+    // copy); host into GPU memory is staged.
+    assert!(q[2].zero_copy && q[2].lane == "cuda_ipc/cuda", "{}", q[2]);
+    assert_eq!(q[3].protocol, Proto::RndvPipeline.name(), "{}", q[3]);
     // The copy engine is never a lane to the peer.
     assert_ne!(p.lanes.rma, Some(1));
 }

@@ -11,11 +11,14 @@ impl State {
             let mut r = rucx_uct::rkey::Reader::new(&data, "active message");
             match r.lv() {
                 Ok(h) => {
-                    let hl = h.len();
+                    let header = h.to_vec();
+                    // The body moves down in place: no second copy of a large message.
+                    let mut data = data;
+                    data.drain(..2 + header.len());
                     self.am_inbox.push(AmMessage {
                         id,
-                        header: h.to_vec(),
-                        data: data[2 + hl..].to_vec(),
+                        header,
+                        data,
                         reply_ep: EpId(p),
                     });
                 }

@@ -243,6 +243,7 @@ impl State {
             total: data.len(),
             data: Vec::new(),
             sync,
+            lost: false,
         };
         match self.matcher.arrive_with(tag, queued) {
             Some(rid) => {
@@ -254,8 +255,17 @@ impl State {
             }
             None => {
                 // Store the data in the queued entry.
-                if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
-                    d.extend_from_slice(data);
+                let a = self.msg_alloc;
+                if let Some(Unexp::Eager { data: d, lost, .. }) =
+                    self.matcher.unexpected_mut().last()
+                {
+                    match a.reserve(d, data.len()) {
+                        Ok(()) => d.extend_from_slice(data),
+                        Err(e) => {
+                            tracing::warn!("unexpected message dropped: {e}");
+                            *lost = true;
+                        }
+                    }
                 }
             }
         }
@@ -303,6 +313,8 @@ impl State {
         if gpu {
             self.recv_data(rid, 0, data);
             self.recv_complete(rid);
+        } else {
+            self.owned.note_done(rid);
         }
     }
 }

@@ -164,7 +164,15 @@ impl State {
         }
         let p = self.src_peer(src)?;
         if kind == MsgKind::Am {
-            let mut d = Vec::with_capacity(total);
+            let mut d = Vec::new();
+            if let Err(e) = self.msg_alloc.reserve(&mut d, total) {
+                tracing::warn!("active message {tag} dropped: {e}");
+                let left = total.saturating_sub(data.len());
+                if left > 0 {
+                    self.rx.insert((src, msg_id), RxDest::Discard { left });
+                }
+                return Ok(());
+            }
             d.extend_from_slice(data);
             let dest = RxDest::UserAm {
                 id: tag as u16,
@@ -181,6 +189,7 @@ impl State {
             total,
             data: Vec::new(),
             sync: None,
+            lost: false,
         };
         match self.matcher.arrive(tag, u) {
             Some((rid, _)) => {
@@ -192,11 +201,24 @@ impl State {
                 }
             }
             None => {
-                if let Some(Unexp::Eager { data: d, .. }) = self.matcher.unexpected_mut().last() {
-                    d.reserve(total);
-                    d.extend_from_slice(data);
+                let a = self.msg_alloc;
+                let mut dest = RxDest::Unexpected;
+                if let Some(Unexp::Eager { data: d, lost, .. }) =
+                    self.matcher.unexpected_mut().last()
+                {
+                    match a.reserve(d, total) {
+                        Ok(()) => d.extend_from_slice(data),
+                        Err(e) => {
+                            tracing::warn!("unexpected message dropped: {e}");
+                            *lost = true;
+                            let left = total.saturating_sub(data.len());
+                            dest = RxDest::Discard { left };
+                        }
+                    }
                 }
-                self.rx.insert((src, msg_id), RxDest::Unexpected);
+                if !matches!(dest, RxDest::Discard { left: 0 }) {
+                    self.rx.insert((src, msg_id), dest);
+                }
             }
         }
         Ok(())
@@ -250,6 +272,12 @@ impl State {
                     d.extend_from_slice(data);
                 }
                 self.maybe_finish_user_am(src, msg_id, p);
+            }
+            Some(RxDest::Discard { left }) => {
+                *left = left.saturating_sub(data.len());
+                if *left == 0 {
+                    self.rx.remove(&key);
+                }
             }
             Some(RxDest::Aborted) => {}
             None => {
@@ -305,6 +333,8 @@ impl State {
                 });
             }
             Some(RxDest::UserAm { .. }) => {}
+            // Dropped already (no memory for it); the fragments still to come are not.
+            Some(RxDest::Discard { .. }) => {}
             Some(RxDest::Aborted) => {
                 self.rx.insert(key, RxDest::Aborted);
             }

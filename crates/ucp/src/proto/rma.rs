@@ -112,6 +112,11 @@ impl State {
 
     pub(crate) fn post_flush(&mut self, p: usize) -> Result<u64> {
         self.check_peer(p)?;
+        Ok(self.flush_req(p))
+    }
+
+    /// A flush of every lane of peer `p` (checked by the caller).
+    pub(crate) fn flush_req(&mut self, p: usize) -> u64 {
         let lanes: Vec<usize> = self.peers[p].eps.keys().copied().collect();
         let id = self.new_req(ReqKind::Rma(RmaState {
             peer: p,
@@ -126,7 +131,7 @@ impl State {
         }));
         self.peers[p].queue.push_back(Pending::Stream(id));
         self.pump(p);
-        Ok(id)
+        id
     }
 
     /// Post the operations of a put, get or flush request.

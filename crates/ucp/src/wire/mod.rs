@@ -1,4 +1,4 @@
-//! Protocol messages on the wire (active-message ids 1..=19 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=21 belong to UCP).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.
@@ -7,7 +7,8 @@ use rucx_ucs::{Error, Result};
 use rucx_uct::AmId;
 use rucx_uct::rkey::{Reader, put_lv};
 
-/// Wire-up: sender's packed worker address.
+/// Wire-up: the sender's endpoint id for the receiver (tells a reconnect from the old
+/// connection's messages), then its packed worker address.
 pub const AM_WIREUP: AmId = 1;
 /// Eager, whole message in an `am_short`: header = tag, payload = src + data.
 pub const AM_EAGER_SHORT: AmId = 2;
@@ -53,11 +54,30 @@ pub const AM_RNDV_ABORT: AmId = 17;
 /// answer. Sent to a peer that has requests bound to it and has been silent for a while
 /// (`RUCX_PEER_TIMEOUT`); any message from a peer, this one included, shows it is alive.
 pub const AM_KEEPALIVE: AmId = 18;
+/// Send cancellation: src, sender request, then the step: 0, the sender asks the receiver to
+/// drop its message (a rendezvous announcement or a synchronous eager message) that no receive
+/// matched yet; 1, the receiver dropped it (the send ends canceled); 2, too late, a receive
+/// matched it (the send goes on).
+pub const AM_CANCEL: AmId = 19;
+
+/// A step of a send's cancellation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelStep {
+    /// Sender to receiver: drop the message of this send if no receive matched it yet.
+    Ask = 0,
+    /// Receiver to sender: dropped; no receive will see it.
+    Dropped = 1,
+    /// Receiver to sender: a receive matched it already.
+    TooLate = 2,
+}
+/// The sender closed its endpoint to the receiver (`Worker::close`): src. The last message of
+/// the endpoint; the receiver's endpoint to the sender is closed on receipt.
+pub const AM_DISCONNECT: AmId = 20;
 /// Multi-fragment eager abort: the sender could not post the rest of a message whose first
 /// fragments may have gone out (a transport error part-way), so the receiver drops what it
 /// reassembled and a receive that matched it ends with `PeerAborted`: src, message id, and the
 /// reason (as in [`AM_RNDV_ABORT`]).
-pub const AM_EAGER_ABORT: AmId = 19;
+pub const AM_EAGER_ABORT: AmId = 21;
 
 /// Longest reason an abort message carries (longer ones are cut at a character boundary).
 pub const MAX_ABORT_REASON: usize = 1024;
@@ -84,7 +104,7 @@ pub struct NamedKey {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Msg<'a> {
     /// Wire-up.
-    Wireup { addr: &'a [u8] },
+    Wireup { ep: u64, addr: &'a [u8] },
     /// Whole eager message.
     EagerOne { src: u64, tag: u64, data: &'a [u8] },
     /// Stream bytes.
@@ -182,6 +202,14 @@ pub enum Msg<'a> {
     },
     /// Keepalive probe (`reply` false), or the answer to one (`reply` true).
     Keepalive { src: u64, reply: bool },
+    /// A step of a send's cancellation ([`AM_CANCEL`]).
+    Cancel {
+        src: u64,
+        sreq: u64,
+        step: CancelStep,
+    },
+    /// The sender closed its endpoint.
+    Disconnect { src: u64 },
     /// User active message.
     User {
         src: u64,
@@ -214,6 +242,8 @@ impl Msg<'_> {
             Msg::Abort { .. } => AM_RNDV_ABORT,
             Msg::EagerAbort { .. } => AM_EAGER_ABORT,
             Msg::Keepalive { .. } => AM_KEEPALIVE,
+            Msg::Cancel { .. } => AM_CANCEL,
+            Msg::Disconnect { .. } => AM_DISCONNECT,
             Msg::User { .. } => AM_USER,
         }
     }
@@ -223,7 +253,10 @@ impl Msg<'_> {
     /// encoding of the message with empty data.
     pub fn encode_into(&self, out: &mut Vec<u8>) -> AmId {
         match self {
-            Msg::Wireup { addr } => out.extend_from_slice(addr),
+            Msg::Wireup { ep, addr } => {
+                put_u64s(out, &[*ep]);
+                out.extend_from_slice(addr)
+            }
             Msg::EagerOne { src, tag, data } => {
                 put_u64s(out, &[*src, *tag]);
                 out.extend_from_slice(data);
@@ -345,6 +378,11 @@ impl Msg<'_> {
                 put_u64s(out, &[*src]);
                 out.push(u8::from(*reply));
             }
+            Msg::Cancel { src, sreq, step } => {
+                put_u64s(out, &[*src, *sreq]);
+                out.push(*step as u8);
+            }
+            Msg::Disconnect { src } => put_u64s(out, &[*src]),
             Msg::User {
                 src,
                 id,
@@ -426,7 +464,13 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
     let mut r = Reader::new(data, "protocol message");
     let m = (|| -> Result<Msg<'_>> {
         Ok(match id {
-            AM_WIREUP => Msg::Wireup { addr: data },
+            AM_WIREUP => {
+                let ep = r.u64()?;
+                Msg::Wireup {
+                    ep,
+                    addr: &data[8..],
+                }
+            }
             AM_EAGER_SHORT => {
                 let tag = r.u64()?;
                 let src = r.u64()?;
@@ -667,6 +711,23 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                 };
                 r.finish()?;
                 Msg::Keepalive { src, reply }
+            }
+            AM_CANCEL => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let step = match r.u8()? {
+                    0 => CancelStep::Ask,
+                    1 => CancelStep::Dropped,
+                    2 => CancelStep::TooLate,
+                    b => return Err(Error::InvalidAddress(format!("cancel step {b}"))),
+                };
+                r.finish()?;
+                Msg::Cancel { src, sreq, step }
+            }
+            AM_DISCONNECT => {
+                let src = r.u64()?;
+                r.finish()?;
+                Msg::Disconnect { src }
             }
             AM_USER => {
                 let src = r.u64()?;

@@ -104,6 +104,18 @@ fn abort_round_trip_and_validation() {
 }
 
 #[test]
+fn disconnect_round_trip_and_validation() {
+    let m = Msg::Disconnect { src: 0x1234 };
+    let (id, b) = m.encode();
+    assert_eq!((id, b.len()), (AM_DISCONNECT, 8));
+    assert_eq!(parse(AM_DISCONNECT, &b).unwrap(), m);
+    assert!(parse(AM_DISCONNECT, &b[..7]).is_err(), "truncated source");
+    let mut long = b.clone();
+    long.push(0);
+    assert!(parse(AM_DISCONNECT, &long).is_err(), "trailing bytes");
+}
+
+#[test]
 fn keepalive_round_trip_and_validation() {
     for reply in [false, true] {
         let m = Msg::Keepalive { src: 7, reply };
@@ -123,6 +135,30 @@ fn keepalive_round_trip_and_validation() {
     assert!(parse(AM_KEEPALIVE, &b).is_err(), "trailing bytes");
 }
 
+#[test]
+fn cancel_round_trip_and_validation() {
+    for step in [CancelStep::Ask, CancelStep::Dropped, CancelStep::TooLate] {
+        let m = Msg::Cancel {
+            src: 7,
+            sreq: 9,
+            step,
+        };
+        let (id, b) = m.encode();
+        assert_eq!(id, AM_CANCEL);
+        assert_eq!(b.len(), 17, "src, request and one byte");
+        assert_eq!(parse(AM_CANCEL, &b).unwrap(), m);
+    }
+    let mut b = Vec::new();
+    put_u64s(&mut b, &[7, 9]);
+    assert!(parse(AM_CANCEL, &b).is_err(), "no step");
+    assert!(parse(AM_CANCEL, &b[..12]).is_err(), "truncated request");
+    b.push(3);
+    assert!(parse(AM_CANCEL, &b).is_err(), "unknown step");
+    b[16] = 1;
+    b.push(0);
+    assert!(parse(AM_CANCEL, &b).is_err(), "trailing bytes");
+}
+
 fn arb_key() -> impl Strategy<Value = NamedKey> {
     (
         "[a-z_]{1,12}",
@@ -138,7 +174,8 @@ fn arb_msg() -> impl Strategy<Value = Msg<'static>> {
     let nz = || 1u64..;
     let data = move || (0..=buf.len()).prop_map(move |n| &buf[..n]);
     prop_oneof![
-        data().prop_map(|addr| Msg::Wireup { addr }),
+        (u(), data()).prop_map(|(ep, addr)| Msg::Wireup { ep, addr }),
+        u().prop_map(|src| Msg::Disconnect { src }),
         (u(), u(), data()).prop_map(|(src, tag, data)| Msg::EagerOne { src, tag, data }),
         (u(), data()).prop_map(|(src, data)| Msg::StreamData { src, data }),
         (u(), u(), u(), data()).prop_map(|(src, tag, sreq, data)| Msg::EagerSync {
@@ -247,6 +284,11 @@ fn arb_msg() -> impl Strategy<Value = Msg<'static>> {
             }
         }),
         (u(), any::<bool>()).prop_map(|(src, reply)| Msg::Keepalive { src, reply }),
+        (u(), u(), 0u8..3).prop_map(|(src, sreq, k)| Msg::Cancel {
+            src,
+            sreq,
+            step: [CancelStep::Ask, CancelStep::Dropped, CancelStep::TooLate][k as usize],
+        }),
         (u(), any::<u16>(), data(), data()).prop_map(|(src, id, header, data)| Msg::User {
             src,
             id,
@@ -279,7 +321,7 @@ proptest! {
     }
 
     #[test]
-    fn garbage_is_an_error_not_a_panic(id in 0u8..20, g in proptest::collection::vec(any::<u8>(), 0..80)) {
+    fn garbage_is_an_error_not_a_panic(id in 0u8..22, g in proptest::collection::vec(any::<u8>(), 0..80)) {
         let _ = parse(id, &g);
     }
 }

@@ -37,9 +37,9 @@ impl State {
             );
         }
         match wire::parse(id, data)? {
-            Msg::Wireup { addr } => {
+            Msg::Wireup { ep, addr } => {
                 let remote = WorkerAddress::unpack(addr)?;
-                let p = self.peer_for(remote)?;
+                let p = self.peer_for_wireup(remote, ep)?;
                 self.peers[p].live.heard.set(true);
             }
             Msg::EagerOne { src, tag, data } => self.on_eager_one(src, tag, data, None)?,
@@ -195,12 +195,20 @@ impl State {
                 let _ = self.src_peer(src)?;
                 self.on_frag_ack(sreq, frag as usize, len as usize);
             }
+            Msg::Cancel { src, sreq, step } => {
+                let p = self.src_peer(src)?;
+                self.on_cancel(p, sreq, step);
+            }
             Msg::Keepalive { src, reply } => {
                 // Any message shows the peer alive; a probe is answered.
                 let p = self.src_peer(src)?;
                 if !reply {
                     self.send_keepalive(p, true);
                 }
+            }
+            Msg::Disconnect { src } => {
+                let p = self.src_peer(src)?;
+                self.closed_by_peer(p);
             }
             Msg::User {
                 src,

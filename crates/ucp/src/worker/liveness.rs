@@ -46,7 +46,10 @@ pub(crate) struct Keepalive {
 impl Keepalive {
     /// From `RUCX_PEER_TIMEOUT` (`None` for `inf`, the default).
     pub(super) fn from_config(cfg: &Config) -> Option<Keepalive> {
-        Keepalive::new(cfg.time("PEER_TIMEOUT"), cfg.raw("PEER_TIMEOUT"))
+        Keepalive::new(
+            cfg.time("PEER_TIMEOUT"),
+            cfg.raw("PEER_TIMEOUT").unwrap_or_default(),
+        )
     }
 
     pub(super) fn new(timeout: Duration, raw: &str) -> Option<Keepalive> {
@@ -160,7 +163,7 @@ impl State {
 /// How a blocking wait polls: flat out first (no clock read, no system call), then, after a
 /// long idle stretch, yielding the CPU and sleeping a little longer each time. Any event puts
 /// it back to polling flat out.
-pub(super) struct Backoff {
+pub(crate) struct Backoff {
     idle: u32,
     /// Idle long enough to yield or sleep at every idle poll.
     slow: bool,
@@ -169,7 +172,7 @@ pub(super) struct Backoff {
 }
 
 impl Backoff {
-    pub(super) fn new() -> Backoff {
+    pub(crate) fn new() -> Backoff {
         Backoff {
             idle: 0,
             slow: false,
@@ -180,7 +183,7 @@ impl Backoff {
 
     /// Something happened: poll flat out again.
     #[inline(always)]
-    pub(super) fn busy(&mut self) {
+    pub(crate) fn busy(&mut self) {
         self.idle = 0;
         if self.since.is_some() {
             *self = Backoff::new();
@@ -189,7 +192,7 @@ impl Backoff {
 
     /// A poll found nothing.
     #[inline]
-    pub(super) fn idle(&mut self, w: &Worker) {
+    pub(crate) fn idle(&mut self, w: &Worker) {
         if self.slow {
             return self.ease_off(w);
         }
@@ -227,6 +230,7 @@ impl Worker {
     fn check_peers(&self, now: Instant) {
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.check_peers(now);
+            st.check_procs(now);
         }
     }
 }

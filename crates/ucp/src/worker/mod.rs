@@ -28,18 +28,25 @@ use crate::proto::Range;
 use crate::slab::Slab;
 use rustc_hash::FxHashMap;
 
+pub(crate) mod alloc;
+mod cancel;
 mod dispatch;
+pub(crate) mod lifecycle;
 pub(crate) mod liveness;
 mod memmap;
+pub(crate) mod owned;
 mod peers;
 mod post;
 pub(crate) mod prelude;
+pub(crate) mod procwatch;
 mod query;
 mod queue;
 mod recv;
 pub(crate) mod state;
 
 pub use crate::plan::PathInfo;
+pub use lifecycle::CloseMode;
+pub(crate) use liveness::Backoff;
 pub use memmap::{MemMap, RkeyBundle};
 use state::{Slot, State, Unexp};
 
@@ -167,7 +174,7 @@ impl Worker {
                 component: "worker".into(),
                 reason: format!(
                     "no transport could be opened (RUCX_TLS={}; unavailable: {:?})",
-                    cfg.raw("TLS"),
+                    cfg.raw("TLS").unwrap_or_default(),
                     ctx.unavailable()
                 ),
             });
@@ -176,6 +183,7 @@ impl Worker {
             uuid: new_uuid(),
             host: host_name(),
             pid: std::process::id(),
+            proc: procwatch::own_stamp(),
             ifaces: entries,
         };
         let frag = cfg
@@ -256,6 +264,10 @@ impl Worker {
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),
+                msg_alloc: alloc::MsgAlloc::default(),
+                owned: owned::Registry::default(),
+                life: lifecycle::Life::default(),
+                procs: procwatch::ProcWatch::from_config(cfg),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -282,6 +294,7 @@ impl Worker {
         let remote = WorkerAddress::unpack(packed)?;
         let mut ifaces = self.ifaces.borrow_mut();
         let mut st = self.st.borrow_mut();
+        st.refuse_while_closing(remote.uuid)?;
         let p = st.peer_for(remote)?;
         st.connect_peer(p, &mut ifaces)?;
         st.pump(p);
@@ -295,6 +308,17 @@ impl Worker {
 
     /// Make progress on every interface; returns the number of events handled.
     pub fn progress(&self) -> usize {
+        let n = self.progress_events();
+        // Owned requests that ended are handed back, closes stepped and endpoint failures
+        // reported after the borrows are released (callbacks and handlers may post).
+        let more = {
+            let st = self.st.borrow();
+            st.owned.has_work() || st.life.has_work()
+        };
+        if more { n + self.after_progress() } else { n }
+    }
+
+    fn progress_events(&self) -> usize {
         let mut n = 0;
         let inbox = {
             let mut ifaces = self.ifaces.borrow_mut();
@@ -322,6 +346,10 @@ impl Worker {
             while let Some((tok, res)) = st.done_q.pop_front() {
                 st.on_tok(tok, res);
                 n += 1;
+            }
+            // Same-host peers' processes: a counter per call, the clock once in a while.
+            if st.procs.tick() {
+                st.check_procs(Instant::now());
             }
             // Peer liveness: a counter per call, the clock once in a while.
             if let Some(ka) = &mut st.keepalive {
@@ -491,6 +519,15 @@ impl Worker {
             .peers
             .get(ep.0)
             .and_then(|p| p.failed.clone())
+    }
+}
+
+impl Drop for Worker {
+    /// Owned requests still outstanding are ended and handed back first (`owned.rs`), closes
+    /// in progress end canceled (`lifecycle.rs`), then the interfaces close.
+    fn drop(&mut self) {
+        self.shutdown_owned();
+        self.cancel_closes();
     }
 }
 

@@ -7,11 +7,17 @@ impl State {
     /// Find or create the peer for a remote worker (no uct endpoints yet; lanes are chosen
     /// when it is connected, where the interfaces can judge reachability).
     pub(crate) fn peer_for(&mut self, remote: WorkerAddress) -> Result<usize> {
-        if let Some(&p) = self.by_uuid.get(&remote.uuid) {
+        if let Some(&p) = self.by_uuid.get(&remote.uuid)
+            && self.peers[p].failed.is_none()
+            && self.peers[p].closed.is_none()
+        {
             return Ok(p);
         }
+        // New, or a reconnect after the old endpoint failed or was closed: a new endpoint, which
+        // messages from that worker reach from now on.
         let p = self.peers.len();
         self.by_uuid.insert(remote.uuid, p);
+        self.last_src.set((0, 0));
         self.peers.push(Peer {
             remote,
             eps: Lanes::default(),
@@ -27,6 +33,8 @@ impl State {
             next_msg: 0,
             stream_rx: StreamRx::default(),
             live: liveness::PeerLive::default(),
+            closed: None,
+            remote_ep: None,
         });
         Ok(p)
     }
@@ -73,10 +81,12 @@ impl State {
         peer.plan_at = (u64::MAX, u64::MAX);
         // Introduce ourselves first on the AM lane, so replies can find us.
         let addr = self.address.pack();
-        self.peers[p].queue.push_front(Pending::Ctrl {
-            id: wire::AM_WIREUP,
-            bytes: addr,
-        });
+        let (id, bytes) = Msg::Wireup {
+            ep: p as u64,
+            addr: &addr,
+        }
+        .encode();
+        self.peers[p].queue.push_front(Pending::Ctrl { id, bytes });
         self.refresh_plan(p);
         Ok(())
     }
@@ -221,7 +231,7 @@ impl State {
     }
 
     pub(crate) fn fail_peer(&mut self, p: usize, reason: &str) {
-        let Some(peer) = self.peers.get_mut(p) else {
+        let Some(peer) = self.peers.get(p) else {
             return;
         };
         if peer.failed.is_some() {
@@ -231,15 +241,23 @@ impl State {
             "endpoint ep{p} to {} failed: {reason}",
             peer.remote.describe()
         );
+        let err = Error::EndpointFailure {
+            peer: peer.remote.describe(),
+            reason: reason.to_string(),
+        };
+        self.end_peer(p, reason, &err);
+        // Reported to the error handler from progress (unless this worker is closing it).
+        self.note_ep_failure(p, err);
+    }
+
+    /// Peer `p` is gone (failed or closed, for `reason`): every request bound to it ends with
+    /// `err`, its queue and partial messages are dropped.
+    pub(crate) fn end_peer(&mut self, p: usize, reason: &str, err: &Error) {
+        let peer = &mut self.peers[p];
         peer.failed = Some(reason.to_string());
         peer.queue.clear();
         peer.stream_rx.clear();
-        let desc = peer.remote.describe();
         let uuid = peer.remote.uuid;
-        let err = || Error::EndpointFailure {
-            peer: desc.clone(),
-            reason: reason.to_string(),
-        };
         let ids: Vec<u64> = self
             .reqs
             .iter()
@@ -252,7 +270,7 @@ impl State {
             .map(|(id, _)| id)
             .collect();
         for id in ids {
-            self.finish(id, Err(err()));
+            self.finish(id, Err(err.clone()));
         }
         // Partial unexpected messages from it can never complete.
         self.matcher.drop_unexpected(|u| match u {

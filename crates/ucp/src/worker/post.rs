@@ -304,6 +304,10 @@ impl Worker {
                     Some(r)
                         if r.result.as_ref().is_some_and(|x| x.is_err())
                             && st.copies_in_flight(*id) => {}
+                    // Canceled (a forced endpoint close) while the transport still runs
+                    // operations on its buffer: those finish first.
+                    Some(r)
+                        if r.outstanding > 0 && matches!(r.result, Some(Err(Error::Canceled))) => {}
                     _ => {
                         st.reqs.remove(id);
                         break;
@@ -322,6 +326,14 @@ impl Worker {
         if lists.len() < 8 {
             lists.push(ids);
         }
+    }
+
+    /// Fault injection for tests: buffers the worker allocates by a message's size (an eager
+    /// message that arrived before its receive, a user active message) fail above `limit`
+    /// bytes as if the system had no memory for them (`None`: no limit but the system's).
+    #[doc(hidden)]
+    pub fn inject_alloc_limit(&self, limit: Option<usize>) {
+        self.st.borrow_mut().msg_alloc.limit = limit;
     }
 
     /// Requests in the worker's table: those of open scopes (a leak check for tests).

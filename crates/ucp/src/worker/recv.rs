@@ -13,8 +13,19 @@ impl State {
                 total,
                 data,
                 sync,
+                lost,
             } => {
                 self.recv_begin(rid, src, tag, total);
+                if lost {
+                    // Matched (a synchronous sender learns so), but there is nothing to
+                    // deliver: the receive fails; the rest of the message is dropped as it comes.
+                    self.finish(rid, Err(super::alloc::lost_message(total)));
+                    if let Some(sreq) = sync {
+                        self.send_ats(src, sreq);
+                        self.pump(src);
+                    }
+                    return;
+                }
                 self.recv_data(rid, 0, &data);
                 let complete = self.recv_complete(rid);
                 if let Some(sreq) = sync {

@@ -153,6 +153,10 @@ pub(crate) struct Peer {
     pub(crate) stream_rx: StreamRx,
     /// When it was last heard from (`RUCX_PEER_TIMEOUT`).
     pub(crate) live: liveness::PeerLive,
+    /// Closed, or being closed, and by whom (`lifecycle.rs`).
+    pub(crate) closed: Option<super::lifecycle::Closed>,
+    /// The peer's endpoint id for us, from its wire-up (`lifecycle.rs`: reconnects).
+    pub(crate) remote_ep: Option<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -234,6 +238,9 @@ pub(crate) enum Unexp {
         data: Vec<u8>,
         /// A synchronous send's request, acknowledged when the message is matched.
         sync: Option<u64>,
+        /// No memory could be allocated to keep it (`data` stays empty): the receive that
+        /// matches it fails with [`super::alloc::lost_message`].
+        lost: bool,
     },
     Rts {
         src: usize,
@@ -249,6 +256,10 @@ pub(crate) enum Unexp {
 pub(crate) enum RxDest {
     Req(u64),
     Unexpected,
+    /// A message no memory could be kept for: `left` more bytes to drop.
+    Discard {
+        left: usize,
+    },
     UserAm {
         id: u16,
         total: usize,
@@ -301,6 +312,15 @@ pub(crate) struct State {
     pub(crate) mapped: FxHashMap<usize, MemHandle>,
     /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
     pub(crate) keepalive: Option<liveness::Keepalive>,
+    /// How buffers sized by a message are allocated (fallibly).
+    pub(crate) msg_alloc: super::alloc::MsgAlloc,
+    /// Requests on owned buffers (`owned.rs`).
+    pub(crate) owned: super::owned::Registry,
+    /// Endpoint closes in progress, endpoint failures to report, error handlers
+    /// (`lifecycle.rs`).
+    pub(crate) life: super::lifecycle::Life,
+    /// Liveness of same-host peers by their process (`procwatch.rs`).
+    pub(crate) procs: super::procwatch::ProcWatch,
 }
 
 /// Stream receives of peer `peer` as the stream protocol fills them.
@@ -389,6 +409,7 @@ impl State {
             let failed = res.is_err();
             r.result = Some(res);
             r.guards.clear();
+            self.owned.note_done(id);
             return failed;
         }
         false
@@ -451,6 +472,13 @@ impl State {
             .peers
             .get(p)
             .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
+        if let Some(c) = peer.closed {
+            return Err(Error::EndpointClosed {
+                ep: format!("ep{p}"),
+                peer: peer.remote.describe(),
+                by: c.describe().into(),
+            });
+        }
         match &peer.failed {
             Some(reason) => Err(Error::EndpointFailure {
                 peer: peer.remote.describe(),
@@ -498,5 +526,14 @@ impl State {
             ReqKind::Send(s) => s.tag,
             _ => 0,
         }
+    }
+}
+
+/// The peer of a request.
+pub(crate) fn p_of(r: &Req) -> usize {
+    match &r.kind {
+        ReqKind::Send(s) => s.peer,
+        ReqKind::Recv(rs) => rs.rndv.as_ref().map_or(0, |v| v.peer),
+        ReqKind::Rma(rm) => rm.peer,
     }
 }

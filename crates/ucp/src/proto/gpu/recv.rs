@@ -59,7 +59,7 @@ impl State {
         // What this receive needs of the plan's steps (read in place, not copied).
         let steps = plan::recv_steps(&self.peers[p].plan, smem, rkey);
         let gpu_get = steps.iter().find_map(|s| match s {
-            RecvStep::Get { lane } if sgpu && rmem.is_gpu() => Some(*lane),
+            RecvStep::Get { lane } if sgpu => Some(*lane),
             _ => None,
         });
         let staged = steps.iter().find_map(|s| match s {
@@ -69,18 +69,28 @@ impl State {
             _ => None,
         });
         let md_name = |st: &Self, lane: usize| st.ctx.domain(st.slots[lane].md).name().to_string();
-        // 1. GPU to GPU, zero-copy through a lane whose domain registers GPU memory.
+        // 1. From GPU memory, zero-copy through a lane whose domain registers GPU memory: into
+        // GPU memory registered with that domain, or into host memory the domain only
+        // describes (a device-to-host copy out of the mapped sender's buffer; registered for
+        // this request alone, never cached: nothing may outlive a host buffer that is freed).
         if let Some(lane) = gpu_get
             && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
         {
             let md = self.slots[lane].md;
-            if self.may_register(md, rmem, rdev) {
-                match self.register_md(md, region) {
+            if !rmem.is_gpu() || self.may_register(md, rmem, rdev) {
+                let local = if rmem.is_gpu() {
+                    self.register_md(md, region)
+                } else {
+                    self.ctx.register_uncached(md, region)
+                };
+                match local {
                     Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
                         Ok(rkey) => {
                             self.count("rendezvous receive by read (GPU zero-copy)");
                             let r = self.reqs.get_mut(&rid).expect("req");
-                            r.guards.push(g);
+                            // First: the read's local handle (a host buffer may hold another
+                            // domain's registration already, e.g. the one that typed it).
+                            r.guards.insert(0, g);
                             if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
                                 rv.via_get = true;
                                 rv.get = Some((lane, saddr, rkey, raddr));

@@ -59,7 +59,15 @@ impl StagingMem {
         let mem = if shared.is_some() {
             Vec::new()
         } else {
-            vec![0u8; len]
+            // Fallible: a staging size the system cannot serve fails the transfer that asked.
+            let mut m = Vec::new();
+            m.try_reserve_exact(len).map_err(|e| {
+                Error::NoMemory(format!(
+                    "{len} bytes of GPU staging (RUCX_RNDV_FRAG_SIZE x 2 x RUCX_RNDV_FRAG_COUNT): {e}"
+                ))
+            })?;
+            m.resize(len, 0);
+            m
         };
         let base = shared
             .as_ref()

@@ -272,9 +272,16 @@ impl State {
                 _ => None,
             }
         };
-        // Not found: finished already, or (sender side) not matched yet; a receive that
-        // matches it later asks the sender, which answers with another abort.
+        // Not found: finished already, or not matched yet. An announced message the sender
+        // gave up on leaves the unexpected queue (the sender may be gone by the time a receive
+        // would match it and ask); a receive the abort overtook asks the sender, which answers
+        // with another abort.
         let Some(id) = target else {
+            if by_sender {
+                self.matcher.drop_unexpected(
+                    |u| matches!(u, Unexp::Rts { src, sreq: s, .. } if *src == p && *s == sreq),
+                );
+            }
             return;
         };
         tracing::debug!(

@@ -1,0 +1,84 @@
+//! Two ranks of a test as child processes of the test binary (told apart by
+//! `RUCX_TEST_RANK_ROLE`), meeting through the launcher bootstrap like any rucx job; shared by
+//! the owned-request and endpoint-lifecycle tests.
+
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const ROLE: &str = "RUCX_TEST_RANK_ROLE";
+
+/// True in a rank (a child), false in the test that spawns them.
+pub fn in_child() -> bool {
+    std::env::var(ROLE).is_ok()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+}
+
+/// Spawn the two ranks of test `test` over transports `tls`, with extra environment.
+pub fn spawn(test: &str, tls: &str, env: &[(&str, &str)]) -> Vec<Child> {
+    let exe = std::env::current_exe().unwrap();
+    let boot = format!("127.0.0.1:{}", free_port());
+    (0..2)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(ROLE, "1")
+                .env("RUCX_RANK", rank.to_string())
+                .env("RUCX_SIZE", "2")
+                .env("RUCX_BOOTSTRAP", &boot)
+                .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+                .env("RUCX_TLS", tls)
+                .envs(env.iter().copied())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Wait up to `limit` for `k` to exit (killing it past that): its success and its output.
+pub fn finish(mut k: Child, limit: Duration) -> (bool, String) {
+    let t = Instant::now();
+    while k.try_wait().unwrap().is_none() {
+        if t.elapsed() > limit {
+            let _ = k.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = k.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (o.status.success(), text)
+}
+
+/// Run both ranks of `test` to the end and assert both succeeded; their outputs.
+pub fn run_both(test: &str, tls: &str, env: &[(&str, &str)]) -> Vec<String> {
+    let kids = spawn(test, tls, env);
+    let outs: Vec<(bool, String)> = kids
+        .into_iter()
+        .map(|k| finish(k, Duration::from_secs(120)))
+        .collect();
+    for (r, (ok, text)) in outs.iter().enumerate() {
+        assert!(ok, "rank {r} over {tls} failed:\n{text}");
+    }
+    outs.into_iter().map(|o| o.1).collect()
+}
+
+/// A test pattern: byte `i` of message `salt`.
+pub fn pattern(n: usize, salt: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i.wrapping_mul(131) ^ salt.wrapping_mul(29)) as u8)
+        .collect()
+}

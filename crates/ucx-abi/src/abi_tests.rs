@@ -1,0 +1,497 @@
+//! The C ABI driven as a C caller would, in one process: a context, two workers connected
+//! both ways, and the request rules Open MPI relies on (callbacks from progress only, the
+//! caller's request memory, free before completion, cancel, probe with remove, generic types,
+//! refusals of bad input).
+
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use crate::config::{AbiConfig, ucp_config_modify, ucp_config_read, ucp_config_release};
+use crate::context::{AbiContext, ucp_cleanup, ucp_init_version};
+use crate::datatype::{ucp_dt_create_generic, ucp_dt_destroy};
+use crate::endpoint::{AbiEp, ucp_disconnect_nb, ucp_ep_create};
+use crate::status::{ptr_is_err, ptr_is_ptr};
+use crate::tag::*;
+use crate::types::*;
+use crate::worker::*;
+
+/// (request, status, tag, length) of every callback, in order.
+static CALLS: Mutex<Vec<(usize, Status, u64, usize)>> = Mutex::new(Vec::new());
+/// Only one of these tests at a time (they share CALLS).
+static ONE: Mutex<()> = Mutex::new(());
+
+unsafe extern "C" fn send_cb(req: *mut c_void, status: Status) {
+    CALLS.lock().unwrap().push((req as usize, status, 0, 0));
+}
+
+unsafe extern "C" fn send_nbx_cb(req: *mut c_void, status: Status, data: *mut c_void) {
+    CALLS
+        .lock()
+        .unwrap()
+        .push((req as usize, status, data as u64, 0));
+}
+
+unsafe extern "C" fn recv_cb(req: *mut c_void, status: Status, info: *mut TagRecvInfo) {
+    // SAFETY: the library passes valid information.
+    let i = unsafe { *info };
+    CALLS
+        .lock()
+        .unwrap()
+        .push((req as usize, status, i.sender_tag, i.length));
+}
+
+unsafe extern "C" fn init(req: *mut c_void) {
+    // SAFETY: the caller area is 16 bytes.
+    unsafe { req.cast::<u64>().write(0x1217) };
+}
+
+struct Pair {
+    ctx: *mut AbiContext,
+    w: [*mut AbiWorker; 2],
+    /// ep[0]: worker 0 to worker 1; ep[1]: worker 1 to worker 0.
+    ep: [*mut AbiEp; 2],
+}
+
+impl Pair {
+    fn new() -> Pair {
+        let mut cfg: *mut AbiConfig = std::ptr::null_mut();
+        let params = UcpParams {
+            field_mask: UCP_PARAM_FIELD_FEATURES
+                | UCP_PARAM_FIELD_REQUEST_SIZE
+                | UCP_PARAM_FIELD_REQUEST_INIT,
+            features: UCP_FEATURE_TAG,
+            request_size: 16,
+            request_init: Some(init),
+            request_cleanup: None,
+            tag_sender_mask: 0,
+            mt_workers_shared: 0,
+            estimated_num_eps: 0,
+            estimated_num_ppn: 0,
+            name: std::ptr::null(),
+        };
+        let mut ctx = std::ptr::null_mut();
+        let mut w = [std::ptr::null_mut(); 2];
+        let mut ep = [std::ptr::null_mut(); 2];
+        // SAFETY: every pointer handed in is valid for what the call does with it.
+        unsafe {
+            assert_eq!(
+                ucp_config_read(std::ptr::null(), std::ptr::null(), &mut cfg),
+                UCS_OK
+            );
+            assert_eq!(
+                ucp_config_modify(cfg, c"TLS".as_ptr(), c"posix".as_ptr()),
+                UCS_OK
+            );
+            assert_eq!(ucp_init_version(1, 16, &params, cfg, &mut ctx), UCS_OK);
+            ucp_config_release(cfg);
+            let wp: WorkerParams = std::mem::zeroed();
+            for wi in &mut w {
+                assert_eq!(ucp_worker_create(ctx, &wp, wi), UCS_OK);
+            }
+            for i in 0..2 {
+                let mut addr = std::ptr::null_mut();
+                let mut len = 0;
+                assert_eq!(
+                    ucp_worker_get_address(w[1 - i], &mut addr, &mut len),
+                    UCS_OK
+                );
+                let mut p: EpParams = std::mem::zeroed();
+                p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+                p.address = addr;
+                assert_eq!(ucp_ep_create(w[i], &p, &mut ep[i]), UCS_OK);
+                ucp_worker_release_address(w[1 - i], addr);
+            }
+        }
+        CALLS.lock().unwrap().clear();
+        Pair { ctx, w, ep }
+    }
+
+    /// Progress both workers until `done` or a bound of rounds.
+    #[track_caller]
+    fn drive(&self, mut done: impl FnMut() -> bool) {
+        for _ in 0..2_000_000 {
+            if done() {
+                return;
+            }
+            // SAFETY: live workers.
+            unsafe {
+                ucp_worker_progress(self.w[0]);
+                ucp_worker_progress(self.w[1]);
+            }
+        }
+        panic!("no completion");
+    }
+
+    fn calls(&self) -> Vec<(usize, Status, u64, usize)> {
+        CALLS.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        // SAFETY: live objects, closed once, endpoints before workers before the context.
+        unsafe {
+            for e in self.ep {
+                assert!(ucp_disconnect_nb(e).is_null());
+            }
+            for w in self.w {
+                ucp_worker_destroy(w);
+            }
+            ucp_cleanup(self.ctx);
+        }
+    }
+}
+
+fn nbx(mask: u32) -> RequestParam {
+    // SAFETY: all-zero is a valid RequestParam (NULL pointers, no callback).
+    let mut p: RequestParam = unsafe { std::mem::zeroed() };
+    p.op_attr_mask = mask;
+    p
+}
+
+#[test]
+fn eager_send_and_receive_with_callbacks() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let data = *b"12345678";
+    let mut got = [0u8; 8];
+    // SAFETY: live handles; buffers outlive the operations (driven to the end below).
+    unsafe {
+        let s = ucp_tag_send_nb(
+            pair.ep[0],
+            data.as_ptr().cast(),
+            8,
+            1 << 3,
+            0x77,
+            Some(send_cb),
+        );
+        assert!(!ptr_is_err(s));
+        let r = ucp_tag_recv_nb(
+            pair.w[1],
+            got.as_mut_ptr().cast(),
+            8,
+            1 << 3,
+            0x77,
+            u64::MAX,
+            Some(recv_cb),
+        );
+        assert!(ptr_is_ptr(r), "a receive always returns a request");
+        assert_eq!(
+            *r.cast::<u64>(),
+            0x1217,
+            "request_init ran on the caller area"
+        );
+        assert!(
+            pair.calls().iter().all(|c| c.0 != r as usize),
+            "no callback inside the call"
+        );
+        pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+        let mut info = TagRecvInfo::default();
+        assert_eq!(ucp_request_test(r, &mut info), UCS_OK);
+        assert_eq!((info.sender_tag, info.length), (0x77, 8));
+        assert_eq!(got, data);
+        assert!(pair.calls().contains(&(r as usize, UCS_OK, 0x77, 8)));
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            pair.drive(|| ucp_request_check_status(s) != UCS_INPROGRESS);
+            ucp_request_free(s);
+        }
+    }
+}
+
+#[test]
+fn rendezvous_into_caller_request_memory() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let n = 3 << 20;
+    let src: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let mut dst = vec![0u8; n + 1];
+    // The caller's request memory, Open MPI's way: request_size bytes, the pointer at its end.
+    let mut mem = [0u64; crate::HEADER_SIZE / 8 + 2];
+    // SAFETY: live handles; buffers and request memory outlive the operations.
+    unsafe {
+        let req = mem
+            .as_mut_ptr()
+            .add(crate::HEADER_SIZE / 8)
+            .cast::<c_void>();
+        let mut rp = nbx(UCP_OP_ATTR_FIELD_REQUEST);
+        rp.request = req;
+        let r = ucp_tag_recv_nbx(pair.w[1], dst.as_mut_ptr().cast(), n + 1, 5, u64::MAX, &rp);
+        assert_eq!(r, req, "the caller's request comes back");
+        let mut sp = nbx(UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA);
+        sp.cb.send = Some(send_nbx_cb);
+        sp.user_data = 0xbeef as *mut c_void;
+        let s = ucp_tag_send_nbx(pair.ep[0], src.as_ptr().cast(), n, 5, &sp);
+        assert!(ptr_is_ptr(s), "a rendezvous send is pending");
+        pair.drive(|| {
+            ucp_request_check_status(req) != UCS_INPROGRESS
+                && ucp_request_check_status(s) != UCS_INPROGRESS
+        });
+        let mut info = TagRecvInfo::default();
+        assert_eq!(ucp_request_test(req, &mut info), UCS_OK);
+        assert_eq!(info.length, n);
+        assert!(dst[..n] == src[..] && dst[n] == 0);
+        assert!(pair.calls().contains(&(s as usize, UCS_OK, 0xbeef, 0)));
+        ucp_request_free(s);
+    }
+}
+
+#[test]
+fn probe_remove_then_message_receive() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let a = [1u8; 100];
+    let b = [2u8; 50];
+    let mut got = [0u8; 100];
+    let mut second = [0u8; 100];
+    // SAFETY: live handles; buffers outlive the operations.
+    unsafe {
+        for (buf, len) in [(a.as_ptr(), 100), (b.as_ptr(), 50)] {
+            let s = ucp_tag_send_nbx(pair.ep[0], buf.cast(), len, 9, std::ptr::null());
+            assert!(!ptr_is_err(s));
+        }
+        let mut info = TagRecvInfo::default();
+        let mut msg = std::ptr::null_mut();
+        pair.drive(|| {
+            msg = ucp_tag_probe_nb(pair.w[1], 9, u64::MAX, 1, &mut info);
+            !msg.is_null()
+        });
+        assert_eq!((info.sender_tag, info.length), (9, 100));
+        // A receive posted now may not take the probed message.
+        let r2 = ucp_tag_recv_nb(
+            pair.w[1],
+            second.as_mut_ptr().cast(),
+            100,
+            1 << 3,
+            9,
+            u64::MAX,
+            Some(recv_cb),
+        );
+        let r1 = ucp_tag_msg_recv_nb(
+            pair.w[1],
+            got.as_mut_ptr().cast(),
+            100,
+            1 << 3,
+            msg,
+            Some(recv_cb),
+        );
+        assert!(ptr_is_ptr(r1) && ptr_is_ptr(r2));
+        pair.drive(|| {
+            ucp_request_check_status(r1) != UCS_INPROGRESS
+                && ucp_request_check_status(r2) != UCS_INPROGRESS
+        });
+        assert_eq!(got, a);
+        assert_eq!(&second[..50], &b[..]);
+        let calls = pair.calls();
+        assert!(calls.contains(&(r1 as usize, UCS_OK, 9, 100)));
+        assert!(calls.contains(&(r2 as usize, UCS_OK, 9, 50)));
+        ucp_request_free(r1);
+        ucp_request_free(r2);
+    }
+}
+
+#[test]
+fn cancel_and_free_before_completion() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let mut buf = [0u8; 16];
+    let data = [3u8; 16];
+    // SAFETY: live handles; buffers outlive the operations.
+    unsafe {
+        let r = ucp_tag_recv_nb(
+            pair.w[1],
+            buf.as_mut_ptr().cast(),
+            16,
+            1 << 3,
+            1,
+            u64::MAX,
+            Some(recv_cb),
+        );
+        ucp_request_cancel(pair.w[1], r);
+        pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+        assert_eq!(ucp_request_check_status(r), UCS_ERR_CANCELED);
+        assert!(
+            pair.calls()
+                .iter()
+                .any(|c| c.0 == r as usize && c.1 == UCS_ERR_CANCELED)
+        );
+        ucp_request_free(r);
+
+        // Freed before it completes: no callback, and the block is reused afterwards.
+        let r = ucp_tag_recv_nb(
+            pair.w[1],
+            buf.as_mut_ptr().cast(),
+            16,
+            1 << 3,
+            2,
+            u64::MAX,
+            Some(recv_cb),
+        );
+        ucp_request_free(r);
+        let s = ucp_tag_send_nb(
+            pair.ep[0],
+            data.as_ptr().cast(),
+            16,
+            1 << 3,
+            2,
+            Some(send_cb),
+        );
+        assert!(!ptr_is_err(s));
+        // Written by the transport behind the compiler's back: read it as such.
+        let bp = buf.as_ptr();
+        pair.drive(|| (0..16).all(|i| std::ptr::read_volatile(bp.add(i)) == 3));
+        for _ in 0..100 {
+            ucp_worker_progress(pair.w[1]);
+        }
+        assert!(
+            pair.calls()
+                .iter()
+                .all(|c| c.0 != r as usize || c.1 == UCS_ERR_CANCELED)
+        );
+        let again = ucp_tag_recv_nb(
+            pair.w[1],
+            buf.as_mut_ptr().cast(),
+            16,
+            1 << 3,
+            3,
+            u64::MAX,
+            None,
+        );
+        assert_eq!(again, r, "the freed request went back to the pool");
+        ucp_request_cancel(pair.w[1], again);
+        pair.drive(|| ucp_request_check_status(again) != UCS_INPROGRESS);
+        ucp_request_free(again);
+        if ptr_is_ptr(s) {
+            ucp_request_free(s);
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let x = [0u8; 4];
+    // SAFETY: live handles or NULL, which the calls refuse.
+    unsafe {
+        let p = nbx(1 << 12);
+        let r = ucp_tag_send_nbx(pair.ep[0], x.as_ptr().cast(), 4, 1, &p);
+        assert_eq!(r as isize, isize::from(UCS_ERR_INVALID_PARAM));
+        let r = ucp_tag_send_nb(std::ptr::null(), x.as_ptr().cast(), 4, 1 << 3, 1, None);
+        assert_eq!(r as isize, isize::from(UCS_ERR_INVALID_PARAM));
+        let r = ucp_tag_recv_nb(pair.w[1], std::ptr::null_mut(), 4, 1 << 3, 1, 0, None);
+        assert_eq!(r as isize, isize::from(UCS_ERR_INVALID_PARAM));
+        let r = ucp_tag_send_nb(pair.ep[0], x.as_ptr().cast(), 1, UCP_DATATYPE_IOV, 1, None);
+        assert_eq!(r as isize, isize::from(UCS_ERR_UNSUPPORTED));
+        assert_eq!(
+            ucp_request_check_status(std::ptr::null_mut()),
+            UCS_ERR_INVALID_PARAM
+        );
+        let bogus = [0u64; 16];
+        assert_eq!(
+            ucp_request_check_status(bogus.as_ptr().add(8).cast_mut().cast()),
+            UCS_ERR_INVALID_PARAM
+        );
+        let mut ep = std::ptr::null_mut();
+        let mut ep_params: EpParams = std::mem::zeroed();
+        ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+        ep_params.address = bogus.as_ptr().cast();
+        assert_eq!(
+            ucp_ep_create(pair.w[0], &ep_params, &mut ep),
+            UCS_ERR_INVALID_ADDR
+        );
+        ep_params.field_mask = UCP_EP_PARAM_FIELD_SOCK_ADDR;
+        assert_eq!(
+            ucp_ep_create(pair.w[0], &ep_params, &mut ep),
+            UCS_ERR_UNSUPPORTED
+        );
+    }
+}
+
+// A generic type of "every other byte" (count bytes taken from 2 * count).
+unsafe extern "C" fn start(_: *mut c_void, b: *const c_void, n: usize) -> *mut c_void {
+    Box::into_raw(Box::new((b as usize, n))).cast()
+}
+unsafe extern "C" fn start_mut(_: *mut c_void, b: *mut c_void, n: usize) -> *mut c_void {
+    Box::into_raw(Box::new((b as usize, n))).cast()
+}
+unsafe extern "C" fn size(s: *mut c_void) -> usize {
+    // SAFETY: our state.
+    unsafe { (*s.cast::<(usize, usize)>()).1 }
+}
+unsafe extern "C" fn pack(s: *mut c_void, off: usize, d: *mut c_void, max: usize) -> usize {
+    // SAFETY: our state and buffers, in bounds.
+    unsafe {
+        let (b, n) = *s.cast::<(usize, usize)>();
+        let k = max.min(n - off);
+        for i in 0..k {
+            *d.cast::<u8>().add(i) = *(b as *const u8).add(2 * (off + i));
+        }
+        k
+    }
+}
+unsafe extern "C" fn unpack(s: *mut c_void, off: usize, src: *const c_void, len: usize) -> Status {
+    // SAFETY: our state and buffers, in bounds.
+    unsafe {
+        let (b, _) = *s.cast::<(usize, usize)>();
+        for i in 0..len {
+            *(b as *mut u8).add(2 * (off + i)) = *src.cast::<u8>().add(i);
+        }
+    }
+    UCS_OK
+}
+unsafe extern "C" fn finish(s: *mut c_void) {
+    // SAFETY: made by the start functions.
+    drop(unsafe { Box::from_raw(s.cast::<(usize, usize)>()) });
+}
+
+#[test]
+fn generic_datatype_round_trip() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let ops = GenericDtOps {
+        start_pack: Some(start),
+        start_unpack: Some(start_mut),
+        packed_size: Some(size),
+        pack: Some(pack),
+        unpack: Some(unpack),
+        finish: Some(finish),
+    };
+    for count in [10usize, 200_000] {
+        let src: Vec<u8> = (0..2 * count).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0xffu8; 2 * count];
+        // SAFETY: live handles; buffers outlive the operations; the type lives until destroyed.
+        unsafe {
+            let mut dt = 0;
+            assert_eq!(
+                ucp_dt_create_generic(&ops, std::ptr::null_mut(), &mut dt),
+                UCS_OK
+            );
+            let r = ucp_tag_recv_nb(
+                pair.w[1],
+                dst.as_mut_ptr().cast(),
+                count,
+                dt,
+                4,
+                u64::MAX,
+                Some(recv_cb),
+            );
+            let s = ucp_tag_send_nb(pair.ep[0], src.as_ptr().cast(), count, dt, 4, Some(send_cb));
+            assert!(ptr_is_ptr(r) && !ptr_is_err(s));
+            pair.drive(|| {
+                ucp_request_check_status(r) != UCS_INPROGRESS
+                    && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
+            });
+            assert_eq!(ucp_request_check_status(r), UCS_OK);
+            for i in 0..2 * count {
+                let want = if i % 2 == 0 { src[i] } else { 0xff };
+                assert_eq!(dst[i], want, "byte {i} of {count} elements");
+            }
+            ucp_request_free(r);
+            if ptr_is_ptr(s) {
+                ucp_request_free(s);
+            }
+            ucp_dt_destroy(dt);
+        }
+    }
+}

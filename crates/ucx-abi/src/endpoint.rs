@@ -1,0 +1,223 @@
+//! `ucp_ep_h`: a rucx endpoint of a worker, created from a peer's worker address (the bytes
+//! `ucp_worker_query` handed out on the peer, exchanged by Open MPI's modex), closed by
+//! flushing the worker's sends.
+
+use std::ffi::{c_uint, c_void};
+
+use rucx_ucp::EpId;
+
+use crate::status::{status_of, status_ptr};
+use crate::types::*;
+use crate::worker::{ADDR_MAGIC, AbiWorker, flush};
+
+/// What a `ucp_ep_h` points to.
+#[derive(Debug)]
+pub struct AbiEp {
+    pub worker: *const AbiWorker,
+    pub id: EpId,
+}
+
+impl AbiEp {
+    pub fn worker(&self) -> &AbiWorker {
+        // SAFETY: UCX's rule, which callers keep: a worker outlives its endpoints.
+        unsafe { &*self.worker }
+    }
+}
+
+/// Longest address accepted (a sanity bound on the length prefix).
+const ADDR_MAX: usize = 1 << 20;
+
+/// rucx's packed address inside a worker address this library handed out.
+///
+/// # Safety
+/// `p` points at an address from `ucp_worker_query`/`ucp_worker_get_address` (its 8-byte
+/// prefix is read first, then as many bytes as the prefix says, once it checked out).
+unsafe fn unpack_address<'a>(p: *const c_void) -> Option<&'a [u8]> {
+    if p.is_null() {
+        return None;
+    }
+    let mut head = [0u8; 8];
+    // SAFETY: an address is at least its 8-byte prefix (the caller's promise).
+    unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), head.as_mut_ptr(), 8) };
+    let magic = u32::from_le_bytes(head[..4].try_into().ok()?);
+    let len = u32::from_le_bytes(head[4..].try_into().ok()?) as usize;
+    if magic != ADDR_MAGIC || len > ADDR_MAX {
+        return None;
+    }
+    // SAFETY: the prefix checked out: `len` bytes follow it.
+    Some(unsafe { std::slice::from_raw_parts(p.cast::<u8>().add(8), len) })
+}
+
+/// `ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params, ucp_ep_h
+/// *ep_p)`: by remote worker address only (client/server by socket address is refused with
+/// `UCS_ERR_UNSUPPORTED`). Error handling modes are accepted: a peer's failure ends its
+/// operations with an error status either way; the error handler itself is not called.
+///
+/// # Safety
+/// `worker` NULL or live; `params` NULL or valid, its address one handed out by this library;
+/// `ep_p` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_ep_create(
+    worker: *const AbiWorker,
+    params: *const EpParams,
+    ep_p: *mut *mut AbiEp,
+) -> Status {
+    // SAFETY: the caller's promises.
+    let (Some(w), Some(p)) = (unsafe { worker.as_ref() }, unsafe { params.as_ref() }) else {
+        return UCS_ERR_INVALID_PARAM;
+    };
+    if ep_p.is_null() || p.field_mask & !UCP_EP_PARAM_FIELDS_KNOWN != 0 {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    if p.field_mask
+        & (UCP_EP_PARAM_FIELD_SOCK_ADDR
+            | UCP_EP_PARAM_FIELD_CONN_REQUEST
+            | UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR)
+        != 0
+    {
+        return UCS_ERR_UNSUPPORTED;
+    }
+    if p.field_mask & UCP_EP_PARAM_FIELD_REMOTE_ADDRESS == 0 {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    // SAFETY: the caller's promise on the address.
+    let Some(addr) = (unsafe { unpack_address(p.address) }) else {
+        return UCS_ERR_INVALID_ADDR;
+    };
+    let connected = w.worker.connect(addr);
+    w.touch();
+    match connected {
+        Ok(id) => {
+            let ep = AbiEp { worker, id };
+            // SAFETY: checked non-NULL, writable by the caller's promise.
+            unsafe { *ep_p = Box::into_raw(Box::new(ep)) };
+            UCS_OK
+        }
+        Err(e) => {
+            eprintln!("rucx libucp: ucp_ep_create failed: {e}");
+            status_of(&e)
+        }
+    }
+}
+
+/// Close an endpoint: flush (unless forced), then free it.
+///
+/// # Safety
+/// `ep` NULL or live, closed once.
+unsafe fn close(ep: *mut AbiEp, force: bool) -> *mut c_void {
+    if ep.is_null() {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    }
+    // SAFETY: made by `Box::into_raw` in `ucp_ep_create`, closed once.
+    let ep = unsafe { Box::from_raw(ep) };
+    if !force {
+        flush(ep.worker());
+    }
+    std::ptr::null_mut()
+}
+
+/// `ucs_status_ptr_t ucp_ep_close_nb(ucp_ep_h ep, unsigned mode)`: completes in place.
+///
+/// # Safety
+/// `ep` NULL or live, closed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_ep_close_nb(ep: *mut AbiEp, mode: c_uint) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe { close(ep, mode == UCP_EP_CLOSE_MODE_FORCE) }
+}
+
+/// `ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_param_t *param)`:
+/// completes in place; `UCP_EP_CLOSE_FLAG_FORCE` in `param->flags` skips the flush.
+///
+/// # Safety
+/// `ep` NULL or live, closed once; `param` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_ep_close_nbx(
+    ep: *mut AbiEp,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    let force = unsafe { param.as_ref() }.is_some_and(|p| {
+        p.op_attr_mask & UCP_OP_ATTR_FIELD_FLAGS != 0 && p.flags & UCP_EP_CLOSE_FLAG_FORCE != 0
+    });
+    // SAFETY: forwarded.
+    unsafe { close(ep, force) }
+}
+
+/// `ucs_status_ptr_t ucp_disconnect_nb(ucp_ep_h ep)`: a flushing close.
+///
+/// # Safety
+/// `ep` NULL or live, closed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_disconnect_nb(ep: *mut AbiEp) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe { close(ep, false) }
+}
+
+/// `void ucp_ep_destroy(ucp_ep_h ep)`: a flushing close.
+///
+/// # Safety
+/// `ep` NULL or live, closed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_ep_destroy(ep: *mut AbiEp) {
+    // SAFETY: forwarded.
+    let _ = unsafe { close(ep, false) };
+}
+
+/// `ucs_status_ptr_t ucp_ep_flush_nb(ucp_ep_h ep, unsigned flags, ucp_send_callback_t cb)`:
+/// completes in place once the worker's sends ended.
+///
+/// # Safety
+/// `ep` NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_ep_flush_nb(
+    ep: *const AbiEp,
+    _flags: c_uint,
+    _cb: SendCb,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    match unsafe { ep.as_ref() } {
+        Some(ep) => {
+            flush(ep.worker());
+            std::ptr::null_mut()
+        }
+        None => status_ptr(UCS_ERR_INVALID_PARAM),
+    }
+}
+
+/// `ucs_status_ptr_t ucp_ep_flush_nbx(ucp_ep_h ep, const ucp_request_param_t *param)`.
+///
+/// # Safety
+/// `ep` NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_ep_flush_nbx(
+    ep: *const AbiEp,
+    _param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe { ucp_ep_flush_nb(ep, 0, None) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_prefix_is_checked() {
+        let mut good = Vec::new();
+        good.extend_from_slice(&ADDR_MAGIC.to_le_bytes());
+        good.extend_from_slice(&3u32.to_le_bytes());
+        good.extend_from_slice(b"abc");
+        // SAFETY: each buffer is at least 8 bytes and holds what its prefix says.
+        unsafe {
+            assert_eq!(unpack_address(good.as_ptr().cast()), Some(&b"abc"[..]));
+            let mut bad = good.clone();
+            bad[0] ^= 1;
+            assert_eq!(unpack_address(bad.as_ptr().cast()), None);
+            let mut huge = good.clone();
+            huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+            assert_eq!(unpack_address(huge.as_ptr().cast()), None);
+            assert_eq!(unpack_address(std::ptr::null()), None);
+        }
+    }
+}

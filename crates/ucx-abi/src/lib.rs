@@ -1,0 +1,58 @@
+//! A libucp-compatible C ABI over rucx: built as `libucp.so.0` (with thin `libucs.so.0`,
+//! `libuct.so.0` and `libucm.so.0` next to it, see `build-libs.sh`), it lets unmodified Open
+//! MPI programs (`--mca pml ucx`) run over rucx. What is implemented and what is refused, and
+//! how: `docs/c-abi.md`.
+//!
+//! - [`types`]: UCX's public structs, enums and flags, `#[repr(C)]`, with layout tests;
+//! - [`status`]: `ucs_status_t`, its strings and the status-in-pointer convention;
+//! - `config`, `context`, `worker`, `endpoint`: the objects (`ucp_config_t`, `ucp_context_h`,
+//!   `ucp_worker_h`, `ucp_ep_h`) as boxed Rust values behind opaque pointers;
+//! - `request`: request memory (UCX's layout: the pointer handed out is the caller's
+//!   `request_size` area, this library's header sits right before it), completion and callbacks;
+//! - `tag`, `datatype`: tag send/receive/probe in their nb, nbr and nbx forms, contiguous and
+//!   generic datatypes;
+//! - `refused`: the remote-memory and atomic functions of osc/spml, exported so that the
+//!   components load, each returning `UCS_ERR_UNSUPPORTED`;
+//! - `ucm`: the memory-event hooks Open MPI's common/ucx calls.
+//!
+//! Every function taking pointers from C checks them for NULL and unknown `field_mask` bits and
+//! returns `UCS_ERR_INVALID_PARAM` instead of guessing. Objects are single-threaded like the
+//! rucx worker behind them (`UCS_THREAD_MODE_SINGLE`); Open MPI then refuses
+//! `MPI_THREAD_MULTIPLE` itself.
+
+mod config;
+mod context;
+mod datatype;
+mod endpoint;
+mod engine;
+mod refused;
+mod request;
+pub mod status;
+mod tag;
+pub mod types;
+mod ucm;
+
+#[cfg(test)]
+mod abi_tests;
+mod worker;
+
+pub use request::HEADER_SIZE;
+
+use rucx_ucs::{OptKind, OptionSpec};
+
+/// Options of this library (declared so that `RUCX_ABI_*` variables are not warned about as
+/// typos).
+pub static CONFIG: &[OptionSpec] = &[OptionSpec {
+    name: "ABI_ANNOUNCE",
+    kind: OptKind::Bool,
+    default: "n",
+    help: "Print one line to stderr when a program initializes rucx's libucp (the test \
+           harness asserts that Open MPI loaded it and not another libucp).",
+}];
+
+/// Every option table: rucx's and this library's.
+pub fn config_tables() -> Vec<&'static [OptionSpec]> {
+    let mut t = rucx::config_tables();
+    t.push(CONFIG);
+    t
+}

@@ -1,0 +1,321 @@
+//! Request memory, UCX's way: the pointer a caller gets (or hands in with
+//! `UCP_OP_ATTR_FIELD_REQUEST`) points at the caller's area of `ucp_params_t::request_size`
+//! bytes, and this library's header lies in the [`HEADER_SIZE`] bytes right before it (the size
+//! `ucp_context_query` reports as `request_size`, which Open MPI's blocking calls allocate on
+//! the stack: `alloca(request_size) + request_size`).
+//!
+//! Requests this library allocates come from a per-context pool: `request_init` runs once when
+//! a block is first made, never again when it is reused (Open MPI resets its fields itself), and
+//! `request_cleanup` runs when the context is cleaned up. A request is the caller's until it
+//! both completed and was freed (`ucp_request_free`), in either order; a request freed before
+//! completing gets no callback and goes back to the pool when it completes.
+//!
+//! The header records completion (status and, for receives, the tag and length), read by
+//! `ucp_request_check_status` and `ucp_request_test`. `COMPLETED` is set only when the callback
+//! is delivered (or, without a callback, when the operation ends), so a request freed after it
+//! reads as complete has no callback left to deliver.
+
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::ffi::c_void;
+
+use crate::status::ptr_is_ptr;
+use crate::types::*;
+
+/// Bytes of this library's header before every request's caller area.
+pub const HEADER_SIZE: usize = 64;
+
+const MAGIC: u32 = 0x7275_6378;
+const MAGIC_FREED: u32 = 0x6672_6565;
+
+const COMPLETED: u32 = 1 << 0;
+/// Freed by the caller before completing: recycle on completion, no callback.
+const RELEASED: u32 = 1 << 1;
+/// Allocated from the pool (not the caller's memory).
+const POOLED: u32 = 1 << 2;
+
+#[repr(C)]
+#[derive(Debug)]
+struct Header {
+    magic: u32,
+    flags: u32,
+    status: i32,
+    _pad: u32,
+    info: TagRecvInfo,
+    pool: *const Pool,
+    _spare: [u64; 3],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() == HEADER_SIZE);
+
+/// The request pool of one context, with the caller's request area size and callbacks.
+#[derive(Debug)]
+pub struct Pool {
+    user_size: usize,
+    init: RequestInitCb,
+    cleanup: RequestCleanupCb,
+    free: RefCell<Vec<*mut u8>>,
+    /// Every block ever made (for cleanup at the end).
+    made: RefCell<Vec<*mut u8>>,
+}
+
+impl Pool {
+    pub fn new(user_size: usize, init: RequestInitCb, cleanup: RequestCleanupCb) -> Pool {
+        Pool {
+            user_size,
+            init,
+            cleanup,
+            free: RefCell::new(Vec::new()),
+            made: RefCell::new(Vec::new()),
+        }
+    }
+
+    fn layout(&self) -> Layout {
+        let user = self.user_size.div_ceil(16) * 16;
+        Layout::from_size_align(HEADER_SIZE + user.max(16), 16).expect("request layout")
+    }
+
+    /// A request from the pool: its caller area (after `request_init` on first use).
+    pub fn alloc(&self) -> *mut c_void {
+        let block = match self.free.borrow_mut().pop() {
+            Some(b) => b,
+            None => {
+                // SAFETY: the layout has a non-zero size.
+                let b = unsafe { std::alloc::alloc_zeroed(self.layout()) };
+                if b.is_null() {
+                    std::alloc::handle_alloc_error(self.layout());
+                }
+                self.made.borrow_mut().push(b);
+                // SAFETY: `b` is a fresh block of at least HEADER_SIZE + 16 bytes.
+                let user = unsafe { b.add(HEADER_SIZE) }.cast::<c_void>();
+                if let Some(init) = self.init {
+                    // SAFETY: the caller's area of `user_size` bytes, as UCX hands it over.
+                    unsafe { init(user) };
+                }
+                b
+            }
+        };
+        let header = block.cast::<Header>();
+        // SAFETY: the block starts with room for a header, 16-aligned.
+        unsafe {
+            header.write(Header {
+                magic: MAGIC,
+                flags: POOLED,
+                status: i32::from(UCS_INPROGRESS),
+                _pad: 0,
+                info: TagRecvInfo::default(),
+                pool: self,
+                _spare: [0; 3],
+            })
+        };
+        // SAFETY: within the block.
+        unsafe { block.add(HEADER_SIZE) }.cast()
+    }
+
+    fn give_back(&self, user: *mut c_void) {
+        // SAFETY: a pooled request's caller area starts HEADER_SIZE into its block.
+        let block = unsafe { user.cast::<u8>().sub(HEADER_SIZE) };
+        // SAFETY: the header is ours.
+        unsafe { (*block.cast::<Header>()).magic = MAGIC_FREED };
+        self.free.borrow_mut().push(block);
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let layout = self.layout();
+        for b in self.made.borrow_mut().drain(..) {
+            if let Some(cleanup) = self.cleanup {
+                // SAFETY: the caller area `request_init` ran on.
+                unsafe { cleanup(b.add(HEADER_SIZE).cast()) };
+            }
+            // SAFETY: allocated with this layout in `alloc`.
+            unsafe { std::alloc::dealloc(b, layout) };
+        }
+    }
+}
+
+/// Prepare the caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`): the header before
+/// `user` is written fresh. Returns false for a pointer that cannot be one.
+///
+/// # Safety
+/// `user` points `HEADER_SIZE` bytes past the start of writable memory of at least that size.
+pub unsafe fn init_provided(user: *mut c_void) -> bool {
+    if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
+        return false;
+    }
+    // SAFETY: the caller's promise: HEADER_SIZE writable bytes before `user`.
+    unsafe {
+        user.cast::<u8>()
+            .sub(HEADER_SIZE)
+            .cast::<Header>()
+            .write(Header {
+                magic: MAGIC,
+                flags: 0,
+                status: i32::from(UCS_INPROGRESS),
+                _pad: 0,
+                info: TagRecvInfo::default(),
+                pool: std::ptr::null(),
+                _spare: [0; 3],
+            })
+    };
+    true
+}
+
+/// The header of a request pointer handed back by a caller, if it is one of ours and live.
+///
+/// # Safety
+/// `user` is a pointer this library returned (or was handed as request memory), or anything
+/// whose preceding `HEADER_SIZE` bytes are readable.
+unsafe fn header<'a>(user: *mut c_void) -> Option<&'a mut Header> {
+    if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
+        return None;
+    }
+    // SAFETY: the caller's promise; the magic tells ours from anything else.
+    let h = unsafe { &mut *user.cast::<u8>().sub(HEADER_SIZE).cast::<Header>() };
+    (h.magic == MAGIC).then_some(h)
+}
+
+/// Where a request stands: `UCS_INPROGRESS`, or its final status and receive information.
+///
+/// # Safety
+/// As for [`header`].
+pub unsafe fn state(user: *mut c_void) -> Result<(Status, TagRecvInfo), Status> {
+    // SAFETY: forwarded.
+    let h = unsafe { header(user) }.ok_or(UCS_ERR_INVALID_PARAM)?;
+    if h.flags & COMPLETED == 0 {
+        return Ok((UCS_INPROGRESS, TagRecvInfo::default()));
+    }
+    Ok((h.status as Status, h.info))
+}
+
+/// Record the end of a request. Returns true when the caller should get its callback (it has
+/// not freed the request); a request freed earlier goes back to its pool here.
+///
+/// # Safety
+/// `user` is a live request of this library.
+pub unsafe fn complete(user: *mut c_void, status: Status, info: TagRecvInfo) -> bool {
+    // SAFETY: forwarded.
+    let Some(h) = (unsafe { header(user) }) else {
+        return false;
+    };
+    h.status = i32::from(status);
+    h.info = info;
+    h.flags |= COMPLETED;
+    if h.flags & RELEASED != 0 {
+        let pool = h.pool;
+        // SAFETY: RELEASED is set only on pooled requests, whose pool outlives them.
+        unsafe { (*pool).give_back(user) };
+        return false;
+    }
+    true
+}
+
+/// `ucp_request_free`: a completed pooled request goes back now, a pending one when it
+/// completes (without a callback). Caller memory is never freed. Returns false for a pointer
+/// that is not a live request.
+///
+/// # Safety
+/// As for [`header`].
+pub unsafe fn free(user: *mut c_void) -> bool {
+    // SAFETY: forwarded.
+    let Some(h) = (unsafe { header(user) }) else {
+        return false;
+    };
+    if h.flags & POOLED == 0 {
+        // The caller's own memory: nothing to give back.
+        return true;
+    }
+    if h.flags & COMPLETED != 0 {
+        let pool = h.pool;
+        // SAFETY: a pooled request's pool outlives it.
+        unsafe { (*pool).give_back(user) };
+    } else {
+        h.flags |= RELEASED;
+    }
+    true
+}
+
+/// True when the caller freed the request before it completed.
+#[cfg(test)]
+///
+/// # Safety
+/// As for [`header`].
+pub unsafe fn released(user: *mut c_void) -> bool {
+    // SAFETY: forwarded.
+    unsafe { header(user) }.is_some_and(|h| h.flags & RELEASED != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static INITS: AtomicUsize = AtomicUsize::new(0);
+    static CLEANUPS: AtomicUsize = AtomicUsize::new(0);
+
+    unsafe extern "C" fn init(p: *mut c_void) {
+        INITS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: the caller area is 24 bytes here.
+        unsafe { p.cast::<u64>().write(0xabcd) };
+    }
+    unsafe extern "C" fn cleanup(_: *mut c_void) {
+        CLEANUPS.fetch_add(1, Ordering::SeqCst);
+    }
+
+    #[test]
+    fn pool_inits_once_and_recycles() {
+        let pool = Pool::new(24, Some(init), Some(cleanup));
+        let a = pool.alloc();
+        assert_eq!(INITS.load(Ordering::SeqCst), 1);
+        // SAFETY: `a` is a live request of `pool`.
+        unsafe {
+            assert_eq!(*a.cast::<u64>(), 0xabcd);
+            assert_eq!(state(a), Ok((UCS_INPROGRESS, TagRecvInfo::default())));
+            // Freed before completion: completion recycles it, no callback.
+            assert!(free(a));
+            assert!(released(a));
+            assert!(!complete(a, UCS_OK, TagRecvInfo::default()));
+            assert_eq!(state(a), Err(UCS_ERR_INVALID_PARAM));
+        }
+        let b = pool.alloc();
+        assert_eq!(a, b, "recycled");
+        assert_eq!(
+            INITS.load(Ordering::SeqCst),
+            1,
+            "request_init runs once per block"
+        );
+        let info = TagRecvInfo {
+            sender_tag: 7,
+            length: 3,
+        };
+        // SAFETY: `b` is live.
+        unsafe {
+            assert!(complete(b, UCS_ERR_CANCELED, info));
+            assert_eq!(state(b), Ok((UCS_ERR_CANCELED, info)));
+            assert!(free(b));
+            assert!(!free(b), "a second free finds no live request");
+        }
+        drop(pool);
+        assert_eq!(CLEANUPS.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn provided_memory_and_bad_pointers() {
+        let mut mem = [0u64; HEADER_SIZE / 8 + 4];
+        // SAFETY: HEADER_SIZE bytes before the pointer are in `mem`.
+        let user = unsafe { mem.as_mut_ptr().add(HEADER_SIZE / 8) }.cast::<c_void>();
+        // SAFETY: as above.
+        unsafe {
+            assert!(init_provided(user));
+            assert_eq!(state(user).unwrap().0, UCS_INPROGRESS);
+            assert!(complete(user, UCS_OK, TagRecvInfo::default()));
+            assert_eq!(state(user).unwrap().0, UCS_OK);
+            assert_eq!(state(std::ptr::null_mut()), Err(UCS_ERR_INVALID_PARAM));
+            assert_eq!(
+                state(crate::status::status_ptr(UCS_ERR_NO_MEMORY)),
+                Err(UCS_ERR_INVALID_PARAM)
+            );
+        }
+    }
+}

@@ -1,0 +1,773 @@
+//! Tag matching: send (nb, nbr, nbx, sync nb, sync nbx), receive (nb, nbr, nbx), probe and
+//! matched-message receive (`ucp_tag_probe_nb` with `remove`, `ucp_tag_msg_recv_nb(x)`), and
+//! the request calls (test, check_status, cancel, free).
+//!
+//! The returned pointer follows UCX's convention: NULL when the operation ended in place
+//! (sends without `UCP_OP_ATTR_FLAG_NO_IMM_CMPL`, and receives that asked for it with
+//! `UCP_OP_ATTR_FIELD_RECV_INFO`), an error status (`UCS_PTR_IS_ERR`) when it was refused, or a
+//! request. Receives otherwise always return a request.
+//!
+//! A probed message taken out of matching (`remove`) is received at once into a buffer of
+//! ours (by its exact tag, which only it can match first), and copied to the caller's buffer by
+//! `ucp_tag_msg_recv_nb(x)`; that copy is a CPU copy, so matched receives into GPU memory are
+//! refused with `UCS_ERR_UNSUPPORTED`.
+
+use std::ffi::c_void;
+
+use rucx_ucp::Completion;
+use rucx_ucs::Result;
+
+use crate::datatype::{Dt, Unpack, classify, contig_len, pack_all};
+use crate::endpoint::AbiEp;
+use crate::engine::{Buf, Op};
+use crate::request;
+use crate::status::{status_of, status_ptr};
+use crate::types::*;
+use crate::worker::{AbiWorker, Callback, Pending};
+
+/// What to make of an operation's result when it ends.
+#[derive(Debug)]
+pub enum Finish {
+    Send,
+    Recv,
+    /// A generic-type receive: unpack what landed in our buffer.
+    RecvUnpack(Unpack),
+    /// A matched-message receive: copy what landed in our buffer to the caller's.
+    MsgCopy(Dest, TagRecvInfo),
+}
+
+/// Where a matched message goes.
+#[derive(Debug)]
+pub enum Dest {
+    Contig(*mut u8, usize),
+    Generic(Unpack),
+}
+
+fn info_of(c: &Completion) -> TagRecvInfo {
+    TagRecvInfo {
+        sender_tag: c.tag,
+        length: c.len,
+    }
+}
+
+fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
+    match res {
+        Ok(c) => (UCS_OK, info_of(c)),
+        Err(rucx_ucs::Error::Truncated { capacity, .. }) => (
+            UCS_ERR_MESSAGE_TRUNCATED,
+            TagRecvInfo {
+                sender_tag: 0,
+                length: *capacity,
+            },
+        ),
+        Err(e) => (status_of(e), TagRecvInfo::default()),
+    }
+}
+
+impl Finish {
+    /// The final status and receive information of `op`, which ended.
+    pub fn run(self, op: Op) -> (Status, TagRecvInfo) {
+        let (res, data) = op.take();
+        let (status, info) = result_status(&res);
+        match self {
+            Finish::Send => (status, TagRecvInfo::default()),
+            Finish::Recv => (status, info),
+            Finish::RecvUnpack(u) => {
+                if status != UCS_OK {
+                    return (status, info);
+                }
+                let data = data.unwrap_or_default();
+                let n = info.length.min(data.len());
+                (u.unpack(&data[..n]), info)
+            }
+            Finish::MsgCopy(dest, probed) => {
+                if status != UCS_OK {
+                    return (status, probed);
+                }
+                let data = data.unwrap_or_default();
+                let n = probed.length.min(data.len());
+                match dest {
+                    Dest::Contig(p, cap) => {
+                        let k = n.min(cap);
+                        // SAFETY: the caller's buffer holds `cap` bytes (its promise at
+                        // `ucp_tag_msg_recv_nb`), and host memory (checked there).
+                        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, k) };
+                        if n > cap {
+                            return (
+                                UCS_ERR_MESSAGE_TRUNCATED,
+                                TagRecvInfo {
+                                    sender_tag: probed.sender_tag,
+                                    length: cap,
+                                },
+                            );
+                        }
+                        (UCS_OK, probed)
+                    }
+                    Dest::Generic(u) => (u.unpack(&data[..n]), probed),
+                }
+            }
+        }
+    }
+}
+
+/// The options of one call, from its arguments or its `ucp_request_param_t`.
+#[derive(Debug, Clone, Copy)]
+struct Opts {
+    cb: Callback,
+    dt: u64,
+    /// The caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`).
+    req: Option<*mut c_void>,
+    no_imm: bool,
+    recv_info: Option<*mut TagRecvInfo>,
+}
+
+impl Opts {
+    fn nb(cb: Callback, dt: u64) -> Opts {
+        Opts {
+            cb,
+            dt,
+            req: None,
+            no_imm: false,
+            recv_info: None,
+        }
+    }
+
+    /// Read a `ucp_request_param_t` (NULL: defaults).
+    ///
+    /// # Safety
+    /// `param` NULL or valid.
+    unsafe fn nbx(param: *const RequestParam, recv: bool) -> std::result::Result<Opts, Status> {
+        // SAFETY: the caller's promise.
+        let Some(p) = (unsafe { param.as_ref() }) else {
+            return Ok(Opts::nb(Callback::None, 1 << UCP_DATATYPE_SHIFT));
+        };
+        let m = p.op_attr_mask;
+        if m & !UCP_OP_ATTR_KNOWN != 0 {
+            return Err(UCS_ERR_INVALID_PARAM);
+        }
+        let data = if m & UCP_OP_ATTR_FIELD_USER_DATA != 0 {
+            p.user_data
+        } else {
+            std::ptr::null_mut()
+        };
+        let cb = if m & UCP_OP_ATTR_FIELD_CALLBACK == 0 {
+            Callback::None
+        } else if recv {
+            // SAFETY: the union holds the callback the call's kind names.
+            Callback::RecvNbx(unsafe { p.cb.recv }, data)
+        } else {
+            // SAFETY: as above.
+            Callback::SendNbx(unsafe { p.cb.send }, data)
+        };
+        let recv_info = if m & UCP_OP_ATTR_FIELD_RECV_INFO != 0 {
+            // SAFETY: the union member of tag receives.
+            Some(unsafe { p.recv_info.tag_info }).filter(|p| !p.is_null())
+        } else {
+            None
+        };
+        Ok(Opts {
+            cb,
+            dt: if m & UCP_OP_ATTR_FIELD_DATATYPE != 0 {
+                p.datatype
+            } else {
+                1 << UCP_DATATYPE_SHIFT
+            },
+            req: (m & UCP_OP_ATTR_FIELD_REQUEST != 0).then_some(p.request),
+            no_imm: m & UCP_OP_ATTR_FLAG_NO_IMM_CMPL != 0,
+            recv_info,
+        })
+    }
+}
+
+/// The request to hand out: the caller's own memory (its header prepared) or one of the pool.
+///
+/// # Safety
+/// A provided request has `HEADER_SIZE` writable bytes before it.
+unsafe fn request_for(w: &AbiWorker, opts: &Opts) -> *mut c_void {
+    match opts.req {
+        Some(r) => {
+            // SAFETY: checked by `check_provided` before the operation was posted; room for a
+            // header before it is the caller's promise.
+            unsafe { request::init_provided(r) };
+            r
+        }
+        None => w.context().pool.alloc(),
+    }
+}
+
+fn check_provided(opts: &Opts) -> bool {
+    opts.req
+        .is_none_or(|r| crate::status::ptr_is_ptr(r) && (r as usize).is_multiple_of(8))
+}
+
+/// Post a tag send.
+///
+/// # Safety
+/// `ep` NULL or live; `buf`/`count` describe memory of the datatype that stays valid until
+/// the send ends.
+unsafe fn send(
+    ep: *const AbiEp,
+    buf: *const c_void,
+    count: usize,
+    tag: u64,
+    sync: bool,
+    opts: Opts,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    let Some(ep) = (unsafe { ep.as_ref() }) else {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    };
+    if !check_provided(&opts) {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    }
+    let data = match classify(opts.dt) {
+        Ok(Dt::Contig(elem)) => match contig_len(elem, count) {
+            Ok(len) if len == 0 || !buf.is_null() => Buf::Raw {
+                addr: buf as usize,
+                len,
+            },
+            Ok(_) => return status_ptr(UCS_ERR_INVALID_PARAM),
+            Err(s) => return status_ptr(s),
+        },
+        // SAFETY: the caller's promise on the type and buffer.
+        Ok(Dt::Generic(g)) => Buf::Owned(unsafe { pack_all(g, buf, count) }),
+        Err(s) => return status_ptr(s),
+    };
+    let w = ep.worker();
+    // SAFETY: the caller's promise: the memory stays valid until the send ends.
+    let mut op = unsafe { Op::send(&w.worker, ep.id, data, tag, sync) };
+    w.touch();
+    if op.poll() && !opts.no_imm {
+        let (res, _) = op.take();
+        return match res {
+            Ok(_) => {
+                if let Some(r) = opts.req {
+                    // SAFETY: checked pointer with a header's room before it (caller's promise).
+                    unsafe {
+                        request::init_provided(r);
+                        request::complete(r, UCS_OK, TagRecvInfo::default());
+                    }
+                }
+                std::ptr::null_mut()
+            }
+            Err(e) => status_ptr(status_of(&e)),
+        };
+    }
+    // SAFETY: as for `request_for`.
+    let user = unsafe { request_for(w, &opts) };
+    w.push(Pending {
+        user,
+        cb: opts.cb,
+        op,
+        fin: Finish::Send,
+    });
+    user
+}
+
+/// Post a tag receive.
+///
+/// # Safety
+/// `worker` NULL or live; `buf`/`count` describe writable memory of the datatype that stays
+/// valid until the receive ends.
+unsafe fn recv(
+    worker: *const AbiWorker,
+    buf: *mut c_void,
+    count: usize,
+    tag: u64,
+    mask: u64,
+    opts: Opts,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    let Some(w) = (unsafe { worker.as_ref() }) else {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    };
+    if !check_provided(&opts) {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    }
+    let (data, fin) = match classify(opts.dt) {
+        Ok(Dt::Contig(elem)) => match contig_len(elem, count) {
+            Ok(len) if len == 0 || !buf.is_null() => (
+                Buf::Raw {
+                    addr: buf as usize,
+                    len,
+                },
+                Finish::Recv,
+            ),
+            Ok(_) => return status_ptr(UCS_ERR_INVALID_PARAM),
+            Err(s) => return status_ptr(s),
+        },
+        Ok(Dt::Generic(g)) => {
+            // SAFETY: the caller's promise on the type and buffer.
+            let (u, size) = unsafe { Unpack::start(g, buf, count) };
+            (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(u))
+        }
+        Err(s) => return status_ptr(s),
+    };
+    // SAFETY: the caller's promise: the memory stays valid until the receive ends.
+    let mut op = unsafe { Op::recv(&w.worker, data, tag, mask) };
+    w.touch();
+    let done = op.poll();
+    if done
+        && !opts.no_imm
+        && opts.req.is_none()
+        && let Some(ri) = opts.recv_info
+    {
+        let (status, info) = fin.run(op);
+        if status != UCS_OK {
+            return status_ptr(status);
+        }
+        // SAFETY: the caller's receive-information pointer, writable by its promise.
+        unsafe { *ri = info };
+        return std::ptr::null_mut();
+    }
+    // SAFETY: as for `request_for`.
+    let user = unsafe { request_for(w, &opts) };
+    if done && matches!(opts.cb, Callback::None) {
+        let (status, info) = fin.run(op);
+        // SAFETY: `user` is a live request.
+        unsafe { request::complete(user, status, info) };
+        return user;
+    }
+    w.push(Pending {
+        user,
+        cb: opts.cb,
+        op,
+        fin,
+    });
+    user
+}
+
+/// `ucs_status_ptr_t ucp_tag_send_nb(ucp_ep_h ep, const void *buffer, size_t count,
+/// ucp_datatype_t datatype, ucp_tag_t tag, ucp_send_callback_t cb)`.
+///
+/// # Safety
+/// UCX's contract: `ep` live, the buffer valid until the send ends.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_send_nb(
+    ep: *const AbiEp,
+    buffer: *const c_void,
+    count: usize,
+    datatype: u64,
+    tag: u64,
+    cb: SendCb,
+) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe {
+        send(
+            ep,
+            buffer,
+            count,
+            tag,
+            false,
+            Opts::nb(Callback::Send(cb), datatype),
+        )
+    }
+}
+
+/// `ucs_status_ptr_t ucp_tag_send_sync_nb(...)`: completes once a receive matched it.
+///
+/// # Safety
+/// As for [`ucp_tag_send_nb`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_send_sync_nb(
+    ep: *const AbiEp,
+    buffer: *const c_void,
+    count: usize,
+    datatype: u64,
+    tag: u64,
+    cb: SendCb,
+) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe {
+        send(
+            ep,
+            buffer,
+            count,
+            tag,
+            true,
+            Opts::nb(Callback::Send(cb), datatype),
+        )
+    }
+}
+
+/// `ucs_status_t ucp_tag_send_nbr(ucp_ep_h ep, const void *buffer, size_t count,
+/// ucp_datatype_t datatype, ucp_tag_t tag, void *req)`: the caller's request memory.
+///
+/// # Safety
+/// As for [`ucp_tag_send_nb`]; `req` has `request_size` bytes before it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_send_nbr(
+    ep: *const AbiEp,
+    buffer: *const c_void,
+    count: usize,
+    datatype: u64,
+    tag: u64,
+    req: *mut c_void,
+) -> Status {
+    let mut opts = Opts::nb(Callback::None, datatype);
+    opts.req = Some(req);
+    // SAFETY: forwarded.
+    let r = unsafe { send(ep, buffer, count, tag, false, opts) };
+    if r.is_null() {
+        UCS_OK
+    } else if crate::status::ptr_is_err(r) {
+        r as isize as Status
+    } else {
+        UCS_INPROGRESS
+    }
+}
+
+/// `ucs_status_ptr_t ucp_tag_send_nbx(ucp_ep_h ep, const void *buffer, size_t count,
+/// ucp_tag_t tag, const ucp_request_param_t *param)`.
+///
+/// # Safety
+/// As for [`ucp_tag_send_nb`]; `param` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_send_nbx(
+    ep: *const AbiEp,
+    buffer: *const c_void,
+    count: usize,
+    tag: u64,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    match unsafe { Opts::nbx(param, false) } {
+        // SAFETY: forwarded.
+        Ok(o) => unsafe { send(ep, buffer, count, tag, false, o) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// `ucs_status_ptr_t ucp_tag_send_sync_nbx(...)`.
+///
+/// # Safety
+/// As for [`ucp_tag_send_nbx`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_send_sync_nbx(
+    ep: *const AbiEp,
+    buffer: *const c_void,
+    count: usize,
+    tag: u64,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    match unsafe { Opts::nbx(param, false) } {
+        // SAFETY: forwarded.
+        Ok(o) => unsafe { send(ep, buffer, count, tag, true, o) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// `ucs_status_ptr_t ucp_tag_recv_nb(ucp_worker_h worker, void *buffer, size_t count,
+/// ucp_datatype_t datatype, ucp_tag_t tag, ucp_tag_t tag_mask, ucp_tag_recv_callback_t cb)`.
+///
+/// # Safety
+/// UCX's contract: `worker` live, the buffer valid until the receive ends.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_recv_nb(
+    worker: *const AbiWorker,
+    buffer: *mut c_void,
+    count: usize,
+    datatype: u64,
+    tag: u64,
+    tag_mask: u64,
+    cb: RecvCb,
+) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe {
+        recv(
+            worker,
+            buffer,
+            count,
+            tag,
+            tag_mask,
+            Opts::nb(Callback::Recv(cb), datatype),
+        )
+    }
+}
+
+/// `ucs_status_t ucp_tag_recv_nbr(..., void *req)`: the caller's request memory.
+///
+/// # Safety
+/// As for [`ucp_tag_recv_nb`]; `req` has `request_size` bytes before it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_recv_nbr(
+    worker: *const AbiWorker,
+    buffer: *mut c_void,
+    count: usize,
+    datatype: u64,
+    tag: u64,
+    tag_mask: u64,
+    req: *mut c_void,
+) -> Status {
+    let mut opts = Opts::nb(Callback::None, datatype);
+    opts.req = Some(req);
+    // SAFETY: forwarded.
+    let r = unsafe { recv(worker, buffer, count, tag, tag_mask, opts) };
+    if crate::status::ptr_is_err(r) {
+        r as isize as Status
+    } else {
+        UCS_OK
+    }
+}
+
+/// `ucs_status_ptr_t ucp_tag_recv_nbx(ucp_worker_h worker, void *buffer, size_t count,
+/// ucp_tag_t tag, ucp_tag_t tag_mask, const ucp_request_param_t *param)`.
+///
+/// # Safety
+/// As for [`ucp_tag_recv_nb`]; `param` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_recv_nbx(
+    worker: *const AbiWorker,
+    buffer: *mut c_void,
+    count: usize,
+    tag: u64,
+    tag_mask: u64,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    match unsafe { Opts::nbx(param, true) } {
+        // SAFETY: forwarded.
+        Ok(o) => unsafe { recv(worker, buffer, count, tag, tag_mask, o) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// A message taken out of matching by `ucp_tag_probe_nb(.., remove = 1, ..)`: the receive of
+/// it into our buffer, and what the probe reported.
+#[derive(Debug)]
+pub struct Message {
+    op: Op,
+    info: TagRecvInfo,
+}
+
+/// What `ucp_tag_probe_nb` returns for a message found but left in place (only its being
+/// non-NULL means anything).
+static FOUND: u8 = 0;
+
+/// `ucp_tag_message_h ucp_tag_probe_nb(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t
+/// tag_mask, int remove, ucp_tag_recv_info_t *info)`.
+///
+/// # Safety
+/// `worker` NULL or live; `info` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_probe_nb(
+    worker: *const AbiWorker,
+    tag: u64,
+    tag_mask: u64,
+    remove: std::ffi::c_int,
+    info: *mut TagRecvInfo,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    let Some(w) = (unsafe { worker.as_ref() }) else {
+        return std::ptr::null_mut();
+    };
+    // The probe progresses the worker itself: what it ended is looked at by the next progress.
+    let found = w.worker.probe(tag, tag_mask);
+    w.touch();
+    let Some(c) = found else {
+        return std::ptr::null_mut();
+    };
+    let found = info_of(&c);
+    if !info.is_null() {
+        // SAFETY: non-NULL, writable by the caller's promise.
+        unsafe { *info = found };
+    }
+    if remove == 0 {
+        return (&raw const FOUND).cast_mut().cast();
+    }
+    // SAFETY: our own buffer, owned by the operation.
+    let op = unsafe { Op::recv(&w.worker, Buf::Owned(vec![0u8; c.len]), c.tag, u64::MAX) };
+    w.touch();
+    Box::into_raw(Box::new(Message { op, info: found })).cast()
+}
+
+/// Receive a message taken by a probe.
+///
+/// # Safety
+/// `worker` live; `message` from `ucp_tag_probe_nb` with `remove`, received once; the buffer
+/// valid until the receive ends.
+unsafe fn msg_recv(
+    worker: *const AbiWorker,
+    buf: *mut c_void,
+    count: usize,
+    message: *mut c_void,
+    opts: Opts,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    let Some(w) = (unsafe { worker.as_ref() }) else {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    };
+    if message.is_null() || message == (&raw const FOUND).cast_mut().cast() {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    }
+    if !check_provided(&opts) {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    }
+    let dest = match classify(opts.dt) {
+        Ok(Dt::Contig(elem)) => match contig_len(elem, count) {
+            Ok(len) => {
+                if len > 0 {
+                    match w.context().ctx.detect(buf as usize, len) {
+                        Ok((t, _)) if !t.is_gpu() => {}
+                        _ => return status_ptr(UCS_ERR_UNSUPPORTED),
+                    }
+                }
+                Dest::Contig(buf.cast(), len)
+            }
+            Err(s) => return status_ptr(s),
+        },
+        // SAFETY: the caller's promise on the type and buffer.
+        Ok(Dt::Generic(g)) => Dest::Generic(unsafe { Unpack::start(g, buf, count) }.0),
+        Err(s) => return status_ptr(s),
+    };
+    // SAFETY: made by `Box::into_raw` in `ucp_tag_probe_nb`, received once.
+    let msg = unsafe { Box::from_raw(message.cast::<Message>()) };
+    // SAFETY: as for `request_for`.
+    let user = unsafe { request_for(w, &opts) };
+    w.push(Pending {
+        user,
+        cb: opts.cb,
+        op: msg.op,
+        fin: Finish::MsgCopy(dest, msg.info),
+    });
+    user
+}
+
+/// `ucs_status_ptr_t ucp_tag_msg_recv_nb(ucp_worker_h worker, void *buffer, size_t count,
+/// ucp_datatype_t datatype, ucp_tag_message_h message, ucp_tag_recv_callback_t cb)`.
+///
+/// # Safety
+/// As for [`msg_recv`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_msg_recv_nb(
+    worker: *const AbiWorker,
+    buffer: *mut c_void,
+    count: usize,
+    datatype: u64,
+    message: *mut c_void,
+    cb: RecvCb,
+) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe {
+        msg_recv(
+            worker,
+            buffer,
+            count,
+            message,
+            Opts::nb(Callback::Recv(cb), datatype),
+        )
+    }
+}
+
+/// `ucs_status_ptr_t ucp_tag_msg_recv_nbx(ucp_worker_h worker, void *buffer, size_t count,
+/// ucp_tag_message_h message, const ucp_request_param_t *param)`.
+///
+/// # Safety
+/// As for [`msg_recv`]; `param` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_msg_recv_nbx(
+    worker: *const AbiWorker,
+    buffer: *mut c_void,
+    count: usize,
+    message: *mut c_void,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    match unsafe { Opts::nbx(param, true) } {
+        // SAFETY: forwarded.
+        Ok(o) => unsafe { msg_recv(worker, buffer, count, message, o) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// `ucs_status_t ucp_request_check_status(void *request)`.
+///
+/// # Safety
+/// `request` one this library returned (or was handed as request memory).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_request_check_status(request: *mut c_void) -> Status {
+    // SAFETY: forwarded.
+    match unsafe { request::state(request) } {
+        Ok((s, _)) => s,
+        Err(s) => s,
+    }
+}
+
+/// `ucs_status_t ucp_tag_recv_request_test(void *request, ucp_tag_recv_info_t *info)`:
+/// the status, and the message's information once complete.
+///
+/// # Safety
+/// As for [`ucp_request_check_status`]; `info` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_tag_recv_request_test(
+    request: *mut c_void,
+    info: *mut TagRecvInfo,
+) -> Status {
+    // SAFETY: forwarded.
+    match unsafe { request::state(request) } {
+        Ok((s, i)) => {
+            if s != UCS_INPROGRESS && !info.is_null() {
+                // SAFETY: non-NULL, writable by the caller's promise.
+                unsafe { *info = i };
+            }
+            s
+        }
+        Err(s) => s,
+    }
+}
+
+/// `ucs_status_t ucp_request_test(void *request, ucp_tag_recv_info_t *info)` (the deprecated
+/// name Open MPI calls).
+///
+/// # Safety
+/// As for [`ucp_tag_recv_request_test`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_request_test(request: *mut c_void, info: *mut TagRecvInfo) -> Status {
+    // SAFETY: forwarded.
+    unsafe { ucp_tag_recv_request_test(request, info) }
+}
+
+/// `int ucp_request_is_completed(void *request)`.
+///
+/// # Safety
+/// As for [`ucp_request_check_status`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_request_is_completed(request: *mut c_void) -> std::ffi::c_int {
+    // SAFETY: forwarded.
+    std::ffi::c_int::from(unsafe { ucp_request_check_status(request) } != UCS_INPROGRESS)
+}
+
+/// `void ucp_request_cancel(ucp_worker_h worker, void *request)`: a receive that has not
+/// matched ends with `UCS_ERR_CANCELED` (its callback runs from progress); anything else goes
+/// on.
+///
+/// # Safety
+/// `worker` NULL or live; `request` NULL or one of its requests.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_request_cancel(worker: *const AbiWorker, request: *mut c_void) {
+    // SAFETY: the caller's promise.
+    if let Some(w) = unsafe { worker.as_ref() } {
+        w.cancel(request);
+    }
+}
+
+/// `void ucp_request_free(void *request)`.
+///
+/// # Safety
+/// `request` NULL or one this library returned, freed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_request_free(request: *mut c_void) {
+    // SAFETY: forwarded.
+    unsafe { request::free(request) };
+}
+
+/// `void ucp_request_release(void *request)` (deprecated name of `ucp_request_free`).
+///
+/// # Safety
+/// As for [`ucp_request_free`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_request_release(request: *mut c_void) {
+    // SAFETY: forwarded.
+    unsafe { request::free(request) };
+}

@@ -1,0 +1,267 @@
+//! Unmodified MPI programs (`tests/c/*.c`, built here with the system's `mpicc`) run under
+//! Open MPI's `pml ucx` with rucx's `libucp.so.0` first on `LD_LIBRARY_PATH`. Every run asserts
+//! that each rank really initialized rucx's library (the `RUCX_ABI_ANNOUNCE` line names the
+//! file the library was loaded from), not another libucp.
+//!
+//! Needs Open MPI (`mpicc`, `mpirun`) and a C compiler: `ci/setup.sh` installs them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// One MPI job at a time: the machine is small and the jobs are heavy.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+struct Setup {
+    /// Where the libraries and the built programs are.
+    dir: PathBuf,
+    /// rucx's libucp as the announcement line names it.
+    lib: PathBuf,
+}
+
+fn have(cmd: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn run_ok(cmd: &mut Command, what: &str) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The libraries: `libucp.so.0` (this crate's cdylib, built with the test) and the thin
+/// `libucs.so.0`, `libuct.so.0`, `libucm.so.0` Open MPI's components also list as needed.
+fn setup() -> &'static Setup {
+    static SETUP: OnceLock<Setup> = OnceLock::new();
+    SETUP.get_or_init(|| {
+        for (cmd, pkg) in [
+            ("mpicc", "libopenmpi-dev"),
+            ("mpirun", "openmpi-bin"),
+            ("cc", "gcc"),
+        ] {
+            assert!(
+                have(cmd),
+                "`{cmd}` is missing: install the Debian package {pkg} (ci/setup.sh does)"
+            );
+        }
+        // target/<profile>/deps/<this test>: cargo builds this crate's cdylib for the test
+        // next to it (`cargo build` copies it up to target/<profile>, `cargo test` does not).
+        let exe = std::env::current_exe().expect("test executable path");
+        let deps = exe.parent().expect("deps dir");
+        let profile = deps.parent().expect("target dir");
+        let lib = deps.join("libucp.so");
+        assert!(lib.exists(), "{} was not built", lib.display());
+        let lib = std::fs::canonicalize(&lib).expect("canonical library path");
+        let dir = profile.join("ucx-abi-test");
+        std::fs::create_dir_all(&dir).expect("test dir");
+        let link = dir.join("libucp.so.0");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&lib, &link).expect("libucp.so.0 link");
+        for l in ["ucs", "uct", "ucm"] {
+            run_ok(
+                Command::new("cc")
+                    .args(["-shared", "-x", "c", "/dev/null", "-o"])
+                    .arg(dir.join(format!("lib{l}.so.0")))
+                    .arg(format!("-Wl,-soname,lib{l}.so.0")),
+                "building a thin library",
+            );
+        }
+        Setup { dir, lib }
+    })
+}
+
+/// Build `tests/c/<name>.c` with `mpicc`.
+fn build(name: &str) -> PathBuf {
+    let s = setup();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let exe = s.dir.join(name);
+    run_ok(
+        Command::new("mpicc")
+            .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+            .arg(&exe)
+            .arg(&src),
+        &format!("mpicc {name}.c"),
+    );
+    exe
+}
+
+struct Job {
+    ok: bool,
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+/// Run `prog` on `np` ranks under `mpirun --mca pml ucx` with rucx's libraries (or with the
+/// system's UCX when `rucx` is false), killed after `limit`.
+fn mpirun(np: usize, prog: &Path, rucx: bool, env: &[(&str, &str)], limit: Duration) -> Job {
+    let s = setup();
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-np", &np.to_string(), "--oversubscribe"])
+        .args(["--mca", "pml", "ucx"])
+        // rucx's transports here are shared memory and TCP, which Open MPI's default transport
+        // gate (InfiniBand devices, cuda_ipc) does not list.
+        .args([
+            "--mca",
+            "pml_ucx_tls",
+            "any",
+            "--mca",
+            "pml_ucx_devices",
+            "any",
+        ])
+        .args(["--mca", "btl", "self"]);
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cmd.arg("--allow-run-as-root");
+    }
+    let mut vars: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    if rucx {
+        let path = match std::env::var("LD_LIBRARY_PATH") {
+            Ok(p) if !p.is_empty() => format!("{}:{p}", s.dir.display()),
+            _ => s.dir.display().to_string(),
+        };
+        vars.push(("LD_LIBRARY_PATH".into(), path));
+        vars.push(("RUCX_ABI_ANNOUNCE".into(), "y".into()));
+    }
+    for (k, v) in &vars {
+        cmd.args(["-x", &format!("{k}={v}")]);
+    }
+    cmd.arg(prog)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let start = Instant::now();
+    let child = cmd.spawn().expect("mpirun starts");
+    let pid = child.id() as i32;
+    let waiter = std::thread::spawn(move || {
+        // Kill the whole job if it outlives the limit (a hang fails the test, not CI).
+        while start.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(100));
+            // SAFETY: kill with signal 0 only checks the group exists.
+            if unsafe { libc::kill(-pid, 0) } != 0 {
+                return false;
+            }
+        }
+        // SAFETY: our own process group (made with process_group(0) above).
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+        true
+    });
+    let out = child.wait_with_output().expect("mpirun output");
+    let took = start.elapsed();
+    // SAFETY: as above; the group may be gone already.
+    unsafe { libc::kill(-pid, libc::SIGKILL) };
+    let timed_out = waiter.join().unwrap_or(false) && took >= limit;
+    let job = Job {
+        ok: out.status.success() && !timed_out,
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        took,
+    };
+    assert!(
+        !timed_out,
+        "{} hung: killed after {limit:?}\n{}\n{}",
+        prog.display(),
+        job.stdout,
+        job.stderr
+    );
+    job
+}
+
+/// Assert every rank initialized rucx's library (from this build), `np` lines in all.
+fn assert_rucx_loaded(job: &Job, np: usize) {
+    let lib = setup().lib.display().to_string();
+    let lines: Vec<&str> = job
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("rucx libucp: ucp_init in pid"))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        np,
+        "expected {np} ranks to initialize rucx's libucp:\n{}\n{}",
+        job.stdout,
+        job.stderr
+    );
+    for l in lines {
+        assert!(
+            l.ends_with(&format!("from {lib}")),
+            "a rank loaded another libucp: {l} (expected {lib})"
+        );
+    }
+}
+
+fn run_passing(name: &str, np: usize) {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let prog = build(name);
+    let job = mpirun(np, &prog, true, &[], Duration::from_secs(300));
+    println!(
+        "{name} on {np} ranks: exit {:?} in {:?}\n{}{}",
+        job.code, job.took, job.stdout, job.stderr
+    );
+    assert!(job.ok, "{name} failed:\n{}\n{}", job.stdout, job.stderr);
+    assert_rucx_loaded(&job, np);
+    for r in 0..np {
+        assert!(
+            job.stdout.contains(&format!("rank {r}: {name} OK")),
+            "rank {r} did not finish {name}:\n{}\n{}",
+            job.stdout,
+            job.stderr
+        );
+    }
+}
+
+#[test]
+fn p2p_two_ranks() {
+    run_passing("p2p", 2);
+}
+
+#[test]
+fn p2p_three_ranks() {
+    run_passing("p2p", 3);
+}
+
+#[test]
+fn matching_two_ranks() {
+    run_passing("match", 2);
+}
+
+#[test]
+fn matching_four_ranks() {
+    run_passing("match", 4);
+}
+
+/// A rank killed mid-transfer ends the job with an error, within the limit (no hang).
+#[test]
+fn killed_rank_ends_the_job() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let prog = build("kill");
+    let job = mpirun(2, &prog, true, &[], Duration::from_secs(60));
+    println!(
+        "kill: exit {:?} after {:?}\n{}{}",
+        job.code, job.took, job.stdout, job.stderr
+    );
+    assert!(!job.ok, "the job succeeded although rank 1 was killed");
+    assert!(
+        job.stderr.contains("killing myself mid-transfer"),
+        "rank 1 never got to the transfer:\n{}",
+        job.stderr
+    );
+    assert_rucx_loaded(&job, 2);
+}
