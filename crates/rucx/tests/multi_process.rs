@@ -152,10 +152,15 @@ fn posix_two_processes_every_size() {
         "{}",
         r[0].1
     );
-    // With a lower threshold, 64 KiB is a whole read by the receiver.
+    // With a lower threshold, 64 KiB is a whole read by the receiver (below the split
+    // threshold, here raised above it: the default splits from 64 KiB).
     let r = ring_test(
         "posix_two_processes_every_size",
-        &[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "32K")],
+        &[
+            ("RUCX_TLS", "posix"),
+            ("RUCX_RNDV_THRESH", "32K"),
+            ("RUCX_RNDV_SPLIT_THRESH", "128K"),
+        ],
     );
     assert!(r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
 }
@@ -254,7 +259,12 @@ fn buffer_refusals_do_not_demote_and_later_transfers_stay_zero_copy() {
         "buffer_refusals_do_not_demote_and_later_transfers_stay_zero_copy",
         2,
         &boot,
-        &[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "16K")],
+        &[
+            ("RUCX_TLS", "posix"),
+            ("RUCX_RNDV_THRESH", "16K"),
+            // 64 KiB a whole read (the default splits from 64 KiB).
+            ("RUCX_RNDV_SPLIT_THRESH", "128K"),
+        ],
         &|rank| {
             let env = if rank == 1 {
                 vec![(
