@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ci/setup.sh
-exec cargo test --workspace --release "$@"
+exec cargo test --workspace --release --features rucx/tokio "$@"

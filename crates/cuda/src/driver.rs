@@ -9,6 +9,7 @@
 //! module does not wrap; [`check`] turns any `CUresult` into a typed [`Error::Device`].
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::os::fd::RawFd;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
@@ -600,6 +601,28 @@ impl Stream {
         let r = unsafe { sys::cuStreamSynchronize(self.inner.raw) };
         check(r, "cuStreamSynchronize", Some(self.inner.ctx.ordinal))
     }
+
+    /// Once all work queued on the stream so far has finished, add one to the eventfd `fd`
+    /// (a host function queued on the stream, run by the driver on a thread of its own, writes
+    /// to it; it calls nothing of CUDA).
+    ///
+    /// The caller keeps `fd` open until the host function ran: until the stream was
+    /// synchronized, or the signal was seen.
+    pub fn signal_fd_when_done(&self, fd: RawFd) -> Result<()> {
+        let fd = usize::try_from(fd)
+            .map_err(|_| Error::InvalidParam(format!("bad descriptor {fd} to signal")))?;
+        // SAFETY: live stream handle; the callback is a plain function that only writes to the
+        // descriptor passed (as an integer) in `userData`, which the caller keeps open.
+        let r = unsafe {
+            sys::cuLaunchHostFunc(self.inner.raw, Some(signal_fd_host_fn), fd as *mut c_void)
+        };
+        check(r, "cuLaunchHostFunc", Some(self.inner.ctx.ordinal))
+    }
+}
+
+/// The host function of [`Stream::signal_fd_when_done`]: `user` is the descriptor number.
+unsafe extern "C" fn signal_fd_host_fn(user: *mut c_void) {
+    rucx_ucs::event::signal_fd(user as usize as RawFd);
 }
 
 /// A CUDA event without timing, for polling completion of work on a stream.

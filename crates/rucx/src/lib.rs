@@ -31,6 +31,9 @@
 //! [`ucp`] (protocols), [`cuda`] (the CUDA driver, GPU buffers, pointer classification).
 
 pub mod bootstrap;
+pub mod drive;
+#[cfg(feature = "tokio")]
+pub mod tokio;
 
 /// The README's Rust snippets, compiled as doc tests.
 #[cfg(doctest)]
@@ -38,6 +41,7 @@ pub mod bootstrap;
 pub struct ReadmeSnippets;
 
 pub use bootstrap::Job;
+pub use drive::block_on;
 pub use rucx_cuda as cuda;
 pub use rucx_ucp as ucp;
 pub use rucx_ucp::{

@@ -144,22 +144,22 @@ fn posix_two_processes_every_size() {
         return ring_all_sizes(&Job::from_env().unwrap());
     }
     let r = ring_test("posix_two_processes_every_size", &[("RUCX_TLS", "posix")]);
-    // 64 KiB goes eagerly (below the split threshold a read does not pay on shared memory);
-    // 1 MiB + 3 and 16 MiB are split (head read, tail written).
+    // Nothing is a whole read on shared memory by default (below the split threshold eager
+    // beats a read); 1 MiB + 3 and 16 MiB are split (head read, tail written).
     assert!(!r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
     assert!(
         r[0].1.contains("read head, remote writes tail"),
         "{}",
         r[0].1
     );
-    // With a lower threshold, 64 KiB is a whole read by the receiver (below the split
-    // threshold, here raised above it: the default splits from 64 KiB).
+    // With a lower rendezvous threshold and a higher split one, 64 KiB is a whole read by the
+    // receiver.
     let r = ring_test(
         "posix_two_processes_every_size",
         &[
             ("RUCX_TLS", "posix"),
             ("RUCX_RNDV_THRESH", "32K"),
-            ("RUCX_RNDV_SPLIT_THRESH", "128K"),
+            ("RUCX_RNDV_SPLIT_THRESH", "256K"),
         ],
     );
     assert!(r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
@@ -262,8 +262,8 @@ fn buffer_refusals_do_not_demote_and_later_transfers_stay_zero_copy() {
         &[
             ("RUCX_TLS", "posix"),
             ("RUCX_RNDV_THRESH", "16K"),
-            // 64 KiB a whole read (the default splits from 64 KiB).
-            ("RUCX_RNDV_SPLIT_THRESH", "128K"),
+            // 64 KiB a whole read, larger ones split (whatever the default threshold).
+            ("RUCX_RNDV_SPLIT_THRESH", "256K"),
         ],
         &|rank| {
             let env = if rank == 1 {

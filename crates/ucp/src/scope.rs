@@ -31,7 +31,17 @@ impl std::fmt::Debug for Scope<'_, '_> {
 }
 
 /// A request in flight. Poll it with [`test`](Self::test), block with [`wait`](Self::wait), or
-/// `.await` it (the future progresses the worker itself, so any executor works).
+/// `.await` it.
+///
+/// # Awaiting: who wakes the future
+///
+/// A poll of the future progresses the worker once and, when the request is still pending,
+/// registers the task's waker with the worker and returns `Pending` (it does not wake itself,
+/// so an executor does not spin). The waker is woken by the [`Worker::progress`] call (or the
+/// cancel) that finishes the request. Something must therefore progress the worker while
+/// tasks await its requests: the facade's `tokio` driver (`rucx::tokio`), which progresses
+/// the worker whenever its [event descriptor](Worker::event_fd) is readable, or any loop
+/// that calls `progress`/[`Worker::wait`].
 #[must_use = "a request does nothing useful unless waited for or tested"]
 pub struct Request<'scope> {
     worker: &'scope Worker,
@@ -292,8 +302,8 @@ impl Request<'_> {
 }
 
 /// Progress the distinct workers of `reqs` (each once per round) until `done` says so or
-/// `limit` passed; polls flat out first and eases off only after many idle rounds, as a single
-/// request's wait does.
+/// `limit` passed; polls flat out first and, after many idle rounds and a few idle
+/// milliseconds, sleeps on the workers' events, as a single request's wait does.
 fn wait_many(
     reqs: &[&Request<'_>],
     limit: Option<Duration>,
@@ -308,6 +318,7 @@ fn wait_many(
     }
     let start = limit.map(|_| std::time::Instant::now());
     let mut idle = 0u32;
+    let mut idle_since: Option<std::time::Instant> = None;
     loop {
         if done() {
             return Ok(());
@@ -325,12 +336,26 @@ fn wait_many(
             idle = idle.saturating_add(1);
             if idle > 1000 {
                 std::hint::spin_loop();
+                if idle.is_multiple_of(256) {
+                    let now = std::time::Instant::now();
+                    let since = *idle_since.get_or_insert(now);
+                    if now - since >= SLEEP_AFTER {
+                        let left = limit
+                            .zip(start)
+                            .map(|(l, t)| l.saturating_sub(now.saturating_duration_since(t)));
+                        Worker::wait_many(&workers, left)?;
+                    }
+                }
             }
         } else {
             idle = 0;
+            idle_since = None;
         }
     }
 }
+
+/// Idle this long, [`wait_many`] sleeps on the workers' events (as a request's own wait).
+const SLEEP_AFTER: Duration = Duration::from_millis(4);
 
 /// Wait for every request of `reqs`, which may belong to scopes of different workers (each
 /// worker is progressed, not only one): the results in the same order. Two workers of one
@@ -397,8 +422,8 @@ impl Future for Request<'_> {
         if let Some(r) = self.worker.req_result(id) {
             return Poll::Ready(r);
         }
-        // Progress is driven by polling; ask to be polled again.
-        cx.waker().wake_by_ref();
+        // Whoever progresses the worker next and finishes the request wakes this task.
+        self.worker.register_waker(id, cx.waker());
         Poll::Pending
     }
 }

@@ -151,24 +151,23 @@ fn unmatched_receive_is_canceled_at_scope_end() {
 
 #[test]
 fn active_messages_small_and_large() {
-    use std::cell::RefCell;
-    use std::rc::Rc;
+    use std::sync::{Arc, Mutex};
     let w = worker(&[]);
     let ep = w.connect(&w.address()).unwrap();
     type Got = Vec<(Vec<u8>, Vec<u8>)>;
-    let got: Rc<RefCell<Got>> = Rc::default();
+    let got: Arc<Mutex<Got>> = Arc::default();
     let g = got.clone();
-    w.set_am_handler(7, move |_w, m| g.borrow_mut().push((m.header, m.data)));
+    w.set_am_handler(7, move |_w, m| g.lock().unwrap().push((m.header, m.data)));
     let big = pattern(100_000, 4);
     w.am_send(ep, 7, b"hdr", b"small").unwrap();
     w.am_send(ep, 7, b"h2", &big).unwrap();
     for _ in 0..1000 {
         w.progress();
-        if got.borrow().len() == 2 {
+        if got.lock().unwrap().len() == 2 {
             break;
         }
     }
-    let got = got.borrow();
+    let got = got.lock().unwrap();
     assert_eq!(got.len(), 2);
     assert_eq!(got[0], (b"hdr".to_vec(), b"small".to_vec()));
     assert_eq!(got[1].0, b"h2".to_vec());
@@ -845,22 +844,21 @@ fn an_unexpected_message_too_large_to_keep_fails_its_receive_cleanly() {
 /// next ones arrive.
 #[test]
 fn an_active_message_too_large_to_keep_is_dropped_and_the_next_arrive() {
-    use std::cell::RefCell;
-    use std::rc::Rc;
+    use std::sync::{Arc, Mutex};
     let w = worker(&[]);
     let ep = w.connect(&w.address()).unwrap();
     w.inject_alloc_limit(Some(50_000));
-    let got: Rc<RefCell<Vec<usize>>> = Rc::default();
+    let got: Arc<Mutex<Vec<usize>>> = Arc::default();
     let g = got.clone();
-    w.set_am_handler(7, move |_w, m| g.borrow_mut().push(m.data.len()));
+    w.set_am_handler(7, move |_w, m| g.lock().unwrap().push(m.data.len()));
     w.am_send(ep, 7, b"h", &pattern(200_000, 1)).unwrap();
     w.am_send(ep, 7, b"h", &pattern(30_000, 2)).unwrap();
     w.am_send(ep, 7, b"h", b"small").unwrap();
     for _ in 0..1000 {
         w.progress();
-        if got.borrow().len() == 2 {
+        if got.lock().unwrap().len() == 2 {
             break;
         }
     }
-    assert_eq!(*got.borrow(), vec![30_000, 5]);
+    assert_eq!(*got.lock().unwrap(), vec![30_000, 5]);
 }

@@ -964,3 +964,33 @@ fn a_rendezvous_send_whose_registration_fails_is_reselected_from_the_new_plan() 
     );
     pair.check_clean();
 }
+
+/// The simulated fabric cannot signal events (poll-only): a worker over it still arms and
+/// waits, but wakes every `POLL_ONLY_TICK` to poll it, so a message is seen without a wake-up
+/// and a blocking wait still completes.
+#[test]
+fn a_poll_only_worker_sleeps_in_short_ticks_and_still_receives() {
+    let pair = Pair::new(FabricSpec::host(), [HOST_VARS, HOST_VARS]);
+    let [a, b] = &pair.w;
+    assert_eq!(a.wait_tick(), rucx_ucp::POLL_ONLY_TICK);
+    while a.progress() + b.progress() > 0 {}
+    a.arm().expect("arming a poll-only worker succeeds");
+    let t = std::time::Instant::now();
+    a.wait(None).unwrap();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(1),
+        "a poll-only worker slept {:?}, not one tick",
+        t.elapsed()
+    );
+    let data = pattern(8, 100);
+    let mut got = vec![0u8; 100];
+    a.scope(|s| {
+        let r = s.tag_recv(&mut got, 5, rucx_ucp::TAG_MASK_FULL);
+        b.scope(|t| {
+            let sd = t.tag_send(pair.ep[1], &data, 5);
+            assert!(b.progress_until(None, || sd.test().is_some()));
+        });
+        r.wait().unwrap();
+    });
+    assert!(got == data);
+}

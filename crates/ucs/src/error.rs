@@ -347,6 +347,11 @@ pub enum Error {
     #[error("operation canceled")]
     Canceled,
 
+    /// Events are pending, so the resource was not armed for a wake-up (UCX's
+    /// `UCS_ERR_BUSY` from `ucp_worker_arm`): progress it and arm again.
+    #[error("busy: {0}; progress and arm again")]
+    Busy(String),
+
     /// Memory could not be allocated.
     #[error("out of memory: {0}")]
     NoMemory(String),

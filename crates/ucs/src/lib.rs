@@ -20,6 +20,7 @@
 
 pub mod config;
 pub mod error;
+pub mod event;
 pub mod interval;
 pub mod log;
 pub mod memory;

@@ -8,6 +8,13 @@
 //! Any number of operations (up to the configured bound) can be in flight at once, on one lane
 //! or several.
 //!
+//! Sleeping callers: once the engine was armed ([`CopyEngine::arm`]), every posted operation
+//! also queues a host function after its copies that signals the engine's eventfd
+//! ([`CopyEngine::event_fd`]; `Stream::signal_fd_when_done`), so a finished copy wakes a
+//! sleeping worker. Before the first arm nothing of this is paid. Arming reports busy while a
+//! finished operation waits for progress or an operation posted before the first arm (without
+//! a signal) is pending.
+//!
 //! Whatever keeps the memory of an operation alive (memory handles, opened IPC mappings) is
 //! handed to [`CopyEngine::post`] and dropped only once the copy has finished, so a buffer is
 //! never released under a transfer. Dropping the engine waits for every stream.
@@ -15,9 +22,12 @@
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::os::fd::RawFd;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rucx_cuda::{Event as CuEvent, Stream, driver, memcpy_async};
+use rucx_ucs::event::EventFd;
 use rucx_ucs::{Error, Result};
 use rucx_uct::{Event, OpStatus};
 
@@ -54,6 +64,8 @@ struct Pending {
     event: CuEvent,
     /// `None` for the remains of an operation that failed half-way (nothing is reported).
     token: Option<u64>,
+    /// A host function queued after it signals the engine's eventfd.
+    signals: bool,
     _keep: Vec<KeepAlive>,
 }
 
@@ -139,7 +151,13 @@ impl Drop for State {
 /// Asynchronous copies on CUDA streams with completion tokens. Thread-safe; an interface and
 /// its endpoints share one engine through an `Arc`.
 pub struct CopyEngine {
+    // Declared (so dropped) before `wake`: dropping the state waits for the streams, whose
+    // host functions write to `wake`'s descriptor.
     state: Mutex<State>,
+    /// Signalled by host functions when operations finish (`None`: no eventfd, poll only).
+    wake: Option<EventFd>,
+    /// Armed at least once: posts queue a signalling host function.
+    signal: AtomicBool,
 }
 
 impl fmt::Debug for CopyEngine {
@@ -166,7 +184,47 @@ impl CopyEngine {
                 next_seq: 0,
                 flushes: VecDeque::new(),
             }),
+            wake: EventFd::new()
+                .inspect_err(|e| {
+                    tracing::info!("CUDA copy engine: no eventfd ({e}); it can only be polled")
+                })
+                .ok(),
+            signal: AtomicBool::new(false),
         }
+    }
+
+    /// The descriptor that becomes readable when an operation finishes, once the engine was
+    /// armed; `None` when the engine can only be polled.
+    pub fn event_fd(&self) -> Option<RawFd> {
+        self.wake.as_ref().map(EventFd::fd)
+    }
+
+    /// Ask for the event descriptor to become readable when the next operation finishes:
+    /// [`Error::Busy`] when an operation finished and waits for [`progress`](Self::progress),
+    /// or one is pending that does not signal (posted before the first arm).
+    pub fn arm(&self) -> Result<()> {
+        let Some(wake) = &self.wake else {
+            return Err(Error::Unsupported {
+                what: "arming the CUDA copy engine".into(),
+                why: "it has no eventfd".into(),
+            });
+        };
+        self.signal.store(true, Ordering::Release);
+        wake.drain();
+        let st = self.lock();
+        for lane in &st.lanes {
+            if lane.pending.iter().any(|p| !p.signals) {
+                return Err(Error::Busy(
+                    "CUDA copies posted before the engine was armed are in flight".into(),
+                ));
+            }
+            if let Some(front) = lane.pending.front()
+                && !matches!(front.event.query(), Ok(false))
+            {
+                return Err(Error::Busy("a CUDA copy finished".into()));
+            }
+        }
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -240,10 +298,19 @@ impl CopyEngine {
                 }
             };
         }
+        let signals = match (&self.wake, self.signal.load(Ordering::Acquire)) {
+            (Some(wake), true) => lane
+                .stream
+                .signal_fd_when_done(wake.fd())
+                .inspect_err(|e| tracing::debug!("no completion signal for a CUDA copy: {e}"))
+                .is_ok(),
+            _ => false,
+        };
         lane.pending.push_back(Pending {
             seq,
             event,
             token: if failure.is_some() { None } else { Some(token) },
+            signals,
             _keep: keep,
         });
         st.next_seq += 1;

@@ -175,6 +175,17 @@ impl Iface for CudaCopyIface {
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
         self.engine.progress(sink)
     }
+
+    fn event_source(&self) -> rucx_uct::EventSource {
+        match self.engine.event_fd() {
+            Some(fd) => rucx_uct::EventSource::Fd(fd),
+            None => rucx_uct::EventSource::PollOnly,
+        }
+    }
+
+    fn arm(&mut self) -> Result<()> {
+        self.engine.arm()
+    }
 }
 
 /// Endpoint of a `cuda_copy` interface (to this process).

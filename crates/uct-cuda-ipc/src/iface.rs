@@ -176,6 +176,18 @@ impl Iface for CudaIpcIface {
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
         self.engine.progress(sink)
     }
+
+    fn event_source(&self) -> rucx_uct::EventSource {
+        // Copies only (no active messages arrive): the engine's completions are the events.
+        match self.engine.event_fd() {
+            Some(fd) => rucx_uct::EventSource::Fd(fd),
+            None => rucx_uct::EventSource::PollOnly,
+        }
+    }
+
+    fn arm(&mut self) -> Result<()> {
+        self.engine.arm()
+    }
 }
 
 /// Endpoint to a peer process of this host.

@@ -10,13 +10,13 @@ use memmap2::MmapRaw;
 use rucx_ucs::{Error, MemoryType, Result};
 use rucx_uct::iface::{AM_ID_MAX, check_packed};
 use rucx_uct::{
-    AmId, DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov,
-    OpStatus, PerfModel, RemoteKey,
+    AmId, DeviceType, Endpoint, EpParams, Event, EventSource, Iface, IfaceAttr, IfaceCaps,
+    IfaceLimits, Iov, OpStatus, PerfModel, RemoteKey,
 };
 
 use crate::addr::{DeviceAddr, IfaceAddr, RkeyData};
 use crate::ring::{Geometry, Ring, SegIdentity, StallWatch};
-use crate::sys::{self, CmaDir, ProcWatch, SegmentBacking};
+use crate::sys::{self, CmaDir, ProcWatch, SegmentBacking, WakePipe};
 use crate::{DEVICE, NAME, Settings};
 
 /// Largest user header of `am_zcopy` (bounded by half a cell for tiny cells).
@@ -41,6 +41,8 @@ struct EpShared {
     user_id: u64,
     peer: IfaceAddr,
     ring: Ring,
+    /// The peer's wake-up pipe, written when the peer is armed (see `ring`'s wake-ups).
+    wake: File,
     watch: ProcWatch,
     failure: OnceLock<String>,
     reported: AtomicBool,
@@ -144,6 +146,10 @@ pub struct PosixIface {
     _file: File,
     ring: Ring,
     tail: u64,
+    /// Senders write a byte here when they find the ring armed.
+    wake: WakePipe,
+    /// The ring is (or may still be) armed: the next progress disarms it and drains `wake`.
+    armed: bool,
     addr: IfaceAddr,
     dev: DeviceAddr,
     backing: SegmentBacking,
@@ -176,13 +182,19 @@ impl PosixIface {
             seg_id: sys::random_u64(),
             token: sys::process_token(),
         };
-        let ring = Ring::init(map, geo, id)?;
+        let wake = WakePipe::new()
+            .map_err(|e| Error::io("posix: creating the interface's wake-up pipe", e))?;
+        let wake_fd =
+            u32::try_from(wake.fd()).map_err(|_| Error::Internal("negative fd".into()))?;
+        let ring = Ring::init(map, geo, id, wake_fd)?;
         let (boot_id, pid_ns) = sys::host_identity();
         Ok(PosixIface {
             attr: iface_attr(geo, cma),
             _file: file,
             ring,
             tail: 0,
+            wake,
+            armed: false,
             addr: IfaceAddr {
                 pid: id.owner_pid,
                 fd,
@@ -315,10 +327,21 @@ impl Iface for PosixIface {
                 token: a.token,
             },
         )?;
+        let wake = sys::open_peer_wake(a.pid, ring.wake_fd()).map_err(|e| {
+            Error::io(
+                format!(
+                    "posix: opening the wake-up pipe (descriptor {}) of pid {}",
+                    ring.wake_fd(),
+                    a.pid
+                ),
+                e,
+            )
+        })?;
         let shared = Arc::new(EpShared {
             user_id: params.user_id,
             peer: a,
             ring,
+            wake,
             watch,
             failure: OnceLock::new(),
             reported: AtomicBool::new(false),
@@ -344,6 +367,13 @@ impl Iface for PosixIface {
     }
 
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
+        if self.armed {
+            // Awake: senders need not write the pipe any more; empty it, so the descriptor
+            // reads as idle until the next arm.
+            self.armed = false;
+            self.ring.disarm();
+            self.wake.drain();
+        }
         let mut n = self
             .ring
             .receive(&mut self.tail, PROGRESS_BUDGET, &mut |id, data| {
@@ -357,6 +387,23 @@ impl Iface for PosixIface {
             n += self.maintenance(n == 0, sink);
         }
         n
+    }
+
+    fn event_source(&self) -> EventSource {
+        EventSource::Fd(self.wake.fd())
+    }
+
+    fn arm(&mut self) -> Result<()> {
+        // A wake-up byte of an earlier arm would make the descriptor read as ready at once.
+        self.wake.drain();
+        if self.ring.arm(self.tail) {
+            self.armed = true;
+            return Ok(());
+        }
+        Err(Error::Busy(format!(
+            "messages wait in the receive ring of the posix interface of pid {}",
+            self.addr.pid
+        )))
     }
 }
 
@@ -431,6 +478,9 @@ impl PosixEndpoint {
         }
         match self.shared.ring.send(fill)? {
             Some(n) => {
+                if self.shared.ring.take_wakeup() {
+                    sys::poke(&self.shared.wake);
+                }
                 self.full = 0;
                 Ok(n)
             }

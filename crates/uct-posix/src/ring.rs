@@ -11,6 +11,8 @@
 //!         24  seg_id     u64   random, also in the interface address
 //!         32  token      u64   owner's process token, also in the interface address
 //!         40  closed     u32   (atomic) 1 once the owner closed the interface
+//!         44  armed      u32   (atomic) 1 while the owner sleeps and wants a wake-up
+//!         48  wake_fd    u32   owner's descriptor number of its wake-up pipe (read end)
 //!         64  head       u64   (atomic, own cache line) next position producers claim
 //!        128  cells[cell_count]
 //! cell:    0  seq        u64   (atomic) state of the cell, see below
@@ -36,6 +38,17 @@
 //! publishing leaves its pid in the cell: the consumer notices a cell at `tail` claimed for over
 //! [`STALL_LIMIT`] by a dead process, moves `head` past it if the producer did not, and frees it.
 //! (Only a reused pid can hide such a death.)
+//!
+//! # Wake-ups
+//!
+//! An owner about to sleep arms the ring ([`Ring::arm`]): it sets `armed` and then reads
+//! `head`; if `head` moved past its `tail` (a message is published or being written) it
+//! disarms and reports busy. A producer, after publishing, reads `armed`
+//! ([`Ring::take_wakeup`]) and, when set, clears it and writes a byte to the owner's wake-up
+//! pipe. Both the owner's store-then-load and the producer's claim of `head` (a
+//! compare-and-swap) followed by its load of `armed` are sequentially consistent, so either the
+//! owner sees the claim or the producer sees the flag: no message is left behind a sleeping
+//! owner. A producer that finds the flag clear, the common case, pays one load.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -50,7 +63,7 @@ use crate::sys;
 /// Segment magic.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"RUCXPSX1");
 /// Layout version.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Bytes before the first cell.
 pub const HEADER_SIZE: usize = 128;
 /// Bytes of a cell before its data.
@@ -75,6 +88,8 @@ const OFF_OWNER: usize = 20;
 const OFF_SEG_ID: usize = 24;
 const OFF_TOKEN: usize = 32;
 const OFF_CLOSED: usize = 40;
+const OFF_ARMED: usize = 44;
+const OFF_WAKE_FD: usize = 48;
 const OFF_HEAD: usize = 64;
 
 const C_SEQ: usize = 0;
@@ -152,7 +167,7 @@ pub struct Ring {
 impl Ring {
     /// Initialize a fresh mapping as an empty ring. The mapping must be exactly
     /// `geo.segment_size()` bytes, zero-filled, and not yet visible to anybody else.
-    pub fn init(map: MmapRaw, geo: Geometry, id: SegIdentity) -> Result<Ring> {
+    pub fn init(map: MmapRaw, geo: Geometry, id: SegIdentity, wake_fd: u32) -> Result<Ring> {
         let geo = geo.validate("posix ring")?;
         if map.len() != geo.segment_size() {
             return Err(Error::Internal(format!(
@@ -178,6 +193,8 @@ impl Ring {
         ring.u64_at(OFF_SEG_ID).store(id.seg_id, Ordering::Relaxed);
         ring.u64_at(OFF_TOKEN).store(id.token, Ordering::Relaxed);
         ring.u32_at(OFF_CLOSED).store(0, Ordering::Relaxed);
+        ring.u32_at(OFF_ARMED).store(0, Ordering::Relaxed);
+        ring.u32_at(OFF_WAKE_FD).store(wake_fd, Ordering::Relaxed);
         ring.u64_at(OFF_HEAD).store(0, Ordering::Relaxed);
         for i in 0..geo.cell_count {
             let c = ring.cell_off(u64::from(i));
@@ -271,6 +288,36 @@ impl Ring {
         self.u32_at(OFF_CLOSED).store(1, Ordering::Release);
     }
 
+    /// The owner's wake-up pipe descriptor (in the owner's process), as it wrote it.
+    pub fn wake_fd(&self) -> u32 {
+        self.u32_at(OFF_WAKE_FD).load(Ordering::Relaxed)
+    }
+
+    /// Owner: ask producers for a wake-up at the next message. False (and not armed) when a
+    /// message at or after `tail` is published or being written: receive first.
+    pub fn arm(&self, tail: u64) -> bool {
+        let armed = self.u32_at(OFF_ARMED);
+        armed.store(1, Ordering::SeqCst);
+        if self.u64_at(OFF_HEAD).load(Ordering::SeqCst) != tail {
+            armed.store(0, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Owner: no wake-up wanted any more (it is awake).
+    pub fn disarm(&self) {
+        self.u32_at(OFF_ARMED).store(0, Ordering::Relaxed);
+    }
+
+    /// Producer, after a send: whether the owner is armed, clearing the flag when it is (then
+    /// this producer, and no other, must wake it).
+    #[inline]
+    pub fn take_wakeup(&self) -> bool {
+        let armed = self.u32_at(OFF_ARMED);
+        armed.load(Ordering::SeqCst) != 0 && armed.swap(0, Ordering::AcqRel) != 0
+    }
+
     /// Producer: claim a cell, let `fill` write the message into its data area, and publish it.
     ///
     /// `fill` returns the message length and id, or an error; on error (or a panic in `fill`)
@@ -306,7 +353,9 @@ impl Ring {
                     .compare_exchange(
                         pos,
                         pos.wrapping_add(1),
-                        Ordering::AcqRel,
+                        // Sequentially consistent for the wake-up handshake (module docs);
+                        // the same instruction as AcqRel on x86.
+                        Ordering::SeqCst,
                         Ordering::Relaxed,
                     )
                     .is_ok()
@@ -498,6 +547,7 @@ mod tests {
                 seg_id: 7,
                 token: 9,
             },
+            0,
         )
         .unwrap()
     }
@@ -629,7 +679,7 @@ mod tests {
             seg_id: 42,
             token: 43,
         };
-        let _owner = Ring::init(MmapRaw::map_raw(&f).unwrap(), geo, id).unwrap();
+        let _owner = Ring::init(MmapRaw::map_raw(&f).unwrap(), geo, id, 0).unwrap();
         assert!(Ring::attach(MmapRaw::map_raw(&f).unwrap(), geo, id).is_ok());
         let wrong = SegIdentity { seg_id: 41, ..id };
         assert!(Ring::attach(MmapRaw::map_raw(&f).unwrap(), geo, wrong).is_err());
@@ -638,6 +688,25 @@ mod tests {
             cell_size: 256,
         };
         assert!(Ring::attach(MmapRaw::map_raw(&f).unwrap(), other_geo, id).is_err());
+    }
+
+    #[test]
+    fn arm_is_refused_with_a_claim_or_message_and_a_send_takes_the_wakeup_once() {
+        let r = ring(4, 128);
+        let mut tail = 0;
+        assert!(!r.take_wakeup(), "not armed: no wake-up");
+        assert!(r.arm(tail));
+        assert_eq!(put(&r, 1, b"a"), Some(1));
+        assert!(r.take_wakeup(), "armed: the sender wakes the owner");
+        assert!(!r.take_wakeup(), "only one sender wakes it");
+        // A published message (or a claimed cell: `head` moved) refuses arming.
+        assert!(!r.arm(tail));
+        assert!(!r.take_wakeup(), "a refused arm leaves nothing armed");
+        assert_eq!(r.receive(&mut tail, 8, &mut |_, _| {}), 1);
+        assert!(r.arm(tail));
+        r.disarm();
+        assert_eq!(put(&r, 1, b"b"), Some(1));
+        assert!(!r.take_wakeup(), "disarmed: no wake-up");
     }
 
     #[test]

@@ -127,6 +127,87 @@ pub fn open_peer_fd(pid: u32, fd: u32) -> io::Result<File> {
         .open(format!("/proc/{pid}/fd/{fd}"))
 }
 
+/// The receiver's wake-up pipe: the read end is the interface's event descriptor; senders
+/// open it again through `/proc/<pid>/fd/<read end>` ([`open_peer_wake`]) and write a byte to
+/// wake an armed receiver. The write end stays open here, so the pipe never reads as hung up.
+#[derive(Debug)]
+pub struct WakePipe {
+    read: OwnedFd,
+    _write: OwnedFd,
+}
+
+impl WakePipe {
+    /// A non-blocking, close-on-exec pipe.
+    pub fn new() -> io::Result<WakePipe> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: `fds` is an array of two ints the call fills; the result is checked.
+        let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: both descriptors were just returned by pipe2 and are owned by nobody else.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok(WakePipe {
+            read,
+            _write: write,
+        })
+    }
+
+    /// The read end (the event descriptor).
+    pub fn fd(&self) -> RawFd {
+        self.read.as_raw_fd()
+    }
+
+    /// Read every pending wake-up byte, so the descriptor stops being readable.
+    pub fn drain(&self) {
+        drain_fd(self.read.as_raw_fd());
+    }
+}
+
+/// Read from a non-blocking descriptor until it would block.
+pub fn drain_fd(fd: RawFd) {
+    let mut buf = [0u8; 64];
+    loop {
+        // SAFETY: `buf` is a writable buffer of its length; `fd` is a descriptor the caller
+        // keeps open and non-blocking, so the call returns at once.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n < buf.len() as isize {
+            // Empty (EAGAIN), an error, or the last bytes: nothing more to read now.
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+    }
+}
+
+/// Open the wake-up pipe of interface owner `pid` (its read end, descriptor `fd`), read-write
+/// and non-blocking: being a reader too, this side never gets `EPIPE`/`SIGPIPE` when the owner
+/// is gone, and a full pipe (an owner that is already woken) makes a write return at once.
+pub fn open_peer_wake(pid: u32, fd: u32) -> io::Result<File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/{pid}/fd/{fd}"))?;
+    if !f.metadata()?.file_type().is_fifo() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("descriptor {fd} of pid {pid} is not a wake-up pipe"),
+        ));
+    }
+    Ok(f)
+}
+
+/// Wake the owner of a wake-up pipe opened with [`open_peer_wake`]: write one byte. A full
+/// pipe means it is awake already; other errors are ignored too (an owner that is gone has
+/// nobody to wake, and its death is noticed by the liveness checks).
+pub fn poke(f: &File) {
+    // SAFETY: writes one byte from a local to a descriptor `f` keeps open; non-blocking.
+    let _ = unsafe { libc::write(f.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+}
+
 /// Raw descriptor number of a file, for the interface address.
 pub fn raw_fd(f: &File) -> RawFd {
     f.as_raw_fd()

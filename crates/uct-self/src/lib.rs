@@ -9,12 +9,13 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+use rucx_ucs::event::EventFd;
 use rucx_ucs::{Config, Error, MemoryType, Result};
 use rucx_uct::rkey::{self, Reader};
 use rucx_uct::{
-    Availability, Component, DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps,
-    IfaceLimits, IfaceParams, Iov, LinearCost, MdAttr, MemHandle, MemRegion, MemTypeFlags,
-    MemoryDomain, OpStatus, PerfModel, RemoteKey, TlResource,
+    Availability, Component, DeviceType, Endpoint, EpParams, Event, EventSource, Iface, IfaceAttr,
+    IfaceCaps, IfaceLimits, IfaceParams, Iov, LinearCost, MdAttr, MemHandle, MemRegion,
+    MemTypeFlags, MemoryDomain, OpStatus, PerfModel, RemoteKey, TlResource,
 };
 
 /// Component, domain and transport name.
@@ -125,7 +126,7 @@ impl MemoryDomain for SelfMd {
                 tl.tl_name, tl.dev_name
             )));
         }
-        Ok(Box::new(SelfIface::new(self.regs.clone())))
+        Ok(Box::new(SelfIface::new(self.regs.clone())?))
     }
 
     unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
@@ -196,21 +197,48 @@ struct Msg {
 struct Queue {
     msgs: VecDeque<Msg>,
     done: VecDeque<u64>,
+    /// The interface sleeps and wants the event descriptor signalled at the next item.
+    armed: bool,
+}
+
+/// A queue with the interface's event descriptor, shared by the interface and its endpoints
+/// (which may be used from another thread).
+#[derive(Debug)]
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: EventFd,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queue an item; wake the interface if it is armed.
+    fn push(&self, f: impl FnOnce(&mut Queue)) {
+        let mut q = self.lock();
+        f(&mut q);
+        if std::mem::take(&mut q.armed) {
+            self.wake.signal();
+        }
+    }
 }
 
 /// The `self` interface.
 #[derive(Debug)]
 pub struct SelfIface {
     attr: IfaceAttr,
-    queue: Arc<Mutex<Queue>>,
+    queue: Arc<Shared>,
     regs: Arc<Mutex<HashMap<u64, Weak<Reg>>>>,
     nonce: u64,
+    /// Armed since the last progress: the next progress disarms and drains the eventfd.
+    armed: bool,
 }
 
 static NONCE: AtomicU64 = AtomicU64::new(1);
 
 impl SelfIface {
-    fn new(regs: Arc<Mutex<HashMap<u64, Weak<Reg>>>>) -> Self {
+    fn new(regs: Arc<Mutex<HashMap<u64, Weak<Reg>>>>) -> Result<Self> {
         let attr = IfaceAttr {
             tl_name: NAME.into(),
             dev_name: DEVICE.into(),
@@ -245,12 +273,18 @@ impl SelfIface {
             ep_addr_len: 0,
             max_eps: None,
         };
-        SelfIface {
+        let wake =
+            EventFd::new().map_err(|e| Error::io("self: creating the interface's eventfd", e))?;
+        Ok(SelfIface {
             attr,
-            queue: Arc::new(Mutex::new(Queue::default())),
+            queue: Arc::new(Shared {
+                queue: Mutex::new(Queue::default()),
+                wake,
+            }),
+            armed: false,
             regs,
             nonce: NONCE.fetch_add(1, Ordering::Relaxed),
-        }
+        })
     }
 }
 
@@ -289,12 +323,17 @@ impl Iface for SelfIface {
     }
 
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
+        if self.armed {
+            self.armed = false;
+            self.queue.lock().armed = false;
+            self.queue.wake.drain();
+        }
         let mut n = 0;
         loop {
             // Take one item at a time and release the lock before calling the sink, which may
             // send on an endpoint of this interface.
             let (msg, token) = {
-                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                let mut q = self.queue.lock();
                 match q.done.pop_front() {
                     Some(t) => (None, Some(t)),
                     None => (q.msgs.pop_front(), None),
@@ -314,12 +353,31 @@ impl Iface for SelfIface {
             n += 1;
         }
     }
+
+    fn event_source(&self) -> EventSource {
+        EventSource::Fd(self.queue.wake.fd())
+    }
+
+    fn arm(&mut self) -> Result<()> {
+        let mut q = self.queue.lock();
+        self.queue.wake.drain();
+        if !q.msgs.is_empty() || !q.done.is_empty() {
+            return Err(Error::Busy(format!(
+                "{} messages and {} completions wait in the self interface",
+                q.msgs.len(),
+                q.done.len()
+            )));
+        }
+        q.armed = true;
+        self.armed = true;
+        Ok(())
+    }
 }
 
 /// Endpoint of the `self` interface to itself.
 #[derive(Debug)]
 pub struct SelfEp {
-    queue: Arc<Mutex<Queue>>,
+    queue: Arc<Shared>,
     regs: Arc<Mutex<HashMap<u64, Weak<Reg>>>>,
     limits: IfaceLimits,
 }
@@ -331,11 +389,7 @@ impl SelfEp {
                 "active message id {id} is out of range"
             )));
         }
-        self.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .msgs
-            .push_back(Msg { id, data });
+        self.queue.push(|q| q.msgs.push_back(Msg { id, data }));
         Ok(())
     }
 
@@ -487,11 +541,7 @@ impl Endpoint for SelfEp {
     fn flush(&mut self, token: u64) -> Result<OpStatus> {
         // Every operation completes when posted, but report through the event path so callers
         // exercise their completion handling.
-        self.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .done
-            .push_back(token);
+        self.queue.push(|q| q.done.push_back(token));
         Ok(OpStatus::InProgress)
     }
 }

@@ -27,6 +27,11 @@ impl Kick {
         self.any.store(true, Ordering::Release);
     }
 
+    /// Whether a kick waits for the next progress.
+    pub(crate) fn pending(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
     /// Take the connections kicked since the last call into `out`.
     pub(crate) fn take(&self, out: &mut Vec<usize>) {
         if !self.any.load(Ordering::Acquire) {
@@ -97,6 +102,23 @@ impl Epoll {
     /// Stop watching `fd` (before it may be closed or handed on).
     pub(crate) fn delete(&self, fd: RawFd) -> io::Result<()> {
         self.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0)
+    }
+
+    /// The epoll descriptor: readable while a watched socket is ready (level triggered).
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Whether a watched socket is ready now (nothing is consumed: level triggered).
+    pub(crate) fn any_ready(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one initialized pollfd that lives across the call; timeout 0.
+        let rc = unsafe { libc::poll(&mut p, 1, 0) };
+        rc != 0
     }
 
     /// The ready descriptors now, without waiting: `(key, events)`. An error (EINTR) reads as
@@ -223,6 +245,16 @@ impl Watch {
                 *p = i;
             }
         }
+    }
+
+    /// The epoll descriptor every watched socket is registered with.
+    pub(crate) fn fd(&self) -> RawFd {
+        self.epoll.fd()
+    }
+
+    /// Whether a watched socket is ready now (an error of the check reads as ready).
+    pub(crate) fn any_ready(&self) -> bool {
+        self.epoll.any_ready()
     }
 
     /// Report every ready socket now, without waiting: `f(key, epoll events)`. An error

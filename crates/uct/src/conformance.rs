@@ -28,7 +28,12 @@
 //! put/get zero-copy at several sizes and offsets, flush, completion tokens (each in-progress
 //! operation completes exactly once, successfully), remote keys made of garbage or truncated
 //! bytes rejected with an error, out-of-bounds remote access and unregistered local buffers
-//! rejected with an error.
+//! rejected with an error; and, for interfaces with an event descriptor, the wake-up protocol
+//! (see [`Iface::arm`]): nothing pending means arming succeeds and the descriptor is idle;
+//! armed, a message from the peer makes it readable within [`WAKE_BOUND`]; armed with a
+//! message pending, arming again says busy; progress consumes the notification (arming
+//! succeeds again). Transports that cannot signal are reported skipped; the other checks never
+//! arm, so polling needs no wake-up.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
@@ -39,7 +44,9 @@ use std::time::{Duration, Instant};
 use rucx_ucs::{Error, MemoryType};
 
 use crate::attr::IfaceCaps;
-use crate::iface::{AmId, Endpoint, EpParams, Event, Iface, Iov, OpStatus, pack_bytes};
+use crate::iface::{
+    AmId, Endpoint, EpParams, Event, EventSource, Iface, Iov, OpStatus, pack_bytes,
+};
 use crate::md::{MemHandle, MemRegion, MemoryDomain, RemoteKey};
 use crate::rkey::{Reader, put_lv};
 
@@ -55,6 +62,11 @@ pub const AM_SETUP_REP: AmId = 63;
 pub const AM_CHECK_REQ: AmId = 59;
 /// End of the run; the responder answers with a digest whose length is `u64::MAX`.
 pub const AM_BYE: AmId = 58;
+/// Ask for a delayed echo: header = delay in milliseconds; the responder sends the digest of
+/// the whole message that much later (the initiator sleeps on its event descriptor meanwhile).
+pub const AM_WAKE_REQ: AmId = 57;
+/// How soon an armed interface's descriptor must become readable after the peer sent.
+pub const WAKE_BOUND: Duration = Duration::from_secs(5);
 
 /// Environment variable that tells a spawned test binary which role it plays.
 pub const ROLE_ENV: &str = "RUCX_CONFORMANCE_ROLE";
@@ -164,6 +176,8 @@ struct Responder {
     ep: Option<Box<dyn Endpoint>>,
     exposed: Vec<Exposed>,
     outbox: VecDeque<(AmId, Vec<u8>)>,
+    /// Replies to send once their time came (delayed echoes).
+    later: VecDeque<(Instant, AmId, Vec<u8>)>,
     done: bool,
     error: Option<String>,
 }
@@ -175,13 +189,17 @@ impl Responder {
             ep: None,
             exposed: Vec::new(),
             outbox: VecDeque::new(),
+            later: VecDeque::new(),
             done: false,
             error: None,
         }
     }
 
     fn is_request(id: AmId) -> bool {
-        matches!(id, AM_ECHO | AM_SETUP_REQ | AM_CHECK_REQ | AM_BYE)
+        matches!(
+            id,
+            AM_ECHO | AM_SETUP_REQ | AM_CHECK_REQ | AM_BYE | AM_WAKE_REQ
+        )
     }
 
     fn digest(&mut self, len: u64, hash: u64) {
@@ -193,6 +211,18 @@ impl Responder {
     fn handle(&mut self, id: AmId, data: &[u8]) {
         match id {
             AM_ECHO => self.digest(data.len() as u64, fnv64(data)),
+            AM_WAKE_REQ => {
+                let mut r = Reader::new(data, "wake request");
+                match r.u64() {
+                    Ok(ms) => {
+                        let mut m = (data.len() as u64).to_le_bytes().to_vec();
+                        m.extend_from_slice(&fnv64(data).to_le_bytes());
+                        let at = Instant::now() + Duration::from_millis(ms.min(10_000));
+                        self.later.push_back((at, AM_DIGEST, m));
+                    }
+                    Err(e) => self.error = Some(e.to_string()),
+                }
+            }
             AM_SETUP_REQ => {
                 if let Err(e) = self.setup(data) {
                     self.error = Some(format!("responder setup failed: {e}"));
@@ -250,6 +280,10 @@ impl Responder {
 
     /// Send queued replies; stops at the first NoResource.
     fn flush_outbox(&mut self) {
+        while self.later.front().is_some_and(|l| l.0 <= Instant::now()) {
+            let (_, id, m) = self.later.pop_front().expect("checked");
+            self.outbox.push_back((id, m));
+        }
         let Some(ep) = self.ep.as_mut() else { return };
         while let Some((id, msg)) = self.outbox.front() {
             let res = ep.am_bcopy(*id, &mut pack_bytes(msg));
@@ -355,6 +389,135 @@ impl Driver {
                 self.local.iface.progress(&mut |ev| st.on_event(ev));
             }
         }
+    }
+
+    /// Let the responder work without progressing the initiator's interface (which would
+    /// disarm it): its due replies go out (and, in process, its interface is progressed).
+    fn peer_tick(&mut self) {
+        match &mut self.peer {
+            PeerMode::SameIface(resp) => resp.flush_outbox(),
+            PeerMode::OtherIface(side, resp) => {
+                side.iface.progress(&mut |ev| match ev {
+                    Event::Am { id, data } if Responder::is_request(id) => resp.handle(id, data),
+                    Event::EpError { error, .. } => resp.error = Some(error.to_string()),
+                    _ => {}
+                });
+                resp.flush_outbox();
+            }
+            PeerMode::Remote => {}
+        }
+    }
+
+    /// Progress until nothing is pending and the interface arms (busy answers are progressed
+    /// away). Returns whether a digest arrived meanwhile.
+    fn arm_when_quiet(&mut self) -> R<bool> {
+        let start = Instant::now();
+        let before = self.st.digests.len();
+        loop {
+            self.progress();
+            self.check_errors()?;
+            match self.local.iface.arm() {
+                Ok(()) => return Ok(self.st.digests.len() > before),
+                Err(Error::Busy(_)) => {}
+                Err(e) => return Err(format!("arm: expected Ok or Busy, got {e}")),
+            }
+            if start.elapsed() > DEADLINE {
+                return Err(format!("arm stayed busy for {DEADLINE:?}"));
+            }
+        }
+    }
+
+    /// The wake-up protocol; see the module documentation.
+    fn event_checks(&mut self, seed: &mut u64) -> R<()> {
+        let fd = match self.local.iface.event_source() {
+            EventSource::Fd(fd) => fd,
+            other => {
+                self.report
+                    .skipped
+                    .push(format!("arm/wait: the interface is {other:?}"));
+                return Ok(());
+            }
+        };
+        let idle = |fd| rucx_ucs::event::wait_readable(fd, Some(Duration::ZERO));
+        // Quiet: arming succeeds, twice, and the descriptor is idle.
+        self.arm_when_quiet()?;
+        self.local
+            .iface
+            .arm()
+            .map_err(|e| format!("arming twice with nothing pending: {e}"))?;
+        if idle(fd).map_err(|e| e.to_string())? {
+            return Err("armed with nothing pending, the event descriptor is readable".into());
+        }
+        self.report
+            .passed
+            .push("arm with nothing pending succeeds, descriptor idle".into());
+        // Armed, the peer's message wakes us. The request asks for a delayed answer; if the
+        // answer beat the arm (a slow machine), ask again with a longer delay.
+        let mut delay_ms = 100u64;
+        let woke_after = loop {
+            *seed += 1;
+            let mut m = delay_ms.to_le_bytes().to_vec();
+            m.extend_from_slice(&pattern(*seed, 24));
+            let hash = fnv64(&m);
+            self.retry("wake request", |ep| {
+                ep.am_bcopy(AM_WAKE_REQ, &mut pack_bytes(&m))
+            })?;
+            if self.arm_when_quiet()? {
+                self.expect_digest("early delayed echo", m.len(), hash)?;
+                delay_ms *= 4;
+                if delay_ms > 2000 {
+                    return Err("the delayed echo always came before the interface armed".into());
+                }
+                continue;
+            }
+            let t = Instant::now();
+            let readable = loop {
+                self.peer_tick();
+                self.check_errors()?;
+                if rucx_ucs::event::wait_readable(fd, Some(Duration::from_millis(10)))
+                    .map_err(|e| e.to_string())?
+                {
+                    break true;
+                }
+                if t.elapsed() > WAKE_BOUND + Duration::from_millis(delay_ms) {
+                    break false;
+                }
+            };
+            if !readable {
+                return Err(format!(
+                    "armed, the peer's message did not make the event descriptor readable \
+                     within {WAKE_BOUND:?}"
+                ));
+            }
+            let woke_after = t.elapsed();
+            // The message is pending: arming says busy.
+            match self.local.iface.arm() {
+                Err(Error::Busy(_)) => {}
+                other => {
+                    return Err(format!(
+                        "arm with a message pending: expected busy, got {other:?}"
+                    ));
+                }
+            }
+            self.expect_digest("delayed echo after a wake-up", m.len(), hash)?;
+            break woke_after;
+        };
+        self.report.passed.push(format!(
+            "armed: the peer's message woke the descriptor ({delay_ms} ms delay, woke after \
+             {} ms); arm with it pending is busy",
+            woke_after.as_millis()
+        ));
+        // Progress consumed the notification: quiet again, arming succeeds, descriptor idle.
+        self.arm_when_quiet()?;
+        if idle(fd).map_err(|e| e.to_string())? {
+            return Err("after progress, armed again, the event descriptor is readable".into());
+        }
+        self.report
+            .passed
+            .push("progress consumes the wake-up (armed again, idle)".into());
+        // Leave it disarmed for the checks that follow.
+        self.progress();
+        Ok(())
     }
 
     fn check_errors(&self) -> R<()> {
@@ -599,6 +762,8 @@ impl Driver {
                 }
             }
         }
+
+        self.event_checks(&mut seed)?;
 
         let st = self.retry("bye", |ep| ep.am_bcopy(AM_BYE, &mut pack_bytes(&[])))?;
         let _ = st;

@@ -3,8 +3,28 @@
 //! Progress is pull-based: [`Iface::progress`] hands every event (an arrived active message, a
 //! finished zero-copy operation, a failed endpoint) to a sink the caller passes in. Nothing runs
 //! behind the caller's back, so the caller's state needs no locking.
+//!
+//! # Sleeping instead of polling
+//!
+//! An interface can also say when progress has something to do, so that an idle caller sleeps
+//! in `poll(2)` instead of spinning: [`Iface::event_fd`] names a descriptor and
+//! [`Iface::arm`] asks for it to become readable at the next event. The protocol, as in UCX's
+//! `uct_iface_event_fd_get` / `uct_iface_event_arm`:
+//!
+//! 1. progress until a call delivers nothing;
+//! 2. `arm()`: `Ok` means nothing is pending and the descriptor will become readable when
+//!    something arrives or completes; [`Error::Busy`] means events are pending (progress again,
+//!    go to 1);
+//! 3. `poll(2)` the descriptor (several interfaces' descriptors together, e.g. in one epoll);
+//! 4. when it is readable (or the caller's timeout passed), progress: that also consumes the
+//!    notification (the descriptor stops being readable once its events were delivered).
+//!
+//! Arming is cheap but not free; callers arm only after polling found nothing for a while.
+//! Polling callers never arm, and the transports keep their fast paths free of system calls
+//! while nobody is armed.
 
 use std::fmt;
+use std::os::fd::RawFd;
 
 use rucx_ucs::{Config, Error, Result};
 
@@ -108,6 +128,21 @@ pub enum Event<'a> {
     },
 }
 
+/// How an interface tells a sleeping caller that progress has something to do; see the
+/// [module documentation](self#sleeping-instead-of-polling).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventSource {
+    /// This descriptor becomes readable (`POLLIN`) after [`Iface::arm`] returned `Ok` and an
+    /// event arrived. It belongs to the interface and lives as long as it.
+    Fd(RawFd),
+    /// Nothing ever happens later on this interface: every operation finishes when posted and
+    /// nothing arrives from peers. A sleeper can ignore it.
+    Silent,
+    /// The interface cannot wake a sleeper: a caller that sleeps must still look at it now and
+    /// then (short naps).
+    PollOnly,
+}
+
 /// One transport on one device, owned by a worker and progressed by it.
 pub trait Iface: Send + fmt::Debug {
     /// Attributes.
@@ -131,6 +166,34 @@ pub trait Iface: Send + fmt::Debug {
     /// The sink may post operations on any endpoint (of this or another interface), e.g. to
     /// reply to a message: implementations must not hold internal locks while calling it.
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize;
+
+    /// How this interface wakes a sleeping caller (see [`EventSource`]); the same answer for
+    /// the interface's whole life. The default: it cannot ([`EventSource::PollOnly`]).
+    fn event_source(&self) -> EventSource {
+        EventSource::PollOnly
+    }
+
+    /// The descriptor of [`EventSource::Fd`], if the interface has one.
+    fn event_fd(&self) -> Option<RawFd> {
+        match self.event_source() {
+            EventSource::Fd(fd) => Some(fd),
+            _ => None,
+        }
+    }
+
+    /// Ask for the event descriptor to become readable at the next event. Returns
+    /// [`Error::Busy`] when events are pending already (progress first; nothing was armed,
+    /// or a wake-up may come anyway), [`Error::Unsupported`] for [`EventSource::PollOnly`].
+    /// Arming twice is harmless. An interface that is [`EventSource::Silent`] arms at once.
+    fn arm(&mut self) -> Result<()> {
+        match self.event_source() {
+            EventSource::Silent => Ok(()),
+            _ => Err(Error::Unsupported {
+                what: format!("arming the {} interface", self.attr().tl_name),
+                why: "it has no event descriptor; poll it".into(),
+            }),
+        }
+    }
 }
 
 /// A connection to one peer interface.

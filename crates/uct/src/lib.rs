@@ -24,7 +24,7 @@ pub use attr::{
     DeviceType, IfaceAttr, IfaceCaps, IfaceLimits, LinearCost, MdAttr, MemTypeFlags, PerfModel,
 };
 pub use component::{Availability, Component, Discovery, Registry};
-pub use iface::{AmId, Endpoint, EpParams, Event, Iface, IfaceParams, Iov, OpStatus};
+pub use iface::{AmId, Endpoint, EpParams, Event, EventSource, Iface, IfaceParams, Iov, OpStatus};
 pub use md::{AllocId, MemHandle, MemRegion, MemoryDomain, RemoteKey, SharedAlloc, TlResource};
 
 use rucx_ucs::{OptKind, OptionSpec};

@@ -214,6 +214,38 @@ pub fn parse_mem_types(s: &str) -> Result<(MemoryType, MemoryType), String> {
 }
 
 /// Output format.
+/// How the sides wait between messages (`-E`, as `ucx_perftest -E`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WaitMode {
+    /// Progress flat out.
+    #[default]
+    Poll,
+    /// When a progress call finds nothing, sleep in `Worker::wait` until the worker's event
+    /// descriptor is readable.
+    Sleep,
+}
+
+impl WaitMode {
+    /// The name on the command line and in control messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            WaitMode::Poll => "poll",
+            WaitMode::Sleep => "sleep",
+        }
+    }
+}
+
+impl FromStr for WaitMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "poll" => Ok(WaitMode::Poll),
+            "sleep" => Ok(WaitMode::Sleep),
+            _ => Err(format!("unknown wait mode {s:?}; known: poll, sleep")),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     /// The boxed table of `ucx_perftest`.
@@ -263,6 +295,10 @@ pub struct Cli {
     /// Outstanding window: requests in flight at once in bandwidth tests (default 16).
     #[arg(short = 'O')]
     pub window: Option<usize>,
+    /// Wait mode: poll (progress flat out) or sleep (when progress finds nothing, sleep in
+    /// Worker::wait until the worker's event descriptor is readable), as ucx_perftest -E.
+    #[arg(short = 'E', default_value = "poll", value_parser = WaitMode::from_str)]
+    pub wait: WaitMode,
     /// Memory type of the send buffer and optionally the receive buffer: host, cuda
     /// (each rank on GPU rank % device count: the server GPU 0, the client GPU 1).
     #[arg(short = 'm', default_value = "host", value_parser = parse_mem_types)]
@@ -332,6 +368,8 @@ pub struct Options {
     pub warmup: Option<usize>,
     /// Outstanding window.
     pub window: usize,
+    /// How both sides wait between messages.
+    pub wait: WaitMode,
     /// Send and receive memory types.
     pub mem: (MemoryType, MemoryType),
     /// Measure the GPU copy bounds (bandwidth at the largest size; latency tests: one copy's
@@ -492,6 +530,7 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         progress: !cli.quiet,
         bind: cli.bind,
         local_server: cli.local_server,
+        wait: cli.wait,
         floors: cli.floors.then_some(if cli.quick {
             crate::floors::Effort::QUICK
         } else {

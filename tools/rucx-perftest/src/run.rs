@@ -4,9 +4,10 @@
 //! Every iteration is timed with [`Instant`]; the client keeps the per-iteration times and
 //! the whole run's time, from which [`Figures`] follow.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
-use std::rc::Rc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rucx::bootstrap::Placement;
@@ -15,7 +16,7 @@ use rucx::{
     Worker,
 };
 
-use crate::args::{Options, TestKind};
+use crate::args::{Options, TestKind, WaitMode};
 use crate::mem::{self, Buf, Gpu, Ring};
 use crate::stats::{Figures, MB, percentile};
 
@@ -52,20 +53,23 @@ pub struct Spec {
     pub window: usize,
     /// Memory types of the send and receive buffers (on both sides).
     pub mem: (MemoryType, MemoryType),
+    /// How both sides wait between messages.
+    pub wait: WaitMode,
 }
 
 impl Spec {
     /// The control message that announces this spec.
     pub fn encode(&self) -> String {
         format!(
-            "run {} {} {} {} {} {} {}",
+            "run {} {} {} {} {} {} {} {}",
             self.test.name(),
             self.size,
             self.iters,
             self.warmup,
             self.window,
             self.mem.0,
-            self.mem.1
+            self.mem.1,
+            self.wait.name()
         )
     }
 
@@ -74,7 +78,7 @@ impl Spec {
         let w: Vec<&str> = s.split_whitespace().collect();
         match w.as_slice() {
             ["quit"] => Ok(None),
-            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 2 => {
+            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 3 => {
                 let num = |x: &str| {
                     x.parse::<usize>()
                         .map_err(|_| format!("bad control message {s:?}"))
@@ -90,6 +94,7 @@ impl Spec {
                     warmup: num(warm)?,
                     window: num(window)?.max(1),
                     mem: (mt(rest[0])?, mt(rest[1])?),
+                    wait: rest[2].parse()?,
                 }))
             }
             _ => Err(format!(
@@ -144,12 +149,7 @@ fn wait(w: &Worker, peer: EpId, r: Request<'_>) -> R<Completion> {
             return res.map_err(|e| e.to_string());
         }
         if w.progress() == 0 {
-            idle = idle.wrapping_add(1);
-            if idle.is_multiple_of(4096)
-                && let Some(why) = w.ep_error(peer)
-            {
-                return Err(format!("the peer failed: {why}"));
-            }
+            idle_step(w, peer, &mut idle)?;
         }
     }
 }
@@ -159,13 +159,33 @@ fn progress_until(w: &Worker, peer: EpId, mut done: impl FnMut() -> bool) -> R<(
     let mut idle = 0u32;
     while !done() {
         if w.progress() == 0 {
-            idle = idle.wrapping_add(1);
-            if idle.is_multiple_of(4096)
-                && let Some(why) = w.ep_error(peer)
-            {
-                return Err(format!("the peer failed: {why}"));
-            }
+            idle_step(w, peer, &mut idle)?;
         }
+    }
+    Ok(())
+}
+
+/// The wait mode of the spec being run (`-E`; both sides set it from the spec).
+static SLEEP: AtomicBool = AtomicBool::new(false);
+
+fn set_wait_mode(m: WaitMode) {
+    SLEEP.store(m == WaitMode::Sleep, Relaxed);
+}
+
+/// A progress call found nothing: in sleep mode, sleep until the worker's events; look at
+/// the peer's endpoint now and then (at every wake-up when sleeping).
+#[inline]
+fn idle_step(w: &Worker, peer: EpId, idle: &mut u32) -> R<()> {
+    *idle = idle.wrapping_add(1);
+    let sleep = SLEEP.load(Relaxed);
+    if sleep {
+        w.wait(None)
+            .map_err(ctx("waiting for the worker's events"))?;
+    }
+    if (sleep || idle.is_multiple_of(4096))
+        && let Some(why) = w.ep_error(peer)
+    {
+        return Err(format!("the peer failed: {why}"));
     }
     Ok(())
 }
@@ -566,26 +586,28 @@ fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
 }
 
 fn am_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let got = Rc::new(Cell::new(0usize));
+    let got = Arc::new(AtomicUsize::new(0));
     let g = got.clone();
-    w.set_am_handler(AM_PONG, move |_, _| g.set(g.get() + 1));
+    w.set_am_handler(AM_PONG, move |_, _| {
+        g.fetch_add(1, Relaxed);
+    });
     let sbuf = pattern(spec.size);
     for i in 0..spec.warmup + spec.iters {
         t.begin(i);
         w.am_send(ep, AM_PING, &[], &sbuf)
             .map_err(ctx("active message"))?;
-        progress_until(w, ep, || got.get() > i)?;
+        progress_until(w, ep, || got.load(Relaxed) > i)?;
         t.end(i);
     }
     Ok(())
 }
 
 fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let acked = Rc::new(Cell::new(0usize));
+    let acked = Arc::new(AtomicUsize::new(0));
     let a = acked.clone();
     w.set_am_handler(AM_CREDIT, move |_, m| {
         if let Ok(b) = <[u8; 8]>::try_from(m.data.as_slice()) {
-            a.set(a.get().max(u64::from_le_bytes(b) as usize));
+            a.fetch_max(u64::from_le_bytes(b) as usize, Relaxed);
         }
     });
     let sbuf = pattern(spec.size);
@@ -593,18 +615,19 @@ fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
     for i in 0..total {
         t.begin(i);
         // Credits: at most `window` messages the receiver has not counted yet.
-        progress_until(w, ep, || i - acked.get() < spec.window)?;
+        progress_until(w, ep, || i - acked.load(Relaxed) < spec.window)?;
         w.am_send(ep, AM_DATA, &[], &sbuf)
             .map_err(ctx("active message"))?;
         t.end(i);
     }
-    progress_until(w, ep, || acked.get() >= total)?;
+    progress_until(w, ep, || acked.load(Relaxed) >= total)?;
     Ok(())
 }
 
 /// Run one spec on the client (the server must be told first); returns the figures.
 pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let w = job.worker();
+    set_wait_mode(spec.wait);
     let ep = job.ep(0);
     // The client's buffers (GPU ones on GPU 1 % count), set up before anything is timed.
     let gpu = mem::gpu_for(spec.mem, 1)?;
@@ -773,20 +796,20 @@ fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 }
 
 fn am_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let count = Rc::new(Cell::new(0usize));
-    let failed: Rc<Cell<Option<Error>>> = Rc::new(Cell::new(None));
+    let count = Arc::new(AtomicUsize::new(0));
+    let failed: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
     let (c, f) = (count.clone(), failed.clone());
     let reply = pattern(spec.size);
     w.set_am_handler(AM_PING, move |w, m| {
-        c.set(c.get() + 1);
+        c.fetch_add(1, Relaxed);
         if let Err(e) = w.am_send(m.reply_ep, AM_PONG, &[], &reply) {
-            f.set(Some(e));
+            *f.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
         }
     });
     send(w, ep, &[], TAG_READY)?;
     let total = spec.warmup + spec.iters;
-    progress_until(w, ep, || count.get() >= total)?;
-    if let Some(e) = failed.take() {
+    progress_until(w, ep, || count.load(Relaxed) >= total)?;
+    if let Some(e) = failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
         return Err(format!("replying: {e}"));
     }
     Ok(())
@@ -795,21 +818,20 @@ fn am_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 fn am_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     let total = spec.warmup + spec.iters;
     let batch = (spec.window / 2).max(1);
-    let count = Rc::new(Cell::new(0usize));
-    let failed: Rc<Cell<Option<Error>>> = Rc::new(Cell::new(None));
+    let count = Arc::new(AtomicUsize::new(0));
+    let failed: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
     let (c, f) = (count.clone(), failed.clone());
     w.set_am_handler(AM_DATA, move |w, m| {
-        let n = c.get() + 1;
-        c.set(n);
+        let n = c.fetch_add(1, Relaxed) + 1;
         if (n.is_multiple_of(batch) || n == total)
             && let Err(e) = w.am_send(m.reply_ep, AM_CREDIT, &[], &(n as u64).to_le_bytes())
         {
-            f.set(Some(e));
+            *f.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
         }
     });
     send(w, ep, &[], TAG_READY)?;
-    progress_until(w, ep, || count.get() >= total)?;
-    if let Some(e) = failed.take() {
+    progress_until(w, ep, || count.load(Relaxed) >= total)?;
+    if let Some(e) = failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
         return Err(format!("sending credits: {e}"));
     }
     Ok(())
@@ -826,6 +848,7 @@ pub fn serve(job: &Job) -> R<()> {
         let Some(spec) = Spec::decode(&text)? else {
             return Ok(());
         };
+        set_wait_mode(spec.wait);
         let res = match spec.test {
             TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat => {
                 tag_lat_server(w, ep, &spec)
@@ -851,6 +874,7 @@ pub fn spec_for(opts: &Options, test: TestKind, size: usize) -> Spec {
         warmup: opts.warmup_for(test, size),
         window: if test.is_pingpong() { 1 } else { opts.window },
         mem: opts.mem,
+        wait: opts.wait,
     }
 }
 
@@ -896,8 +920,15 @@ mod tests {
             warmup: 2,
             window: 16,
             mem: (MemoryType::Host, MemoryType::Host),
+            wait: WaitMode::Poll,
         };
         assert_eq!(Spec::decode(&s.encode()).unwrap(), Some(s));
+        let sleep = Spec {
+            wait: WaitMode::Sleep,
+            ..s
+        };
+        assert_eq!(Spec::decode(&sleep.encode()).unwrap(), Some(sleep));
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host nap").is_err());
         for mem in [
             (MemoryType::Cuda, MemoryType::Cuda),
             (MemoryType::Host, MemoryType::Cuda),
@@ -907,10 +938,10 @@ mod tests {
             assert_eq!(Spec::decode(&g.encode()).unwrap(), Some(g));
         }
         assert_eq!(Spec::decode("quit").unwrap(), None);
-        assert!(Spec::decode("run tag_bw x 1 1 1 host host").is_err());
-        assert!(Spec::decode("run nope 1 1 1 1 host host").is_err());
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm").is_err());
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host").is_err());
+        assert!(Spec::decode("run tag_bw x 1 1 1 host host poll").is_err());
+        assert!(Spec::decode("run nope 1 1 1 1 host host poll").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm poll").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host").is_err());
         assert!(Spec::decode("hello").unwrap_err().contains("versions"));
     }
 

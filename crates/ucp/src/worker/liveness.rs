@@ -24,7 +24,9 @@ const SPIN_POLLS: u32 = 1000;
 const CLOCK_POLLS: u32 = 256;
 /// Idle this long, a wait yields the CPU between polls ...
 const YIELD_AFTER: Duration = Duration::from_millis(1);
-/// ... and idle this long, it sleeps between polls, from [`NAP_MIN`] doubling up to [`NAP_MAX`].
+/// ... and idle this long, it arms the worker and sleeps on its event descriptor until
+/// something happens (`events.rs`); should that fail, it sleeps between polls instead, from
+/// [`NAP_MIN`] doubling up to [`NAP_MAX`].
 const SLEEP_AFTER: Duration = Duration::from_millis(4);
 const NAP_MIN: Duration = Duration::from_micros(20);
 const NAP_MAX: Duration = Duration::from_millis(1);
@@ -44,6 +46,11 @@ pub(crate) struct Keepalive {
 }
 
 impl Keepalive {
+    /// Shortest time between two peer checks (a sleeping worker wakes this often).
+    pub(super) fn check_every(&self) -> Duration {
+        self.check_every
+    }
+
     /// From `RUCX_PEER_TIMEOUT` (`None` for `inf`, the default).
     pub(super) fn from_config(cfg: &Config) -> Option<Keepalive> {
         Keepalive::new(
@@ -169,15 +176,26 @@ pub(crate) struct Backoff {
     slow: bool,
     since: Option<Instant>,
     nap: Duration,
+    /// The wait's deadline: a sleep on the worker's events ends there.
+    deadline: Option<Instant>,
+    /// Sleeps on the worker's events so far.
+    slept: u32,
 }
 
 impl Backoff {
     pub(crate) fn new() -> Backoff {
+        Backoff::until(None)
+    }
+
+    /// For a wait that ends at `deadline`.
+    pub(crate) fn until(deadline: Option<Instant>) -> Backoff {
         Backoff {
             idle: 0,
             slow: false,
             since: None,
             nap: NAP_MIN,
+            deadline,
+            slept: 0,
         }
     }
 
@@ -186,7 +204,7 @@ impl Backoff {
     pub(crate) fn busy(&mut self) {
         self.idle = 0;
         if self.since.is_some() {
-            *self = Backoff::new();
+            *self = Backoff::until(self.deadline);
         }
     }
 
@@ -218,9 +236,18 @@ impl Backoff {
         self.slow = true;
         if idle_for < SLEEP_AFTER {
             std::thread::yield_now();
-        } else {
-            std::thread::sleep(self.nap);
-            self.nap = (self.nap * 2).min(NAP_MAX);
+            return;
+        }
+        // Sleep on the worker's events (armed: any message or completion wakes it), up to the
+        // deadline; should that fail, nap, a little longer each time.
+        let left = self.deadline.map(|d| d.saturating_duration_since(now));
+        match w.wait(left) {
+            Ok(()) => self.slept += 1,
+            Err(e) => {
+                tracing::warn!("a blocking wait cannot sleep on the worker's events: {e}");
+                std::thread::sleep(self.nap);
+                self.nap = (self.nap * 2).min(NAP_MAX);
+            }
         }
     }
 }
@@ -254,9 +281,11 @@ mod tests {
     }
 
     #[test]
-    fn a_wait_spins_first_then_yields_then_sleeps_longer_each_time_and_events_reset_it() {
+    fn a_wait_spins_first_then_yields_then_sleeps_on_events_and_events_reset_it() {
         let w = super::super::tests::self_worker();
-        let mut b = Backoff::new();
+        while w.progress() > 0 {}
+        let deadline = Instant::now() + Duration::from_millis(300);
+        let mut b = Backoff::until(Some(deadline));
         // The flat-out polls never look at the clock.
         for _ in 0..SPIN_POLLS {
             b.idle(&w);
@@ -271,21 +300,21 @@ mod tests {
         }
         assert!(b.since.is_some());
         let t = Instant::now();
-        while b.nap < NAP_MAX {
+        while b.slept == 0 {
             b.idle(&w);
+            assert!(t.elapsed() < Duration::from_secs(5), "never slept");
         }
         assert!(
             t.elapsed() >= SLEEP_AFTER - YIELD_AFTER,
             "slept from SLEEP_AFTER on"
         );
-        let t = Instant::now();
-        b.idle(&w);
-        assert!(
-            t.elapsed() >= NAP_MAX,
-            "sleeps NAP_MAX at most each poll once there"
-        );
+        // Nothing happens on this worker: the sleep on its events lasted until the deadline
+        // (not a nap).
+        assert!(Instant::now() >= deadline, "woke before the deadline");
+        assert_eq!(b.nap, NAP_MIN, "no naps on a worker with events");
         b.busy();
         assert!(b.idle == 0 && !b.slow && b.since.is_none() && b.nap == NAP_MIN);
+        assert_eq!(b.deadline, Some(deadline), "the deadline stays");
     }
 
     fn worker(vars: &[(&str, &str)]) -> Worker {

@@ -31,6 +31,7 @@ use rustc_hash::FxHashMap;
 pub(crate) mod alloc;
 mod cancel;
 mod dispatch;
+mod events;
 pub(crate) mod lifecycle;
 pub(crate) mod liveness;
 mod memmap;
@@ -45,6 +46,7 @@ mod recv;
 pub(crate) mod state;
 
 pub use crate::plan::PathInfo;
+pub use events::{POLL_ONLY_TICK, WAIT_TICK};
 pub use lifecycle::CloseMode;
 pub(crate) use liveness::Backoff;
 pub use memmap::{MemMap, RkeyBundle};
@@ -96,9 +98,14 @@ pub struct AmMessage {
     pub reply_ep: EpId,
 }
 
-pub(crate) type AmHandler = Box<dyn FnMut(&Worker, AmMessage)>;
+pub(crate) type AmHandler = Box<dyn FnMut(&Worker, AmMessage) + Send>;
 
-/// A worker: owns interfaces and drives progress. Not thread-safe; one per thread.
+/// A worker: owns interfaces and drives progress.
+///
+/// A worker is `Send` but not `Sync`: it may move to another thread (or live in a `Mutex`),
+/// and one thread at a time uses it. Requests borrow it, so it cannot move while a scope is
+/// open. Active-message handlers are `Send` for that reason. It can sleep instead of polling:
+/// [`Worker::event_fd`], [`Worker::arm`], [`Worker::wait`] (`events.rs`).
 pub struct Worker {
     pub(crate) ifaces: RefCell<Vec<Box<dyn Iface>>>,
     pub(crate) st: RefCell<State>,
@@ -106,6 +113,8 @@ pub struct Worker {
     /// Emptied request-id lists of ended scopes, reused by the next ones (a scope per message
     /// is the common pattern; this spares an allocation each).
     id_lists: RefCell<Vec<Vec<u64>>>,
+    /// The event set for sleeping and the wakers of awaited requests (`events.rs`).
+    events: events::Events,
 }
 
 impl fmt::Debug for Worker {
@@ -271,6 +280,7 @@ impl Worker {
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
+            events: events::Events::default(),
         })
     }
 
@@ -306,8 +316,9 @@ impl Worker {
         self.st.borrow_mut().am_send(ep, id, header, data)
     }
 
-    /// Make progress on every interface; returns the number of events handled.
-    pub fn progress(&self) -> usize {
+    /// One progress pass (`progress` in `events.rs` adds waking awaited requests).
+    #[inline(always)]
+    fn progress_once(&self) -> usize {
         let n = self.progress_events();
         // Owned requests that ended are handed back, closes stepped and endpoint failures
         // reported after the borrows are released (callbacks and handlers may post).
@@ -382,7 +393,7 @@ impl Worker {
     }
 
     /// Set the handler of user active messages with id `id`.
-    pub fn set_am_handler(&self, id: u16, h: impl FnMut(&Worker, AmMessage) + 'static) {
+    pub fn set_am_handler(&self, id: u16, h: impl FnMut(&Worker, AmMessage) + Send + 'static) {
         self.handlers.borrow_mut().insert(id, Box::new(h));
     }
 

@@ -343,20 +343,26 @@ impl Worker {
 
     /// Cancel a receive that has not matched yet. Returns true when it was canceled.
     pub(crate) fn cancel_recv(&self, id: u64) -> bool {
-        let mut st = self.st.borrow_mut();
-        if st.matcher.cancel_expected(|e| *e == id).is_some() {
-            st.finish(id, Err(Error::Canceled));
-            true
-        } else {
-            st.stream_cancel(id)
+        let canceled = {
+            let mut st = self.st.borrow_mut();
+            if st.matcher.cancel_expected(|e| *e == id).is_some() {
+                st.finish(id, Err(Error::Canceled));
+                true
+            } else {
+                st.stream_cancel(id)
+            }
+        };
+        if canceled {
+            self.wake_finished();
         }
+        canceled
     }
 
     /// Progress until request `id` finished or `limit` passed.
     pub(crate) fn wait_req(&self, id: u64, limit: Option<Duration>) -> Result<Completion> {
         // The clock is read only when there is a limit: it is not free on the hot path.
         let start = limit.map(|_| Instant::now());
-        let mut backoff = liveness::Backoff::new();
+        let mut backoff = liveness::Backoff::until(start.zip(limit).map(|(s, l)| s + l));
         loop {
             if let Some(r) = self.req_result(id) {
                 return r;
@@ -372,7 +378,8 @@ impl Worker {
             if self.progress() == 0 {
                 // Poll flat out first (a pause instruction costs tens of cycles on some CPUs,
                 // straight onto the latency), and ease off only when nothing comes for a while:
-                // after a millisecond, yield, then sleep (up to a millisecond a poll).
+                // after a millisecond, yield, then arm and sleep on the worker's events
+                // (`events.rs`) until a message or completion comes.
                 backoff.idle(self);
             } else {
                 backoff.busy();

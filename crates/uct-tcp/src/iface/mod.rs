@@ -18,7 +18,8 @@ use std::time::Instant;
 
 use rucx_ucs::{Error, Result};
 use rucx_uct::{
-    DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, PerfModel,
+    DeviceType, Endpoint, EpParams, Event, EventSource, Iface, IfaceAttr, IfaceCaps, IfaceLimits,
+    PerfModel,
 };
 
 use crate::addr::{self, DevAddr, NetIf};
@@ -595,6 +596,23 @@ impl Iface for TcpIface {
         }
         self.events = events;
         delivered
+    }
+
+    fn event_source(&self) -> EventSource {
+        EventSource::Fd(self.watch.fd())
+    }
+
+    fn arm(&mut self) -> Result<()> {
+        // Level triggered: the epoll descriptor is readable exactly while a socket is ready.
+        // What it cannot show is work without a socket event: kicks from endpoints and
+        // connections with frames held back.
+        if self.kick.pending() || !self.again.is_empty() || self.watch.any_ready() {
+            return Err(Error::Busy(format!(
+                "the tcp interface on {} has sockets or connections to handle",
+                self.dev.name
+            )));
+        }
+        Ok(())
     }
 }
 
