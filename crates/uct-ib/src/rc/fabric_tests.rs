@@ -726,7 +726,7 @@ pub(super) mod conformance_adapter {
         let report = conformance::run_in_process(a, b).unwrap();
         report.print();
         assert!(report.passed.len() > 20, "{report:?}");
-        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+        only_arm_skipped(&report.skipped);
         assert_eq!(fab.cq_overruns(), 0);
     }
 
@@ -738,7 +738,16 @@ pub(super) mod conformance_adapter {
         let a = side(&fab, "mlx5_0", 1, &board, &cfg);
         let report = conformance::run_loopback(a).unwrap();
         report.print();
-        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+        only_arm_skipped(&report.skipped);
+    }
+
+    /// rc_verbs gives no event source yet (no completion channel: a worker with it sleeps in
+    /// short ticks), so the arm/wait checks are the only ones it may skip.
+    fn only_arm_skipped(skipped: &[String]) {
+        assert!(
+            skipped.iter().all(|s| s.starts_with("arm/wait")),
+            "{skipped:?}"
+        );
     }
 }
 
