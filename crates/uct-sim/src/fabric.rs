@@ -343,6 +343,8 @@ struct LaneCtl {
     budget: Option<u64>,
     live: u64,
     noresource: u64,
+    /// (ops to let through first, ops to fail then): a hard operation failure.
+    op_fail: Option<(u64, u64)>,
 }
 
 struct Node {
@@ -578,6 +580,20 @@ impl Fabric {
         }
     }
 
+    /// After the next `after` operations on the endpoints of `node`'s `lane` interface succeed,
+    /// the `n` following ones fail with an I/O error (not retryable: the operation did nothing,
+    /// the endpoint stays usable), as a transport error in the middle of a transfer would.
+    pub fn fail_ops_after(&self, node: NodeId, lane: LaneKind, after: u64, n: u64) {
+        let mut st = self.lock();
+        st.log(format!(
+            "control: after {after} ops of {lane} on node {}, {n} fail",
+            node.0
+        ));
+        if let Some(c) = st.nodes[node.0].lanes.get_mut(&lane) {
+            c.op_fail = Some((after, n));
+        }
+    }
+
     /// The `nth` registration attempt (counting from 1, every attempt so far included) with
     /// `node`'s `lane` domain fails with `kind`.
     pub fn fail_registration(&self, node: NodeId, lane: LaneKind, nth: u64, kind: RegErrorKind) {
@@ -780,6 +796,29 @@ impl State {
             } => noresource_per_mille,
             _ => 0,
         };
+        let hard = match self.nodes[own].lanes.get_mut(&kind) {
+            Some(LaneCtl {
+                op_fail: Some((after, n)),
+                ..
+            }) if *n > 0 => {
+                if *after > 0 {
+                    *after -= 1;
+                    false
+                } else {
+                    *n -= 1;
+                    true
+                }
+            }
+            _ => false,
+        };
+        if hard {
+            let n = self.nodes[own].name.clone();
+            self.log(format!("injected failure: {what} on {kind} of node {n}"));
+            return Err(Error::io(
+                format!("{what} on {kind} (injected by the sim fabric)"),
+                std::io::Error::from(std::io::ErrorKind::BrokenPipe),
+            ));
+        }
         let ctl = self.nodes[own].lanes.get_mut(&kind);
         let forced = match ctl {
             Some(c) if c.noresource > 0 => {

@@ -143,14 +143,27 @@ impl State {
                     if proto == Proto::EagerZcopy
                         && let Err(e) = self.register_send(id, am)
                     {
-                        tracing::debug!("zero-copy send falls back to copy-in: {e}");
-                        self.refresh_plan(p);
+                        // Re-selected from the plan made after the failure (a demotion takes
+                        // the zero-copy rows of that domain away; the size may now be a
+                        // rendezvous on another lane). A plan that still says zero-copy did
+                        // not change (the failure was this buffer's own): copy it in.
+                        let np = self.reselect_send(id, p, len);
+                        tracing::debug!("zero-copy send not registered ({e}); now {}", np.name());
+                        let np = if np == Proto::EagerZcopy {
+                            Proto::EagerBcopyMulti
+                        } else {
+                            np
+                        };
                         if let Some(Req {
                             kind: ReqKind::Send(s),
                             ..
                         }) = self.reqs.get_mut(&id)
                         {
-                            s.proto = Proto::EagerBcopyMulti;
+                            s.proto = np;
+                        }
+                        if np != Proto::EagerBcopyMulti {
+                            self.start_send(id);
+                            return;
                         }
                     }
                     self.peers[p].queue.push_back(Pending::Stream(id));
@@ -172,6 +185,21 @@ impl State {
                 );
             }
         }
+    }
+
+    /// The protocol the current plan (re-made first if stale) gives send `id` of `len` bytes to
+    /// peer `p` (its own protocol when the table has no row for it).
+    pub(crate) fn reselect_send(&mut self, id: u64, p: usize, len: usize) -> Proto {
+        self.refresh_plan(p);
+        let (mem, dev, proto) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.mem, s.dev, s.proto),
+            _ => return Proto::EagerBcopyMulti,
+        };
+        self.peers[p]
+            .plan
+            .table(Op::Tag, MemKey::new(mem, dev))
+            .lookup(len)
+            .map_or(proto, |r| r.proto)
     }
 
     /// Register the send buffer with the domain of `lane`; on failure the context demotes the

@@ -122,7 +122,7 @@ impl State {
             return false;
         };
         let (p, proto, wait, posted) = (s.peer, s.proto, s.wait, s.posted);
-        let untouched = s.rndv_to.is_none() && s.put.is_none() && s.stage.is_none();
+        let untouched = s.rndv.rreq.is_none() && s.rndv.put.is_none() && s.rndv.stage.is_none();
         let queue = &mut self.peers[p].queue;
         // A stream send: its bytes belong to the stream, whose order cannot skip them.
         if queue.iter().any(

@@ -62,127 +62,18 @@ impl State {
                 msg_id,
                 total,
                 data,
-            } => {
-                let p = self.src_peer(src)?;
-                let total = total as usize;
-                if kind == MsgKind::Am {
-                    let mut d = Vec::new();
-                    if let Err(e) = self.msg_alloc.reserve(&mut d, total) {
-                        tracing::warn!("active message {tag} dropped: {e}");
-                        let left = total.saturating_sub(data.len());
-                        if left > 0 {
-                            self.rx.insert((src, msg_id), RxDest::Discard { left });
-                        }
-                        return Ok(());
-                    }
-                    d.extend_from_slice(data);
-                    let dest = RxDest::UserAm {
-                        id: tag as u16,
-                        total,
-                        data: d,
-                    };
-                    self.rx.insert((src, msg_id), dest);
-                    self.maybe_finish_user_am(src, msg_id, p);
-                    return Ok(());
-                }
-                let u = Unexp::Eager {
-                    src: p,
-                    msg_id: Some(msg_id),
-                    total,
-                    data: Vec::new(),
-                    sync: None,
-                    lost: false,
-                };
-                match self.matcher.arrive(tag, u) {
-                    Some((rid, _)) => {
-                        self.rx.insert((src, msg_id), RxDest::Req(rid));
-                        self.recv_begin(rid, p, tag, total);
-                        self.recv_data(rid, 0, data);
-                        if self.recv_complete(rid) {
-                            self.rx.remove(&(src, msg_id));
-                        }
-                    }
-                    None => {
-                        let a = self.msg_alloc;
-                        let mut dest = RxDest::Unexpected;
-                        if let Some(Unexp::Eager { data: d, lost, .. }) =
-                            self.matcher.unexpected_mut().last()
-                        {
-                            match a.reserve(d, total) {
-                                Ok(()) => d.extend_from_slice(data),
-                                Err(e) => {
-                                    tracing::warn!("unexpected message dropped: {e}");
-                                    *lost = true;
-                                    let left = total.saturating_sub(data.len());
-                                    dest = RxDest::Discard { left };
-                                }
-                            }
-                        }
-                        if !matches!(dest, RxDest::Discard { left: 0 }) {
-                            self.rx.insert((src, msg_id), dest);
-                        }
-                    }
-                }
-            }
+            } => self.on_eager_first(src, kind, tag, msg_id, total as usize, data)?,
             Msg::EagerMiddle {
                 src,
                 msg_id,
                 offset,
                 data,
-            } => {
-                let p = self.src_peer(src)?;
-                let key = (src, msg_id);
-                match self.rx.get_mut(&key) {
-                    Some(RxDest::Req(rid)) => {
-                        let rid = *rid;
-                        self.recv_data(rid, offset as usize, data);
-                        if self.recv_complete(rid) {
-                            self.rx.remove(&key);
-                        }
-                    }
-                    Some(RxDest::Unexpected) => {
-                        let mut done = false;
-                        for u in self.matcher.unexpected_mut() {
-                            if let Unexp::Eager {
-                                src: s,
-                                msg_id: Some(m),
-                                total,
-                                data: d,
-                                ..
-                            } = u
-                                && *s == p
-                                && *m == msg_id
-                            {
-                                if d.len() == offset as usize {
-                                    d.extend_from_slice(data);
-                                }
-                                done = d.len() >= *total;
-                                break;
-                            }
-                        }
-                        if done {
-                            self.rx.remove(&key);
-                        }
-                    }
-                    Some(RxDest::UserAm { data: d, .. }) => {
-                        if d.len() == offset as usize {
-                            d.extend_from_slice(data);
-                        }
-                        self.maybe_finish_user_am(src, msg_id, p);
-                    }
-                    Some(RxDest::Discard { left }) => {
-                        *left = left.saturating_sub(data.len());
-                        if *left == 0 {
-                            self.rx.remove(&key);
-                        }
-                    }
-                    None => {
-                        return Err(Error::InvalidAddress(format!(
-                            "fragment of unknown message {msg_id}"
-                        )));
-                    }
-                }
-            }
+            } => self.on_eager_middle(src, msg_id, offset as usize, data)?,
+            Msg::EagerAbort {
+                src,
+                msg_id,
+                reason,
+            } => self.on_eager_abort(src, msg_id, reason)?,
             Msg::Rts {
                 src,
                 tag,

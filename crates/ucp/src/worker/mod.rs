@@ -259,6 +259,7 @@ impl Worker {
                 rx: FxHashMap::default(),
                 am_inbox: Vec::new(),
                 proto_info: cfg.bool("PROTO_INFO"),
+                rx_aborted: 0,
                 frag,
                 counters: Vec::new(),
                 plan_cfg: PlanConfig::from_config(cfg),

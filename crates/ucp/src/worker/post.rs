@@ -33,56 +33,11 @@ impl Worker {
             Some(r) => r.proto,
             None => return Err(table.refusal(&st.peers[ep.0].remote.describe())),
         };
-        // Small GPU messages: copy them to a pinned bounce buffer and send eagerly, rather than
-        // paying a rendezvous round trip.
-        if proto == Proto::EagerBounce {
-            match self.bounce(&mut st, addr, len, mem, dev) {
-                Ok((host, frag)) => {
-                    let hproto = st.peers[ep.0]
-                        .plan
-                        .table(Op::Tag, MemKey::HOST)
-                        .lookup(len)
-                        .map(|r| r.proto)
-                        .unwrap_or(Proto::EagerBcopy);
-                    let id = st.new_req(ReqKind::Send(SendState {
-                        peer: ep.0,
-                        addr: host,
-                        len,
-                        tag,
-                        proto: hproto,
-                        msg_id: 0,
-                        posted: 0,
-                        rndv_to: None,
-                        put: None,
-                        wait: SendWait::Posting,
-                        mem: MemoryType::Host,
-                        dev: None,
-                        stage: None,
-                        split_left: 0,
-                    }));
-                    st.count(Proto::EagerBounce.name());
-                    // Eager protocols copy the bytes out before returning.
-                    st.start_send(id);
-                    if let Some(stg) = st.staging.as_mut() {
-                        stg.free_send.push(frag);
-                    }
-                    return Ok(Posted::Pending(id));
-                }
-                Err(e) => {
-                    tracing::debug!("no bounce buffer for a small GPU message ({e}); rendezvous")
-                }
-            }
-        }
         let proto = if proto == Proto::EagerBounce {
-            // The large-message protocol of the same table.
-            st.peers[ep.0]
-                .plan
-                .table(op, key)
-                .rows
-                .last()
-                .map(|r| r.proto)
-                .filter(|p| p.is_rndv())
-                .ok_or_else(|| Error::Internal("a GPU table without a rendezvous row".into()))?
+            match self.send_bounce(&mut st, ep.0, addr, len, tag, (mem, dev), op)? {
+                Bounced::Sent(posted) => return Ok(posted),
+                Bounced::Instead(proto) => proto,
+            }
         } else {
             proto
         };
@@ -108,13 +63,10 @@ impl Worker {
             proto,
             msg_id: 0,
             posted: 0,
-            rndv_to: None,
-            put: None,
+            rndv: RndvSend::default(),
             wait: SendWait::Posting,
             mem,
             dev,
-            stage: None,
-            split_left: 0,
         }));
         st.start_send(id);
         Ok(Posted::Pending(id))
@@ -161,6 +113,7 @@ impl Worker {
                 pull: false,
                 chunk_lane: usize::MAX,
                 dev_memh: None,
+                staged_host: false,
                 stream: false,
             }),
             result: None,
@@ -202,13 +155,10 @@ impl Worker {
             proto: Proto::EagerBcopy,
             msg_id: 0,
             posted: 0,
-            rndv_to: None,
-            put: None,
+            rndv: RndvSend::default(),
             wait: SendWait::Posting,
             mem: MemoryType::Host,
             dev: None,
-            stage: None,
-            split_left: 0,
         }));
         let am = st.peers[p].am;
         let piece = st.slots[am]
@@ -267,6 +217,7 @@ impl Worker {
             pull: false,
             chunk_lane: usize::MAX,
             dev_memh: None,
+            staged_host: false,
             stream: true,
         }));
         if let Some(reason) = st.peers[p].failed.clone() {

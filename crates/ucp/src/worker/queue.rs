@@ -257,7 +257,7 @@ impl State {
         match &r.kind {
             ReqKind::Send(s) if s.wait == SendWait::Completions => {
                 let (len, tag) = (s.len, s.tag);
-                if s.put.is_some() {
+                if s.rndv.put.is_some() {
                     self.put_done(id);
                 } else if self.split_step(id) {
                     self.finish(

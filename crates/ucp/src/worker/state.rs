@@ -13,9 +13,9 @@ use crate::context::{Context, RegGuard};
 use crate::matching::{Tag, TagMatcher};
 use crate::plan::{EpPlan, MemKey, PlanConfig};
 use crate::proto::Proto;
-use crate::proto::gpu::{Chunk, StageSend, Staging};
+use crate::proto::gpu::{Chunk, Staging};
 use crate::proto::rma::RmaState;
-use crate::proto::rndv::RndvRecv;
+use crate::proto::rndv::{RndvRecv, RndvSend};
 use crate::proto::stream::{StreamRecvs, StreamRx};
 use crate::slab::Slab;
 use crate::wire::NamedKey;
@@ -169,27 +169,25 @@ pub(crate) enum SendWait {
     Completions,
 }
 
+/// A send request: what every send protocol has, and the rendezvous part
+/// ([`RndvSend`], untouched by eager protocols).
 pub(crate) struct SendState {
     pub(crate) peer: usize,
     pub(crate) addr: usize,
     pub(crate) len: usize,
     pub(crate) tag: Tag,
+    /// The protocol the plan chose (re-selected from a new plan after a registration failure).
     pub(crate) proto: Proto,
+    /// Message id of a multi-fragment eager send.
     pub(crate) msg_id: u64,
     /// Bytes of the (prefixed) message posted so far.
     pub(crate) posted: usize,
-    /// Streaming rendezvous data to this receive request.
-    pub(crate) rndv_to: Option<u64>,
-    /// Remote buffer of a put rendezvous, and the lane writing it.
-    pub(crate) put: Option<(u64, RemoteKey, usize)>,
     pub(crate) wait: SendWait,
     /// Memory type and device of the buffer.
     pub(crate) mem: MemoryType,
     pub(crate) dev: Option<u32>,
-    /// Staging pipeline (GPU memory sent through host fragments).
-    pub(crate) stage: Option<Box<StageSend>>,
-    /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
-    pub(crate) split_left: u8,
+    /// The rendezvous protocols' state.
+    pub(crate) rndv: RndvSend,
 }
 
 pub(crate) struct RecvState {
@@ -212,6 +210,9 @@ pub(crate) struct RecvState {
     pub(crate) chunk_lane: usize,
     /// The user buffer registered with the copy lane's domain (GPU memory only).
     pub(crate) dev_memh: Option<Box<(RegGuard, RemoteKey)>>,
+    /// A host buffer that no lane could register: its chunks are read into receive staging and
+    /// copied on by the CPU.
+    pub(crate) staged_host: bool,
     /// A stream receive (filled from the peer's byte stream, not matched by tag).
     pub(crate) stream: bool,
 }
@@ -264,6 +265,9 @@ pub(crate) enum RxDest {
         total: usize,
         data: Vec<u8>,
     },
+    /// The sender gave the message up before its first fragment arrived (delivered out of
+    /// order): the fragments still on their way are dropped.
+    Aborted,
 }
 
 pub(crate) struct State {
@@ -283,6 +287,8 @@ pub(crate) struct State {
     pub(crate) rx: FxHashMap<(u64, u64), RxDest>,
     pub(crate) am_inbox: Vec<AmMessage>,
     pub(crate) proto_info: bool,
+    /// Entries of `rx` that are [`RxDest::Aborted`] (looked for only while there are some).
+    pub(crate) rx_aborted: usize,
     pub(crate) frag: usize,
     /// The planner's configuration.
     pub(crate) plan_cfg: PlanConfig,
@@ -377,15 +383,6 @@ impl StreamRecvs for StreamReqs<'_> {
     }
 }
 
-/// The peer of a send request.
-pub(crate) fn p_of(r: &Req) -> usize {
-    match &r.kind {
-        ReqKind::Send(s) => s.peer,
-        ReqKind::Recv(rs) => rs.rndv.as_ref().map_or(0, |v| v.peer),
-        ReqKind::Rma(rm) => rm.peer,
-    }
-}
-
 impl State {
     #[inline(always)]
     pub(crate) fn new_req(&mut self, kind: ReqKind) -> u64 {
@@ -422,13 +419,29 @@ impl State {
     /// that the other side's request ends too rather than waiting for messages that will never
     /// come. Every failure of a rendezvous in progress ends here.
     pub(crate) fn fail(&mut self, id: u64, e: Error) {
+        // A multi-fragment eager send stopped part-way (its first fragments went out): the
+        // receiver drops them, and a receive that matched them ends.
+        let eager = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) if matches!(s.proto, Proto::EagerBcopyMulti | Proto::EagerZcopy)
+                && s.rndv.rreq.is_none()
+                && s.posted > 0
+                && s.posted < s.len =>
+            {
+                Some((s.peer, s.msg_id))
+            }
+            _ => None,
+        };
         let notice = match self.reqs.get(&id) {
             Some(Req {
                 kind: ReqKind::Send(s),
                 result: None,
                 ..
             }) if s.proto.is_rndv() => {
-                let rreq = s.stage.as_ref().map(|st| st.rreq).or(s.rndv_to);
+                let rreq = s.rndv.stage.as_ref().map(|st| st.rreq).or(s.rndv.rreq);
                 Some((s.peer, id, rreq.unwrap_or(0), true))
             }
             Some(Req {
@@ -445,6 +458,9 @@ impl State {
         self.set_result(id, Err(e));
         if notify && let Some((p, sreq, rreq, by_sender)) = notice {
             self.send_abort(p, sreq, rreq, by_sender, &reason);
+        }
+        if notify && let Some((p, msg_id)) = eager {
+            self.send_eager_abort(p, msg_id, &reason);
         }
         // Only after the abort: the acknowledgements of the fragments announced to a receive
         // carry their whole staged length, and ahead of it they would complete the send.
@@ -510,5 +526,14 @@ impl State {
             ReqKind::Send(s) => s.tag,
             _ => 0,
         }
+    }
+}
+
+/// The peer of a request.
+pub(crate) fn p_of(r: &Req) -> usize {
+    match &r.kind {
+        ReqKind::Send(s) => s.peer,
+        ReqKind::Recv(rs) => rs.rndv.as_ref().map_or(0, |v| v.peer),
+        ReqKind::Rma(rm) => rm.peer,
     }
 }

@@ -120,3 +120,72 @@ impl Worker {
         }
     }
 }
+
+/// What became of a small GPU send the plan gave to the bounce protocol.
+pub(crate) enum Bounced {
+    /// Copied out and sent eagerly.
+    Sent(Posted),
+    /// No bounce fragment (or copy) now: the table's rendezvous protocol carries it instead.
+    Instead(Proto),
+}
+
+impl Worker {
+    /// Send `len` bytes of GPU memory at `addr` to peer `p` through a pinned bounce fragment
+    /// (the plan's protocol for small GPU messages of operation `op`), or say which protocol
+    /// carries it instead.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_bounce(
+        &self,
+        st: &mut State,
+        p: usize,
+        addr: usize,
+        len: usize,
+        tag: Tag,
+        (mem, dev): (MemoryType, Option<u32>),
+        op: Op,
+    ) -> Result<Bounced> {
+        // Copied to a pinned bounce fragment and sent eagerly, rather than paying a rendezvous
+        // round trip.
+        match self.bounce(st, addr, len, mem, dev) {
+            Ok((host, frag)) => {
+                let hproto = st.peers[p]
+                    .plan
+                    .table(Op::Tag, MemKey::HOST)
+                    .lookup(len)
+                    .map(|r| r.proto)
+                    .unwrap_or(Proto::EagerBcopy);
+                let id = st.new_req(ReqKind::Send(SendState {
+                    peer: p,
+                    addr: host,
+                    len,
+                    tag,
+                    proto: hproto,
+                    msg_id: 0,
+                    posted: 0,
+                    rndv: RndvSend::default(),
+                    wait: SendWait::Posting,
+                    mem: MemoryType::Host,
+                    dev: None,
+                }));
+                st.count(Proto::EagerBounce.name());
+                // Eager protocols copy the bytes out before returning.
+                st.start_send(id);
+                if let Some(stg) = st.staging.as_mut() {
+                    stg.free_send.push(frag);
+                }
+                return Ok(Bounced::Sent(Posted::Pending(id)));
+            }
+            Err(e) => tracing::debug!("no bounce buffer for a small GPU message ({e}); rendezvous"),
+        }
+        // Not bounced: the large-message protocol of the same table.
+        let proto = st.peers[p]
+            .plan
+            .table(op, MemKey::new(mem, dev))
+            .rows
+            .last()
+            .map(|r| r.proto)
+            .filter(|p| p.is_rndv())
+            .ok_or_else(|| Error::Internal("a GPU table without a rendezvous row".into()))?;
+        Ok(Bounced::Instead(proto))
+    }
+}

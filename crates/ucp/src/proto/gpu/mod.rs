@@ -8,6 +8,7 @@ mod pipeline_send;
 mod recv;
 pub(crate) mod staging;
 
+pub(crate) use bounce::Bounced;
 pub(crate) use pipeline_recv::Chunk;
 pub(crate) use pipeline_send::StageSend;
 pub(crate) use staging::Staging;

@@ -25,17 +25,20 @@ impl State {
             TokWhat::Plain => Ok(()),
             TokWhat::StageD2H { frag, off, len } => {
                 // A fragment is staged: announce it to the receiver.
-                let (p, rreq) = match self.reqs.get(&id) {
+                let (p, rreq, lane) = match self.reqs.get(&id) {
                     Some(Req {
                         kind:
                             ReqKind::Send(SendState {
                                 peer,
-                                stage: Some(st),
+                                rndv:
+                                    RndvSend {
+                                        stage: Some(st), ..
+                                    },
                                 ..
                             }),
                         result: None,
                         ..
-                    }) => (*peer, st.rreq),
+                    }) => (*peer, st.rreq, st.lane),
                     // Ended meanwhile (aborted): the fragment is not announced.
                     _ => {
                         if let Some(stg) = self.staging.as_mut() {
@@ -45,8 +48,7 @@ impl State {
                         return Ok(());
                     }
                 };
-                let key = match self.peers[p]
-                    .rma
+                let key = match lane
                     .ok_or_else(|| Error::Unsupported {
                         what: "the staged pipeline".into(),
                         why: "no transport with remote memory access reaches the receiver".into(),
@@ -104,6 +106,24 @@ impl State {
                     return Ok(());
                 }
                 match rfrag {
+                    Some(f) if matches!(&self.reqs[&id].kind, ReqKind::Recv(rs) if rs.staged_host) =>
+                    {
+                        // Into a host buffer no lane could register: copied from staging.
+                        let uaddr = match &self.reqs[&id].kind {
+                            ReqKind::Recv(rs) => rs.addr,
+                            _ => unreachable!("matched above"),
+                        };
+                        let from = self.staging.as_ref().expect("staging").addr(f);
+                        // SAFETY: `from..from + len` is our receive staging fragment `f`, which
+                        // the completed read filled and which is not reused before it is freed
+                        // below; the destination is the receive buffer, lent mutably to the
+                        // scope and alive and unaliased while the request has not ended (it is
+                        // live), and chunks never pass it (`off + len <= want <= cap`).
+                        unsafe {
+                            host_slice_mut(uaddr + off, len).copy_from_slice(host_slice(from, len))
+                        };
+                        return self.on_pipeline(id, TokWhat::H2D { rfrag: f, len });
+                    }
                     Some(f) => {
                         // Into the GPU buffer: host staging -> device.
                         let (addr, key) = match &self.reqs[&id].kind {
@@ -420,17 +440,41 @@ impl State {
                 ),
             })?;
         self.want_lane(p, lane);
-        let guard = if region.mem_type.is_gpu() {
-            None
-        } else {
-            Some(self.register_md(mi, region)?)
-        };
+        let mut guard = None;
+        let mut staged_host = false;
+        if !region.mem_type.is_gpu() {
+            let reg = if self.may_register(mi, region.mem_type, region.device) {
+                self.register_md(mi, region)
+            } else {
+                Err(Error::Unsupported {
+                    what: format!(
+                        "registering a receive buffer with {}",
+                        self.ctx.domain(mi).name()
+                    ),
+                    why: "the domain is demoted for host memory".into(),
+                })
+            };
+            match reg {
+                Ok(g) => guard = Some(g),
+                // The buffer cannot be read into directly: read into receive staging (which
+                // that domain registers apart) and copy on; when even that fails, no path is
+                // left.
+                Err(e) => {
+                    tracing::debug!("receive buffer not registered ({e}); reading through staging");
+                    self.ensure_staging()?;
+                    self.staging_reg(mi)?;
+                    staged_host = true;
+                    self.count("rendezvous receive staged into host memory");
+                }
+            }
+        }
         let r = self.reqs.get_mut(&rid).expect("req");
         if let Some(g) = guard {
             r.guards.insert(0, g);
         }
         if let ReqKind::Recv(rs) = &mut r.kind {
             rs.chunk_lane = lane;
+            rs.staged_host = staged_host;
         }
         Ok(())
     }
@@ -459,6 +503,7 @@ impl State {
                 staged,
             });
             let gpu = rs.mem.is_gpu();
+            let staged = gpu || rs.staged_host;
             let uaddr = rs.addr;
             if c.local.is_none()
                 && self.peers[p].eps.get_mut(&lane).is_none()
@@ -499,7 +544,7 @@ impl State {
                     Err(e) => return Err(e),
                 }
             }
-            let (iov_addr, memh, rfrag) = if gpu {
+            let (iov_addr, memh, rfrag) = if staged {
                 let md = self.slots[lane].md;
                 let (memh, _) = self.staging_reg(md)?;
                 let stg = self.staging.as_mut().expect("staging");

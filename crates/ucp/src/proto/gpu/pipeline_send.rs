@@ -7,6 +7,9 @@ use crate::worker::prelude::*;
 /// Sender side of a staged pipeline.
 pub(crate) struct StageSend {
     pub(crate) rreq: u64,
+    /// The host RMA lane the receiver reads the fragments through (their keys are of its
+    /// domain), chosen from the plan when asked to stage and kept for the whole send.
+    pub(crate) lane: Option<usize>,
     pub(crate) next_off: usize,
     pub(crate) acked: usize,
     /// The user buffer, registered with the copy lane's domain, and its key.
@@ -37,8 +40,9 @@ impl State {
                 // A zero-copy registration made for the RTS is no longer needed.
                 r.guards.clear();
                 if let ReqKind::Send(s) = &mut r.kind {
-                    s.stage = Some(Box::new(StageSend {
+                    s.rndv.stage = Some(Box::new(StageSend {
                         rreq,
+                        lane: self.peers[p].rma,
                         next_off: 0,
                         acked: 0,
                         _dev_memh: memh,
@@ -56,7 +60,7 @@ impl State {
                     ..
                 }) = self.reqs.get_mut(&sreq)
                 {
-                    s.rndv_to = Some(rreq);
+                    s.rndv.rreq = Some(rreq);
                 }
                 self.fail(sreq, e);
             }
@@ -66,13 +70,16 @@ impl State {
     /// Stage the next fragments of a pipelined send (device -> pinned host).
     pub(crate) fn stream_stage(&mut self, id: u64) -> Result<bool> {
         loop {
-            let (addr, len, next_off) = match &self.reqs[&id].kind {
+            let (addr, len, next_off, lane) = match &self.reqs[&id].kind {
                 ReqKind::Send(SendState {
                     addr,
                     len,
-                    stage: Some(st),
+                    rndv:
+                        RndvSend {
+                            stage: Some(st), ..
+                        },
                     ..
-                }) => (*addr, *len, st.next_off),
+                }) => (*addr, *len, st.next_off, st.lane),
                 _ => return Ok(true),
             };
             if next_off >= len {
@@ -83,18 +90,20 @@ impl State {
                 // Resumed when the receiver acknowledges a fragment.
                 return Ok(true);
             };
-            let limit = self.peers[p_of(&self.reqs[&id])]
-                .rma
-                .map_or(usize::MAX, |l| {
-                    self.slots[l].attr.limits.get_max_zcopy.max(1)
-                });
+            let limit = lane.map_or(usize::MAX, |l| {
+                self.slots[l].attr.limits.get_max_zcopy.max(1)
+            });
             let stg = self.staging.as_mut().expect("staging");
             let n = stg.frag.min(limit).min(len - next_off);
             let faddr = stg.addr(f);
             let memh = stg.copy_memh.clone();
             let key = match &self.reqs[&id].kind {
                 ReqKind::Send(SendState {
-                    stage: Some(st), ..
+                    rndv:
+                        RndvSend {
+                            stage: Some(st), ..
+                        },
+                    ..
                 }) => st.dev_key.clone(),
                 _ => unreachable!("checked above"),
             };
@@ -131,7 +140,11 @@ impl State {
             if let Some(Req {
                 kind:
                     ReqKind::Send(SendState {
-                        stage: Some(st), ..
+                        rndv:
+                            RndvSend {
+                                stage: Some(st), ..
+                            },
+                        ..
                     }),
                 ..
             }) = self.reqs.get_mut(&id)
@@ -152,7 +165,7 @@ impl State {
                 ReqKind::Send(s)
                     if r.result.is_none()
                         && id != except
-                        && s.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
+                        && s.rndv.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
                 {
                     Some((s.peer, id))
                 }
@@ -184,7 +197,7 @@ impl State {
             result: None,
             ..
         }) = self.reqs.get_mut(&sreq)
-            && let Some(st) = &mut s.stage
+            && let Some(st) = &mut s.rndv.stage
         {
             st.acked += len;
             let (p, done, total, tag) = (s.peer, st.acked >= s.len, s.len, s.tag);

@@ -56,21 +56,25 @@ impl State {
         } else {
             MemoryType::Host
         };
-        let plan = &self.peers[p].plan;
-        let steps = plan::recv_steps(plan, smem, rkey).to_vec();
-        let notes = plan
-            .recv_plan(smem, rkey)
-            .map(|r| r.notes.join("; "))
-            .unwrap_or_default();
+        // What this receive needs of the plan's steps (read in place, not copied).
+        let steps = plan::recv_steps(&self.peers[p].plan, smem, rkey);
+        let gpu_get = steps.iter().find_map(|s| match s {
+            RecvStep::Get { lane } if sgpu => Some(*lane),
+            _ => None,
+        });
+        let staged = steps.iter().find_map(|s| match s {
+            RecvStep::StagedRead { lane } | RecvStep::Pull { lane } => {
+                Some((*lane, steps.contains(&RecvStep::StagedRead { lane: *lane })))
+            }
+            _ => None,
+        });
         let md_name = |st: &Self, lane: usize| st.ctx.domain(st.slots[lane].md).name().to_string();
         // 1. From GPU memory, zero-copy through a lane whose domain registers GPU memory: into
         // GPU memory registered with that domain, or into host memory the domain only
         // describes (a device-to-host copy out of the mapped sender's buffer; registered for
         // this request alone, never cached: nothing may outlive a host buffer that is freed).
-        if let Some(lane) = steps.iter().find_map(|s| match s {
-            RecvStep::Get { lane } if sgpu => Some(*lane),
-            _ => None,
-        }) && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
+        if let Some(lane) = gpu_get
+            && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
         {
             let md = self.slots[lane].md;
             if !rmem.is_gpu() || self.may_register(md, rmem, rdev) {
@@ -106,10 +110,12 @@ impl State {
             }
         }
         // 2. Staged: read host memory (the sender's buffer, or its staging fragments).
-        let Some(lane) = steps.iter().find_map(|s| match s {
-            RecvStep::StagedRead { lane } | RecvStep::Pull { lane } => Some(*lane),
-            _ => None,
-        }) else {
+        let Some((lane, staged_read)) = staged else {
+            let notes = self.peers[p]
+                .plan
+                .recv_plan(smem, rkey)
+                .map(|r| r.notes.join("; "))
+                .unwrap_or_default();
             let e = Error::Unsupported {
                 what: format!(
                     "receiving into {rmem} memory from {}",
@@ -124,8 +130,8 @@ impl State {
             self.fail(rid, e);
             return;
         };
-        let staged_read = steps.contains(&RecvStep::StagedRead { lane });
         let md = self.slots[lane].md;
+        let mut registered = true;
         // The user buffer: host memory is read into directly; GPU memory through staging.
         if rmem.is_gpu() {
             match self
@@ -147,14 +153,19 @@ impl State {
                     return;
                 }
             }
-        } else {
-            match self.register_md(md, region) {
-                Ok(g) => self.reqs.get_mut(&rid).expect("req").guards.push(g),
-                Err(e) => {
-                    self.fail(rid, e);
-                    return;
-                }
-            }
+        } else if !self.may_register(md, rmem, rdev) {
+            registered = false;
+        } else if let Err(e) = self.register_md(md, region).map(|g| {
+            self.reqs.get_mut(&rid).expect("req").guards.push(g);
+        }) {
+            // Not the end of this receive: the sender stages (a host buffer is only ever
+            // received from a GPU sender here), and the first fragment decides how its
+            // fragments are read: through a lane of their key's domain that can register this
+            // buffer, or through our receive staging (`chunk_lane_for`). Only when neither is
+            // left do both sides end.
+            tracing::debug!("host receive registration failed ({e}); continuing without it");
+            self.refresh_plan(p);
+            registered = false;
         }
         let host_md = md_name(self, lane);
         let host_key = keys.iter().find(|k| k.md == host_md);
@@ -162,8 +173,13 @@ impl State {
         let ReqKind::Recv(rs) = &mut r.kind else {
             return;
         };
-        rs.chunk_lane = lane;
-        if staged_read && let Some(k) = host_key {
+        if registered {
+            rs.chunk_lane = lane;
+        }
+        if registered
+            && staged_read
+            && let Some(k) = host_key
+        {
             // Host sender with a key: read it in fragments (into staging, then to the GPU).
             match self.ctx.domain(md).rkey_unpack(&k.key) {
                 Ok(rkey) => {

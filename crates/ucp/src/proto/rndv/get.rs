@@ -20,6 +20,17 @@ impl State {
             return Ok(true);
         }
         let (p, want, sreq) = (rv.peer, rv.get_end, rv.sreq);
+        if self.peers[p].eps.get_mut(&lane).is_none() {
+            if self.peers[p].targets.iter().any(|(l, _)| *l == lane) {
+                // Being connected (see `read_lane`; asked again: a re-plan meanwhile makes a
+                // new list of wanted lanes): the reads wait for it.
+                self.want_lane(p, lane);
+                return Ok(false);
+            }
+            // It could not be connected: the sender streams instead.
+            self.restart_as_stream(rid);
+            return Ok(true);
+        }
         let mut off = rv.posted;
         // GPU zero-copy lanes move the whole buffer in one operation; host lanes in fragments.
         let frag = if matches!(&r.kind, ReqKind::Recv(rs) if rs.mem.is_gpu()) {
@@ -121,5 +132,35 @@ impl State {
         rv.get = None;
         let (p, sreq) = (rv.peer, rv.sreq);
         self.send_rtr(p, sreq, rid, None);
+    }
+
+    /// The lane a rendezvous receive from peer `p` reads on, and which of the sender's `keys` it
+    /// uses: the plan's read lane (`planned`; none: the plan does not read) when the sender
+    /// keyed its domain, else a lane of ours of a keyed domain that reads, connected now or by
+    /// the next progress (the sender's plan moved after a demotion on its side).
+    pub(crate) fn read_lane(
+        &mut self,
+        p: usize,
+        planned: Option<usize>,
+        keys: &[NamedKey],
+    ) -> Option<(usize, usize)> {
+        let planned = planned?;
+        let named = |st: &Self, l: usize, md: &str| st.ctx.domain(st.slots[l].md).name() == md;
+        if let Some(i) = keys.iter().position(|k| named(self, planned, &k.md)) {
+            return Some((planned, i));
+        }
+        let found = keys.iter().enumerate().find_map(|(i, k)| {
+            let reads =
+                |l: &usize| named(self, *l, &k.md) && self.slots[*l].attr.has(IfaceCaps::GET_ZCOPY);
+            let peer = &self.peers[p];
+            peer.eps
+                .keys()
+                .copied()
+                .find(reads)
+                .or_else(|| peer.targets.iter().map(|(l, _)| *l).find(reads))
+                .map(|l| (l, i))
+        })?;
+        self.want_lane(p, found.0);
+        Some(found)
     }
 }

@@ -9,6 +9,26 @@ mod get;
 mod put;
 mod split;
 
+/// The sender's side of a rendezvous: the receive it goes to, the lane it started on, and how
+/// the data moves (written, staged, split).
+#[derive(Default)]
+pub(crate) struct RndvSend {
+    /// The receive request, once the receiver answered.
+    pub(crate) rreq: Option<u64>,
+    /// The lane the send registered its buffer on for the receiver's reads, chosen from the plan
+    /// when the send started and kept (a later re-plan moves the plan's lanes, not this send's).
+    pub(crate) lane: Option<usize>,
+    /// Remote buffer of a put rendezvous, and the lane writing it.
+    pub(crate) put: Option<(u64, RemoteKey, usize)>,
+    /// Staging pipeline (GPU memory sent through host fragments).
+    pub(crate) stage: Option<Box<StageSend>>,
+    /// Split rendezvous: the send finishes after both its writes and the receiver's reads.
+    pub(crate) split_left: u8,
+    /// The request to send waits for a lane the new plan wants (at most once; cleared when it
+    /// is sent).
+    pub(crate) deferred: bool,
+}
+
 pub(crate) struct RndvRecv {
     pub(crate) peer: usize,
     pub(crate) sreq: u64,
@@ -52,45 +72,76 @@ pub(crate) const PUT_HINT: &str = "*put";
 
 impl State {
     pub(crate) fn send_rts(&mut self, id: u64) {
-        let (p, addr, len, tag, proto, mem) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.peer, s.addr, s.len, s.tag, s.proto, s.mem),
+        let (p, addr, len, tag, mut proto, mem, dev) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.peer, s.addr, s.len, s.tag, s.proto, s.mem, s.dev),
             _ => return,
         };
-        let mut keys = Vec::new();
-        let lane = if mem.is_gpu() {
-            let dev = match &self.reqs[&id].kind {
-                ReqKind::Send(s) => s.dev,
-                _ => None,
-            };
-            self.peers[p].plan.lanes.gpu(MemKey::new(mem, dev))
-        } else {
-            self.peers[p].rma
+        let deferred = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => s.rndv.deferred,
+            _ => false,
         };
-        match (proto, lane) {
-            (Proto::RndvGet, Some(lane)) => match self.register_send(id, lane) {
-                Ok(()) => {
-                    let g = self.reqs[&id].guards.last().expect("just registered");
-                    let md = self.ctx.domain(self.slots[lane].md);
-                    match md.mkey_pack(g.registration()) {
-                        Ok(k) => keys.push(NamedKey {
-                            md: md.name().to_string(),
-                            key: k,
-                        }),
-                        Err(e) => tracing::debug!("packing a key failed, streaming instead: {e}"),
+        let mut keys = Vec::new();
+        let mut lane = self.rndv_lane(p, MemKey::new(mem, dev));
+        if deferred {
+            // Selected again from the plan with the lane it waited for.
+            (proto, lane) = self.reselect_rndv(id, p, len, MemKey::new(mem, dev));
+        }
+        // A registration that fails demotes its domain (or refuses this buffer): the send is
+        // re-selected from the plan made after it, at most once per lane the plan offers.
+        let mut tries = 0;
+        loop {
+            match (proto, lane) {
+                (Proto::RndvGet, Some(l)) => match self.register_send(id, l) {
+                    Ok(()) => {
+                        let g = self.reqs[&id].guards.last().expect("just registered");
+                        let md = self.ctx.domain(self.slots[l].md);
+                        match md.mkey_pack(g.registration()) {
+                            Ok(k) => keys.push(NamedKey {
+                                md: md.name().to_string(),
+                                key: k,
+                            }),
+                            Err(e) => {
+                                tracing::debug!("packing a key failed, streaming instead: {e}")
+                            }
+                        }
                     }
-                }
-                Err(e) => {
-                    tracing::debug!(
-                        "rendezvous send registration failed; the receiver will pull through active messages: {e}"
-                    );
-                    self.refresh_plan(p);
-                }
-            },
-            (Proto::RndvPut, Some(_)) => keys.push(NamedKey {
-                md: PUT_HINT.into(),
-                key: Vec::new(),
-            }),
-            _ => {}
+                    Err(e) => {
+                        tracing::debug!("rendezvous send registration on lane {l} failed: {e}");
+                        let (np, nl) = self.reselect_rndv(id, p, len, MemKey::new(mem, dev));
+                        tries += 1;
+                        if tries < 4 && np.is_rndv() && nl.is_some() && nl != Some(l) {
+                            (proto, lane) = (np, nl);
+                            continue;
+                        }
+                        if nl.is_none() && self.peers[p].needs_lanes && !deferred {
+                            // The new plan's lane is not connected yet: the request to send
+                            // goes once it is (the progress loop connects it, then posts this
+                            // send's queue entry, which comes back here).
+                            if let Some(Req {
+                                kind: ReqKind::Send(s),
+                                ..
+                            }) = self.reqs.get_mut(&id)
+                            {
+                                s.proto = np;
+                                s.rndv.deferred = true;
+                                s.wait = SendWait::Posting;
+                            }
+                            self.peers[p].queue.push_back(Pending::Stream(id));
+                            return;
+                        }
+                        // Nothing else to register: the receiver pulls the data through active
+                        // messages (or asks a GPU sender to stage).
+                        tracing::debug!("rendezvous send without a key");
+                        lane = None;
+                    }
+                },
+                (Proto::RndvPut, Some(_)) => keys.push(NamedKey {
+                    md: PUT_HINT.into(),
+                    key: Vec::new(),
+                }),
+                _ => {}
+            }
+            break;
         }
         if let Some(Req {
             kind: ReqKind::Send(s),
@@ -98,6 +149,9 @@ impl State {
         }) = self.reqs.get_mut(&id)
         {
             s.wait = SendWait::Receiver;
+            s.proto = proto;
+            s.rndv.lane = lane;
+            s.rndv.deferred = false;
         }
         self.ctrl(
             p,
@@ -111,6 +165,40 @@ impl State {
                 keys,
             },
         );
+    }
+
+    /// The lane a rendezvous of memory `key` to peer `p` moves its data on, as the plan says
+    /// now: the GPU lane of that memory, or the host RMA lane.
+    fn rndv_lane(&self, p: usize, key: MemKey) -> Option<usize> {
+        if key.mem.is_gpu() {
+            self.peers[p].plan.lanes.gpu(key)
+        } else {
+            self.peers[p].rma
+        }
+    }
+
+    /// Send `id` (`len` bytes of memory `key` to peer `p`) could not register its buffer:
+    /// re-plan (a demotion changed the registration view) and select its protocol and lane
+    /// again, as a new send would.
+    fn reselect_rndv(
+        &mut self,
+        id: u64,
+        p: usize,
+        len: usize,
+        key: MemKey,
+    ) -> (Proto, Option<usize>) {
+        self.refresh_plan(p);
+        let proto = self.peers[p]
+            .plan
+            .table(Op::Tag, key)
+            .lookup(len)
+            .map(|r| r.proto)
+            .filter(|p| p.is_rndv())
+            .unwrap_or(match &self.reqs[&id].kind {
+                ReqKind::Send(s) => s.proto,
+                _ => Proto::RndvAm,
+            });
+        (proto, self.rndv_lane(p, key))
     }
 
     pub(crate) fn send_ats(&mut self, p: usize, sreq: u64) {
@@ -280,13 +368,12 @@ impl State {
         });
         let split_thresh = self.peers[p].plan.split_thresh;
         let region = MemRegion::host(raddr, want);
-        // Get: the sender offered a key of the lane's domain (both sides share it), and we can
-        // register.
+        // Get: the sender offered a key of the lane's domain (both sides share it), or of
+        // another lane of ours that reads (the sender's plan moved after a demotion on its
+        // side), and we can register.
         if !wants_put
-            && let Some(lane) = get_lane
-            && let Some(k) = keys
-                .iter()
-                .find(|k| k.md == self.ctx.domain(self.slots[lane].md).name())
+            && let Some((lane, ki)) = self.read_lane(p, get_lane, &keys)
+            && let Some(k) = keys.get(ki)
         {
             let md = self.slots[lane].md;
             if self.may_register(md, MemoryType::Host, None) {
@@ -422,7 +509,7 @@ impl State {
             return;
         };
         if s.mem.is_gpu() {
-            s.rndv_to = Some(rreq);
+            s.rndv.rreq = Some(rreq);
             let e = Error::Unsupported {
                 what: "streaming GPU memory through active messages".into(),
                 why: "the receiver asked for a streamed rendezvous; GPU buffers need the staged \
@@ -433,18 +520,19 @@ impl State {
             self.fail(sreq, e);
             return;
         }
-        s.rndv_to = Some(rreq);
+        s.rndv.rreq = Some(rreq);
         s.len = s.len.min(size);
         s.posted = 0;
         s.wait = SendWait::Posting;
         // Split: the receiver reads the head itself; we write the tail.
         let split = !keys.is_empty() && offset > 0 && offset < s.len;
-        // Put: the receiver gave us its key; write with our own registration, through a lane
-        // of the key's domain (our RMA lane may have moved to another since the RTS: a
-        // demotion).
+        // Put: the receiver gave us its key; write with our own registration, on the lane this
+        // send started on when the key is of its domain (the plan's RMA lane may have moved
+        // since, after a demotion: the send keeps its lane); else the receiver, whose plan
+        // differs, chose the domain: a connected lane of it.
+        let started = s.rndv.lane.or(self.peers[p].rma);
         let key_lane = |st: &Self, md: &str| {
-            st.peers[p]
-                .rma
+            started
                 .into_iter()
                 .chain(st.peers[p].eps.keys().copied())
                 .find(|&l| {
@@ -469,10 +557,10 @@ impl State {
                         ..
                     }) = self.reqs.get_mut(&sreq)
                     {
-                        s.put = Some((addr, rkey, lane));
+                        s.rndv.put = Some((addr, rkey, lane));
                         if split {
                             s.posted = offset;
-                            s.split_left = 2;
+                            s.rndv.split_left = 2;
                         }
                     }
                 }
@@ -488,7 +576,7 @@ impl State {
         // Streaming through active messages: zero-copy from a registration when we have one on
         // the AM lane's domain, copy-in otherwise.
         let am_md = self.slots[self.peers[p].am].md;
-        let put = matches!(&self.reqs[&sreq].kind, ReqKind::Send(s) if s.put.is_some());
+        let put = matches!(&self.reqs[&sreq].kind, ReqKind::Send(s) if s.rndv.put.is_some());
         if !put && split {
             // The receiver reads the head from our registration while we could not write the
             // tail: stream the tail (copied in), keep every registration until its reads are
@@ -499,7 +587,7 @@ impl State {
             }) = self.reqs.get_mut(&sreq)
             {
                 s.posted = offset;
-                s.split_left = 2;
+                s.rndv.split_left = 2;
             }
             self.count("rendezvous split: tail streamed (no remote write)");
         } else if !put {

@@ -66,7 +66,7 @@ impl State {
     /// All writes of a put rendezvous are complete: tell the receiver, finish the send.
     pub(crate) fn put_done(&mut self, id: u64) {
         let (p, len, tag, rreq) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.peer, s.len, s.tag, s.rndv_to.unwrap_or(0)),
+            ReqKind::Send(s) => (s.peer, s.len, s.tag, s.rndv.rreq.unwrap_or(0)),
             _ => return,
         };
         self.ctrl(

@@ -69,9 +69,9 @@ impl State {
             Some(Req {
                 kind: ReqKind::Send(s),
                 ..
-            }) if s.split_left > 0 => {
-                s.split_left -= 1;
-                s.split_left == 0
+            }) if s.rndv.split_left > 0 => {
+                s.rndv.split_left -= 1;
+                s.rndv.split_left == 0
             }
             _ => true,
         }
