@@ -527,7 +527,8 @@ fn pool_memory_is_not_exportable() {
     assert_eq!(r.hint, NOT_EXPORTABLE_HINT);
     assert!(e.to_string().contains("RUCX_REG_SKIP=cuda_ipc:cuda"), "{e}");
 
-    // Managed and host memory are not this domain's.
+    // Managed memory is not this domain's; host memory is only described (the local side of a
+    // copy out of a peer's device buffer), never exported.
     let m = ManagedBuffer::new(ctx, 4096).unwrap();
     let mr = MemRegion {
         addr: m.ptr() as usize,
@@ -542,11 +543,12 @@ fn pool_memory_is_not_exportable() {
         RegErrorKind::UnsupportedMemoryType
     );
     let v = [0u8; 64];
-    // SAFETY: refused before use.
-    let e = unsafe { side.md.mem_reg(MemRegion::of_slice(&v)) }.unwrap_err();
-    assert_eq!(
-        e.as_registration().unwrap().kind,
-        RegErrorKind::UnsupportedMemoryType
+    // SAFETY: `v` outlives the handle.
+    let h = unsafe { side.md.mem_reg(MemRegion::of_slice(&v)) }.unwrap();
+    assert_eq!(h.region().mem_type, MemoryType::Host);
+    assert!(
+        side.md.mkey_pack(&h).is_err(),
+        "host memory is never exported"
     );
     // A plain device buffer in the middle of its allocation exports the whole allocation.
     let d = DeviceBuffer::new(ctx, 1 << 20).unwrap();
