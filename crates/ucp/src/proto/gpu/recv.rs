@@ -68,13 +68,17 @@ impl State {
             }
             _ => None,
         });
-        let md_name = |st: &Self, lane: usize| st.ctx.domain(st.slots[lane].md).name().to_string();
+        // The sender's key for a lane: the one its domain (the lane's, on both sides) packed.
+        let key_of = |st: &Self, lane: usize| {
+            let md = st.ctx.domain(st.slots[lane].md).name();
+            keys.iter().position(|k| k.md == md)
+        };
         // 1. From GPU memory, zero-copy through a lane whose domain registers GPU memory: into
         // GPU memory registered with that domain, or into host memory the domain only
         // describes (a device-to-host copy out of the mapped sender's buffer; registered for
         // this request alone, never cached: nothing may outlive a host buffer that is freed).
         if let Some(lane) = gpu_get
-            && let Some(k) = keys.iter().find(|k| k.md == md_name(self, lane))
+            && let Some(k) = key_of(self, lane).map(|i| &keys[i])
         {
             let md = self.slots[lane].md;
             if !rmem.is_gpu() || self.may_register(md, rmem, rdev) {
@@ -167,8 +171,7 @@ impl State {
             self.refresh_plan(p);
             registered = false;
         }
-        let host_md = md_name(self, lane);
-        let host_key = keys.iter().find(|k| k.md == host_md);
+        let host_key = key_of(self, lane).map(|i| &keys[i]);
         let r = self.reqs.get_mut(&rid).expect("req");
         let ReqKind::Recv(rs) = &mut r.kind else {
             return;
