@@ -8,29 +8,19 @@
 //! Each test spawns its two ranks as children of this test binary (told apart by
 //! `RUCX_TEST_RANK_ROLE`), which meet through the launcher bootstrap like any rucx job.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::resource::{UsageWho, getrusage};
 use rucx::{Completion, Job, Result, TAG_MASK_FULL, Worker};
 
-const ROLE: &str = "RUCX_TEST_RANK_ROLE";
+mod ranks;
+use ranks::{finish, in_child};
+
 /// How long the sender lets the sleeper wait.
 const NAP: Duration = Duration::from_secs(1);
 /// CPU time allowed per second of waiting (a generous bound: polling would use a whole one).
 const CPU_PER_WALL: f64 = 0.2;
 const TAG_GO: u64 = 100;
-
-fn in_child() -> bool {
-    std::env::var(ROLE).is_ok()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
-}
 
 /// CPU time (user and system) this process used so far.
 fn cpu_time() -> Duration {
@@ -38,46 +28,6 @@ fn cpu_time() -> Duration {
     let tv =
         |t: nix::sys::time::TimeVal| Duration::new(t.tv_sec() as u64, (t.tv_usec() * 1000) as u32);
     tv(u.user_time()) + tv(u.system_time())
-}
-
-fn spawn_ranks(test: &str, tls: &str) -> Vec<Child> {
-    let exe = std::env::current_exe().unwrap();
-    let boot = format!("127.0.0.1:{}", free_port());
-    (0..2)
-        .map(|rank| {
-            Command::new(&exe)
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "1")
-                .env("RUCX_RANK", rank.to_string())
-                .env("RUCX_SIZE", "2")
-                .env("RUCX_BOOTSTRAP", &boot)
-                .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
-                .env("RUCX_TLS", tls)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
-}
-
-/// Wait up to `limit` for `k` to exit (killing it past that); its success and output.
-fn finish(mut k: Child, limit: Duration) -> (bool, String) {
-    let t = Instant::now();
-    while k.try_wait().unwrap().is_none() {
-        if t.elapsed() > limit {
-            let _ = k.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let o = k.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    (o.status.success(), text)
 }
 
 /// The ways rank 0 waits for its receive, one phase each.
@@ -167,7 +117,7 @@ fn sleeper_and_waker(tls: &str) {
 }
 
 fn run(test: &str, tls: &str) {
-    let kids = spawn_ranks(test, tls);
+    let kids = ranks::spawn(test, tls, &[]);
     let mut ok = true;
     for (rank, k) in kids.into_iter().enumerate() {
         let (success, out) = finish(k, Duration::from_secs(60));
