@@ -9,7 +9,7 @@
 #include "common.h"
 #ifdef OSU_CUDA
 #include <cuda_runtime.h>
-#define CU(x) CHECK((x) == cudaSuccess, "%s failed\n", #x)
+#define CU(x) CHECK((x) == cudaSuccess, "%s failed", #x)
 #endif
 
 #define WINDOW 64
