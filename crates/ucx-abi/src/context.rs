@@ -16,6 +16,9 @@ use crate::types::*;
 pub struct AbiContext {
     pub ctx: Context,
     pub pool: Pool,
+    /// Remember host ranges of posted buffers (`RUCX_ABI_MEMTYPE_CACHE`, and only where a
+    /// domain handles GPU memory: without one, every buffer is host memory at no cost).
+    pub memtype_cache: bool,
 }
 
 /// Features this library serves: tag matching only. RMA, atomics, streams, active messages
@@ -148,6 +151,7 @@ pub unsafe extern "C" fn ucp_init_version(
         );
         let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     }
+    let memtype_cache = cfg.bool("ABI_MEMTYPE_CACHE");
     let ctx = match rucx::context(cfg) {
         Ok(c) => c,
         Err(e) => {
@@ -155,9 +159,11 @@ pub unsafe extern "C" fn ucp_init_version(
             return status_of(&e);
         }
     };
+    let memtype_cache = memtype_cache && memory_types(&ctx) != 1 << UCS_MEMORY_TYPE_HOST;
     let abi = AbiContext {
         ctx,
         pool: Pool::new(user_size, init, cleanup),
+        memtype_cache,
     };
     // SAFETY: checked non-NULL; writable by the caller's promise.
     unsafe { *context_p = Box::into_raw(Box::new(abi)) };

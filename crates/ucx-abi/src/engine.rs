@@ -4,13 +4,18 @@
 //! (generic datatypes, probed messages).
 
 use rucx_ucp::{Completion, EpId, OwnedRequest, RawBuf, Worker};
-use rucx_ucs::Result;
+use rucx_ucs::{MemInfo, Result};
 
 /// The memory of an operation: the caller's (by address, its type found by rucx's domains:
 /// GPU memory takes rucx's GPU paths) or a buffer of ours.
 #[derive(Debug)]
 pub enum Buf {
-    Raw { addr: usize, len: usize },
+    /// `info`: its memory type when known ([`crate::memtype`]), else rucx classifies it.
+    Raw {
+        addr: usize,
+        len: usize,
+        info: Option<MemInfo>,
+    },
     Owned(Vec<u8>),
 }
 
@@ -35,9 +40,10 @@ impl Op {
     /// operation ends (UCX's contract with its caller).
     pub unsafe fn send(w: &Worker, ep: EpId, buf: Buf, tag: u64, sync: bool) -> Op {
         let req = match buf {
-            Buf::Raw { addr, len } => {
-                // SAFETY: the caller's promise, which is `RawBuf::new`'s contract.
-                let raw = unsafe { RawBuf::new(addr, len, None) };
+            Buf::Raw { addr, len, info } => {
+                // SAFETY: the caller's promise, which is `RawBuf::new`'s contract; `info` is the
+                // classification of the memory type cache (`crate::memtype`, UCX's contract).
+                let raw = unsafe { RawBuf::new(addr, len, info) };
                 Req::Raw(if sync {
                     w.tag_send_sync_owned(ep, raw, tag)
                 } else {
@@ -60,9 +66,10 @@ impl Op {
     /// reads or writes, until the operation ends (UCX's contract with its caller).
     pub unsafe fn recv(w: &Worker, buf: Buf, tag: u64, mask: u64) -> Op {
         let req = match buf {
-            Buf::Raw { addr, len } => {
-                // SAFETY: the caller's promise, which is `RawBuf::new`'s contract.
-                let raw = unsafe { RawBuf::new(addr, len, None) };
+            Buf::Raw { addr, len, info } => {
+                // SAFETY: the caller's promise, which is `RawBuf::new`'s contract; `info` is the
+                // classification of the memory type cache (`crate::memtype`, UCX's contract).
+                let raw = unsafe { RawBuf::new(addr, len, info) };
                 Req::Raw(w.tag_recv_owned(raw, tag, mask))
             }
             Buf::Owned(v) => Req::Owned(w.tag_recv_owned(v, tag, mask)),

@@ -25,6 +25,7 @@ mod context;
 mod datatype;
 mod endpoint;
 mod engine;
+mod memtype;
 mod refused;
 mod request;
 pub mod status;
@@ -42,13 +43,25 @@ use rucx_ucs::{OptKind, OptionSpec};
 
 /// Options of this library (declared so that `RUCX_ABI_*` variables are not warned about as
 /// typos).
-pub static CONFIG: &[OptionSpec] = &[OptionSpec {
-    name: "ABI_ANNOUNCE",
-    kind: OptKind::Bool,
-    default: "n",
-    help: "Print one line to stderr when a program initializes rucx's libucp (the test \
-           harness asserts that Open MPI loaded it and not another libucp).",
-}];
+pub static CONFIG: &[OptionSpec] = &[
+    OptionSpec {
+        name: "ABI_ANNOUNCE",
+        kind: OptKind::Bool,
+        default: "n",
+        help: "Print one line to stderr when a program initializes rucx's libucp (the test \
+               harness asserts that Open MPI loaded it and not another libucp).",
+    },
+    OptionSpec {
+        name: "ABI_MEMTYPE_CACHE",
+        kind: OptKind::Bool,
+        default: "y",
+        help: "Remember which posted buffers' address ranges are host memory, so that a GPU \
+               domain is asked once per range instead of once per message (UCX's \
+               UCX_MEMTYPE_CACHE). n: classify every buffer (memory unmapped without \
+               ucm_vm_munmap and remapped as GPU memory at the same address is then never \
+               mistaken for host memory).",
+    },
+];
 
 /// Every option table: rucx's and this library's.
 pub fn config_tables() -> Vec<&'static [OptionSpec]> {

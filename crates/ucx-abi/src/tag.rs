@@ -200,6 +200,15 @@ fn check_provided(opts: &Opts) -> bool {
         .is_none_or(|r| crate::status::ptr_is_ptr(r) && (r as usize).is_multiple_of(8))
 }
 
+/// The memory type of a caller's buffer, through the host-range cache ([`crate::memtype`]).
+fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<rucx_ucs::MemInfo> {
+    let c = w.context();
+    if !c.memtype_cache {
+        return None;
+    }
+    crate::memtype::classify(&c.ctx, addr, len)
+}
+
 /// Post a tag send.
 ///
 /// # Safety
@@ -220,11 +229,13 @@ unsafe fn send(
     if !check_provided(&opts) {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     }
+    let w = ep.worker();
     let data = match classify(opts.dt) {
         Ok(Dt::Contig(elem)) => match contig_len(elem, count) {
             Ok(len) if len == 0 || !buf.is_null() => Buf::Raw {
                 addr: buf as usize,
                 len,
+                info: host_hint(w, buf as usize, len),
             },
             Ok(_) => return status_ptr(UCS_ERR_INVALID_PARAM),
             Err(s) => return status_ptr(s),
@@ -233,7 +244,6 @@ unsafe fn send(
         Ok(Dt::Generic(g)) => Buf::Owned(unsafe { pack_all(g, buf, count) }),
         Err(s) => return status_ptr(s),
     };
-    let w = ep.worker();
     // SAFETY: the caller's promise: the memory stays valid until the send ends.
     let mut op = unsafe { Op::send(&w.worker, ep.id, data, tag, sync) };
     w.touch();
@@ -290,6 +300,7 @@ unsafe fn recv(
                 Buf::Raw {
                     addr: buf as usize,
                     len,
+                    info: host_hint(w, buf as usize, len),
                 },
                 Finish::Recv,
             ),

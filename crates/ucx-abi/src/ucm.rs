@@ -34,4 +34,6 @@ pub extern "C" fn ucm_test_external_events(_events: c_int) -> Status {
 
 /// `void ucm_vm_munmap(void *addr, size_t length)`.
 #[unsafe(no_mangle)]
-pub extern "C" fn ucm_vm_munmap(_addr: *mut c_void, _length: usize) {}
+pub extern "C" fn ucm_vm_munmap(addr: *mut c_void, length: usize) {
+    crate::memtype::forget(addr as usize, length);
+}
