@@ -6,6 +6,7 @@
 use std::ffi::c_void;
 use std::sync::Mutex;
 
+use crate::HEADER_SIZE;
 use crate::config::{AbiConfig, ucp_config_modify, ucp_config_read, ucp_config_release};
 use crate::context::{AbiContext, ucp_cleanup, ucp_init_version};
 use crate::datatype::{ucp_dt_create_generic, ucp_dt_destroy};
@@ -494,4 +495,158 @@ fn generic_datatype_round_trip() {
             ucp_dt_destroy(dt);
         }
     }
+}
+
+/// CPU time of this thread (not wall time: a measurement that other jobs on the machine do
+/// not distort much).
+fn thread_cpu() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer for clock_gettime.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// A measurement, not a check (run by hand, figures printed): the CPU cost of one idle
+/// `ucp_worker_progress` and of one 8-byte message the way Open MPI's blocking calls move it
+/// (`ucp_tag_recv_nbr` into caller request memory, `ucp_tag_send_nbr`, progress until
+/// `ucp_tag_recv_request_test` says done), both workers in this thread over posix.
+/// `cargo test -p rucx-ucx-abi --release --lib -- --ignored --nocapture per_message_cost`
+#[test]
+#[ignore = "a measurement: run by hand"]
+fn per_message_cost() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let mut sbuf = [7u8; 8];
+    let mut rbuf = [0u8; 8];
+    let mut rreq = [0u64; (HEADER_SIZE + 64) / 8];
+    let mut sreq = [0u64; (HEADER_SIZE + 64) / 8];
+    // SAFETY: HEADER_SIZE bytes of each array lie before these pointers.
+    let (rr, sr) = unsafe {
+        (
+            rreq.as_mut_ptr().add(HEADER_SIZE / 8).cast::<c_void>(),
+            sreq.as_mut_ptr().add(HEADER_SIZE / 8).cast::<c_void>(),
+        )
+    };
+    let mut one = |i: u64| {
+        // SAFETY: live handles; the buffers and request memory outlive each round, which
+        // ends before the next starts.
+        unsafe {
+            let st = ucp_tag_recv_nbr(
+                pair.w[1],
+                rbuf.as_mut_ptr().cast(),
+                8,
+                1 << UCP_DATATYPE_SHIFT,
+                i,
+                u64::MAX,
+                rr,
+            );
+            assert_eq!(st, UCS_OK);
+            let st = ucp_tag_send_nbr(
+                pair.ep[0],
+                sbuf.as_mut_ptr().cast(),
+                8,
+                1 << UCP_DATATYPE_SHIFT,
+                i,
+                sr,
+            );
+            assert!(st == UCS_OK || st == UCS_INPROGRESS, "{st}");
+            let mut info = TagRecvInfo::default();
+            let mut n = 0u64;
+            while ucp_tag_recv_request_test(rr, &mut info) == UCS_INPROGRESS {
+                ucp_worker_progress(pair.w[1]);
+                ucp_worker_progress(pair.w[0]);
+                n += 1;
+                assert!(n < 10_000_000, "message {i} never arrived");
+            }
+            while st == UCS_INPROGRESS && ucp_request_check_status(sr) == UCS_INPROGRESS {
+                ucp_worker_progress(pair.w[0]);
+            }
+        }
+    };
+    for i in 0..10_000 {
+        one(i);
+    }
+    let n = 200_000u64;
+    let t = thread_cpu();
+    for i in 0..n {
+        one(i);
+    }
+    let per_msg = (thread_cpu() - t).as_nanos() as f64 / n as f64;
+    // A window of 64 receives posted, 64 sends, progress until all receives ended (Open MPI's
+    // MPI_Irecv/MPI_Isend/MPI_Waitall).
+    const WIN: usize = 64;
+    let mut rreqs = vec![[0u64; (HEADER_SIZE + 64) / 8]; WIN];
+    let mut window = |round: u64| {
+        let mut left = WIN;
+        // SAFETY: live handles; buffers and request memory outlive the round, which ends
+        // (every receive completed, sends in place or progressed to the end) before the next.
+        unsafe {
+            let reqs: Vec<*mut c_void> = rreqs
+                .iter_mut()
+                .map(|r| r.as_mut_ptr().add(HEADER_SIZE / 8).cast::<c_void>())
+                .collect();
+            for (k, &r) in reqs.iter().enumerate() {
+                let st = ucp_tag_recv_nbr(
+                    pair.w[1],
+                    rbuf.as_mut_ptr().cast(),
+                    8,
+                    1 << UCP_DATATYPE_SHIFT,
+                    round * WIN as u64 + k as u64,
+                    u64::MAX,
+                    r,
+                );
+                assert_eq!(st, UCS_OK);
+            }
+            for k in 0..WIN {
+                let p = ucp_tag_send_nb(
+                    pair.ep[0],
+                    sbuf.as_ptr().cast(),
+                    8,
+                    1 << UCP_DATATYPE_SHIFT,
+                    round * WIN as u64 + k as u64,
+                    None,
+                );
+                assert!(!ptr_is_err(p));
+                if ptr_is_ptr(p) {
+                    while ucp_request_check_status(p) == UCS_INPROGRESS {
+                        ucp_worker_progress(pair.w[0]);
+                    }
+                    ucp_request_free(p);
+                }
+            }
+            let mut spins = 0u64;
+            while left > 0 {
+                ucp_worker_progress(pair.w[1]);
+                ucp_worker_progress(pair.w[0]);
+                left = reqs
+                    .iter()
+                    .filter(|&&r| ucp_request_check_status(r) == UCS_INPROGRESS)
+                    .count();
+                spins += 1;
+                assert!(spins < 10_000_000, "round {round} never ended");
+            }
+        }
+    };
+    for r in 0..200 {
+        window(r);
+    }
+    let rounds = 3000u64;
+    let t = thread_cpu();
+    for r in 0..rounds {
+        window(200 + r);
+    }
+    let per_win_msg = (thread_cpu() - t).as_nanos() as f64 / (rounds * WIN as u64) as f64;
+    let calls = 2_000_000u64;
+    let t = thread_cpu();
+    for _ in 0..calls {
+        // SAFETY: a live worker.
+        unsafe { ucp_worker_progress(pair.w[0]) };
+    }
+    let per_progress = (thread_cpu() - t).as_nanos() as f64 / calls as f64;
+    println!("per 8-byte message (post both, progress to the end): {per_msg:.0} ns CPU");
+    println!("per 8-byte message in windows of {WIN}: {per_win_msg:.0} ns CPU");
+    println!("per idle ucp_worker_progress: {per_progress:.1} ns CPU");
 }
