@@ -15,7 +15,7 @@
 use std::ffi::c_void;
 
 use rucx_ucp::Completion;
-use rucx_ucs::Result;
+use rucx_ucs::{MemInfo, Result};
 
 use crate::datatype::{Dt, Unpack, classify, contig_len, pack_all};
 use crate::endpoint::AbiEp;
@@ -200,13 +200,30 @@ fn check_provided(opts: &Opts) -> bool {
         .is_none_or(|r| crate::status::ptr_is_ptr(r) && (r as usize).is_multiple_of(8))
 }
 
-/// The memory type of a caller's buffer, through the host-range cache ([`crate::memtype`]).
-fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<rucx_ucs::MemInfo> {
+/// The memory type of a caller's buffer, through the host-range cache ([`crate::memtype`])
+/// where it is on; `None` for an empty buffer or when classification failed (the post then
+/// reports the error).
+fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
     let c = w.context();
-    if !c.memtype_cache {
+    if len == 0 {
         return None;
     }
-    crate::memtype::classify(&c.ctx, addr, len)
+    if c.memtype_cache {
+        return crate::memtype::classify(&c.ctx, addr, len);
+    }
+    let (t, d) = c.ctx.detect(addr, len).ok()?;
+    Some(MemInfo::new(t, d))
+}
+
+/// The request memory a caller handed in, marked complete (a send that ended in place).
+fn complete_provided(opts: &Opts) {
+    if let Some(r) = opts.req {
+        // SAFETY: checked pointer with a header's room before it (caller's promise).
+        unsafe {
+            request::init_provided(r);
+            request::complete(r, UCS_OK, TagRecvInfo::default());
+        }
+    }
 }
 
 /// Post a tag send.
@@ -244,6 +261,25 @@ unsafe fn send(
         Ok(Dt::Generic(g)) => Buf::Owned(unsafe { pack_all(g, buf, count) }),
         Err(s) => return status_ptr(s),
     };
+    // A small host message the lane takes now ends here, without an operation.
+    if !sync
+        && !opts.no_imm
+        && let Buf::Raw { addr, len, info } = &data
+        && (*len == 0 || *info == Some(MemInfo::HOST))
+    {
+        let bytes: &[u8] = if *len == 0 {
+            &[]
+        } else {
+            // SAFETY: host memory (classified above) of the caller, readable for the call
+            // (UCX's contract with its caller).
+            unsafe { std::slice::from_raw_parts(*addr as *const u8, *len) }
+        };
+        // Not sent (or refused): the posted operation below takes it, and reports an error.
+        if let Ok(true) = w.worker.tag_send_inline(ep.id, bytes, tag) {
+            complete_provided(&opts);
+            return std::ptr::null_mut();
+        }
+    }
     // SAFETY: the caller's promise: the memory stays valid until the send ends.
     let mut op = unsafe { Op::send(&w.worker, ep.id, data, tag, sync) };
     w.touch();
@@ -251,13 +287,7 @@ unsafe fn send(
         let (res, _) = op.take();
         return match res {
             Ok(_) => {
-                if let Some(r) = opts.req {
-                    // SAFETY: checked pointer with a header's room before it (caller's promise).
-                    unsafe {
-                        request::init_provided(r);
-                        request::complete(r, UCS_OK, TagRecvInfo::default());
-                    }
-                }
+                complete_provided(&opts);
                 std::ptr::null_mut()
             }
             Err(e) => status_ptr(status_of(&e)),

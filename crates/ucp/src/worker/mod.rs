@@ -32,6 +32,7 @@ pub(crate) mod alloc;
 mod cancel;
 mod dispatch;
 mod events;
+mod inline;
 pub(crate) mod lifecycle;
 pub(crate) mod liveness;
 mod memmap;
