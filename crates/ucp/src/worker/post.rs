@@ -98,24 +98,7 @@ impl Worker {
         };
         // Built in its slot (the request is a few hundred bytes; a move costs a memcpy call).
         let id = st.reqs.insert_with(|| Req {
-            kind: ReqKind::Recv(RecvState {
-                addr,
-                cap,
-                total: 0,
-                received: 0,
-                tag,
-                sender: None,
-                rndv: None,
-                mem,
-                dev,
-                chunks: VecDeque::new(),
-                landed: 0,
-                pull: false,
-                chunk_lane: usize::MAX,
-                dev_memh: None,
-                staged_host: false,
-                stream: false,
-            }),
+            kind: ReqKind::Recv(RecvState::tag(addr, cap, tag, mem, dev)),
             result: None,
             outstanding: 0,
             guards: Vec::new(),
@@ -203,22 +186,10 @@ impl Worker {
             });
         }
         let id = st.new_req(ReqKind::Recv(RecvState {
-            addr,
-            cap,
             total: cap,
-            received: 0,
-            tag: 0,
             sender: Some(p),
-            rndv: None,
-            mem: MemoryType::Host,
-            dev: None,
-            chunks: VecDeque::new(),
-            landed: 0,
-            pull: false,
-            chunk_lane: usize::MAX,
-            dev_memh: None,
-            staged_host: false,
-            stream: true,
+            proto: RecvProto::Stream,
+            ..RecvState::tag(addr, cap, 0, MemoryType::Host, None)
         }));
         if let Some(reason) = st.peers[p].failed.clone() {
             let peer = st.peers[p].remote.describe();

@@ -240,7 +240,10 @@ impl State {
         r.outstanding = r.outstanding.saturating_sub(1);
         if let Err(e) = result {
             // A failed read: fall back to streaming (not one byte lost).
-            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind
+            if let ReqKind::Recv(RecvState {
+                proto: RecvProto::Rndv(rv),
+                ..
+            }) = &r.kind
                 && rv.via_get
                 && !matches!(e, Error::EndpointFailure { .. })
             {
@@ -270,9 +273,10 @@ impl State {
                     );
                 }
             }
-            ReqKind::Recv(RecvState { rndv: Some(rv), .. })
-                if rv.via_get && rv.posted >= rv.get_end && !rv.gets_done =>
-            {
+            ReqKind::Recv(RecvState {
+                proto: RecvProto::Rndv(rv),
+                ..
+            }) if rv.via_get && rv.posted >= rv.get_end && !rv.gets_done => {
                 let (peer, sreq) = (rv.peer, rv.sreq);
                 self.gets_finished(id, peer, sreq);
             }

@@ -6,11 +6,16 @@ use crate::worker::prelude::*;
 impl State {
     /// Post the reads of a rendezvous receive.
     pub(crate) fn stream_get(&mut self, rid: u64) -> Result<bool> {
-        if matches!(&self.reqs[&rid].kind, ReqKind::Recv(rs) if rs.chunk_lane != usize::MAX) {
+        if matches!(&self.reqs[&rid].kind, ReqKind::Recv(rs) if rs.staged().is_some_and(|sr| sr.active()))
+        {
             return self.stream_chunks(rid);
         }
         let r = &self.reqs[&rid];
-        let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind else {
+        let ReqKind::Recv(RecvState {
+            proto: RecvProto::Rndv(rv),
+            ..
+        }) = &r.kind
+        else {
             return Ok(true);
         };
         let Some((lane, raddr, rkey, laddr)) = rv.get.clone() else {
@@ -53,7 +58,7 @@ impl State {
         if let Some(Req {
             kind:
                 ReqKind::Recv(RecvState {
-                    rndv: Some(rv),
+                    proto: RecvProto::Rndv(rv),
                     received,
                     ..
                 }),
@@ -87,7 +92,11 @@ impl State {
     pub(crate) fn gets_finished(&mut self, rid: u64, p: usize, sreq: u64) {
         self.send_ats(p, sreq);
         if let Some(Req {
-            kind: ReqKind::Recv(RecvState { rndv: Some(rv), .. }),
+            kind:
+                ReqKind::Recv(RecvState {
+                    proto: RecvProto::Rndv(rv),
+                    ..
+                }),
             ..
         }) = self.reqs.get_mut(&rid)
             && rv.fin_pending
@@ -116,7 +125,7 @@ impl State {
             return;
         };
         rs.received = 0;
-        let Some(rv) = &mut rs.rndv else { return };
+        let Some(rv) = rs.rndv_mut() else { return };
         if rv.fin_pending || rv.gets_done {
             // The sender is writing the tail into our buffer: streaming the whole message now
             // could race with those writes. Fail rather than risk a mixed buffer.

@@ -47,6 +47,8 @@ pub(crate) struct RndvRecv {
     pub(crate) gets_done: bool,
     /// Bytes of a split's tail the sender streamed (it could not write them).
     pub(crate) tail_got: usize,
+    /// GPU memory on either side, staged: the chunks to read (`gpu/`).
+    pub(crate) staged: StagedRecv,
 }
 
 impl RndvRecv {
@@ -63,6 +65,7 @@ impl RndvRecv {
             fin_pending: false,
             gets_done: false,
             tail_got: 0,
+            staged: StagedRecv::default(),
         }
     }
 }
@@ -253,7 +256,7 @@ impl State {
         let target = if by_sender {
             let ours = |r: &Req| {
                 r.result.is_none()
-                    && matches!(&r.kind, ReqKind::Recv(RecvState { rndv: Some(rv), .. })
+                    && matches!(&r.kind, ReqKind::Recv(RecvState { proto: RecvProto::Rndv(rv), .. })
                         if rv.peer == p && rv.sreq == sreq)
             };
             if rreq != 0 && self.reqs.get(&rreq).is_some_and(ours) {
@@ -337,7 +340,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(Box::new(RndvRecv::new(p, sreq, want)));
+            rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
         }
         if self.peers[p].failed.is_some() {
             let reason = self.peers[p].failed.clone().unwrap_or_default();
@@ -393,7 +396,11 @@ impl State {
                             };
                             let r = self.reqs.get_mut(&rid).expect("req");
                             r.guards.push(g);
-                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                            if let ReqKind::Recv(RecvState {
+                                proto: RecvProto::Rndv(rv),
+                                ..
+                            }) = &mut r.kind
+                            {
                                 rv.via_get = true;
                                 rv.get = Some((lane, addr, rkey, raddr));
                                 if split_key.is_some() {
@@ -467,7 +474,10 @@ impl State {
             self.count("rendezvous receive streamed");
         }
         let want = match &self.reqs.get(&rreq).map(|r| &r.kind) {
-            Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => rv.want,
+            Some(ReqKind::Recv(RecvState {
+                proto: RecvProto::Rndv(rv),
+                ..
+            })) => rv.want,
             _ => 0,
         };
         let (addr, offset, keys) = match put {
