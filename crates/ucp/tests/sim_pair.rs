@@ -1034,6 +1034,69 @@ fn a_rendezvous_send_whose_registration_fails_is_reselected_from_the_new_plan() 
     pair.check_clean();
 }
 
+/// A synchronous send whose rendezvous registration fails is re-selected from the synchronous
+/// table of the plan made after the demotion: it still completes only once the receiver
+/// matched it, and the data moves by the new plan's read lane (not streamed).
+#[test]
+fn a_synchronous_send_whose_registration_fails_still_waits_for_the_match() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_SCHEME", "get_zcopy"),
+    ];
+    let pair = Pair::new(FabricSpec::host().with_net(), [vars, vars]);
+    // Eager for a plain tag send, a rendezvous for a synchronous one.
+    let n = 20_000;
+    let plan = pair.w[0].plan(pair.ep[0]).unwrap();
+    let host = rucx_ucp::plan::MemKey::HOST;
+    assert!(
+        !plan
+            .select(rucx_ucp::plan::Op::Tag, host, n)
+            .unwrap()
+            .is_rndv()
+    );
+    assert!(
+        plan.select(rucx_ucp::plan::Op::TagSync, host, n)
+            .unwrap()
+            .is_rndv()
+    );
+    let nth = pair.fabric.reg_attempts(pair.nodes[0], LaneKind::Shm) + 1;
+    pair.fabric
+        .fail_registration(pair.nodes[0], LaneKind::Shm, nth, RegErrorKind::BadAddress);
+    let send = Buf::filled(&pair.fabric, n, Mem::Host, 50);
+    let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+    pair.w[0].scope(|ss| {
+        let s = ss.tag_send_sync(pair.ep[0], send.send(), 9);
+        for _ in 0..200 {
+            pair.step();
+        }
+        assert!(
+            s.test().is_none(),
+            "a synchronous send ended before any receive: {:?}",
+            s.test()
+        );
+        pair.w[1].scope(|sr| {
+            let r = sr.tag_recv(recv.recv(), 9, TAG_MASK_FULL);
+            pair.drive(|| s.test().is_some() && r.test().is_some())
+                .expect("both end");
+            assert_eq!(s.test().unwrap().unwrap().len, n);
+            assert_eq!(r.test().unwrap().unwrap().len, n);
+        });
+    });
+    assert!(recv.bytes() == pattern(50, n));
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    let counters = pair.w[1].counters();
+    assert_eq!(
+        counters.get("rendezvous receive streamed"),
+        None,
+        "{counters:?}"
+    );
+    assert!(
+        counters.contains_key("rendezvous receive by read"),
+        "{counters:?}"
+    );
+    pair.check_clean();
+}
+
 /// The simulated fabric cannot signal events (poll-only): a worker over it still arms and
 /// waits, but wakes every `POLL_ONLY_TICK` to poll it, so a message is seen without a wake-up
 /// and a blocking wait still completes.

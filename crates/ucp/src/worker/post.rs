@@ -28,10 +28,12 @@ impl Worker {
         }
         self.ensure_plan(&mut st, ep.0);
         let op = if sync { Op::TagSync } else { Op::Tag };
-        let table = st.peers[ep.0].plan.table(op, key);
-        let proto = match table.lookup(len) {
-            Some(r) => r.proto,
-            None => return Err(table.refusal(&st.peers[ep.0].remote.describe())),
+        let proto = match st.peers[ep.0].plan.select(op, key, len) {
+            Some(p) => p,
+            None => {
+                let table = st.peers[ep.0].plan.table(op, key);
+                return Err(table.refusal(&st.peers[ep.0].remote.describe()));
+            }
         };
         let proto = if proto == Proto::EagerBounce {
             match self.send_bounce(&mut st, ep.0, addr, len, tag, (mem, dev), op)? {
@@ -61,6 +63,7 @@ impl Worker {
             len,
             tag,
             proto,
+            op,
             msg_id: 0,
             posted: 0,
             rndv: RndvSend::default(),
@@ -136,6 +139,7 @@ impl Worker {
             len: buf.len,
             tag: 0,
             proto: Proto::EagerBcopy,
+            op: Op::Stream,
             msg_id: 0,
             posted: 0,
             rndv: RndvSend::default(),

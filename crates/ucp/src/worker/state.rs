@@ -11,7 +11,7 @@ use rustc_hash::FxHashMap;
 use crate::address::{IfaceEntry, WorkerAddress};
 use crate::context::{Context, RegGuard};
 use crate::matching::{Tag, TagMatcher};
-use crate::plan::{EpPlan, MemKey, PlanConfig};
+use crate::plan::{EpPlan, MemKey, Op, PlanConfig};
 use crate::proto::gpu::{StagedRecv, Staging};
 use crate::proto::rma::RmaState;
 use crate::proto::rndv::{RndvRecv, RndvSend};
@@ -178,6 +178,9 @@ pub(crate) struct SendState {
     pub(crate) tag: Tag,
     /// The protocol the plan chose (re-selected from a new plan after a registration failure).
     pub(crate) proto: Proto,
+    /// The operation, whose table of the plan the protocol is selected from (and re-selected
+    /// from after a registration failure): a tag send, a synchronous one, or a stream send.
+    pub(crate) op: Op,
     /// Message id of a multi-fragment eager send.
     pub(crate) msg_id: u64,
     /// Bytes of the (prefixed) message posted so far.

@@ -191,16 +191,17 @@ impl State {
         key: MemKey,
     ) -> (Proto, Option<usize>) {
         self.refresh_plan(p);
+        let (op, old) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.op, s.proto),
+            _ => (Op::Tag, Proto::RndvAm),
+        };
+        // From the table of the send's own operation (a synchronous send's rows all wait for
+        // the match); a rendezvous stays one (its receiver may already have matched it).
         let proto = self.peers[p]
             .plan
-            .table(Op::Tag, key)
-            .lookup(len)
-            .map(|r| r.proto)
+            .select(op, key, len)
             .filter(|p| p.is_rndv())
-            .unwrap_or(match &self.reqs[&id].kind {
-                ReqKind::Send(s) => s.proto,
-                _ => Proto::RndvAm,
-            });
+            .unwrap_or(old);
         (proto, self.rndv_lane(p, key))
     }
 
