@@ -136,8 +136,24 @@ pub(crate) struct FakeIo {
     pub(crate) regs: Vec<(u64, usize, MemRegion)>,
     /// Control messages queued, by peer, as (id, bytes).
     pub(crate) ctrls: Vec<(usize, AmId, Vec<u8>)>,
+    /// What was counted, in order.
+    pub(crate) counted: Vec<&'static str>,
     pub(crate) next_token: u64,
 }
+
+impl FakeIo {
+    /// The control messages queued to `p`, parsed.
+    pub(crate) fn ctrl_msgs(&self, p: usize) -> Vec<Msg<'_>> {
+        self.ctrls
+            .iter()
+            .filter(|(q, _, _)| *q == p)
+            .map(|(_, id, b)| crate::wire::parse(*id, b).expect("a well-formed control message"))
+            .collect()
+    }
+}
+
+/// The source id of every message of the fake.
+pub(crate) const FAKE_UUID: u64 = 0xfa4e;
 
 fn count_down(n: &mut Option<usize>) -> bool {
     match n {
@@ -205,5 +221,13 @@ impl ProtoIo for FakeIo {
     fn ctrl(&mut self, p: usize, m: &Msg<'_>) {
         let (id, bytes) = m.encode();
         self.ctrls.push((p, id, bytes));
+    }
+
+    fn uuid(&self) -> u64 {
+        FAKE_UUID
+    }
+
+    fn count(&mut self, what: &'static str) {
+        self.counted.push(what);
     }
 }

@@ -230,59 +230,48 @@ impl State {
 
     /// Bytes of a chunked receive reached the user buffer; finish when all did.
     pub(crate) fn chunk_landed(&mut self, id: u64, len: usize) {
-        let Some(Req {
+        let (want, p) = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) => match rs.rndv() {
+                Some(rv) => (rs.want(), rv.peer),
+                None => return,
+            },
+            _ => return,
+        };
+        self.rndv_recv_step(id, |rv, io| rv.chunk_landed(io, len, want));
+        if let Some(Req {
             kind: ReqKind::Recv(rs),
             result: None,
             ..
         }) = self.reqs.get_mut(&id)
-        else {
-            return;
-        };
-        let want = rs.want();
-        let RecvProto::Rndv(rv) = &mut rs.proto else {
-            return;
-        };
-        rv.staged.landed += len;
-        rs.received = rv.staged.landed;
-        if rv.staged.landed >= want && rv.staged.chunks.is_empty() {
-            let (pull, p, sreq) = (rv.staged.pull, Some(rv.peer), Some(rv.sreq));
-            if !pull && let (Some(p), Some(sreq)) = (p, sreq) {
-                self.send_ats(p, sreq);
-                self.pump(p);
-            }
-            self.complete_recv(id);
+            && let Some(landed) = rs.staged().map(|s| s.landed)
+        {
+            rs.received = landed;
         }
+        self.pump(p);
     }
 
     /// A pipelined receive ended early: hand the sender back the staging fragments it announced
     /// and we will not read (it reuses them for other transfers).
     pub(crate) fn release_chunks(&mut self, id: u64) {
-        let Some(Req {
-            kind: ReqKind::Recv(rs),
-            ..
-        }) = self.reqs.get_mut(&id)
-        else {
-            return;
+        let p = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) => match rs.rndv() {
+                Some(rv) if !rv.staged.chunks.is_empty() => rv.peer,
+                _ => return,
+            },
+            _ => return,
         };
-        let RecvProto::Rndv(rv) = &mut rs.proto else {
-            return;
-        };
-        let (peer, sreq) = (rv.peer, rv.sreq);
-        let acks: Vec<FragAck> = rv
-            .staged
-            .chunks
-            .drain(..)
-            .filter_map(|c| c.sfrag)
-            .map(|(frag, staged)| FragAck {
-                peer,
-                sreq,
-                frag,
-                staged,
-            })
-            .collect();
-        for a in acks {
-            self.ack_fragment(a);
-        }
+        self.rndv_recv_step(id, |rv, io| {
+            rv.release_chunks(io);
+            RecvNext::Wait
+        });
+        self.pump(p);
     }
 
     /// A staged fragment of the sender is ready: queue its read.
