@@ -49,6 +49,10 @@ const TIMER_EVERY: u32 = 64;
 /// without asking which sockets are ready, and asks (the listener, errors, room to write)
 /// once in this many calls.
 const SPECULATE_POLL_EVERY: u32 = 16;
+/// Progress calls between looks at the listener while the interface has no connection: a
+/// worker that talks to its peers through other transports (shared memory) then pays no
+/// system call on most of its progress calls, and a new connection waits a few calls longer.
+const IDLE_POLL_EVERY: u32 = 32;
 
 /// A connection as the interface keeps it.
 pub(crate) type SharedConn = Arc<Mutex<Conn<FdSock>>>;
@@ -126,6 +130,9 @@ pub struct TcpIface {
     timed: usize,
     /// Progress calls, for checking deadlines now and then.
     calls: u32,
+    /// Look at the sockets in the next progress even with no connection (set by `arm`: the
+    /// descriptor said something is ready).
+    poll_next: bool,
     /// Slots to handle in the next progress without an event.
     again: Vec<usize>,
     /// This progress's work: `(key, epoll events)`.
@@ -226,6 +233,7 @@ impl TcpIface {
             kick: Arc::new(Kick::default()),
             timed: 0,
             calls: 0,
+            poll_next: false,
             again: Vec::new(),
             work: Vec::new(),
             kicked: Vec::new(),
@@ -241,10 +249,12 @@ impl TcpIface {
     /// The connection to read without a readiness check in this progress call, if any: the
     /// only one there is, established, waiting for input alone (nothing queued to write, no
     /// deadline), and not on the calls that check readiness anyway (every
-    /// [`SPECULATE_POLL_EVERY`]th: new connections, errors).
+    /// [`SPECULATE_POLL_EVERY`]th: new connections, errors; and the first after a refused
+    /// `arm`).
     fn speculative(&self) -> Option<usize> {
         if self.slots.len() - self.free.len() != 1
             || self.timed != 0
+            || self.poll_next
             || self.calls.is_multiple_of(SPECULATE_POLL_EVERY)
         {
             return None;
@@ -518,9 +528,20 @@ impl Iface for TcpIface {
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
         // The ready sockets (one epoll_wait), then connections kicked by their endpoints, those
         // with frames held back, and now and then those with a deadline running.
+        self.calls = self.calls.wrapping_add(1);
+        if self.slots.len() == self.free.len()
+            && !self.poll_next
+            && !self.calls.is_multiple_of(IDLE_POLL_EVERY)
+        {
+            // No connection, so nothing but the listener can have news (no endpoint to kick,
+            // no frame held back, no deadline, no merge).
+            return 0;
+        }
         let mut work = std::mem::take(&mut self.work);
         let mut accept = false;
-        match self.speculative() {
+        let speculate = self.speculative();
+        self.poll_next = false;
+        match speculate {
             // One system call per message instead of two: a read that finds nothing costs what
             // the readiness check would have, and one that finds data saves that check on the
             // message's way.
@@ -536,7 +557,6 @@ impl Iface for TcpIface {
         self.kick.take(&mut self.kicked);
         work.extend(self.kicked.drain(..).map(|k| (k, 0)));
         work.extend(self.again.drain(..).map(|k| (k, 0)));
-        self.calls = self.calls.wrapping_add(1);
         if self.timed > 0 && self.calls.is_multiple_of(TIMER_EVERY) {
             work.extend(
                 self.slots
@@ -640,6 +660,7 @@ impl Iface for TcpIface {
         // What it cannot show is work without a socket event: kicks from endpoints and
         // connections with frames held back.
         if self.kick.pending() || !self.again.is_empty() || self.watch.any_ready() {
+            self.poll_next = true;
             return Err(Error::Busy(format!(
                 "the tcp interface on {} has sockets or connections to handle",
                 self.dev.name
