@@ -51,8 +51,18 @@ run)
   echo "== after: rucx, cuda_ipc refused for GPU memory on rank 0 (small-BAR1 stand-in)"
   timeout 120 mpirun --oversubscribe --mca pml ucx -np 1 $L -x RUCX_FAULT_INJECT=md=cuda_ipc,mem=cuda,after=0 ./seed : -np 1 $L ./seed
   echo "rc=$?"
-  echo "== osu, host memory: system UCX"; $R $A --mca btl self ./osu; echo "rc=$?"
-  echo "== osu, host memory: rucx"; $R $A --mca btl self $L ./osu; echo "rc=$?"
+  # Host memory both ways, twice, alternating (one sitting), then side by side.
+  for round in 1 2; do
+    echo "== osu, host memory, round $round: system UCX"
+    $R $A --mca btl self ./osu | tee "osu-system-$round.txt"; echo "rc=$?"
+    echo "== osu, host memory, round $round: rucx"
+    $R $A --mca btl self $L ./osu | grep -v '^rucx libucp' | tee "osu-rucx-$round.txt"; echo "rc=$?"
+  done
+  for round in 1 2; do
+    echo "== osu, host memory, round $round side by side (system UCX | rucx)"
+    paste -d'|' "osu-system-$round.txt" "osu-rucx-$round.txt" |
+      awk -F'|' '{ printf "%-36s | %s\n", $1, $2 }'
+  done
   echo "== osu, GPU memory (rank r on GPU r % count): rucx, with the copy bounds of the same run"
   $R $A --mca btl self $L ./osu_cuda 1 cuda; echo "rc=$?"
   ;;
