@@ -26,7 +26,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::os::fd::RawFd;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rucx_cuda::{Event as CuEvent, Stream, driver, memcpy_async};
 use rucx_ucs::event::EventFd;
@@ -160,6 +160,10 @@ pub struct CopyEngine {
     wake: Option<EventFd>,
     /// Armed at least once: posts queue a signalling host function.
     signal: AtomicBool,
+    /// Operations and flushes waiting to be reported (`State::inflight` plus
+    /// `State::flushes`, written under the lock): progress of an idle engine reads this and
+    /// takes no lock (a worker progresses every interface in a tight loop, copies or not).
+    queued: AtomicUsize,
 }
 
 impl fmt::Debug for CopyEngine {
@@ -192,7 +196,14 @@ impl CopyEngine {
                 })
                 .ok(),
             signal: AtomicBool::new(false),
+            queued: AtomicUsize::new(0),
         }
+    }
+
+    /// Publish how much waits to be reported (called with the lock held, after a change).
+    fn publish(&self, st: &State) {
+        self.queued
+            .store(st.inflight + st.flushes.len(), Ordering::Release);
     }
 
     /// The descriptor that becomes readable when an operation finishes, once the engine was
@@ -317,6 +328,7 @@ impl CopyEngine {
         });
         st.next_seq += 1;
         st.inflight += 1;
+        self.publish(&st);
         match failure {
             Some(e) => Err(e),
             None => Ok(OpStatus::InProgress),
@@ -350,6 +362,7 @@ impl CopyEngine {
         }
         let wm = st.next_seq;
         st.flushes.push_back((wm, token));
+        self.publish(&st);
         Ok(OpStatus::InProgress)
     }
 
@@ -365,6 +378,11 @@ impl CopyEngine {
         // Progress means the caller is awake: operations posted from now on need no signal
         // until it arms again.
         self.signal.store(false, Ordering::Release);
+        if self.queued.load(Ordering::Acquire) == 0 {
+            // Nothing posted (a post on another thread after this load is seen by the next
+            // progress call, as one that lands after the lock below would be).
+            return 0;
+        }
         let mut out: Vec<(u64, Result<()>)> = Vec::new();
         {
             let mut guard = self.lock();
@@ -398,6 +416,7 @@ impl CopyEngine {
                 st.flushes.pop_front();
                 out.push((tok, Ok(())));
             }
+            self.publish(st);
         }
         let n = out.len();
         for (token, result) in out {
@@ -427,6 +446,11 @@ mod tests {
         unsafe { e.copy_sync(key, &copies) }.unwrap();
         assert_eq!(e.flush(1).unwrap(), OpStatus::Done);
         assert_eq!(e.inflight(), 0);
+        assert_eq!(
+            e.queued.load(Ordering::Acquire),
+            0,
+            "nothing waits: progress returns without the lock"
+        );
         let mut n = 0;
         assert_eq!(e.progress(&mut |_| n += 1), 0);
         assert_eq!(n, 0);
