@@ -338,6 +338,7 @@ mod tests {
             key: None,
             posted: 0,
             flush_lanes: Vec::new(),
+            staged: None,
         }))
     }
 

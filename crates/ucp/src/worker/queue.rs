@@ -238,6 +238,12 @@ impl State {
             return;
         };
         r.outstanding = r.outstanding.saturating_sub(1);
+        if let ReqKind::Rma(RmaState {
+            staged: Some(sg), ..
+        }) = &mut r.kind
+        {
+            sg.inflight = r.outstanding;
+        }
         if let Err(e) = result {
             // A failed read: fall back to streaming (not one byte lost).
             if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind
@@ -275,6 +281,9 @@ impl State {
             {
                 let (peer, sreq) = (rv.peer, rv.sreq);
                 self.gets_finished(id, peer, sreq);
+            }
+            ReqKind::Rma(rm) if rm.staged.is_some() && rm.posted != usize::MAX => {
+                self.on_staged_done(id);
             }
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;
