@@ -329,9 +329,11 @@ fn two_h200_over_nvlink() {
     let q = paths(&p, Some(0));
     assert!(q[1].zero_copy && q[1].lane == "cuda_ipc/cuda", "{}", q[1]);
     // GPU into host memory: the receiver reads through the IPC mapping (one device-to-host
-    // copy); host into GPU memory is staged.
+    // copy); host into GPU memory: the sender writes through its mapping of the receive
+    // buffer (one host-to-device copy).
     assert!(q[2].zero_copy && q[2].lane == "cuda_ipc/cuda", "{}", q[2]);
-    assert_eq!(q[3].protocol, Proto::RndvPipeline.name(), "{}", q[3]);
+    assert!(q[3].zero_copy && q[3].lane == "cuda_ipc/cuda", "{}", q[3]);
+    assert_eq!(q[3].protocol, Proto::RndvPut.name(), "{}", q[3]);
     // The copy engine is never a lane to the peer.
     assert_ne!(p.lanes.rma, Some(1));
 }

@@ -62,6 +62,10 @@ impl State {
             RecvStep::Get { lane } if sgpu => Some(*lane),
             _ => None,
         });
+        let put_lane = steps.iter().find_map(|s| match s {
+            RecvStep::Put { lane } => Some(*lane),
+            _ => None,
+        });
         let staged = steps.iter().find_map(|s| match s {
             RecvStep::StagedRead { lane } | RecvStep::Pull { lane } => {
                 Some((*lane, steps.contains(&RecvStep::StagedRead { lane: *lane })))
@@ -116,6 +120,15 @@ impl State {
                     }
                 }
             }
+        }
+        // 1b. From host memory into GPU memory: the sender writes through the zero-copy GPU
+        // lane's mapping of our buffer (when it offered to).
+        if !sgpu
+            && rmem.is_gpu()
+            && let Some(lane) = put_lane
+            && self.gpu_write_offer(rid, p, sreq, region, lane, &keys)
+        {
+            return;
         }
         // 2. Staged: read host memory (the sender's buffer, or its staging fragments).
         let Some((lane, staged_read)) = staged else {

@@ -350,6 +350,12 @@ impl State {
             }
             break;
         }
+        // A GPU receiver may have us write into its buffer (see `gpu/write.rs`).
+        if !mem.is_gpu()
+            && let Some(h) = self.gpu_write_hint(p)
+        {
+            keys.push(h);
+        }
         if let Some(Req {
             kind: ReqKind::Send(s),
             ..
@@ -539,7 +545,10 @@ impl State {
         };
         let want = size.min(cap);
         let wants_put = keys.iter().any(|k| k.md == PUT_HINT);
-        let keys: Vec<NamedKey> = keys.into_iter().filter(|k| k.md != PUT_HINT).collect();
+        let keys: Vec<NamedKey> = keys
+            .into_iter()
+            .filter(|k| k.md != PUT_HINT && k.md != GPU_WRITE_HINT)
+            .collect();
         if let Some(Req {
             kind: ReqKind::Recv(rs),
             ..
@@ -681,7 +690,7 @@ impl State {
                 .guards
                 .iter()
                 .any(|g| g.registration().domain() == self.ctx.domain(md).name());
-            let reg_ok = have_reg || self.register_send(sreq, lane).is_ok();
+            let reg_ok = have_reg || self.register_put_source(sreq, lane).is_ok();
             match (unpacked, reg_ok) {
                 (Ok(rkey), true) => {
                     if let Some(Req {
