@@ -251,7 +251,7 @@ impl RndvRecv {
 
     /// Answer the sender (RTR): with our key and the offset it writes from, or without a key
     /// (stream the message to us).
-    fn rtr(&self, io: &mut impl ProtoIo, rid: u64, put: Option<(u64, usize, NamedKey)>) {
+    pub(crate) fn rtr(&self, io: &mut impl ProtoIo, rid: u64, put: Option<(u64, usize, NamedKey)>) {
         if put.is_none() {
             io.count("rendezvous receive streamed");
         }
@@ -627,6 +627,27 @@ impl State {
             self.peers[p].queue.push_back(Pending::Stream(rid));
         }
         self.pump(p);
+    }
+
+    /// Answer the sender `p` of rendezvous `sreq` for receive `rreq` (RTR): with our key and
+    /// the offset it writes from, or without a key (stream to us). The receive's state builds
+    /// the answer ([`RndvRecv::rtr`]).
+    pub(crate) fn send_rtr(
+        &mut self,
+        p: usize,
+        sreq: u64,
+        rreq: u64,
+        put: Option<(u64, usize, NamedKey)>,
+    ) {
+        self.rndv_recv_step(rreq, |rv, io| {
+            debug_assert_eq!(
+                (rv.peer, rv.sreq),
+                (p, sreq),
+                "the receive's own rendezvous"
+            );
+            rv.rtr(io, rreq, put);
+            RecvNext::Wait
+        });
     }
 
     #[allow(clippy::too_many_arguments)]
