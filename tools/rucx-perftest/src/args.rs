@@ -300,7 +300,8 @@ pub struct Cli {
     #[arg(short = 'E', default_value = "poll", value_parser = WaitMode::from_str)]
     pub wait: WaitMode,
     /// Memory type of the send buffer and optionally the receive buffer: host, cuda
-    /// (each rank on GPU rank % device count: the server GPU 0, the client GPU 1).
+    /// (each rank on GPU rank % device count: the server GPU 0, the client GPU 1). For
+    /// ucp_put_*/ucp_get: the client's buffer, then the server's mapped region.
     #[arg(short = 'm', default_value = "host", value_parser = parse_mem_types)]
     pub mem: (MemoryType, MemoryType),
     /// With -m cuda: also time a pinned host->device copy, a device->pinned host copy and the
@@ -309,6 +310,11 @@ pub struct Cli {
     /// against the one-way latency).
     #[arg(long)]
     pub bounds: bool,
+    /// Page-lock the host buffers of -m host,cuda / cuda,host (cuMemHostRegister), as an
+    /// application with pinned host memory has them; without it they are pageable. Give it to
+    /// both sides (--local does).
+    #[arg(long)]
+    pub pin_host: bool,
     /// TCP port of the rendezvous (the server listens there).
     #[arg(short = 'p', default_value_t = DEFAULT_PORT)]
     pub port: u16,
@@ -375,6 +381,8 @@ pub struct Options {
     /// Measure the GPU copy bounds (bandwidth at the largest size; latency tests: one copy's
     /// latency at the smallest).
     pub bounds: bool,
+    /// Page-lock host buffers (`--pin-host`).
+    pub pin_host: bool,
     /// Run both sides locally.
     pub local: bool,
     /// Output format.
@@ -445,13 +453,6 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
             vec![cli.test]
         };
         for t in tests {
-            if t.is_rma() {
-                return Err(format!(
-                    "-m {send},{recv}: {t} with GPU memory is not supported: remote memory \
-                     access maps host memory only (Worker::mem_map takes a host slice); run \
-                     tag_lat/tag_bw for GPU memory, or {t} with -m host"
-                ));
-            }
             if matches!(t, TestKind::StreamLat | TestKind::StreamBw) {
                 return Err(format!(
                     "-m {send},{recv}: {t} with GPU memory is not supported: the stream API \
@@ -467,6 +468,12 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
                 ));
             }
         }
+    }
+    if cli.pin_host && !gpu {
+        return Err(
+            "--pin-host page-locks host buffers through CUDA: give -m host,cuda or cuda,host"
+                .into(),
+        );
     }
     if cli.bounds && !gpu {
         return Err(
@@ -523,6 +530,7 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         window,
         mem: cli.mem,
         bounds: cli.bounds,
+        pin_host: cli.pin_host,
         local: cli.local,
         format,
         sweep: cli.sweep,
@@ -603,14 +611,13 @@ mod tests {
         assert!(p(&["--local", "-m", "cuda", "--sweep"]).is_ok());
         let e = p(&["-m", "cuda-managed"]).unwrap_err();
         assert!(e.contains("managed") && e.contains("use -m cuda"), "{e}");
-        let e = p(&["-m", "host,cuda", "-t", "ucp_put_bw"]).unwrap_err();
-        assert!(
-            e.contains("Worker::mem_map") && e.contains("not supported"),
-            "{e}"
-        );
-        for t in ["ucp_put_lat", "ucp_get"] {
-            let e = p(&["-m", "cuda", "-t", t]).unwrap_err();
-            assert!(e.contains("remote memory access"), "{e}");
+        // Put and get take GPU memory on either side (the client's buffer is the first type,
+        // the server's mapped region the second).
+        for m in ["cuda", "host,cuda", "cuda,host"] {
+            for t in ["ucp_put_lat", "ucp_put_bw", "ucp_get"] {
+                let o = p(&["--local", "-m", m, "-t", t, "--bounds"]).unwrap();
+                assert!(o.bounds && o.test.is_rma(), "{m} {t}");
+            }
         }
         for t in ["am_lat", "am_bw"] {
             let e = p(&["-m", "cuda,host", "-t", t]).unwrap_err();
@@ -629,6 +636,10 @@ mod tests {
         assert!(p(&["-m", "host,cuda", "--bounds"]).unwrap().bounds);
         let e = p(&["--local", "--bounds"]).unwrap_err();
         assert!(e.contains("--bounds") && e.contains("-m cuda"), "{e}");
+        assert!(p(&["-m", "host,cuda", "--pin-host"]).unwrap().pin_host);
+        assert!(!p(&["-m", "host,cuda"]).unwrap().pin_host);
+        let e = p(&["--local", "--pin-host"]).unwrap_err();
+        assert!(e.contains("--pin-host") && e.contains("host,cuda"), "{e}");
     }
 
     #[test]

@@ -61,6 +61,7 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
         };
     }
     rucx::ucs::log::init();
+    mem::set_pin_host(opts.pin_host);
     let res = if opts.is_server() {
         server(&opts)
     } else {
@@ -203,8 +204,17 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
         };
         m.push((k, v));
     }
-    m.push(("Send memory", opts.mem.0.to_string()));
-    m.push(("Recv memory", opts.mem.1.to_string()));
+    let host = if opts.pin_host {
+        "host (page-locked)"
+    } else {
+        "host (pageable)"
+    };
+    let name = |m: rucx::MemoryType| match m {
+        rucx::MemoryType::Host if gpu.is_some() => host.to_string(),
+        m => m.to_string(),
+    };
+    m.push(("Send memory", name(opts.mem.0)));
+    m.push(("Recv memory", name(opts.mem.1)));
     if let Some(g) = gpu {
         m.push((
             "GPUs",
@@ -216,9 +226,15 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
         ));
         if let Ok(paths) = job.worker().path_query(job.ep(0), Some(g.ordinal)) {
             let want = [opts.mem, (opts.mem.1, opts.mem.0)];
+            // The test's operation: put moves client -> server, get server -> client.
+            let op = match opts.test {
+                TestKind::PutLat | TestKind::PutBw => rucx::ucp::plan::Op::Put,
+                TestKind::Get => rucx::ucp::plan::Op::Get,
+                _ => rucx::ucp::plan::Op::Tag,
+            };
             let lines: Vec<String> = paths
                 .iter()
-                .filter(|p| want.contains(&(p.send_mem, p.recv_mem)))
+                .filter(|p| p.op == op && want.contains(&(p.send_mem, p.recv_mem)))
                 .map(|p| p.to_string())
                 .collect();
             if !lines.is_empty() {
@@ -262,6 +278,14 @@ pub fn bounds_lines(f: &Figures, b: &mem::Bounds) -> Vec<(String, String)> {
     let mut v = vec![
         ("pinned host -> GPU 0 copy".to_string(), line(b.h2d)),
         ("GPU 1 -> pinned host copy".to_string(), line(b.d2h)),
+        (
+            "pageable host -> GPU 0 copy".to_string(),
+            line(b.h2d_pageable),
+        ),
+        (
+            "GPU 0 -> pageable host copy".to_string(),
+            line(b.d2h_pageable),
+        ),
     ];
     v.push((
         "peer copy GPU 0 -> GPU 1".to_string(),
@@ -297,6 +321,23 @@ pub fn lat_bounds_lines(f: &Figures, b: &mem::LatBounds) -> Vec<(String, String)
     ]
 }
 
+/// Which bound line (0: host -> GPU, 1: GPU -> host, 2: peer copy) is the floor of `test` with
+/// memory `mem`: the copy its data needs at best. The data flows from the first memory type to
+/// the second, except for a get (the client reads the server's region: second to first).
+pub fn matching_floor(test: TestKind, mem: (rucx::MemoryType, rucx::MemoryType)) -> Option<usize> {
+    let (from, to) = if test == TestKind::Get {
+        (mem.1, mem.0)
+    } else {
+        mem
+    };
+    match (from.is_gpu(), to.is_gpu()) {
+        (false, true) => Some(0),
+        (true, false) => Some(1),
+        (true, true) => Some(2),
+        (false, false) => None,
+    }
+}
+
 /// Measure and print the bounds (stdout for the table, stderr for CSV; JSON gets them as
 /// fields): for ping-pong tests one copy's latency at the smallest size of `figs`, else copy
 /// bandwidth at the largest. Returns the JSON fields.
@@ -330,6 +371,13 @@ fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, Strin
             bounds_lines(f, &b),
         )
     };
+    // The copy the test's data path needs at best: mark it.
+    let mut lines = lines;
+    if let Some(i) = matching_floor(opts.test, opts.mem)
+        && let Some(l) = lines.get_mut(i)
+    {
+        l.1.push_str(" [this test's floor]");
+    }
     match opts.format {
         Format::Table => {
             println!("{head}");
@@ -345,13 +393,22 @@ fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, Strin
         }
         Format::Json => {}
     }
-    let keys = if lat {
-        ["lat_bound_h2d", "lat_bound_d2h", "lat_bound_p2p"]
+    // One key per line, in the lines' order.
+    let keys: &[&'static str] = if lat {
+        &["lat_bound_h2d", "lat_bound_d2h", "lat_bound_p2p"]
     } else {
-        ["bound_h2d", "bound_d2h", "bound_p2p"]
+        &[
+            "bound_h2d",
+            "bound_d2h",
+            "bound_h2d_pageable",
+            "bound_d2h_pageable",
+            "bound_p2p",
+        ]
     };
+    debug_assert_eq!(keys.len(), lines.len());
     Ok(keys
-        .into_iter()
+        .iter()
+        .copied()
         .zip(lines.into_iter().map(|(_, v)| v))
         .collect())
 }
@@ -561,6 +618,21 @@ mod tests {
     use std::time::Duration;
 
     #[test]
+    fn the_matching_floor_follows_the_data() {
+        use rucx::MemoryType::{Cuda, Host};
+        for t in [TestKind::TagBw, TestKind::PutBw, TestKind::PutLat] {
+            assert_eq!(matching_floor(t, (Cuda, Cuda)), Some(2));
+            assert_eq!(matching_floor(t, (Host, Cuda)), Some(0));
+            assert_eq!(matching_floor(t, (Cuda, Host)), Some(1));
+            assert_eq!(matching_floor(t, (Host, Host)), None);
+        }
+        // A get moves the server's region (second) into the client's buffer (first).
+        assert_eq!(matching_floor(TestKind::Get, (Host, Cuda)), Some(1));
+        assert_eq!(matching_floor(TestKind::Get, (Cuda, Host)), Some(0));
+        assert_eq!(matching_floor(TestKind::Get, (Cuda, Cuda)), Some(2));
+    }
+
+    #[test]
     fn sweep_table_has_a_row_per_size() {
         let f = |t: &str, s: usize| {
             Figures::compute(
@@ -597,18 +669,22 @@ mod tests {
             iters: 10,
             h2d: 20_000.0 * mb,
             d2h: 40_000.0 * mb,
+            h2d_pageable: 5_000.0 * mb,
+            d2h_pageable: 8_000.0 * mb,
             p2p: Err("needs two GPUs (1 visible)".into()),
         };
         let l = bounds_lines(&f, &b);
-        assert_eq!(l.len(), 3);
+        assert_eq!(l.len(), 5);
         assert!(l[0].1.contains("20000.0 MB/s") && l[0].1.ends_with("is 0.500 of it"));
         assert!(l[1].1.ends_with("is 0.250 of it"), "{}", l[1].1);
-        assert_eq!(l[2].1, "not measured: needs two GPUs (1 visible)");
+        assert!(l[2].0.starts_with("pageable") && l[2].1.ends_with("is 2.000 of it"));
+        assert!(l[3].0.ends_with("pageable host copy") && l[3].1.ends_with("is 1.250 of it"));
+        assert_eq!(l[4].1, "not measured: needs two GPUs (1 visible)");
         let b = mem::Bounds {
             p2p: Ok(10_000.0 * mb),
             ..b
         };
-        assert!(bounds_lines(&f, &b)[2].1.ends_with("is 1.000 of it"));
+        assert!(bounds_lines(&f, &b)[4].1.ends_with("is 1.000 of it"));
     }
 
     #[test]

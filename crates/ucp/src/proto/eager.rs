@@ -174,7 +174,9 @@ impl State {
             | Proto::StreamCopy
             | Proto::AmCopy
             | Proto::PutZcopy
-            | Proto::GetZcopy => {
+            | Proto::GetZcopy
+            | Proto::PutStaged
+            | Proto::GetStaged => {
                 // Not tag-send protocols: the plan never puts them in a send request.
                 self.finish(
                     id,
@@ -191,15 +193,14 @@ impl State {
     /// peer `p` (its own protocol when the table has no row for it).
     pub(crate) fn reselect_send(&mut self, id: u64, p: usize, len: usize) -> Proto {
         self.refresh_plan(p);
-        let (mem, dev, proto) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.mem, s.dev, s.proto),
+        let (mem, dev, proto, op) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.mem, s.dev, s.proto, s.op),
             _ => return Proto::EagerBcopyMulti,
         };
         self.peers[p]
             .plan
-            .table(Op::Tag, MemKey::new(mem, dev))
-            .lookup(len)
-            .map_or(proto, |r| r.proto)
+            .select(op, MemKey::new(mem, dev), len)
+            .unwrap_or(proto)
     }
 
     /// Register the send buffer with the domain of `lane`; on failure the context demotes the

@@ -28,10 +28,12 @@ impl Worker {
         }
         self.ensure_plan(&mut st, ep.0);
         let op = if sync { Op::TagSync } else { Op::Tag };
-        let table = st.peers[ep.0].plan.table(op, key);
-        let proto = match table.lookup(len) {
-            Some(r) => r.proto,
-            None => return Err(table.refusal(&st.peers[ep.0].remote.describe())),
+        let proto = match st.peers[ep.0].plan.select(op, key, len) {
+            Some(p) => p,
+            None => {
+                let table = st.peers[ep.0].plan.table(op, key);
+                return Err(table.refusal(&st.peers[ep.0].remote.describe()));
+            }
         };
         let proto = if proto == Proto::EagerBounce {
             match self.send_bounce(&mut st, ep.0, addr, len, tag, (mem, dev), op)? {
@@ -61,6 +63,7 @@ impl Worker {
             len,
             tag,
             proto,
+            op,
             msg_id: 0,
             posted: 0,
             rndv: RndvSend::default(),
@@ -90,6 +93,7 @@ impl Worker {
                         key: None,
                         posted: 0,
                         flush_lanes: Vec::new(),
+                        staged: None,
                     }));
                     st.finish(id, Err(e));
                     return id;
@@ -98,24 +102,7 @@ impl Worker {
         };
         // Built in its slot (the request is a few hundred bytes; a move costs a memcpy call).
         let id = st.reqs.insert_with(|| Req {
-            kind: ReqKind::Recv(RecvState {
-                addr,
-                cap,
-                total: 0,
-                received: 0,
-                tag,
-                sender: None,
-                rndv: None,
-                mem,
-                dev,
-                chunks: VecDeque::new(),
-                landed: 0,
-                pull: false,
-                chunk_lane: usize::MAX,
-                dev_memh: None,
-                staged_host: false,
-                stream: false,
-            }),
+            kind: ReqKind::Recv(RecvState::tag(addr, cap, tag, mem, dev)),
             result: None,
             outstanding: 0,
             guards: Vec::new(),
@@ -153,6 +140,7 @@ impl Worker {
             len: buf.len,
             tag: 0,
             proto: Proto::EagerBcopy,
+            op: Op::Stream,
             msg_id: 0,
             posted: 0,
             rndv: RndvSend::default(),
@@ -203,22 +191,10 @@ impl Worker {
             });
         }
         let id = st.new_req(ReqKind::Recv(RecvState {
-            addr,
-            cap,
             total: cap,
-            received: 0,
-            tag: 0,
             sender: Some(p),
-            rndv: None,
-            mem: MemoryType::Host,
-            dev: None,
-            chunks: VecDeque::new(),
-            landed: 0,
-            pull: false,
-            chunk_lane: usize::MAX,
-            dev_memh: None,
-            staged_host: false,
-            stream: true,
+            proto: RecvProto::Stream,
+            ..RecvState::tag(addr, cap, 0, MemoryType::Host, None)
         }));
         if let Some(reason) = st.peers[p].failed.clone() {
             let peer = st.peers[p].remote.describe();
@@ -247,13 +223,25 @@ impl Worker {
         &self,
         ep: EpId,
         put: bool,
-        addr: usize,
-        len: usize,
+        (addr, len, mem): (usize, usize, Option<(MemoryType, Option<u32>)>),
         remote: u64,
         rkey: &RkeyBundle,
     ) -> Result<u64> {
         let mut st = self.st.borrow_mut();
-        st.post_rma(ep.0, put, addr, len, remote, rkey)
+        st.check_peer(ep.0)?;
+        let (mem, dev) = match mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, len)?,
+        };
+        let local = MemKey::new(mem, dev);
+        if mem.is_gpu() {
+            st.note_gpu_key(local);
+        } else if rkey.mem_type().is_gpu() {
+            // A peer's GPU region: plan the lane that reaches it (connected below).
+            st.note_gpu_key(MemKey::new(MemoryType::Cuda, None));
+        }
+        self.ensure_plan(&mut st, ep.0);
+        st.post_rma(ep.0, put, addr, len, local, remote, rkey)
     }
 
     pub(crate) fn post_flush(&self, ep: EpId) -> Result<u64> {

@@ -2,7 +2,10 @@
 //! each connection is in `proto` (pure code); this layer owns the sockets, registers them with
 //! the readiness set (`ready::Watch`), accepts, and decides which connections a progress call
 //! handles: the ready ones, those whose endpoint asked for attention (`ready::Kick`), those
-//! with frames held back, and now and then those with a deadline running.
+//! with frames held back, and now and then those with a deadline running. While it has no
+//! connection at all it looks at the listener only every 32nd progress (and at the next one
+//! after an `arm` found it ready), so a worker whose peers are reached through other transports
+//! pays no system call per progress for it.
 //!
 //! Each connection has two halves with different owners: the interface owns the receiving
 //! half (`proto::Receiver`) and reads without a lock; the connection object
