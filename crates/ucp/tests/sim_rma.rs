@@ -263,3 +263,37 @@ fn gpu_region_bounds_are_checked() {
     drop(map);
     pair.check_clean();
 }
+
+/// A bundle is checked whole: a bad memory type code, or bytes cut anywhere, is an error, and
+/// a bundle of another process's region still carries its memory type and GPU.
+#[test]
+fn bundles_carry_the_memory_type_and_bad_ones_are_errors() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    let mut dev = Buf::new(&pair.fabric, 4096, Mem::Device(1));
+    let map = pair.w[1].mem_map(dev.recv()).unwrap();
+    assert_eq!(map.domains(), vec!["sim_ipc"]);
+    let packed = map.pack_rkey();
+    let k = pair.w[0].rkey_unpack(pair.ep[0], &packed).unwrap();
+    assert_eq!(
+        (k.mem_type(), k.device(), k.len()),
+        (MemoryType::Cuda, Some(1), 4096)
+    );
+    for cut in 0..packed.len() {
+        assert!(
+            pair.w[0].rkey_unpack(pair.ep[0], &packed[..cut]).is_err(),
+            "cut at {cut}"
+        );
+    }
+    // Base, length, then a memory type code no memory type has.
+    let mut payload = Vec::new();
+    payload.extend_from_slice(&0x1000u64.to_le_bytes());
+    payload.extend_from_slice(&64u64.to_le_bytes());
+    payload.push(77);
+    payload.extend_from_slice(&u32::MAX.to_le_bytes());
+    payload.push(0);
+    let bad = rucx_uct::rkey::pack("ucp-rkey", &payload);
+    let e = pair.w[0].rkey_unpack(pair.ep[0], &bad).unwrap_err();
+    assert!(e.to_string().contains("memory type code 77"), "{e}");
+    drop(map);
+    pair.check_clean();
+}
