@@ -8,6 +8,7 @@ pub(crate) mod eager;
 pub(crate) mod eager_multi;
 pub(crate) mod gpu;
 pub(crate) mod io;
+pub(crate) mod memcopy;
 pub(crate) mod rma;
 pub(crate) mod rndv;
 pub(crate) mod stream;

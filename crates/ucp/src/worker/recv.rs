@@ -161,7 +161,6 @@ impl State {
             _ => return false,
         };
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        peer.stream_rx
-            .cancel(&mut StreamReqs { reqs, peer: p }, rid)
+        peer.stream_rx.cancel(&mut StreamReqs::new(reqs, p), rid)
     }
 }
