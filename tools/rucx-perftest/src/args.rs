@@ -309,6 +309,11 @@ pub struct Cli {
     /// against the one-way latency).
     #[arg(long)]
     pub bounds: bool,
+    /// Page-lock the host buffers of -m host,cuda / cuda,host (cuMemHostRegister), as an
+    /// application with pinned host memory has them; without it they are pageable. Give it to
+    /// both sides (--local does).
+    #[arg(long)]
+    pub pin_host: bool,
     /// TCP port of the rendezvous (the server listens there).
     #[arg(short = 'p', default_value_t = DEFAULT_PORT)]
     pub port: u16,
@@ -375,6 +380,8 @@ pub struct Options {
     /// Measure the GPU copy bounds (bandwidth at the largest size; latency tests: one copy's
     /// latency at the smallest).
     pub bounds: bool,
+    /// Page-lock host buffers (`--pin-host`).
+    pub pin_host: bool,
     /// Run both sides locally.
     pub local: bool,
     /// Output format.
@@ -468,6 +475,12 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
             }
         }
     }
+    if cli.pin_host && !gpu {
+        return Err(
+            "--pin-host page-locks host buffers through CUDA: give -m host,cuda or cuda,host"
+                .into(),
+        );
+    }
     if cli.bounds && !gpu {
         return Err(
             "--bounds measures GPU copy bounds: give -m cuda (or host,cuda / cuda,host)".into(),
@@ -523,6 +536,7 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         window,
         mem: cli.mem,
         bounds: cli.bounds,
+        pin_host: cli.pin_host,
         local: cli.local,
         format,
         sweep: cli.sweep,
@@ -629,6 +643,10 @@ mod tests {
         assert!(p(&["-m", "host,cuda", "--bounds"]).unwrap().bounds);
         let e = p(&["--local", "--bounds"]).unwrap_err();
         assert!(e.contains("--bounds") && e.contains("-m cuda"), "{e}");
+        assert!(p(&["-m", "host,cuda", "--pin-host"]).unwrap().pin_host);
+        assert!(!p(&["-m", "host,cuda"]).unwrap().pin_host);
+        let e = p(&["--local", "--pin-host"]).unwrap_err();
+        assert!(e.contains("--pin-host") && e.contains("host,cuda"), "{e}");
     }
 
     #[test]

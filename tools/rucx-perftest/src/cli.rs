@@ -61,6 +61,7 @@ pub fn main_with(argv: Vec<OsString>, self_cmd: Vec<OsString>) -> ExitCode {
         };
     }
     rucx::ucs::log::init();
+    mem::set_pin_host(opts.pin_host);
     let res = if opts.is_server() {
         server(&opts)
     } else {
@@ -203,8 +204,17 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
         };
         m.push((k, v));
     }
-    m.push(("Send memory", opts.mem.0.to_string()));
-    m.push(("Recv memory", opts.mem.1.to_string()));
+    let host = if opts.pin_host {
+        "host (page-locked)"
+    } else {
+        "host (pageable)"
+    };
+    let name = |m: rucx::MemoryType| match m {
+        rucx::MemoryType::Host if gpu.is_some() => host.to_string(),
+        m => m.to_string(),
+    };
+    m.push(("Send memory", name(opts.mem.0)));
+    m.push(("Recv memory", name(opts.mem.1)));
     if let Some(g) = gpu {
         m.push((
             "GPUs",
@@ -262,6 +272,14 @@ pub fn bounds_lines(f: &Figures, b: &mem::Bounds) -> Vec<(String, String)> {
     let mut v = vec![
         ("pinned host -> GPU 0 copy".to_string(), line(b.h2d)),
         ("GPU 1 -> pinned host copy".to_string(), line(b.d2h)),
+        (
+            "pageable host -> GPU 0 copy".to_string(),
+            line(b.h2d_pageable),
+        ),
+        (
+            "GPU 0 -> pageable host copy".to_string(),
+            line(b.d2h_pageable),
+        ),
     ];
     v.push((
         "peer copy GPU 0 -> GPU 1".to_string(),
@@ -345,13 +363,22 @@ fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, Strin
         }
         Format::Json => {}
     }
-    let keys = if lat {
-        ["lat_bound_h2d", "lat_bound_d2h", "lat_bound_p2p"]
+    // One key per line, in the lines' order.
+    let keys: &[&'static str] = if lat {
+        &["lat_bound_h2d", "lat_bound_d2h", "lat_bound_p2p"]
     } else {
-        ["bound_h2d", "bound_d2h", "bound_p2p"]
+        &[
+            "bound_h2d",
+            "bound_d2h",
+            "bound_h2d_pageable",
+            "bound_d2h_pageable",
+            "bound_p2p",
+        ]
     };
+    debug_assert_eq!(keys.len(), lines.len());
     Ok(keys
-        .into_iter()
+        .iter()
+        .copied()
         .zip(lines.into_iter().map(|(_, v)| v))
         .collect())
 }
@@ -597,18 +624,22 @@ mod tests {
             iters: 10,
             h2d: 20_000.0 * mb,
             d2h: 40_000.0 * mb,
+            h2d_pageable: 5_000.0 * mb,
+            d2h_pageable: 8_000.0 * mb,
             p2p: Err("needs two GPUs (1 visible)".into()),
         };
         let l = bounds_lines(&f, &b);
-        assert_eq!(l.len(), 3);
+        assert_eq!(l.len(), 5);
         assert!(l[0].1.contains("20000.0 MB/s") && l[0].1.ends_with("is 0.500 of it"));
         assert!(l[1].1.ends_with("is 0.250 of it"), "{}", l[1].1);
-        assert_eq!(l[2].1, "not measured: needs two GPUs (1 visible)");
+        assert!(l[2].0.starts_with("pageable") && l[2].1.ends_with("is 2.000 of it"));
+        assert!(l[3].0.ends_with("pageable host copy") && l[3].1.ends_with("is 1.250 of it"));
+        assert_eq!(l[4].1, "not measured: needs two GPUs (1 visible)");
         let b = mem::Bounds {
             p2p: Ok(10_000.0 * mb),
             ..b
         };
-        assert!(bounds_lines(&f, &b)[2].1.ends_with("is 1.000 of it"));
+        assert!(bounds_lines(&f, &b)[4].1.ends_with("is 1.000 of it"));
     }
 
     #[test]

@@ -6,11 +6,12 @@
 //! [`RecvBuf::from_raw`]; UCP classifies them and picks the GPU path (cuda_ipc zero-copy, a
 //! staged pipeline through pinned host fragments, or eager through a bounce buffer).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rucx::ucp::{RecvBuf, SendBuf};
 use rucx::{Memory, MemoryType};
-use rucx_cuda::{DeviceBuffer, Driver, PinnedHostBuffer, PrimaryContext, Stream};
+use rucx_cuda::{DeviceBuffer, Driver, HostRegistration, PinnedHostBuffer, PrimaryContext, Stream};
 
 use crate::run::R;
 
@@ -85,6 +86,60 @@ pub fn gpu_for(mem: (MemoryType, MemoryType), rank: usize) -> R<Option<Gpu>> {
     }
 }
 
+/// Whether host buffers are page-locked (`--pin-host`), for the whole process.
+static PIN_HOST: AtomicBool = AtomicBool::new(false);
+
+/// Page-lock the host buffers made from now on (`--pin-host`).
+pub fn set_pin_host(on: bool) {
+    PIN_HOST.store(on, Ordering::Relaxed);
+}
+
+/// A host buffer, page-locked with `cuMemHostRegister` under `--pin-host`.
+#[derive(Debug)]
+pub struct HostMem {
+    /// First: the registration goes before the memory it covers.
+    pin: Option<HostRegistration>,
+    v: Vec<u8>,
+}
+
+impl HostMem {
+    /// `v`, page-locked when `--pin-host` asks (an empty vector is never registered).
+    pub fn new(mut v: Vec<u8>) -> R<HostMem> {
+        let pin = if PIN_HOST.load(Ordering::Relaxed) && !v.is_empty() {
+            let ctx = rucx_cuda::driver()
+                .and_then(|d| d.any_context())
+                .map_err(|e| format!("--pin-host: {e}"))?;
+            // SAFETY: the vector's heap allocation stays where it is (it is never resized or
+            // moved out: `HostMem` only lends it) and is freed after the registration, which
+            // is declared first and so dropped first.
+            let r = unsafe { HostRegistration::new(ctx, v.as_mut_ptr(), v.len()) }
+                .map_err(|e| format!("--pin-host: page-locking {} bytes: {e}", v.len()))?;
+            Some(r)
+        } else {
+            None
+        };
+        Ok(HostMem { pin, v })
+    }
+
+    /// Whether the buffer is page-locked.
+    pub fn pinned(&self) -> bool {
+        self.pin.is_some()
+    }
+}
+
+impl std::ops::Deref for HostMem {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.v
+    }
+}
+
+impl std::ops::DerefMut for HostMem {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.v
+    }
+}
+
 fn dev_alloc(gpu: Option<&Gpu>, len: usize, what: &str) -> R<DeviceBuffer> {
     let gpu = gpu.ok_or_else(|| format!("{what}: GPU memory asked for but no GPU opened"))?;
     DeviceBuffer::new(gpu.ctx, len.max(1)).map_err(|e| format!("{what}: {e}"))
@@ -93,8 +148,8 @@ fn dev_alloc(gpu: Option<&Gpu>, len: usize, what: &str) -> R<DeviceBuffer> {
 /// One buffer of host or GPU memory of `len` bytes.
 #[derive(Debug)]
 pub enum Buf {
-    /// A host vector.
-    Host(Vec<u8>),
+    /// A host vector (page-locked under `--pin-host`).
+    Host(HostMem),
     /// A device allocation (at least one byte; `len` may be 0).
     Dev {
         /// The allocation.
@@ -108,7 +163,7 @@ impl Buf {
     /// A send buffer holding `data`, ready to send (device fills are waited for).
     pub fn filled(mt: MemoryType, gpu: Option<&Gpu>, data: &[u8]) -> R<Buf> {
         match mt {
-            MemoryType::Host => Ok(Buf::Host(data.to_vec())),
+            MemoryType::Host => Ok(Buf::Host(HostMem::new(data.to_vec())?)),
             _ => {
                 let mut mem = dev_alloc(gpu, data.len(), "send buffer")?;
                 // Complete on return: the buffer can be sent right away.
@@ -126,7 +181,7 @@ impl Buf {
     /// side (a device buffer is filled through bounded host chunks).
     pub fn pattern(mt: MemoryType, gpu: Option<&Gpu>, len: usize) -> R<Buf> {
         match mt {
-            MemoryType::Host => Ok(Buf::Host(crate::run::pattern(len))),
+            MemoryType::Host => Ok(Buf::Host(HostMem::new(crate::run::pattern(len))?)),
             _ => {
                 let mut mem = dev_alloc(gpu, len, "send buffer")?;
                 let mut off = 0;
@@ -155,7 +210,7 @@ impl Buf {
     /// A receive buffer with every byte written (host pages faulted in), last byte 0.
     pub fn touched(mt: MemoryType, gpu: Option<&Gpu>, len: usize) -> R<Buf> {
         match mt {
-            MemoryType::Host => Ok(Buf::Host(crate::run::touched(len))),
+            MemoryType::Host => Ok(Buf::Host(HostMem::new(crate::run::touched(len))?)),
             _ => {
                 let mut mem = dev_alloc(gpu, len, "receive buffer")?;
                 mem.fill(0xee)
@@ -181,7 +236,7 @@ impl Buf {
     /// The buffer as a send buffer.
     pub fn send_buf(&self) -> SendBuf<'_> {
         match self {
-            Buf::Host(v) => SendBuf::from(v.as_slice()),
+            Buf::Host(v) => SendBuf::from(&v[..]),
             Buf::Dev { mem, len } => mem.slice(..*len).into(),
         }
     }
@@ -189,7 +244,7 @@ impl Buf {
     /// The buffer as a receive buffer.
     pub fn recv_buf(&mut self) -> RecvBuf<'_> {
         match self {
-            Buf::Host(v) => RecvBuf::from(v.as_mut_slice()),
+            Buf::Host(v) => RecvBuf::from(&mut v[..]),
             Buf::Dev { mem, len } => mem.slice_mut(..*len).into(),
         }
     }
@@ -197,7 +252,7 @@ impl Buf {
     /// The contents, copied to the host.
     pub fn read(&self) -> R<Vec<u8>> {
         match self {
-            Buf::Host(v) => Ok(v.clone()),
+            Buf::Host(v) => Ok(v.to_vec()),
             Buf::Dev { mem, len } => {
                 let mut out = vec![0u8; *len];
                 mem.copy_to_host(0, &mut out)
@@ -212,8 +267,8 @@ impl Buf {
 /// (one allocation, so cuda_ipc maps it once, as a real application's pool would be).
 #[derive(Debug)]
 pub enum Ring {
-    /// Host vectors.
-    Host(Vec<Vec<u8>>),
+    /// Host vectors (page-locked under `--pin-host`).
+    Host(Vec<HostMem>),
     /// One device allocation of `count * size` bytes.
     Dev {
         /// The allocation.
@@ -229,7 +284,11 @@ impl Ring {
     /// A ring of `count` touched receive buffers of `size` bytes.
     pub fn new(mt: MemoryType, gpu: Option<&Gpu>, size: usize, count: usize) -> R<Ring> {
         match mt {
-            MemoryType::Host => Ok(Ring::Host(vec![crate::run::touched(size); count])),
+            MemoryType::Host => Ok(Ring::Host(
+                (0..count)
+                    .map(|_| HostMem::new(crate::run::touched(size)))
+                    .collect::<R<_>>()?,
+            )),
             _ => {
                 let total = size.checked_mul(count).ok_or("receive ring too large")?;
                 let mut mem = dev_alloc(gpu, total, "receive ring")?;
@@ -256,7 +315,11 @@ impl Ring {
     /// The first `n` slots as receive buffers (disjoint ranges).
     pub fn slots(&mut self, n: usize) -> Vec<RecvBuf<'_>> {
         match self {
-            Ring::Host(v) => v.iter_mut().take(n).map(RecvBuf::from).collect(),
+            Ring::Host(v) => v
+                .iter_mut()
+                .take(n)
+                .map(|h| RecvBuf::from(&mut h[..]))
+                .collect(),
             Ring::Dev { mem, size, count } => {
                 // Disjoint slots split off one mutable borrow of the allocation.
                 let mut rest = mem.slice_mut(..*size * *count);
@@ -287,7 +350,7 @@ impl Ring {
         match self {
             Ring::Host(v) => v
                 .get(k)
-                .cloned()
+                .map(|h| h.to_vec())
                 .ok_or_else(|| format!("no receive slot {k}")),
             Ring::Dev { mem, size, count } => {
                 if k >= *count {
@@ -380,6 +443,11 @@ pub struct Bounds {
     pub h2d: f64,
     /// Device of GPU `count - 1` -> pinned host (the staged path's first copy).
     pub d2h: f64,
+    /// Pageable host -> device of GPU 0 (a plain `cuMemcpy` from ordinary host memory: the
+    /// floor for host -> GPU transfers of pageable buffers).
+    pub h2d_pageable: f64,
+    /// Device of GPU 0 -> pageable host.
+    pub d2h_pageable: f64,
     /// GPU 0 -> GPU 1 peer copy, or why there is none.
     pub p2p: Result<f64, String>,
 }
@@ -410,6 +478,10 @@ pub fn measure_bounds(size: usize, iters: usize) -> R<Bounds> {
     };
     let s0 = Stream::new(g0.ctx).map_err(e("stream on GPU 0"))?;
     let h2d = timed(&s0, dev0.ptr(), host.ptr())?;
+    // Pageable memory, every page touched first (as a receive buffer would be).
+    let mut pageable = crate::run::touched(size);
+    let h2d_pageable = timed(&s0, dev0.ptr(), pageable.as_ptr() as u64)?;
+    let d2h_pageable = timed(&s0, pageable.as_mut_ptr() as u64, dev0.ptr())?;
     let last = g0.count - 1;
     let d2h = if last == 0 {
         timed(&s0, host.ptr(), dev0.ptr())?
@@ -444,6 +516,8 @@ pub fn measure_bounds(size: usize, iters: usize) -> R<Bounds> {
         iters,
         h2d,
         d2h,
+        h2d_pageable,
+        d2h_pageable,
         p2p,
     })
 }

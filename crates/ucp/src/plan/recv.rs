@@ -14,7 +14,8 @@ pub enum RecvStep {
         /// Lane.
         lane: usize,
     },
-    /// Give the sender a key to write into our buffer on `lane` (when it asks for that).
+    /// Give the sender a key to write into our buffer on `lane` (when it asks for that; into GPU
+    /// memory from a host buffer, when the sender says it can write through that lane's domain).
     Put {
         /// Lane.
         lane: usize,
@@ -108,7 +109,25 @@ pub(super) fn plan(
             ),
         }
     } else {
-        notes.push("zero-copy GPU lanes (cuda_ipc) do not read host memory".into());
+        // Host to GPU: the sender writes our GPU buffer through the zero-copy GPU lane's mapping
+        // of it (cuda_ipc: one host-to-device copy by the sender's copy engine, from pinned
+        // memory at the copy bound), when its own lane of that domain reads its host buffer.
+        match lanes
+            .gpu(recv)
+            .filter(|&l| has(l, IfaceCaps::PUT_ZCOPY))
+            .filter(|&l| {
+                input.lanes[l]
+                    .md_attr
+                    .access_mem_types()
+                    .has(MemoryType::Host)
+            }) {
+            Some(l) => steps.push(RecvStep::Put { lane: l }),
+            None => notes.push(if lanes.gpu(recv).is_some() {
+                "the zero-copy GPU lane does not write from host memory".into()
+            } else {
+                no_gpu_lane(input, recv)
+            }),
+        }
     }
     // 2. Staged through host memory: needs a lane with remote reads, and a copy lane on the
     // side(s) holding GPU memory (ours is checked here; the sender checks its own).

@@ -317,6 +317,7 @@ impl Worker {
             len,
             tag: u64::from(id),
             proto,
+            op: Op::Am,
             msg_id: 0,
             posted: 0,
             rndv: RndvSend::default(),
@@ -368,25 +369,7 @@ impl Worker {
         if mem.is_gpu() {
             st.note_gpu_key(MemKey::new(mem, dev));
         }
-        let rid = st.new_req(ReqKind::Recv(RecvState {
-            addr,
-            cap,
-            total: 0,
-            received: 0,
-            tag: 0,
-            sender: None,
-            rndv: None,
-            mem,
-            dev,
-            chunks: VecDeque::new(),
-            landed: 0,
-            pull: false,
-            chunk_lane: usize::MAX,
-            dev_memh: None,
-            staged_host: false,
-            stream: false,
-            stream_bounce: None,
-        }));
+        let rid = st.new_req(ReqKind::Recv(RecvState::tag(addr, cap, 0, mem, dev)));
         st.count("active message payload fetched");
         let u = Unexp::Rts {
             src: p,

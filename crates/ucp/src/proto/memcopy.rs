@@ -115,7 +115,11 @@ impl State {
             else {
                 continue;
             };
-            let (Some(host), Some(dm)) = (rs.stream_bounce.take(), rs.dev_memh.take()) else {
+            let bounce = match &mut rs.proto {
+                RecvProto::Stream { bounce } => bounce.take(),
+                _ => None,
+            };
+            let (Some(host), Some(dm)) = (bounce, rs.dev_memh.take()) else {
                 continue;
             };
             let (addr, cap) = (rs.addr, rs.cap);

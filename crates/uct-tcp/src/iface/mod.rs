@@ -2,7 +2,10 @@
 //! each connection is in `proto` (pure code); this layer owns the sockets, registers them with
 //! the readiness set (`ready::Watch`), accepts, and decides which connections a progress call
 //! handles: the ready ones, those whose endpoint asked for attention (`ready::Kick`), those
-//! with frames held back, and now and then those with a deadline running.
+//! with frames held back, and now and then those with a deadline running. While it has no
+//! connection at all it looks at the listener only every 32nd progress (and at the next one
+//! after an `arm` found it ready), so a worker whose peers are reached through other transports
+//! pays no system call per progress for it.
 //!
 //! Each connection has two halves with different owners: the interface owns the receiving
 //! half (`proto::Receiver`) and reads without a lock; the connection object
@@ -45,6 +48,14 @@ const MAX_UNIDENTIFIED: usize = 256;
 const LISTENER_KEY: u64 = u64::MAX;
 /// Progress calls between deadline checks of connections with no event.
 const TIMER_EVERY: u32 = 64;
+/// While the interface has a single connection that only waits for input, progress reads it
+/// without asking which sockets are ready, and asks (the listener, errors, room to write)
+/// once in this many calls.
+const SPECULATE_POLL_EVERY: u32 = 16;
+/// Progress calls between looks at the listener while the interface has no connection: a
+/// worker that talks to its peers through other transports (shared memory) then pays no
+/// system call on most of its progress calls, and a new connection waits a few calls longer.
+const IDLE_POLL_EVERY: u32 = 32;
 
 /// A connection as the interface keeps it.
 pub(crate) type SharedConn = Arc<Mutex<Conn<FdSock>>>;
@@ -122,6 +133,9 @@ pub struct TcpIface {
     timed: usize,
     /// Progress calls, for checking deadlines now and then.
     calls: u32,
+    /// Look at the sockets in the next progress even with no connection (set by `arm`: the
+    /// descriptor said something is ready).
+    poll_next: bool,
     /// Slots to handle in the next progress without an event.
     again: Vec<usize>,
     /// This progress's work: `(key, epoll events)`.
@@ -136,6 +150,9 @@ pub struct TcpIface {
     /// Endpoints moved onto the peer's connection so far.
     merged: u64,
     events: Vec<Owned>,
+    /// The connection that last had input: the one read speculatively when it is the only one
+    /// (`speculative`).
+    last_input: usize,
 }
 
 impl TcpIface {
@@ -219,6 +236,7 @@ impl TcpIface {
             kick: Arc::new(Kick::default()),
             timed: 0,
             calls: 0,
+            poll_next: false,
             again: Vec::new(),
             work: Vec::new(),
             kicked: Vec::new(),
@@ -227,7 +245,26 @@ impl TcpIface {
             joining: Vec::new(),
             merged: 0,
             events: Vec::new(),
+            last_input: 0,
         })
+    }
+
+    /// The connection to read without a readiness check in this progress call, if any: the
+    /// only one there is, established, waiting for input alone (nothing queued to write, no
+    /// deadline), and not on the calls that check readiness anyway (every
+    /// [`SPECULATE_POLL_EVERY`]th: new connections, errors; and the first after a refused
+    /// `arm`).
+    fn speculative(&self) -> Option<usize> {
+        if self.slots.len() - self.free.len() != 1
+            || self.timed != 0
+            || self.poll_next
+            || self.calls.is_multiple_of(SPECULATE_POLL_EVERY)
+        {
+            return None;
+        }
+        let s = self.slot(self.last_input)?;
+        (s.rx.hello && s.interest == IN && s.want == IN && !s.gone && !s.again)
+            .then_some(self.last_input)
     }
 
     /// The listening socket address.
@@ -494,19 +531,35 @@ impl Iface for TcpIface {
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
         // The ready sockets (one epoll_wait), then connections kicked by their endpoints, those
         // with frames held back, and now and then those with a deadline running.
+        self.calls = self.calls.wrapping_add(1);
+        if self.slots.len() == self.free.len()
+            && !self.poll_next
+            && !self.calls.is_multiple_of(IDLE_POLL_EVERY)
+        {
+            // No connection, so nothing but the listener can have news (no endpoint to kick,
+            // no frame held back, no deadline, no merge).
+            return 0;
+        }
         let mut work = std::mem::take(&mut self.work);
         let mut accept = false;
-        self.watch.wait(|key, ev| {
-            if key == LISTENER_KEY {
-                accept = true;
-            } else {
-                work.push((key as usize, ev));
-            }
-        });
+        let speculate = self.speculative();
+        self.poll_next = false;
+        match speculate {
+            // One system call per message instead of two: a read that finds nothing costs what
+            // the readiness check would have, and one that finds data saves that check on the
+            // message's way.
+            Some(key) => work.push((key, IN)),
+            None => self.watch.wait(|key, ev| {
+                if key == LISTENER_KEY {
+                    accept = true;
+                } else {
+                    work.push((key as usize, ev));
+                }
+            }),
+        }
         self.kick.take(&mut self.kicked);
         work.extend(self.kicked.drain(..).map(|k| (k, 0)));
         work.extend(self.again.drain(..).map(|k| (k, 0)));
-        self.calls = self.calls.wrapping_add(1);
         if self.timed > 0 && self.calls.is_multiple_of(TIMER_EVERY) {
             work.extend(
                 self.slots
@@ -529,6 +582,9 @@ impl Iface for TcpIface {
                 continue;
             }
             let (timed, hello) = (s.timed, s.rx.hello);
+            if rev & IN != 0 {
+                self.last_input = key;
+            }
             delivered += s.progress(rev, &self.table, sink, &mut events);
             if !hello && s.rx.hello && !s.rx.dialed {
                 self.greeted.push(key);
@@ -607,6 +663,7 @@ impl Iface for TcpIface {
         // What it cannot show is work without a socket event: kicks from endpoints and
         // connections with frames held back.
         if self.kick.pending() || !self.again.is_empty() || self.watch.any_ready() {
+            self.poll_next = true;
             return Err(Error::Busy(format!(
                 "the tcp interface on {} has sockets or connections to handle",
                 self.dev.name

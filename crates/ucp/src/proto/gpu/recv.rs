@@ -26,7 +26,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(Box::new(RndvRecv::new(p, sreq, want)));
+            rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
         }
         if let Some(reason) = self.peers[p].failed.clone() {
             let peer = self.peers[p].remote.describe();
@@ -62,6 +62,10 @@ impl State {
             RecvStep::Get { lane } if sgpu => Some(*lane),
             _ => None,
         });
+        let put_lane = steps.iter().find_map(|s| match s {
+            RecvStep::Put { lane } => Some(*lane),
+            _ => None,
+        });
         let staged = steps.iter().find_map(|s| match s {
             RecvStep::StagedRead { lane } | RecvStep::Pull { lane } => {
                 Some((*lane, steps.contains(&RecvStep::StagedRead { lane: *lane })))
@@ -95,7 +99,11 @@ impl State {
                             // First: the read's local handle (a host buffer may hold another
                             // domain's registration already, e.g. the one that typed it).
                             r.guards.insert(0, g);
-                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                            if let ReqKind::Recv(RecvState {
+                                proto: RecvProto::Rndv(rv),
+                                ..
+                            }) = &mut r.kind
+                            {
                                 rv.via_get = true;
                                 rv.get = Some((lane, saddr, rkey, raddr));
                             }
@@ -112,6 +120,15 @@ impl State {
                     }
                 }
             }
+        }
+        // 1b. From host memory into GPU memory: the sender writes through the zero-copy GPU
+        // lane's mapping of our buffer (when it offered to).
+        if !sgpu
+            && rmem.is_gpu()
+            && let Some(lane) = put_lane
+            && self.gpu_write_offer(rid, p, sreq, region, lane, &keys)
+        {
+            return;
         }
         // 2. Staged: read host memory (the sender's buffer, or its staging fragments).
         let Some((lane, staged_read)) = staged else {
@@ -173,11 +190,16 @@ impl State {
         }
         let host_key = key_of(self, lane).map(|i| &keys[i]);
         let r = self.reqs.get_mut(&rid).expect("req");
-        let ReqKind::Recv(rs) = &mut r.kind else {
+        let ReqKind::Recv(RecvState {
+            proto: RecvProto::Rndv(rv),
+            ..
+        }) = &mut r.kind
+        else {
             return;
         };
+        let sr = &mut rv.staged;
         if registered {
-            rs.chunk_lane = lane;
+            sr.lane = lane;
         }
         if registered
             && staged_read
@@ -192,7 +214,7 @@ impl State {
                     let mut off = 0;
                     while off < want {
                         let n = frag.min(want - off);
-                        rs.chunks.push_back(Chunk {
+                        sr.chunks.push_back(Chunk {
                             raddr: saddr + off as u64,
                             len: n,
                             off,
@@ -211,7 +233,7 @@ impl State {
             }
         }
         // GPU sender (or no usable key): ask it to stage and announce fragments.
-        rs.pull = true;
+        sr.pull = true;
         self.count("rendezvous receive pipelined through host staging");
         self.ctrl(
             p,

@@ -21,7 +21,16 @@ impl State {
             .put_max_zcopy
             .min(self.frag)
             .max(1);
-        let memh = self.reqs[&id].guards[0].registration().clone();
+        // The registration of the lane's domain (a send may hold another domain's as well: the
+        // one made for the receiver's reads when it offered them).
+        let name = self.ctx.domain(self.slots[lane].md).name();
+        let guards = &self.reqs[&id].guards;
+        let memh = guards
+            .iter()
+            .find(|g| g.registration().domain() == name)
+            .unwrap_or(&guards[0])
+            .registration()
+            .clone();
         let mut off = match &self.reqs[&id].kind {
             ReqKind::Send(s) => s.posted,
             _ => 0,

@@ -1,0 +1,138 @@
+//! Host to GPU by remote write over the sim fabric: the host sender writes into the GPU
+//! receiver's buffer through its zero-copy GPU lane (sim_ipc standing in for cuda_ipc), and
+//! every way out of that path (the receiver's registration failing at once or part way, a
+//! sender without the lane, truncation) still delivers every byte or reports why.
+
+mod harness;
+
+use harness::{Buf, Mem, Pair, is_truncation, pattern};
+use rucx_uct_sim::{Delivery, FabricSpec, LaneKind};
+
+const VARS: &[(&str, &str)] = &[
+    ("RUCX_ZCOPY_THRESH", "16K"),
+    ("RUCX_RNDV_FRAG_SIZE", "256K"),
+];
+
+/// Rendezvous sizes (and one small one): whole fragments, a fragment and a bit, many
+/// fragments.
+const SIZES: &[usize] = &[100, 100_000, 256 << 10, (256 << 10) + 1, (3 << 20) + 5];
+
+const BY_WRITE: &str = "rendezvous receive by remote write into GPU memory";
+const STAGED_READ: &str = "rendezvous receive by read, staged to the GPU";
+
+/// Send every size host -> device from side 0 to side 1, each byte checked.
+fn host_to_device(pair: &Pair, seed: u64) {
+    for (i, &n) in SIZES.iter().enumerate() {
+        let id = seed << 32 | i as u64;
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, id);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Device(1));
+        let out = pair.transfer(0, &send, &mut recv, 40 + i as u64, false);
+        let (s, r) = out.expect_ok();
+        assert_eq!((s.len, r.len), (n, n));
+        assert!(recv.bytes() == pattern(id, n), "{n} B: data differs");
+        assert_eq!(recv.guard_damage(), None, "{n} B");
+    }
+}
+
+fn count(pair: &Pair, side: usize, what: &str) -> u64 {
+    pair.w[side].counters().get(what).copied().unwrap_or(0)
+}
+
+#[test]
+fn host_sender_writes_into_the_gpu_receive_buffer() {
+    for delivery in [
+        Delivery::InOrder,
+        Delivery::Random {
+            seed: 5,
+            noresource_per_mille: 30,
+        },
+    ] {
+        let pair = Pair::new(FabricSpec::gpu().delivery(delivery), [VARS, VARS]);
+        host_to_device(&pair, 1);
+        // Every rendezvous (all but the 100-byte eager one) went by remote write.
+        assert_eq!(count(&pair, 1, BY_WRITE), 4, "{:?}", pair.w[1].counters());
+        assert_eq!(
+            count(&pair, 1, STAGED_READ),
+            0,
+            "{:?}",
+            pair.w[1].counters()
+        );
+        // The other direction is untouched: GPU to host is still read by the receiver.
+        let send = Buf::filled(&pair.fabric, 1 << 20, Mem::Device(1), 9);
+        let mut recv = Buf::new(&pair.fabric, 1 << 20, Mem::Host);
+        pair.transfer(1, &send, &mut recv, 9, false).expect_ok();
+        assert!(recv.bytes() == pattern(9, 1 << 20));
+        pair.check_clean();
+    }
+}
+
+#[test]
+fn a_receiver_whose_gpu_registration_fails_reads_through_staging() {
+    // The receiver's GPU lane cannot register device memory at all: staged reads, intact.
+    let b: Vec<(&str, &str)> = VARS
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, &b]);
+    host_to_device(&pair, 2);
+    assert_eq!(count(&pair, 1, BY_WRITE), 0);
+    assert_eq!(
+        count(&pair, 1, STAGED_READ),
+        4,
+        "{:?}",
+        pair.w[1].counters()
+    );
+    pair.check_clean();
+
+    // Part way: the 3rd device registration of the receiver's GPU lane fails (the domain is
+    // demoted); the transfers before went by write, the rest by staged reads.
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    pair.fabric.fail_registration(
+        pair.nodes[1],
+        LaneKind::Ipc,
+        pair.fabric.reg_attempts(pair.nodes[1], LaneKind::Ipc) + 3,
+        rucx_ucs::RegErrorKind::BadAddress,
+    );
+    host_to_device(&pair, 3);
+    let (w, s) = (count(&pair, 1, BY_WRITE), count(&pair, 1, STAGED_READ));
+    assert!(w >= 1 && s >= 1 && w + s == 4, "write {w}, staged {s}");
+    pair.check_clean();
+}
+
+#[test]
+fn a_sender_that_cannot_describe_its_buffer_streams_it() {
+    // The sender's GPU lane refuses its host buffers (demoted for host memory): the receiver
+    // gave it a key, but the data comes as streamed fragments instead, every byte intact.
+    let a: Vec<(&str, &str)> = VARS
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=host,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
+    host_to_device(&pair, 4);
+    let d = pair.ctx[0].demotions();
+    assert!(d.len() == 1 && d[0].md == "sim_ipc", "{d:?}");
+    // The receiver offered its key every time; the sender streamed instead.
+    assert_eq!(count(&pair, 1, BY_WRITE), 4, "{:?}", pair.w[1].counters());
+    pair.check_clean();
+}
+
+#[test]
+fn a_remote_write_into_a_smaller_gpu_buffer_is_truncated() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    for (i, &n) in [100_000usize, 1 << 20, (3 << 20) + 5].iter().enumerate() {
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 50 + i as u64);
+        let cap = n / 2 + 1;
+        let mut recv = Buf::new(&pair.fabric, cap, Mem::Device(1));
+        let out = pair.transfer(0, &send, &mut recv, 7, false);
+        assert!(out.hang.is_none(), "{}", out.hang.unwrap());
+        assert!(matches!(out.send, Some(Ok(_))), "{n} B: {:?}", out.send);
+        let r = out.recv.unwrap();
+        assert!(is_truncation(&r, n, cap), "{n} B into {cap}: {r:?}");
+        assert!(recv.bytes() == &pattern(50 + i as u64, n)[..cap]);
+        assert_eq!(recv.guard_damage(), None, "{n} B into {cap}");
+    }
+    assert_eq!(count(&pair, 1, BY_WRITE), 3, "{:?}", pair.w[1].counters());
+    pair.check_clean();
+}
