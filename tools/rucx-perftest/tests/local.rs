@@ -129,9 +129,9 @@ fn sweep_writes_a_plot() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let o = perftest(&["--local", "-m", "cuda", "-t", "ucp_put_bw"]);
+    let o = perftest(&["--local", "-m", "cuda-managed", "-t", "am_bw"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("Worker::mem_map"), "{}", text(&o));
+    assert!(text(&o).contains("managed"), "{}", text(&o));
     let o = perftest(&["--local", "--bounds"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("-m cuda"), "{}", text(&o));
@@ -147,38 +147,44 @@ fn bad_input_is_a_clear_error() {
 /// reason; with one (the GPU machine), the tests run and every message is verified.
 #[test]
 fn gpu_memory_runs_or_names_the_missing_driver() {
-    // Tag, active-message (copied in at 8 B, rendezvous at 1 MiB) and stream tests, GPU
-    // memory on both sides and on one.
-    for (test, mem) in [
-        ("tag_lat", "cuda,cuda"),
-        ("am_lat", "cuda,cuda"),
-        ("am_bw", "cuda,host"),
-        ("am_bw", "host,cuda"),
-        ("stream_lat", "cuda,cuda"),
-        ("stream_bw", "host,cuda"),
+    // Tag ping-pong, put/get between GPU buffers and between host and GPU (the client's
+    // buffer first, the server's region second), active messages (copied in at 8 B,
+    // rendezvous at 1 MiB) and streams with GPU memory on both sides and on one.
+    for (m, t) in [
+        ("cuda,cuda", "am_lat"),
+        ("cuda,host", "am_bw"),
+        ("host,cuda", "am_bw"),
+        ("cuda,cuda", "stream_lat"),
+        ("host,cuda", "stream_bw"),
+        ("cuda,cuda", "tag_lat"),
+        ("cuda,cuda", "ucp_put_bw"),
+        ("cuda,cuda", "ucp_get"),
+        ("cuda,cuda", "ucp_put_lat"),
+        ("host,cuda", "ucp_put_bw"),
+        ("cuda,host", "ucp_get"),
     ] {
-        let args = [
-            "--local", "-q", "-m", mem, "-t", test, "-s", "8,1M", "-n", "20",
-        ];
+        let args = ["--local", "-q", "-m", m, "-t", t, "-s", "8,1M", "-n", "20"];
         let o = perftest(&args);
         let out = text(&o);
         match rucx_cuda::driver() {
             Err(e) => {
-                assert_eq!(o.status.code(), Some(1), "{out}");
+                assert_eq!(o.status.code(), Some(1), "{m} {t}: {out}");
                 let reason = match e {
                     rucx::Error::Unavailable { reason, .. } => reason,
                     other => other.to_string(),
                 };
                 assert!(
                     out.contains(&format!("-m cuda needs a CUDA driver: {reason}")),
-                    "{out}"
+                    "{m} {t}: {out}"
                 );
-                // One run shows it.
-                return;
             }
             Ok(_) => {
-                assert!(o.status.success(), "{test} -m {mem}: {out}");
-                assert_eq!(row(&String::from_utf8_lossy(&o.stdout), 8)[1], "20");
+                assert!(o.status.success(), "{m} {t}: {out}");
+                assert_eq!(
+                    row(&String::from_utf8_lossy(&o.stdout), 8)[1],
+                    "20",
+                    "{m} {t}"
+                );
             }
         }
     }

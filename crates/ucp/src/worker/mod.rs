@@ -620,6 +620,7 @@ mod tests {
                     key: None,
                     posted: 0,
                     flush_lanes: Vec::new(),
+                    staged: None,
                 }));
                 st.finish(id, Err(e.clone()));
                 id

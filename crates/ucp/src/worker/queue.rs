@@ -238,6 +238,12 @@ impl State {
             return;
         };
         r.outstanding = r.outstanding.saturating_sub(1);
+        if let ReqKind::Rma(RmaState {
+            staged: Some(sg), ..
+        }) = &mut r.kind
+        {
+            sg.inflight = r.outstanding;
+        }
         if let ReqKind::Recv(RecvState {
             proto: RecvProto::Rndv(rv),
             ..
@@ -279,6 +285,9 @@ impl State {
                         }),
                     );
                 }
+            }
+            ReqKind::Rma(rm) if rm.staged.is_some() && rm.posted != usize::MAX => {
+                self.on_staged_done(id);
             }
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;
@@ -329,6 +338,18 @@ impl ProtoIo for State {
     #[inline]
     fn ctrl(&mut self, p: usize, m: &Msg<'_>) {
         self.send_msg(p, m);
+    }
+
+    fn unpack_key(&self, md: usize, key: &[u8]) -> Result<RemoteKey> {
+        self.ctx.domain(md).rkey_unpack(key)
+    }
+
+    fn pack_key(&self, md: usize, g: &RegGuard) -> Result<NamedKey> {
+        let d = self.ctx.domain(md);
+        Ok(NamedKey {
+            md: d.name().to_string(),
+            key: d.mkey_pack(g.registration())?,
+        })
     }
 
     #[inline]
