@@ -136,13 +136,56 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         self.track(Ok(id))
     }
 
+    /// Send active message `id` with `header` and the payload `buf` to `ep` (UCX's
+    /// `ucp_am_send_nbx`). `buf` is host or GPU memory, as for [`tag_send`](Self::tag_send);
+    /// the request completes when `buf` may be reused.
+    ///
+    /// The plan's active-message table (`Worker::proto_info`) picks the protocol by size and
+    /// memory: small payloads are copied in (GPU memory copied out through the copy lane
+    /// first) and the request is complete at once; the handler gets the bytes in
+    /// [`AmMessage::data`](crate::AmMessage). Large ones go by rendezvous: the handler gets a
+    /// descriptor ([`AmMessage::remote`](crate::AmMessage)) and fetches the payload with
+    /// [`am_recv_data`](Self::am_recv_data); the request completes once it was fetched, or
+    /// ends with [`Error::PeerAborted`](rucx_ucs::Error::PeerAborted) when the handler dropped
+    /// the descriptor unfetched. The header of a rendezvous message travels in one control
+    /// message: at most the active-message lane's size less 1 KiB (longer ones are refused
+    /// with `InvalidParam`).
+    pub fn am_send(
+        &'scope self,
+        ep: EpId,
+        id: u16,
+        header: &[u8],
+        buf: impl Into<SendBuf<'scope>>,
+    ) -> Request<'scope> {
+        self.track_posted(self.worker.post_am(ep, id, header, buf.into()))
+    }
+
+    /// Fetch an active message's payload (taken with
+    /// [`AmMessage::take_payload`](crate::AmMessage::take_payload)) into `buf`, host or GPU
+    /// memory (UCX's `ucp_am_recv_data_nbx`). A payload that came with the message is copied
+    /// at once; a remote one is received by the rendezvous the tag receives use (a read
+    /// through cuda_ipc or a host transport, the staged pipeline, demotion after a
+    /// registration failure): the request completes when the data landed. A payload longer
+    /// than `buf` fills it and ends with [`Error::Truncated`](rucx_ucs::Error::Truncated).
+    ///
+    /// Call it outside the handler (a handler may keep the payload and hand it on), or in it:
+    /// a handler may open a scope and wait, and messages that arrive meanwhile are handed to
+    /// the handlers after it returns.
+    pub fn am_recv_data(
+        &'scope self,
+        payload: crate::AmPayload,
+        buf: impl Into<RecvBuf<'scope>>,
+    ) -> Request<'scope> {
+        self.track_posted(self.worker.post_am_recv(payload, buf.into()))
+    }
+
     /// Append `buf` to the ordered byte stream to `ep` (UCX's `ucp_stream_send_nbx`). The
     /// request completes once every byte was handed to the transport (the buffer may then be
     /// reused); the peer reads them with
     /// [`stream_recv`](Self::stream_recv) in any split (message boundaries are not kept).
     ///
-    /// `buf` is a host slice or host memory by address ([`SendBuf::from_raw`]); GPU memory is
-    /// refused ([`Error::Unsupported`](rucx_ucs::Error::Unsupported)).
+    /// `buf` is host memory, or GPU memory, which is copied to host memory by the copy lane
+    /// (cuda_copy) before the call returns and streamed from there.
     pub fn stream_send(&'scope self, ep: EpId, buf: impl Into<SendBuf<'scope>>) -> Request<'scope> {
         self.track_posted(self.worker.post_stream_send(ep, buf.into()))
     }
@@ -152,8 +195,9 @@ impl<'scope, 'w> Scope<'scope, 'w> {
     /// order they were posted; one canceled (or left at the end of its scope) gives the bytes
     /// it took back to the stream.
     ///
-    /// `buf` is a host slice or host memory by address ([`RecvBuf::from_raw`]); GPU memory is
-    /// refused ([`Error::Unsupported`](rucx_ucs::Error::Unsupported)).
+    /// `buf` is host memory, or GPU memory: the stream then fills a host buffer of the same
+    /// size, copied to `buf` by the copy lane (cuda_copy) when full, and the request completes
+    /// after that copy. GPU memory the copy lane cannot register is refused when posted.
     pub fn stream_recv(&'scope self, ep: EpId, buf: impl Into<RecvBuf<'scope>>) -> Request<'scope> {
         self.track(self.worker.post_stream_recv(ep, buf.into()))
     }

@@ -640,24 +640,64 @@ fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, gpu: Option<&Gpu>, t: &mut 
     send(w, ep, &[], TAG_DONE)
 }
 
-fn am_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let got = Arc::new(AtomicUsize::new(0));
-    let g = got.clone();
-    w.set_am_handler(AM_PONG, move |_, _| {
-        g.fetch_add(1, Relaxed);
+/// Active messages the handler of one id keeps for the test's loop, which fetches their
+/// payloads (outside the handler: a rendezvous payload is fetched with a request).
+type AmInbox = Arc<Mutex<VecDeque<rucx::AmPayload>>>;
+
+fn am_inbox(w: &Worker, id: u16) -> AmInbox {
+    let inbox: AmInbox = Arc::default();
+    let keep = inbox.clone();
+    w.set_am_handler(id, move |_, mut m| {
+        keep.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back(m.take_payload())
     });
-    let sbuf = pattern(spec.size);
-    for i in 0..spec.warmup + spec.iters {
-        t.begin(i);
-        w.am_send(ep, AM_PING, &[], &sbuf)
-            .map_err(ctx("active message"))?;
-        progress_until(w, ep, || got.load(Relaxed) > i)?;
-        t.end(i);
-    }
+    inbox
+}
+
+/// Wait for the next active message of `inbox` and fetch its payload into `rbuf` (copied
+/// when it came with the message, else by its rendezvous).
+fn am_fetch(w: &Worker, ep: EpId, inbox: &AmInbox, rbuf: &mut Buf) -> R<()> {
+    let mut next = None;
+    progress_until(w, ep, || {
+        next = inbox
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop_front();
+        next.is_some()
+    })?;
+    let payload = next.expect("popped above");
+    w.scope(|s| wait(w, ep, s.am_recv_data(payload, rbuf.recv_buf())))
+        .map_err(|e| format!("fetching an active message's payload: {e}"))?;
     Ok(())
 }
 
-fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+/// Send an active message of `sbuf` (host or GPU memory) and wait until the buffer may be
+/// reused (for a rendezvous: until the peer fetched it).
+fn am_send_wait(w: &Worker, ep: EpId, id: u16, sbuf: &Buf) -> R<()> {
+    w.scope(|s| wait(w, ep, s.am_send(ep, id, &[], sbuf.send_buf())))
+        .map_err(|e| format!("active message: {e}"))?;
+    Ok(())
+}
+
+fn am_lat_client(
+    w: &Worker,
+    ep: EpId,
+    spec: &Spec,
+    (sbuf, mut rbuf): (Buf, Buf),
+    t: &mut Timer,
+) -> R<Buf> {
+    let pongs = am_inbox(w, AM_PONG);
+    for i in 0..spec.warmup + spec.iters {
+        t.begin(i);
+        am_send_wait(w, ep, AM_PING, &sbuf)?;
+        am_fetch(w, ep, &pongs, &mut rbuf)?;
+        t.end(i);
+    }
+    Ok(rbuf)
+}
+
+fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) -> R<()> {
     let acked = Arc::new(AtomicUsize::new(0));
     let a = acked.clone();
     w.set_am_handler(AM_CREDIT, move |_, m| {
@@ -665,15 +705,30 @@ fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
             a.fetch_max(u64::from_le_bytes(b) as usize, Relaxed);
         }
     });
-    let sbuf = pattern(spec.size);
     let total = spec.warmup + spec.iters;
-    for i in 0..total {
-        t.begin(i);
-        // Credits: at most `window` messages the receiver has not counted yet.
-        progress_until(w, ep, || i - acked.load(Relaxed) < spec.window)?;
-        w.am_send(ep, AM_DATA, &[], &sbuf)
-            .map_err(ctx("active message"))?;
-        t.end(i);
+    let mut i = 0;
+    while i < total {
+        let end = (i + chunk_len(spec.window)).min(total);
+        w.scope(|s| -> R<()> {
+            // Sends of one scope: copied in ones are done when posted, rendezvous ones once
+            // the server fetched them; at most `window` in flight either way.
+            let mut q: VecDeque<Request<'_>> = VecDeque::with_capacity(spec.window);
+            while i < end {
+                t.begin(i);
+                // Credits: at most `window` messages the receiver has not counted yet.
+                progress_until(w, ep, || i - acked.load(Relaxed) < spec.window)?;
+                while q.len() >= spec.window {
+                    wait(w, ep, q.pop_front().expect("non-empty"))?;
+                }
+                q.push_back(s.am_send(ep, AM_DATA, &[], sbuf.send_buf()));
+                t.end(i);
+                i += 1;
+            }
+            while let Some(r) = q.pop_front() {
+                wait(w, ep, r).map_err(|e| format!("active message: {e}"))?;
+            }
+            Ok(())
+        })?;
     }
     progress_until(w, ep, || acked.load(Relaxed) >= total)?;
     Ok(())
@@ -688,13 +743,13 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let gpu = mem::gpu_for(spec.mem, 1)?;
     let gpu = gpu.as_ref();
     let lat_bufs = match spec.test {
-        TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat => {
+        TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat | TestKind::AmLat => {
             Some(pingpong_bufs(spec, gpu)?)
         }
         _ => None,
     };
     let bw_buf = match spec.test {
-        TestKind::TagBw | TestKind::TagSyncBw | TestKind::StreamBw => {
+        TestKind::TagBw | TestKind::TagSyncBw | TestKind::StreamBw | TestKind::AmBw => {
             Some(Buf::pattern(spec.mem.0, gpu, spec.size)?)
         }
         _ => None,
@@ -724,8 +779,14 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
         TestKind::PutBw => put_bw_client(w, ep, spec, gpu, &mut t)?,
         TestKind::Get => get_client(w, ep, spec, gpu, &mut t)?,
         TestKind::PutLat => put_lat_client(w, ep, spec, gpu, &mut t)?,
-        TestKind::AmLat => am_lat_client(w, ep, spec, &mut t)?,
-        TestKind::AmBw => am_bw_client(w, ep, spec, &mut t)?,
+        TestKind::AmLat => {
+            let bufs = lat_bufs.expect("set up above");
+            check = Some(am_lat_client(w, ep, spec, bufs, &mut t)?);
+        }
+        TestKind::AmBw => {
+            let sbuf = bw_buf.as_ref().expect("set up above");
+            am_bw_client(w, ep, spec, sbuf, &mut t)?
+        }
     }
     let (samples, total) = t.finish();
     if let Some(rbuf) = check {
@@ -873,45 +934,31 @@ fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 }
 
 fn am_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let count = Arc::new(AtomicUsize::new(0));
-    let failed: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
-    let (c, f) = (count.clone(), failed.clone());
-    let reply = pattern(spec.size);
-    w.set_am_handler(AM_PING, move |w, m| {
-        c.fetch_add(1, Relaxed);
-        if let Err(e) = w.am_send(m.reply_ep, AM_PONG, &[], &reply) {
-            *f.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
-        }
-    });
-    send(w, ep, &[], TAG_READY)?;
-    let total = spec.warmup + spec.iters;
-    progress_until(w, ep, || count.load(Relaxed) >= total)?;
-    if let Some(e) = failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
-        return Err(format!("replying: {e}"));
+    let pings = am_inbox(w, AM_PING);
+    let setup = mem::gpu_for(spec.mem, 0).and_then(|g| pingpong_bufs(spec, g.as_ref()));
+    let (sbuf, mut rbuf) = ready(w, ep, setup)?;
+    for _ in 0..spec.warmup + spec.iters {
+        am_fetch(w, ep, &pings, &mut rbuf)?;
+        am_send_wait(w, ep, AM_PONG, &sbuf)?;
     }
-    Ok(())
+    rbuf.verify("server")
 }
 
 fn am_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     let total = spec.warmup + spec.iters;
     let batch = (spec.window / 2).max(1);
-    let count = Arc::new(AtomicUsize::new(0));
-    let failed: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
-    let (c, f) = (count.clone(), failed.clone());
-    w.set_am_handler(AM_DATA, move |w, m| {
-        let n = c.fetch_add(1, Relaxed) + 1;
-        if (n.is_multiple_of(batch) || n == total)
-            && let Err(e) = w.am_send(m.reply_ep, AM_CREDIT, &[], &(n as u64).to_le_bytes())
-        {
-            *f.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+    let data = am_inbox(w, AM_DATA);
+    let setup =
+        mem::gpu_for(spec.mem, 0).and_then(|g| Buf::touched(spec.mem.1, g.as_ref(), spec.size));
+    let mut rbuf = ready(w, ep, setup)?;
+    for n in 1..=total {
+        am_fetch(w, ep, &data, &mut rbuf)?;
+        if n.is_multiple_of(batch) || n == total {
+            w.am_send(ep, AM_CREDIT, &[], &(n as u64).to_le_bytes())
+                .map_err(|e| format!("sending credits: {e}"))?;
         }
-    });
-    send(w, ep, &[], TAG_READY)?;
-    progress_until(w, ep, || count.load(Relaxed) >= total)?;
-    if let Some(e) = failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
-        return Err(format!("sending credits: {e}"));
     }
-    Ok(())
+    rbuf.verify("server")
 }
 
 /// Serve the client's specs until it says quit.

@@ -305,6 +305,26 @@ fn bounce_end(
     lo
 }
 
+/// The active-message table of host memory from its tag table: the eager rows become one
+/// copy-in row on the active-message lane (the handler gets the bytes), the rendezvous rows
+/// stay (the handler fetches the payload by that rendezvous).
+fn am_rows(tag: &[Range], am: usize, input: &PlanInput<'_>) -> Vec<Range> {
+    let mut rows: Vec<Range> = Vec::new();
+    for r in tag {
+        if r.proto.is_rndv() {
+            rows.push(r.clone());
+            continue;
+        }
+        match rows.last_mut() {
+            Some(l) if l.proto == Proto::AmCopy && l.to.checked_add(1) == Some(r.from) => {
+                l.to = r.to
+            }
+            _ => rows.push(lane_row(r.from, r.to, Proto::AmCopy, am, input)),
+        }
+    }
+    rows
+}
+
 /// Every table for sender memory `mem`.
 pub(super) fn for_mem(
     input: &PlanInput<'_>,
@@ -340,6 +360,7 @@ pub(super) fn for_mem(
     };
     if !mem.mem.is_gpu() {
         let sync = sync_of(&host_tag, &hl, input.cfg, input);
+        let am = am_rows(&host_tag, lanes.am, input);
         return vec![
             OpTable {
                 op: Op::Tag,
@@ -354,7 +375,12 @@ pub(super) fn for_mem(
                 notes: Vec::new(),
             },
             one_row(Op::Stream, mem, Proto::StreamCopy, lanes.am, input),
-            one_row(Op::Am, mem, Proto::AmCopy, lanes.am, input),
+            OpTable {
+                op: Op::Am,
+                mem,
+                rows: am,
+                notes: Vec::new(),
+            },
             rma_of(IfaceCaps::PUT_ZCOPY, Op::Put),
             rma_of(IfaceCaps::GET_ZCOPY, Op::Get),
         ];
@@ -406,7 +432,45 @@ pub(super) fn for_mem(
             tag.push(lane_row(0, usize::MAX, p, l, input));
         }
     }
-    let gpu_only = |op: Op, what: &str| refused(op, mem, what.to_string());
+    // Active messages: small payloads copied out through the copy lane and sent in (the
+    // handler gets the bytes), larger ones by the tag rendezvous (the handler fetches them).
+    let mut am = Vec::new();
+    let am_copy_end = if lanes.copy.is_some() { eager_end } else { 0 };
+    if am_copy_end >= 1 {
+        am.push(lane_row(0, am_copy_end, Proto::AmCopy, lanes.am, input));
+    }
+    match large {
+        Some((p, l)) if am_copy_end < usize::MAX => {
+            let from = if am.is_empty() { 0 } else { am_copy_end + 1 };
+            am.push(lane_row(from, usize::MAX, p, l, input));
+        }
+        // No large path: copied in (in fragments) whatever the size.
+        None => {
+            if let Some(last) = am.last_mut() {
+                last.to = usize::MAX;
+            }
+        }
+        _ => {}
+    }
+    let mut am_notes = notes.clone();
+    if lanes.copy.is_none() {
+        am_notes.push(
+            "small payloads are copied out of GPU memory by the copy transport (cuda_copy), \
+             which is not open: every size goes by rendezvous"
+                .into(),
+        );
+    }
+    // Streams: GPU bytes go through host memory, copied by the copy lane.
+    let stream = if lanes.copy.is_some() {
+        one_row(Op::Stream, mem, Proto::StreamCopy, lanes.am, input)
+    } else {
+        refused(
+            Op::Stream,
+            mem,
+            "a stream carries GPU memory through host memory, copied by the copy transport \
+             (cuda_copy), which is not open; check RUCX_TLS and `rucx-info -d`",
+        )
+    };
     vec![
         OpTable {
             op: Op::Tag,
@@ -420,14 +484,13 @@ pub(super) fn for_mem(
             rows: sync,
             notes,
         },
-        gpu_only(
-            Op::Stream,
-            "streams move host memory only; use tag_send for GPU buffers",
-        ),
-        gpu_only(
-            Op::Am,
-            "active-message payloads are host memory; send GPU buffers with tag_send",
-        ),
+        stream,
+        OpTable {
+            op: Op::Am,
+            mem,
+            rows: am,
+            notes: am_notes,
+        },
         gpu_rma(Op::Put, mem, rma, input),
         gpu_rma(Op::Get, mem, rma, input),
     ]

@@ -527,13 +527,44 @@ fn explicit_thresholds_are_honoured() {
 }
 
 #[test]
-fn gpu_operations_other_than_tag_are_refused_with_the_reason() {
+fn gpu_am_stream_put_and_get_tables() {
     let m = machine(vec![posix(), cuda_copy(), cuda_ipc()]);
     let p = plan_of(&m, &Demoted::default(), &PlanConfig::defaults(), &[GPU0]);
-    for op in [Op::Stream, Op::Am] {
-        let t = p.table(op, GPU0);
-        assert!(t.rows.is_empty(), "{op:?}");
-        assert!(t.refusal("peer").to_string().contains("GPU"), "{op:?}");
+    // Active messages: small payloads copied in, large ones by the tag's rendezvous; streams
+    // through host memory by the copy lane.
+    let eager_end = p
+        .table(Op::Tag, MemKey::HOST)
+        .rows
+        .iter()
+        .filter(|r| !r.proto.is_rndv())
+        .map(|r| r.to)
+        .max()
+        .unwrap();
+    let am = &p.table(Op::Am, GPU0).rows;
+    assert_eq!((am.len(), am[0].proto, am[0].from), (2, Proto::AmCopy, 0));
+    assert!(am[0].to >= 4096, "{am:?}");
+    assert_eq!((am[1].proto, am[1].to), (Proto::RndvGet, usize::MAX));
+    assert_eq!(
+        proto_at(&p, Op::Am, MemKey::HOST, eager_end).0,
+        Proto::AmCopy
+    );
+    assert_eq!(
+        proto_at(&p, Op::Am, MemKey::HOST, eager_end + 1).0,
+        p.table(Op::Tag, MemKey::HOST).rows.last().unwrap().proto
+    );
+    assert_eq!(proto_at(&p, Op::Stream, GPU0, 1 << 30).0, Proto::StreamCopy);
+    // Without the copy lane, a GPU stream is refused naming it; active messages all go by
+    // rendezvous.
+    {
+        let m = machine(vec![posix(), cuda_ipc()]);
+        let p = plan_of(&m, &Demoted::default(), &PlanConfig::defaults(), &[GPU0]);
+        assert!(
+            p.table(Op::Stream, GPU0)
+                .refusal("peer")
+                .to_string()
+                .contains("cuda_copy")
+        );
+        assert_eq!(proto_at(&p, Op::Am, GPU0, 0).0, Proto::RndvGet);
     }
     // Put and get of GPU memory: zero-copy by cuda_ipc (to a peer's GPU), staged to host.
     for op in [Op::Put, Op::Get] {

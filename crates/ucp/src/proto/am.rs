@@ -1,7 +1,418 @@
 //! User active messages: one copy-in message, or the multi-fragment form reassembled by the
-//! receiver and handed to the handler.
+//! receiver and handed to the handler; and the rendezvous form, whose payload (host or GPU
+//! memory) stays with the sender until the handler fetches it into a buffer it chooses.
+//!
+//! The rendezvous form is the tag rendezvous with another request to send ([`Msg::AmRts`],
+//! carrying the user id and header): the receiver hands the handler a descriptor
+//! ([`AmRemoteData`]); [`Scope::am_recv_data`](crate::Scope::am_recv_data) makes a receive
+//! request of it that runs the tag rendezvous's receive (host reads, GPU reads through
+//! cuda_ipc, the staged pipeline, demotion on a registration failure); a descriptor dropped
+//! unfetched releases the sender, whose request ends with `PeerAborted`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::worker::prelude::*;
+
+/// A payload a handler dropped without fetching it.
+#[derive(Debug)]
+pub(crate) struct Release {
+    worker: u64,
+    peer: u64,
+    sreq: u64,
+    id: u16,
+    len: usize,
+}
+
+/// Payloads dropped unfetched, shared by a worker and the descriptors it handed out (which may
+/// be dropped on any thread); released by the worker's next progress.
+#[derive(Debug, Default)]
+pub(crate) struct AmReleases {
+    pending: AtomicBool,
+    list: Mutex<Vec<Release>>,
+}
+
+impl AmReleases {
+    fn push(&self, r: Release) {
+        self.list.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        self.pending.store(true, Ordering::Release);
+    }
+
+    /// Whether some wait to be released (one load: checked on every progress).
+    #[inline(always)]
+    pub(crate) fn pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    fn take(&self) -> Vec<Release> {
+        self.pending.store(false, Ordering::Release);
+        std::mem::take(&mut *self.list.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The payload of an active message that stayed with its sender (a rendezvous): its length
+/// and memory type, fetched with [`Scope::am_recv_data`](crate::Scope::am_recv_data) into a
+/// host or GPU buffer of the receiver's choice (UCX's `ucp_am_recv_data_nbx`).
+///
+/// The sender's request completes once the payload was fetched. Dropped without being
+/// fetched, the descriptor releases the sender at the receiving worker's next progress: its
+/// request then ends with [`Error::PeerAborted`] saying that the handler dropped the payload.
+/// It is `Send`: a handler may pass it to another thread, which fetches it through the same
+/// worker.
+pub struct AmRemoteData {
+    len: usize,
+    smem: u8,
+    sender: EpId,
+    id: u16,
+    /// The receiving worker, and the sending one.
+    worker: u64,
+    peer: u64,
+    sreq: u64,
+    addr: u64,
+    keys: Vec<NamedKey>,
+    /// Where a drop releases the sender; `None` once fetched.
+    releases: Option<Arc<AmReleases>>,
+}
+
+impl fmt::Debug for AmRemoteData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmRemoteData")
+            .field("len", &self.len)
+            .field("mem_type", &self.mem_type())
+            .field("sender", &self.sender)
+            .field("id", &self.id)
+            .finish()
+    }
+}
+
+impl AmRemoteData {
+    /// Payload length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Memory type of the sender's buffer.
+    pub fn mem_type(&self) -> MemoryType {
+        wire::mem_type_of(self.smem)
+    }
+
+    /// The endpoint the message came from.
+    pub fn sender(&self) -> EpId {
+        self.sender
+    }
+}
+
+impl Drop for AmRemoteData {
+    fn drop(&mut self) {
+        if let Some(r) = self.releases.take() {
+            r.push(Release {
+                worker: self.worker,
+                peer: self.peer,
+                sreq: self.sreq,
+                id: self.id,
+                len: self.len,
+            });
+        }
+    }
+}
+
+/// An active message's payload, wherever it is (see [`AmMessage::take_payload`]).
+#[derive(Debug)]
+pub enum AmPayload {
+    /// It came with the message (copied in): the bytes.
+    Here(Vec<u8>),
+    /// It stayed with the sender (rendezvous): fetch it.
+    Remote(AmRemoteData),
+}
+
+impl AmPayload {
+    /// Payload length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            AmPayload::Here(v) => v.len(),
+            AmPayload::Remote(r) => r.len(),
+        }
+    }
+
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl AmMessage {
+    /// Payload length in bytes, wherever the payload is.
+    pub fn len(&self) -> usize {
+        self.remote.as_ref().map_or(self.data.len(), |r| r.len())
+    }
+
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the payload stayed with the sender (fetch it, or drop it to release the
+    /// sender).
+    pub fn is_remote(&self) -> bool {
+        self.remote.is_some()
+    }
+
+    /// Take the payload out of the message, to fetch it into a buffer of the handler's choice
+    /// with [`Scope::am_recv_data`](crate::Scope::am_recv_data) (which takes either kind).
+    pub fn take_payload(&mut self) -> AmPayload {
+        match self.remote.take() {
+            Some(r) => AmPayload::Remote(r),
+            None => AmPayload::Here(std::mem::take(&mut self.data)),
+        }
+    }
+}
+
+/// The receive request an abort of an unfetched payload names: none was ever made (the wire
+/// wants a non-zero id from the receiving side; the sender does not look at it).
+const NO_RECV: u64 = u64::MAX;
+
+/// Largest user header of an active message sent by rendezvous: its request to send is one
+/// control message, which also carries the sender's keys.
+const RTS_ROOM: usize = 1024;
+
+impl State {
+    /// A request to send of a user active message arrived: hand the handler its descriptor.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn on_am_rts(
+        &mut self,
+        p: usize,
+        sreq: u64,
+        size: usize,
+        addr: u64,
+        smem: u8,
+        id: u16,
+        header: &[u8],
+        keys: Vec<NamedKey>,
+    ) {
+        let remote = AmRemoteData {
+            len: size,
+            smem,
+            sender: EpId(p),
+            id,
+            worker: self.address.uuid,
+            peer: self.peers[p].remote.uuid,
+            sreq,
+            addr,
+            keys,
+            releases: Some(self.am_releases.clone()),
+        };
+        self.count("active message rendezvous received");
+        self.am_inbox.push(AmMessage {
+            id,
+            header: header.to_vec(),
+            data: Vec::new(),
+            reply_ep: EpId(p),
+            remote: Some(remote),
+        });
+    }
+
+    /// Release the senders of payloads dropped unfetched: each send ends with `PeerAborted`.
+    pub(crate) fn release_dropped_am(&mut self) {
+        for r in self.am_releases.take() {
+            if r.worker != self.address.uuid {
+                continue;
+            }
+            let Some(&p) = self.by_uuid.get(&r.peer) else {
+                continue;
+            };
+            let reason = format!(
+                "the receiver's handler of active message {} dropped its {}-byte payload \
+                 without fetching it",
+                r.id, r.len
+            );
+            self.count("active message payload dropped unfetched");
+            self.send_abort(p, r.sreq, NO_RECV, false, &reason);
+        }
+    }
+}
+
+impl Worker {
+    /// Post an active message of `buf` (host or GPU memory) to `ep`: copied in (a GPU payload
+    /// copied out through the copy lane first) where the plan's active-message table says so,
+    /// done on return; else a rendezvous whose request completes once the receiver fetched the
+    /// payload.
+    pub(crate) fn post_am(
+        &self,
+        ep: EpId,
+        id: u16,
+        header: &[u8],
+        buf: SendBuf<'_>,
+    ) -> Result<Posted> {
+        let mut st = self.st.borrow_mut();
+        st.check_peer(ep.0)?;
+        if header.len() > u16::MAX as usize {
+            return Err(Error::InvalidParam(format!(
+                "active message {id}: header of {} bytes is longer than 64 KiB",
+                header.len()
+            )));
+        }
+        let p = ep.0;
+        let (addr, len) = (buf.addr, buf.len);
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, len)?,
+        };
+        let key = MemKey::new(mem, dev);
+        if mem.is_gpu() {
+            st.note_gpu_key(key);
+        }
+        self.ensure_plan(&mut st, p);
+        let table = st.peers[p].plan.table(Op::Am, key);
+        let mut proto = match table.lookup(len) {
+            Some(r) => r.proto,
+            None => return Err(table.refusal(&st.peers[p].remote.describe())),
+        };
+        let done = Completion {
+            len,
+            tag: u64::from(id),
+            sender: None,
+        };
+        if proto == Proto::AmCopy {
+            if !mem.is_gpu() {
+                // SAFETY: `buf` is borrowed for the request's scope, which outlives this call.
+                st.am_send(ep, id, header, unsafe { host_slice(addr, len) })?;
+                return Ok(Posted::Done(done));
+            }
+            match self.gpu_to_host(&mut st, addr, len, mem, dev) {
+                Ok(host) => {
+                    st.am_send(ep, id, header, &host)?;
+                    return Ok(Posted::Done(done));
+                }
+                // No staging fragment or copy now: the table's rendezvous carries it.
+                Err(e) => match st.peers[p].plan.table(Op::Am, key).rows.last() {
+                    Some(r) if r.proto.is_rndv() => {
+                        tracing::debug!(
+                            "active message {id}: copy out of GPU failed ({e}); rendezvous"
+                        );
+                        proto = r.proto;
+                    }
+                    _ => return Err(e),
+                },
+            }
+        }
+        let am = st.peers[p].am;
+        let room = st.slots[am].attr.limits.am_max_bcopy;
+        if header.len() + RTS_ROOM > room {
+            return Err(Error::InvalidParam(format!(
+                "active message {id}: a header of {} bytes does not fit the rendezvous request to \
+                 send on {} (at most {} bytes; send a shorter header, or put it in the payload)",
+                header.len(),
+                st.slots[am].attr.tl_name,
+                room.saturating_sub(RTS_ROOM)
+            )));
+        }
+        let rid = st.new_req(ReqKind::Send(SendState {
+            peer: p,
+            addr,
+            len,
+            tag: u64::from(id),
+            proto,
+            op: Op::Am,
+            msg_id: 0,
+            posted: 0,
+            rndv: RndvSend::default(),
+            wait: SendWait::Posting,
+            mem,
+            dev,
+        }));
+        st.am_rts.insert(rid, (id, header.to_vec()));
+        st.count("active message rendezvous");
+        st.start_send(rid);
+        Ok(Posted::Pending(rid))
+    }
+
+    /// Fetch an active message's payload into `buf`: copied at once when it came with the
+    /// message, else the receive side of its rendezvous.
+    pub(crate) fn post_am_recv(&self, payload: AmPayload, buf: RecvBuf<'_>) -> Result<Posted> {
+        let mut r = match payload {
+            AmPayload::Here(data) => return self.am_copy_here(&data, buf),
+            AmPayload::Remote(r) => r,
+        };
+        let mut st = self.st.borrow_mut();
+        if r.worker != st.address.uuid {
+            // Not ours: dropping it releases its sender through its own worker.
+            return Err(Error::InvalidParam(format!(
+                "active message {}: its payload descriptor belongs to another worker",
+                r.id
+            )));
+        }
+        let Some(&p) = st.by_uuid.get(&r.peer) else {
+            return Err(Error::InvalidParam(format!(
+                "active message {}: its sender is no longer an endpoint of this worker",
+                r.id
+            )));
+        };
+        // Fetched from here on: the rendezvous ends the send either way.
+        r.releases = None;
+        let (addr, cap) = (buf.addr, buf.len);
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => match st.ctx.detect(addr, cap) {
+                Ok(m) => m,
+                Err(e) => {
+                    let reason = format!("the receiver's buffer was refused: {e}");
+                    st.send_abort(p, r.sreq, NO_RECV, false, &reason);
+                    return Err(e);
+                }
+            },
+        };
+        if mem.is_gpu() {
+            st.note_gpu_key(MemKey::new(mem, dev));
+        }
+        let rid = st.new_req(ReqKind::Recv(RecvState::tag(addr, cap, 0, mem, dev)));
+        st.count("active message payload fetched");
+        let u = Unexp::Rts {
+            src: p,
+            sreq: r.sreq,
+            size: r.len,
+            addr: r.addr,
+            smem: r.smem,
+            keys: std::mem::take(&mut r.keys),
+        };
+        st.matched(rid, u64::from(r.id), u);
+        Ok(Posted::Pending(rid))
+    }
+
+    /// An inline payload into `buf`: copied (into GPU memory by the copy lane); longer than
+    /// `buf`, the bytes that fit are written and the request ends with `Truncated`.
+    fn am_copy_here(&self, data: &[u8], buf: RecvBuf<'_>) -> Result<Posted> {
+        let mut st = self.st.borrow_mut();
+        let (addr, cap) = (buf.addr, buf.len);
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, cap)?,
+        };
+        let n = data.len().min(cap);
+        if mem.is_gpu() {
+            st.host_to_gpu(addr, mem, dev, &data[..n])?;
+        } else if n > 0 {
+            // SAFETY: `buf` is lent mutably to the request's scope, which outlives this call;
+            // `n <= cap`.
+            unsafe { host_slice_mut(addr, n) }.copy_from_slice(&data[..n]);
+        }
+        if data.len() > cap {
+            return Err(Error::Truncated {
+                incoming: data.len(),
+                capacity: cap,
+            });
+        }
+        Ok(Posted::Done(Completion {
+            len: data.len(),
+            tag: 0,
+            sender: None,
+        }))
+    }
+}
 
 impl State {
     pub(crate) fn maybe_finish_user_am(&mut self, src: u64, msg_id: u64, p: usize) {
@@ -20,6 +431,7 @@ impl State {
                         header,
                         data,
                         reply_ep: EpId(p),
+                        remote: None,
                     });
                 }
                 Err(e) => tracing::warn!("malformed active message dropped: {e}"),

@@ -10,6 +10,7 @@ pub(crate) mod eager_multi;
 pub(crate) mod fake_io;
 pub(crate) mod gpu;
 pub(crate) mod io;
+pub(crate) mod memcopy;
 pub(crate) mod rma;
 pub(crate) mod rndv;
 pub(crate) mod stream;

@@ -1,4 +1,4 @@
-//! Protocol messages on the wire (active-message ids 1..=21 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=22 belong to UCP).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.
@@ -78,6 +78,14 @@ pub const AM_DISCONNECT: AmId = 20;
 /// reassembled and a receive that matched it ends with `PeerAborted`: src, message id, and the
 /// reason (as in [`AM_RNDV_ABORT`]).
 pub const AM_EAGER_ABORT: AmId = 21;
+
+/// Rendezvous request to send of a user active message whose payload stays with the sender
+/// until the receiver's handler fetches it: src, sender request, size, address, the sender's
+/// memory type code, the user id, the user header (length-prefixed), then the named keys (as in
+/// [`AM_RNDV_RTS`]). The rest of the rendezvous is the tag rendezvous's (RTR, PULL, ATS, ...);
+/// a payload the handler dropped unfetched is released by an [`AM_RNDV_ABORT`] from the
+/// receiving side.
+pub const AM_USER_RTS: AmId = 22;
 
 /// Longest reason an abort message carries (longer ones are cut at a character boundary).
 pub const MAX_ABORT_REASON: usize = 1024;
@@ -217,6 +225,17 @@ pub enum Msg<'a> {
         header: &'a [u8],
         data: &'a [u8],
     },
+    /// Request to send of a user active message (its payload fetched by the handler).
+    AmRts {
+        src: u64,
+        sreq: u64,
+        size: u64,
+        addr: u64,
+        smem: u8,
+        id: u16,
+        header: &'a [u8],
+        keys: Vec<NamedKey>,
+    },
 }
 
 impl Msg<'_> {
@@ -245,6 +264,7 @@ impl Msg<'_> {
             Msg::Cancel { .. } => AM_CANCEL,
             Msg::Disconnect { .. } => AM_DISCONNECT,
             Msg::User { .. } => AM_USER,
+            Msg::AmRts { .. } => AM_USER_RTS,
         }
     }
 
@@ -394,6 +414,22 @@ impl Msg<'_> {
                 put_lv(out, header);
                 out.extend_from_slice(data);
             }
+            Msg::AmRts {
+                src,
+                sreq,
+                size,
+                addr,
+                smem,
+                id,
+                header,
+                keys,
+            } => {
+                put_u64s(out, &[*src, *sreq, *size, *addr]);
+                out.push(*smem);
+                out.extend_from_slice(&id.to_le_bytes());
+                put_lv(out, header);
+                put_keys(out, keys);
+            }
         }
         self.am_id()
     }
@@ -413,6 +449,16 @@ pub fn mem_code(m: rucx_ucs::MemoryType) -> u8 {
         rucx_ucs::MemoryType::Cuda => 1,
         rucx_ucs::MemoryType::CudaManaged => 2,
         rucx_ucs::MemoryType::Unknown => 3,
+    }
+}
+
+/// The memory type a [`mem_code`] stands for (an unknown code reads as `Unknown`).
+pub fn mem_type_of(code: u8) -> rucx_ucs::MemoryType {
+    match code {
+        0 => rucx_ucs::MemoryType::Host,
+        1 => rucx_ucs::MemoryType::Cuda,
+        2 => rucx_ucs::MemoryType::CudaManaged,
+        _ => rucx_ucs::MemoryType::Unknown,
     }
 }
 
@@ -739,6 +785,27 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                     id,
                     header,
                     data: &data[12 + hl..],
+                }
+            }
+            AM_USER_RTS => {
+                let src = r.u64()?;
+                let sreq = r.u64()?;
+                let size = r.u64()?;
+                let addr = r.u64()?;
+                let smem = r.u8()?;
+                let id = r.u16()?;
+                let header = r.lv()?;
+                let keys = keys(&mut r)?;
+                r.finish()?;
+                Msg::AmRts {
+                    src,
+                    sreq,
+                    size,
+                    addr,
+                    smem,
+                    id,
+                    header,
+                    keys,
                 }
             }
             other => {

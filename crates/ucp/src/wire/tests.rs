@@ -295,6 +295,24 @@ fn arb_msg() -> impl Strategy<Value = Msg<'static>> {
             header,
             data
         }),
+        (
+            (u(), u(), u(), u(), 0u8..4),
+            any::<u16>(),
+            data(),
+            proptest::collection::vec(arb_key(), 0..3)
+        )
+            .prop_map(
+                |((src, sreq, size, addr, smem), id, header, keys)| Msg::AmRts {
+                    src,
+                    sreq,
+                    size,
+                    addr,
+                    smem,
+                    id,
+                    header,
+                    keys
+                }
+            ),
     ]
 }
 

@@ -46,8 +46,12 @@ impl State {
             Msg::StreamData { src, data } => {
                 let p = self.src_peer(src)?;
                 let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-                peer.stream_rx
-                    .arrive(&mut StreamReqs { reqs, peer: p }, data);
+                let mut io = StreamReqs::new(reqs, p);
+                peer.stream_rx.arrive(&mut io, data);
+                if !io.landed.is_empty() {
+                    let landed = io.landed;
+                    self.land_gpu_streams(p, landed);
+                }
             }
             Msg::EagerSync {
                 src,
@@ -222,7 +226,21 @@ impl State {
                     header: header.to_vec(),
                     data: data.to_vec(),
                     reply_ep: EpId(p),
+                    remote: None,
                 });
+            }
+            Msg::AmRts {
+                src,
+                sreq,
+                size,
+                addr,
+                smem,
+                id,
+                header,
+                keys,
+            } => {
+                let p = self.src_peer(src)?;
+                self.on_am_rts(p, sreq, size as usize, addr, smem, id, header, keys);
             }
         }
         Ok(())

@@ -47,6 +47,7 @@ mod recv;
 pub(crate) mod state;
 
 pub use crate::plan::PathInfo;
+pub use crate::proto::am::{AmPayload, AmRemoteData};
 pub use events::{POLL_ONLY_TICK, WAIT_TICK};
 pub use lifecycle::CloseMode;
 pub(crate) use liveness::Backoff;
@@ -87,16 +88,26 @@ pub(crate) enum Posted {
 }
 
 /// A user active message delivered to a handler.
+///
+/// Its payload either came with it (`data`; `remote` is `None`) or stayed with the sender
+/// (`remote`: a rendezvous, for large payloads and those in GPU memory sent with
+/// [`Scope::am_send`](crate::Scope::am_send); `data` is empty). Fetch either kind into a
+/// buffer of the handler's choice, host or GPU memory, with
+/// [`Scope::am_recv_data`](crate::Scope::am_recv_data) after
+/// [`take_payload`](Self::take_payload); a remote payload dropped unfetched releases its
+/// sender (see [`AmRemoteData`]).
 #[derive(Debug)]
 pub struct AmMessage {
     /// User active-message id.
     pub id: u16,
     /// User header.
     pub header: Vec<u8>,
-    /// Payload.
+    /// Payload, when it came with the message.
     pub data: Vec<u8>,
     /// Endpoint to reply on.
     pub reply_ep: EpId,
+    /// The payload's descriptor, when it stayed with the sender.
+    pub remote: Option<AmRemoteData>,
 }
 
 pub(crate) type AmHandler = Box<dyn FnMut(&Worker, AmMessage) + Send>;
@@ -278,6 +289,9 @@ impl Worker {
                 owned: owned::Registry::default(),
                 life: lifecycle::Life::default(),
                 procs: procwatch::ProcWatch::from_config(cfg),
+                am_rts: FxHashMap::default(),
+                am_releases: Default::default(),
+                stream_host: FxHashMap::default(),
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -312,7 +326,9 @@ impl Worker {
         Ok(EpId(p))
     }
 
-    /// Send a user active message (copied before this returns; completion is local).
+    /// Send a user active message from a host slice (copied before this returns, whatever its
+    /// size; completion is local). [`Scope::am_send`](crate::Scope::am_send) takes GPU memory
+    /// too and sends large payloads by rendezvous.
     pub fn am_send(&self, ep: EpId, id: u16, header: &[u8], data: &[u8]) -> Result<()> {
         self.st.borrow_mut().am_send(ep, id, header, data)
     }
@@ -359,6 +375,10 @@ impl Worker {
                 st.on_tok(tok, res);
                 n += 1;
             }
+            // Active-message payloads dropped unfetched: release their senders.
+            if st.am_releases.pending() {
+                st.release_dropped_am();
+            }
             // Same-host peers' processes: a counter per call, the clock once in a while.
             if st.procs.tick() {
                 st.check_procs(Instant::now());
@@ -377,7 +397,15 @@ impl Worker {
             std::mem::take(&mut st.am_inbox)
         };
         {
-            let mut handlers = self.handlers.borrow_mut();
+            // A handler that waits for a request progresses the worker again: the messages
+            // that arrive meanwhile wait for the handlers to be free.
+            let Ok(mut handlers) = self.handlers.try_borrow_mut() else {
+                let mut st = self.st.borrow_mut();
+                let later = std::mem::take(&mut st.am_inbox);
+                st.am_inbox = inbox;
+                st.am_inbox.extend(later);
+                return n;
+            };
             for m in inbox {
                 match handlers.get_mut(&m.id) {
                     Some(h) => h(self, m),

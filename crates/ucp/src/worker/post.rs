@@ -132,11 +132,19 @@ impl Worker {
         if t.rows.is_empty() {
             return Err(t.refusal(&st.peers[p].remote.describe()));
         }
+        // GPU memory is copied to host memory first, by the copy lane (`proto/memcopy.rs`);
+        // the pieces are packed from that copy, held until the request ends.
+        let (addr, held) = if mem.is_gpu() {
+            let host = self.gpu_to_host(&mut st, buf.addr, buf.len, mem, dev)?;
+            (host.as_ptr() as usize, Some(host))
+        } else {
+            (buf.addr, None)
+        };
         // The pieces are packed from `buf` as the transport takes them: the buffer stays lent
         // to the request's scope until the request finishes, after the last piece.
         let id = st.new_req(ReqKind::Send(SendState {
             peer: p,
-            addr: buf.addr,
+            addr,
             len: buf.len,
             tag: 0,
             proto: Proto::EagerBcopy,
@@ -148,6 +156,9 @@ impl Worker {
             mem: MemoryType::Host,
             dev: None,
         }));
+        if let Some(h) = held {
+            st.stream_host.insert(id, h);
+        }
         let am = st.peers[p].am;
         let piece = st.slots[am]
             .attr
@@ -170,7 +181,8 @@ impl Worker {
         Ok(Posted::Pending(id))
     }
 
-    /// Receive exactly `buf.len` bytes into `buf` (host memory) from the byte stream of `ep`.
+    /// Receive exactly `buf.len` bytes into `buf` (host or GPU memory) from the byte stream of
+    /// `ep`.
     pub(crate) fn post_stream_recv(&self, ep: EpId, buf: RecvBuf<'_>) -> Result<u64> {
         let mut st = self.st.borrow_mut();
         let p = ep.0;
@@ -180,21 +192,26 @@ impl Worker {
             )));
         }
         let (addr, cap) = (buf.addr, buf.len);
-        let (mem, _) = match buf.mem {
+        let (mem, dev) = match buf.mem {
             Some(m) => m,
             None => st.ctx.detect(addr, cap)?,
         };
-        if mem.is_gpu() {
-            return Err(Error::Unsupported {
-                what: format!("a stream receive into {mem} memory"),
-                why: "streams move host memory only; use tag_recv for GPU buffers".into(),
-            });
-        }
+        // GPU memory: the stream fills a host buffer, copied on by the copy lane when full
+        // (`proto/memcopy.rs`); registered with the copy lane now, so a refusal is told here.
+        let (stream_bounce, dev_memh) = if mem.is_gpu() && cap > 0 {
+            let (b, k) = st.gpu_stream_bounce(addr, cap, mem, dev)?;
+            (Some(b), Some(Box::new(k)))
+        } else {
+            (None, None)
+        };
         let id = st.new_req(ReqKind::Recv(RecvState {
             total: cap,
             sender: Some(p),
-            proto: RecvProto::Stream,
-            ..RecvState::tag(addr, cap, 0, MemoryType::Host, None)
+            dev_memh,
+            proto: RecvProto::Stream {
+                bounce: stream_bounce,
+            },
+            ..RecvState::tag(addr, cap, 0, mem, dev)
         }));
         if let Some(reason) = st.peers[p].failed.clone() {
             let peer = st.peers[p].remote.describe();
@@ -215,7 +232,12 @@ impl Worker {
         }
         let st = &mut *st;
         let (reqs, peer) = (&mut st.reqs, &mut st.peers[p]);
-        peer.stream_rx.post(&mut StreamReqs { reqs, peer: p }, id);
+        let mut io = StreamReqs::new(reqs, p);
+        peer.stream_rx.post(&mut io, id);
+        if !io.landed.is_empty() {
+            let landed = io.landed;
+            st.land_gpu_streams(p, landed);
+        }
         Ok(id)
     }
 

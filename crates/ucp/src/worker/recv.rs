@@ -148,7 +148,7 @@ impl State {
             Some(Req {
                 kind:
                     ReqKind::Recv(RecvState {
-                        proto: RecvProto::Stream,
+                        proto: RecvProto::Stream { .. },
                         sender: Some(p),
                         ..
                     }),
@@ -158,7 +158,6 @@ impl State {
             _ => return false,
         };
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        peer.stream_rx
-            .cancel(&mut StreamReqs { reqs, peer: p }, rid)
+        peer.stream_rx.cancel(&mut StreamReqs::new(reqs, p), rid)
     }
 }

@@ -215,8 +215,10 @@ pub(crate) struct RecvState {
 pub(crate) enum RecvProto {
     /// Not matched yet, or filled by eager messages (whole, or fragments through `rx`).
     Tag,
-    /// Filled from the peer's byte stream, not matched by tag.
-    Stream,
+    /// Filled from the peer's byte stream, not matched by tag. Into GPU memory, the stream
+    /// fills `bounce`, a host buffer of the receive's size, copied to the GPU buffer (by the
+    /// copy lane, registered in `dev_memh`) once full.
+    Stream { bounce: Option<Vec<u8>> },
     /// A rendezvous: read, written, streamed or split, or (GPU memory) read in staged chunks.
     Rndv(Box<RndvRecv>),
 }
@@ -387,17 +389,47 @@ pub(crate) struct State {
     pub(crate) life: super::lifecycle::Life,
     /// Liveness of same-host peers by their process (`procwatch.rs`).
     pub(crate) procs: super::procwatch::ProcWatch,
+    /// Active-message rendezvous sends whose request to send is not out yet: the user id and
+    /// header it carries (`proto/am.rs`).
+    pub(crate) am_rts: FxHashMap<u64, (u16, Vec<u8>)>,
+    /// Active-message payloads a handler dropped unfetched, to release (`proto/am.rs`).
+    pub(crate) am_releases: std::sync::Arc<crate::proto::am::AmReleases>,
+    /// Host copies of GPU buffers sent on a stream, by send request (`proto/memcopy.rs`).
+    pub(crate) stream_host: FxHashMap<u64, Vec<u8>>,
 }
 
 /// Stream receives of peer `peer` as the stream protocol fills them.
 pub(crate) struct StreamReqs<'a> {
     pub(crate) reqs: &'a mut Slab<Req>,
     pub(crate) peer: usize,
+    /// GPU stream receives filled in their host buffer, to copy on and complete
+    /// ([`State::land_gpu_streams`]).
+    pub(crate) landed: Vec<u64>,
+}
+
+impl<'a> StreamReqs<'a> {
+    pub(crate) fn new(reqs: &'a mut Slab<Req>, peer: usize) -> Self {
+        StreamReqs {
+            reqs,
+            peer,
+            landed: Vec::new(),
+        }
+    }
 }
 
 impl StreamRecvs for StreamReqs<'_> {
     fn room(&mut self, id: u64) -> Option<&mut [u8]> {
-        match self.reqs.get(&id) {
+        match self.reqs.get_mut(&id) {
+            Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        proto: RecvProto::Stream { bounce: Some(b) },
+                        received,
+                        ..
+                    }),
+                result: None,
+                ..
+            }) => Some(&mut b[*received..]),
             Some(Req {
                 kind: ReqKind::Recv(rs),
                 result: None,
@@ -417,7 +449,10 @@ impl StreamRecvs for StreamReqs<'_> {
             && let ReqKind::Recv(rs) = &mut r.kind
         {
             rs.received += n;
-            if full && r.result.is_none() {
+            if full && matches!(rs.proto, RecvProto::Stream { bounce: Some(_) }) {
+                // Complete once the bytes are copied on to the GPU.
+                self.landed.push(id);
+            } else if full && r.result.is_none() {
                 r.result = Some(Ok(Completion {
                     len: rs.cap,
                     tag: 0,
@@ -433,6 +468,11 @@ impl StreamRecvs for StreamReqs<'_> {
             return Vec::new();
         };
         let taken = match &r.kind {
+            ReqKind::Recv(RecvState {
+                proto: RecvProto::Stream { bounce: Some(b) },
+                received,
+                ..
+            }) if r.result.is_none() => b[..*received].to_vec(),
             ReqKind::Recv(rs) if r.result.is_none() => {
                 // SAFETY: the receive buffer is still lent to the scope (the request is not
                 // finished); its first `received <= cap` bytes were written by the stream
@@ -475,6 +515,12 @@ impl State {
             let failed = res.is_err();
             r.result = Some(res);
             r.guards.clear();
+            if !self.stream_host.is_empty() {
+                self.stream_host.remove(&id);
+            }
+            if !self.am_rts.is_empty() {
+                self.am_rts.remove(&id);
+            }
             self.owned.note_done(id);
             return failed;
         }

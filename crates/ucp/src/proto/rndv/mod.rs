@@ -366,18 +366,36 @@ impl State {
             s.rndv.lane = lane;
             s.rndv.deferred = false;
         }
-        self.ctrl(
-            p,
-            &Msg::Rts {
-                src: self.address.uuid,
-                tag,
-                sreq: id,
-                size: len as u64,
-                addr: addr as u64,
-                smem: wire::mem_code(mem),
-                keys,
-            },
-        );
+        let src = self.address.uuid;
+        match self.am_rts.remove(&id) {
+            // A user active message's payload (`am.rs`): the same rendezvous, announced with
+            // the user id and header for the receiver's handler.
+            Some((am_id, header)) => self.ctrl(
+                p,
+                &Msg::AmRts {
+                    src,
+                    sreq: id,
+                    size: len as u64,
+                    addr: addr as u64,
+                    smem: wire::mem_code(mem),
+                    id: am_id,
+                    header: &header,
+                    keys,
+                },
+            ),
+            None => self.ctrl(
+                p,
+                &Msg::Rts {
+                    src,
+                    tag,
+                    sreq: id,
+                    size: len as u64,
+                    addr: addr as u64,
+                    smem: wire::mem_code(mem),
+                    keys,
+                },
+            ),
+        }
     }
 
     /// The lane a rendezvous of memory `key` to peer `p` moves its data on, as the plan says
