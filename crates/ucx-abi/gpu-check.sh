@@ -41,6 +41,7 @@ run)
   cu=$(dirname "$(dirname "$(command -v nvcc)")")
   mpicc -O2 -o seed seed.c -I"$cu/include" -L"$cu/lib64" -lcudart -Wl,-rpath,"$cu/lib64" || exit 2
   mpicc -O2 -o osu osu.c || exit 2
+  mpicc -O2 -DOSU_CUDA -o osu_cuda osu.c -I"$cu/include" -L"$cu/lib64" -lcudart -Wl,-rpath,"$cu/lib64" || exit 2
   R="timeout 120 mpirun -np 2 --oversubscribe --mca pml ucx"
   A="--mca pml_ucx_tls any --mca pml_ucx_devices any"
   L="-x LD_LIBRARY_PATH=$PWD/lib -x RUCX_ABI_ANNOUNCE=y"
@@ -52,6 +53,8 @@ run)
   echo "rc=$?"
   echo "== osu, host memory: system UCX"; $R $A --mca btl self ./osu; echo "rc=$?"
   echo "== osu, host memory: rucx"; $R $A --mca btl self $L ./osu; echo "rc=$?"
+  echo "== osu, GPU memory (rank r on GPU r % count): rucx, with the copy bounds of the same run"
+  $R $A --mca btl self $L ./osu_cuda 1 cuda; echo "rc=$?"
   ;;
 *)
   echo "usage: $0 pack [SEED.c] | run" >&2

@@ -877,6 +877,75 @@ fn a_multi_fragment_eager_send_failing_part_way_ends_the_receive() {
     }
 }
 
+/// An eager zero-copy send whose last fragment's completion fails (the transport took every
+/// fragment, then lost one) ends the receive on the peer too: the sender tells it with an
+/// eager abort, as when posting fails part-way. Before, the receive waited for the lost bytes
+/// forever, and an unexpected partial message stayed queued.
+#[test]
+fn an_eager_zero_copy_send_whose_completion_fails_ends_the_receive() {
+    let n = 40_000;
+    for delivery in [
+        Delivery::InOrder,
+        Delivery::Random {
+            seed: 21,
+            noresource_per_mille: 0,
+        },
+    ] {
+        let pair = Pair::new(
+            FabricSpec::host().delivery(delivery),
+            [HOST_VARS, HOST_VARS],
+        );
+        let table = pair.w[0].proto_table(pair.ep[0]).unwrap();
+        assert_eq!(
+            rucx_ucp::proto::lookup(&table, n).map(|r| r.proto),
+            Some(Proto::EagerZcopy)
+        );
+        // 5 fragments of 8000 bytes (the shm-like lane's am_zcopy limit): the last one's
+        // completion fails.
+        let last = (n as u64).div_ceil(8000) - 1;
+        // Matched: the receive is posted first.
+        pair.fabric
+            .fail_completions_after(pair.nodes[0], LaneKind::Shm, last, 1);
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 1);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+        let out = pair.transfer(0, &send, &mut recv, 5, false);
+        assert!(out.hang.is_none(), "{delivery:?}: {}", out.hang.unwrap());
+        assert!(
+            matches!(
+                (&out.send, &out.recv),
+                (
+                    Some(Err(Error::Io { .. })),
+                    Some(Err(Error::PeerAborted { .. }))
+                )
+            ),
+            "{delivery:?}: {out:?}"
+        );
+        assert_eq!(recv.guard_damage(), None);
+        // Unexpected: the message, one fragment short, arrives before any receive.
+        pair.fabric
+            .fail_completions_after(pair.nodes[0], LaneKind::Shm, last, 1);
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 2);
+        pair.w[0].scope(|s| {
+            let r = s.tag_send(pair.ep[0], send.send(), 6);
+            pair.drive(|| r.test().is_some()).unwrap();
+            assert!(
+                matches!(r.test(), Some(Err(Error::Io { .. }))),
+                "{delivery:?}: {:?}",
+                r.test()
+            );
+        });
+        pair.settle();
+        assert_eq!(pair.w[1].probe(6, TAG_MASK_FULL), None, "{delivery:?}");
+        // The endpoint stays usable: the next message of that tag arrives whole.
+        let send = Buf::filled(&pair.fabric, n, Mem::Host, 3);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+        pair.transfer(0, &send, &mut recv, 6, false).expect_ok();
+        assert!(recv.bytes() == pattern(3, n), "{delivery:?}");
+        assert_eq!(pair.w[0].live_requests() + pair.w[1].live_requests(), 0);
+        pair.check_clean();
+    }
+}
+
 /// A host rendezvous receive whose buffer registration fails does not end: a GPU sender stages
 /// its fragments, and the receiver reads them into its receive staging and copies them on
 /// (both for a failure of the domain, which demotes it, and one of the buffer alone). Before,
@@ -961,6 +1030,69 @@ fn a_rendezvous_send_whose_registration_fails_is_reselected_from_the_new_plan() 
     assert_eq!(
         pair.fabric.live_registrations(pair.nodes[0], LaneKind::Shm),
         0
+    );
+    pair.check_clean();
+}
+
+/// A synchronous send whose rendezvous registration fails is re-selected from the synchronous
+/// table of the plan made after the demotion: it still completes only once the receiver
+/// matched it, and the data moves by the new plan's read lane (not streamed).
+#[test]
+fn a_synchronous_send_whose_registration_fails_still_waits_for_the_match() {
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_SCHEME", "get_zcopy"),
+    ];
+    let pair = Pair::new(FabricSpec::host().with_net(), [vars, vars]);
+    // Eager for a plain tag send, a rendezvous for a synchronous one.
+    let n = 20_000;
+    let plan = pair.w[0].plan(pair.ep[0]).unwrap();
+    let host = rucx_ucp::plan::MemKey::HOST;
+    assert!(
+        !plan
+            .select(rucx_ucp::plan::Op::Tag, host, n)
+            .unwrap()
+            .is_rndv()
+    );
+    assert!(
+        plan.select(rucx_ucp::plan::Op::TagSync, host, n)
+            .unwrap()
+            .is_rndv()
+    );
+    let nth = pair.fabric.reg_attempts(pair.nodes[0], LaneKind::Shm) + 1;
+    pair.fabric
+        .fail_registration(pair.nodes[0], LaneKind::Shm, nth, RegErrorKind::BadAddress);
+    let send = Buf::filled(&pair.fabric, n, Mem::Host, 50);
+    let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+    pair.w[0].scope(|ss| {
+        let s = ss.tag_send_sync(pair.ep[0], send.send(), 9);
+        for _ in 0..200 {
+            pair.step();
+        }
+        assert!(
+            s.test().is_none(),
+            "a synchronous send ended before any receive: {:?}",
+            s.test()
+        );
+        pair.w[1].scope(|sr| {
+            let r = sr.tag_recv(recv.recv(), 9, TAG_MASK_FULL);
+            pair.drive(|| s.test().is_some() && r.test().is_some())
+                .expect("both end");
+            assert_eq!(s.test().unwrap().unwrap().len, n);
+            assert_eq!(r.test().unwrap().unwrap().len, n);
+        });
+    });
+    assert!(recv.bytes() == pattern(50, n));
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    let counters = pair.w[1].counters();
+    assert_eq!(
+        counters.get("rendezvous receive streamed"),
+        None,
+        "{counters:?}"
+    );
+    assert!(
+        counters.contains_key("rendezvous receive by read"),
+        "{counters:?}"
     );
     pair.check_clean();
 }

@@ -6,7 +6,7 @@
 //! registration, or with a key from another process, is an error instead of a wild write.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use rucx_ucs::event::EventFd;
@@ -207,6 +207,9 @@ struct Queue {
 struct Shared {
     queue: Mutex<Queue>,
     wake: EventFd,
+    /// Items queued: progress looks here first and takes no lock while it is zero (the common
+    /// case in a job whose messages go to other processes).
+    queued: AtomicUsize,
 }
 
 impl Shared {
@@ -218,6 +221,7 @@ impl Shared {
     fn push(&self, f: impl FnOnce(&mut Queue)) {
         let mut q = self.lock();
         f(&mut q);
+        self.queued.fetch_add(1, Ordering::Release);
         if std::mem::take(&mut q.armed) {
             self.wake.signal();
         }
@@ -280,6 +284,7 @@ impl SelfIface {
             queue: Arc::new(Shared {
                 queue: Mutex::new(Queue::default()),
                 wake,
+                queued: AtomicUsize::new(0),
             }),
             armed: false,
             regs,
@@ -330,14 +335,21 @@ impl Iface for SelfIface {
         }
         let mut n = 0;
         loop {
+            if self.queue.queued.load(Ordering::Acquire) == 0 {
+                return n;
+            }
             // Take one item at a time and release the lock before calling the sink, which may
             // send on an endpoint of this interface.
             let (msg, token) = {
                 let mut q = self.queue.lock();
-                match q.done.pop_front() {
+                let item = match q.done.pop_front() {
                     Some(t) => (None, Some(t)),
                     None => (q.msgs.pop_front(), None),
+                };
+                if item.0.is_some() || item.1.is_some() {
+                    self.queue.queued.fetch_sub(1, Ordering::Release);
                 }
+                item
             };
             match (msg, token) {
                 (_, Some(token)) => sink(Event::Completion {

@@ -345,6 +345,9 @@ struct LaneCtl {
     noresource: u64,
     /// (ops to let through first, ops to fail then): a hard operation failure.
     op_fail: Option<(u64, u64)>,
+    /// (zero-copy ops to let through first, ops whose completion fails then): the post is
+    /// taken, its data is lost, and its completion reports an error.
+    completion_fail: Option<(u64, u64)>,
 }
 
 struct Node {
@@ -594,6 +597,22 @@ impl Fabric {
         }
     }
 
+    /// After `after` zero-copy operations (`am_zcopy`, `put_zcopy`, `get_zcopy`) on the
+    /// endpoints of `node`'s `lane` interface go through, the `n` following ones are taken (the
+    /// post succeeds, in progress) but do nothing: an active message is not delivered, no
+    /// memory is read or written, and the completion reports an I/O error (a transport that
+    /// lost an operation after accepting it).
+    pub fn fail_completions_after(&self, node: NodeId, lane: LaneKind, after: u64, n: u64) {
+        let mut st = self.lock();
+        st.log(format!(
+            "control: after {after} zero-copy ops of {lane} on node {}, {n} complete with an error",
+            node.0
+        ));
+        if let Some(c) = st.nodes[node.0].lanes.get_mut(&lane) {
+            c.completion_fail = Some((after, n));
+        }
+    }
+
     /// The `nth` registration attempt (counting from 1, every attempt so far included) with
     /// `node`'s `lane` domain fails with `kind`.
     pub fn fail_registration(&self, node: NodeId, lane: LaneKind, nth: u64, kind: RegErrorKind) {
@@ -836,6 +855,57 @@ impl State {
             )));
         }
         Ok(())
+    }
+
+    /// Whether the zero-copy operation about to be posted on `ep` is to be lost, its completion
+    /// failed ([`Fabric::fail_completions_after`]); counts it down.
+    pub(crate) fn completion_fails(&mut self, ep: usize) -> bool {
+        let own = self.ifaces[self.eps[ep].iface].node;
+        let kind = self.ifaces[self.eps[ep].iface].kind;
+        match self.nodes[own].lanes.get_mut(&kind) {
+            Some(LaneCtl {
+                completion_fail: Some((after, n)),
+                ..
+            }) if *n > 0 => {
+                if *after > 0 {
+                    *after -= 1;
+                    false
+                } else {
+                    *n -= 1;
+                    true
+                }
+            }
+            _ => false,
+        }
+    }
+
+    /// The failed completion of a lost operation `what` posted on `ep` with `token`: always
+    /// later (the post itself succeeded).
+    pub(crate) fn complete_failed(
+        &mut self,
+        ep: usize,
+        token: u64,
+        what: &str,
+    ) -> rucx_uct::OpStatus {
+        let dst = self.eps[ep].iface;
+        let kind = self.ifaces[dst].kind;
+        let n = self.nodes[self.ifaces[dst].node].name.clone();
+        self.log(format!(
+            "injected completion failure: {what} on {kind} of node {n}"
+        ));
+        let hold = self.holds(dst);
+        let result = Err(Error::io(
+            format!("{what} on {kind} (completion failure injected by the sim fabric)"),
+            std::io::Error::from(std::io::ErrorKind::ConnectionReset),
+        ));
+        self.push(
+            dst,
+            Some(ep),
+            false,
+            Payload::Completion { token, result },
+            hold,
+        );
+        rucx_uct::OpStatus::InProgress
     }
 
     fn push(&mut self, dst: usize, ep: Option<usize>, flush: bool, payload: Payload, hold: bool) {

@@ -298,6 +298,9 @@ impl SimEp {
         }
         let remote = st.remote_span(self.ep, rkey, remote_addr, total, what)?;
         st.pre_op(self.ep, what)?;
+        if st.completion_fails(self.ep) {
+            return Ok(st.complete_failed(self.ep, token, what));
+        }
         let mut off = 0;
         for l in local {
             let r = remote.sub(off, l.len());
@@ -364,6 +367,9 @@ impl Endpoint for SimEp {
             ));
         }
         st.pre_op(self.ep, "am_zcopy")?;
+        if st.completion_fails(self.ep) {
+            return Ok(st.complete_failed(self.ep, token, "am_zcopy"));
+        }
         let mut data = Vec::with_capacity(header.len() + total);
         data.extend_from_slice(header);
         for s in spans {

@@ -351,6 +351,15 @@ impl EpPlan {
             .expect("every plan has a refusal per operation")
     }
 
+    /// The protocol of a send of `op` (tag, synchronous tag), `len` bytes of memory `mem`: what
+    /// a new send takes, and what a send whose registration failed is re-selected for from the
+    /// plan made after the failure (a synchronous send reads the synchronous table, whose rows
+    /// all wait for the receiver's match).
+    #[inline]
+    pub fn select(&self, op: Op, mem: MemKey, len: usize) -> Option<Proto> {
+        self.table(op, mem).lookup(len).map(|r| r.proto)
+    }
+
     /// Whether the plan has tables for `mem`.
     pub fn has_mem(&self, mem: MemKey) -> bool {
         self.tables.iter().any(|t| t.mem == mem)

@@ -438,6 +438,45 @@ fn demoted_host_domain_replaced_by_the_next_best_lane() {
     );
 }
 
+/// A send re-selected after a demotion reads the table of its own operation: a synchronous
+/// send of a size the tag table sends eagerly stays on a protocol that waits for the match
+/// (the rendezvous of the new plan's lane), where the plain table would send it without
+/// waiting or keep the stale lane.
+#[test]
+fn a_synchronous_send_is_reselected_from_the_synchronous_table() {
+    let m = machine(vec![posix(), tcp("lo")]);
+    let reg = Demoted(vec![(md_of(&m, "posix"), MemoryType::Host, None)]);
+    let p = plan_of(&m, &reg, &PlanConfig::defaults(), &[]);
+    let sync = p.table(Op::TagSync, MemKey::HOST);
+    // A size the tag table sends eagerly, and the synchronous table by rendezvous.
+    let mid = (1..=64 << 10)
+        .find(|&n| {
+            p.select(Op::Tag, MemKey::HOST, n)
+                .is_some_and(|x| !x.is_rndv())
+                && p.select(Op::TagSync, MemKey::HOST, n)
+                    .is_some_and(|x| x.is_rndv())
+        })
+        .expect("a size that is eager for tag sends and a rendezvous for synchronous ones");
+    let row = sync.lookup(mid).unwrap();
+    assert_eq!(
+        p.select(Op::TagSync, MemKey::HOST, mid),
+        Some(row.proto),
+        "the synchronous table's row"
+    );
+    assert_eq!(
+        row.lane, "tcp/lo",
+        "the lane that took over after the demotion"
+    );
+    // Every size of a synchronous send waits for the match.
+    for r in &sync.rows {
+        assert!(
+            r.proto == Proto::EagerSync || r.proto.is_rndv(),
+            "{} is not a synchronous protocol",
+            r.proto.name()
+        );
+    }
+}
+
 #[test]
 fn unconnected_lanes_are_wanted_not_used() {
     let mut m = machine(vec![posix(), tcp("lo")]);

@@ -191,15 +191,14 @@ impl State {
     /// peer `p` (its own protocol when the table has no row for it).
     pub(crate) fn reselect_send(&mut self, id: u64, p: usize, len: usize) -> Proto {
         self.refresh_plan(p);
-        let (mem, dev, proto) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.mem, s.dev, s.proto),
+        let (mem, dev, proto, op) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.mem, s.dev, s.proto, s.op),
             _ => return Proto::EagerBcopyMulti,
         };
         self.peers[p]
             .plan
-            .table(Op::Tag, MemKey::new(mem, dev))
-            .lookup(len)
-            .map_or(proto, |r| r.proto)
+            .select(op, MemKey::new(mem, dev), len)
+            .unwrap_or(proto)
     }
 
     /// Register the send buffer with the domain of `lane`; on failure the context demotes the

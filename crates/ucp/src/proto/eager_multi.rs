@@ -4,6 +4,135 @@
 
 use crate::worker::prelude::*;
 
+/// What each fragment of a send starts with: the first or a later fragment of a tagged
+/// multi-fragment message, or streamed rendezvous data for receive `rreq`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum FragHead {
+    Eager { tag: Tag, msg_id: u64 },
+    Rndv { rreq: u64 },
+}
+
+/// The fragment loop of one send (a multi-fragment eager message, copied in or zero-copy, or
+/// a rendezvous the sender streams): what it reads of its request and lane. It acts only
+/// through [`ProtoIo`], so it runs the same over the worker and over a fake in tests.
+pub(crate) struct FragSend<'a> {
+    pub(crate) req: u64,
+    pub(crate) peer: usize,
+    /// The active-message lane.
+    pub(crate) lane: usize,
+    /// This worker's id (the source of every message).
+    pub(crate) src: u64,
+    pub(crate) head: FragHead,
+    /// The message: `addr..addr + len` of host memory, lent to the request's scope.
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+    /// The lane's largest `am_bcopy` (header included).
+    pub(crate) max_bcopy: usize,
+    /// Zero-copy: the largest fragment, and the buffer's registration with the lane's domain.
+    pub(crate) zcopy: Option<(usize, &'a MemHandle)>,
+}
+
+impl FragSend<'_> {
+    /// Post fragments from byte `*posted` on until the whole message is out (`Ok(true)`) or
+    /// the transport pushes back (`Ok(false)`: call again after progress). `*posted` always
+    /// says how far the message went out, an error included (the caller decides from it
+    /// whether the receiver must be told: [`abort_needed`]).
+    pub(crate) fn post(&self, io: &mut impl ProtoIo, posted: &mut usize) -> Result<bool> {
+        let src = self.src;
+        let mut h = Vec::with_capacity(40);
+        loop {
+            let off = *posted;
+            // Header for this fragment: the message without its data.
+            let (head, room) = match self.head {
+                FragHead::Rndv { rreq } => (
+                    Msg::RndvData {
+                        src,
+                        rreq,
+                        offset: off as u64,
+                        data: &[],
+                    },
+                    proto::MIDDLE_OVERHEAD,
+                ),
+                FragHead::Eager { tag, msg_id } if off == 0 => (
+                    Msg::EagerFirst {
+                        src,
+                        kind: MsgKind::Tag,
+                        tag,
+                        msg_id,
+                        total: self.len as u64,
+                        data: &[],
+                    },
+                    proto::FIRST_OVERHEAD,
+                ),
+                FragHead::Eager { msg_id, .. } => (
+                    Msg::EagerMiddle {
+                        src,
+                        msg_id,
+                        offset: off as u64,
+                        data: &[],
+                    },
+                    proto::MIDDLE_OVERHEAD,
+                ),
+            };
+            h.clear();
+            let am_id = head.encode_into(&mut h);
+            let left = self.len - off;
+            let n;
+            let went = if let Some((max, memh)) = self.zcopy {
+                n = max.max(1).min(left);
+                let iov = [Iov {
+                    addr: self.addr + off,
+                    len: n,
+                    memh,
+                }];
+                let iov: &[Iov<'_>] = if n == 0 { &[] } else { &iov };
+                io.post(self.req, self.peer, self.lane, |ep, t| {
+                    ep.am_zcopy(am_id, &h, iov, t)
+                })?
+            } else {
+                n = self.max_bcopy.saturating_sub(room).min(left);
+                if n == 0 && left > 0 {
+                    return Err(Error::Internal(format!(
+                        "am_bcopy of {} bytes leaves no room for data after a {room}-byte header",
+                        self.max_bcopy
+                    )));
+                }
+                // SAFETY: the scope keeps the send buffer alive while the request exists, and
+                // `off + n <= len`.
+                let data = unsafe { host_slice(self.addr + off, n) };
+                let hdr = &h;
+                io.post(self.req, self.peer, self.lane, |ep, _| {
+                    ep.am_bcopy(am_id, &mut |buf: &mut [u8]| {
+                        let need = hdr.len() + n;
+                        if let Some(dst) = buf.get_mut(..need) {
+                            dst[..hdr.len()].copy_from_slice(hdr);
+                            dst[hdr.len()..].copy_from_slice(data);
+                        }
+                        need
+                    })
+                    .map(|_| OpStatus::Done)
+                })?
+            };
+            if !went {
+                return Ok(false);
+            }
+            *posted = off + n;
+            if *posted >= self.len {
+                return Ok(true);
+            }
+        }
+    }
+}
+
+/// Whether a multi-fragment eager send that ends with an error now (its request still
+/// pending) must tell the receiver with `AM_EAGER_ABORT`: once any fragment went out, the
+/// receive it matched (or the unexpected message it started) would otherwise wait for bytes
+/// that never come. That holds also after every fragment was posted: a zero-copy fragment whose
+/// completion failed may not have arrived.
+pub(crate) fn abort_needed(posted: usize) -> bool {
+    posted > 0
+}
+
 impl State {
     pub(crate) fn stream_send(&mut self, id: u64) -> Result<bool> {
         if let ReqKind::Send(s) = &self.reqs[&id].kind
@@ -45,86 +174,34 @@ impl State {
                 .first()
                 .is_some_and(|g| g.registration().domain() == am_name)
             && (proto == Proto::EagerZcopy || rndv_to.is_some());
-        let total = len;
+        let memh = zcopy.then(|| self.reqs[&id].guards[0].registration().clone());
+        let frags = FragSend {
+            req: id,
+            peer: p,
+            lane: am,
+            src,
+            head: match rndv_to {
+                Some(rreq) => FragHead::Rndv { rreq },
+                None => FragHead::Eager { tag, msg_id },
+            },
+            addr,
+            len,
+            max_bcopy: limits.am_max_bcopy,
+            zcopy: memh
+                .as_ref()
+                .map(|m| (limits.am_max_zcopy.min(self.frag), m)),
+        };
         let mut off = posted;
-        loop {
-            // Header for this fragment: the message without its data.
-            let (head, room) = match rndv_to {
-                Some(rreq) => (
-                    Msg::RndvData {
-                        src,
-                        rreq,
-                        offset: off as u64,
-                        data: &[],
-                    },
-                    proto::MIDDLE_OVERHEAD,
-                ),
-                None if off == 0 => (
-                    Msg::EagerFirst {
-                        src,
-                        kind: MsgKind::Tag,
-                        tag,
-                        msg_id,
-                        total: total as u64,
-                        data: &[],
-                    },
-                    proto::FIRST_OVERHEAD,
-                ),
-                None => (
-                    Msg::EagerMiddle {
-                        src,
-                        msg_id,
-                        offset: off as u64,
-                        data: &[],
-                    },
-                    proto::MIDDLE_OVERHEAD,
-                ),
-            };
-            let mut h = Vec::with_capacity(40);
-            let am_id = head.encode_into(&mut h);
-            let n;
-            if zcopy {
-                n = limits.am_max_zcopy.min(self.frag).min(total - off);
-                let memh = self.reqs[&id].guards[0].registration().clone();
-                let iov = [Iov {
-                    addr: addr + off,
-                    len: n,
-                    memh: &memh,
-                }];
-                let iov: &[Iov<'_>] = if n == 0 { &[] } else { &iov };
-                if !self.post(id, p, am, |ep, t| ep.am_zcopy(am_id, &h, iov, t))? {
-                    return Ok(false);
-                }
-            } else {
-                n = (limits.am_max_bcopy - room).min(total - off);
-                // SAFETY: the scope keeps the send buffer alive while the request exists.
-                let data = unsafe { host_slice(addr + off, n) };
-                let ep = self.peers[p].eps.get_mut(&am).expect("am lane");
-                let res = ep.am_bcopy(am_id, &mut |buf: &mut [u8]| {
-                    let need = h.len() + n;
-                    if let Some(dst) = buf.get_mut(..need) {
-                        dst[..h.len()].copy_from_slice(&h);
-                        dst[h.len()..].copy_from_slice(data);
-                    }
-                    need
-                });
-                match res {
-                    Ok(_) => {}
-                    Err(e) if e.is_retryable() => return Ok(false),
-                    Err(e) => return Err(e),
-                }
-            }
-            off += n;
-            if let Some(Req {
-                kind: ReqKind::Send(s),
-                ..
-            }) = self.reqs.get_mut(&id)
-            {
-                s.posted = off;
-            }
-            if off >= total {
-                break;
-            }
+        let res = frags.post(self, &mut off);
+        if let Some(Req {
+            kind: ReqKind::Send(s),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            s.posted = off;
+        }
+        if !res? {
+            return Ok(false);
         }
         let r = self.reqs.get_mut(&id).expect("request");
         if let ReqKind::Send(s) = &mut r.kind {
@@ -347,5 +424,208 @@ impl State {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use rucx_uct::MemHandle;
+
+    use super::*;
+    use crate::proto::fake_io::{FakeIo, Op};
+
+    const SRC: u64 = 0xabc;
+
+    fn message(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + 3) as u8).collect()
+    }
+
+    fn send<'a>(msg: &[u8], head: FragHead, zcopy: Option<(usize, &'a MemHandle)>) -> FragSend<'a> {
+        FragSend {
+            req: 9,
+            peer: 1,
+            lane: 0,
+            src: SRC,
+            head,
+            addr: msg.as_ptr() as usize,
+            len: msg.len(),
+            max_bcopy: 100,
+            zcopy,
+        }
+    }
+
+    /// Rebuild the message from copied-in fragments; checks every header on the way (source,
+    /// tag, id, total, contiguous offsets).
+    fn reassemble(io: &FakeIo, head: FragHead, total: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for op in &io.ep.ops {
+            let Op::Bcopy { id, bytes } = op else {
+                panic!("a copy-in send posted {op:?}");
+            };
+            match (wire::parse(*id, bytes).expect("fragment parses"), head) {
+                (
+                    Msg::EagerFirst {
+                        src,
+                        tag,
+                        msg_id,
+                        total: t,
+                        data,
+                        ..
+                    },
+                    FragHead::Eager {
+                        tag: wt,
+                        msg_id: wm,
+                    },
+                ) => {
+                    assert_eq!((src, tag, msg_id, t), (SRC, wt, wm, total as u64));
+                    assert!(out.is_empty(), "a first fragment after others");
+                    out.extend_from_slice(data);
+                }
+                (
+                    Msg::EagerMiddle {
+                        src,
+                        msg_id,
+                        offset,
+                        data,
+                    },
+                    FragHead::Eager { msg_id: wm, .. },
+                ) => {
+                    assert_eq!((src, msg_id, offset), (SRC, wm, out.len() as u64));
+                    out.extend_from_slice(data);
+                }
+                (
+                    Msg::RndvData {
+                        src,
+                        rreq,
+                        offset,
+                        data,
+                    },
+                    FragHead::Rndv { rreq: wr },
+                ) => {
+                    assert_eq!((src, rreq, offset), (SRC, wr, out.len() as u64));
+                    out.extend_from_slice(data);
+                }
+                (m, h) => panic!("{m:?} in a send with head {h:?}"),
+            }
+        }
+        out
+    }
+
+    /// A copy-in send that the transport pushes back part-way resumes where it stopped: every
+    /// byte goes out once, in order, with no fragment sent twice.
+    #[test]
+    fn copy_in_resumes_after_a_push_back() {
+        let msg = message(1000);
+        let head = FragHead::Eager { tag: 77, msg_id: 5 };
+        let f = send(&msg, head, None);
+        let mut io = FakeIo {
+            push_back_after: Some(3),
+            ..FakeIo::default()
+        };
+        let mut posted = 0;
+        assert!(!f.post(&mut io, &mut posted).unwrap(), "pushed back");
+        assert_eq!(io.ep.ops.len(), 3);
+        // First fragment: 100 - 33 bytes of data, then 100 - 24 each.
+        assert_eq!(posted, 67 + 2 * 76);
+        assert!(f.post(&mut io, &mut posted).unwrap());
+        assert_eq!(posted, msg.len());
+        assert_eq!(reassemble(&io, head, msg.len()), msg);
+        assert!(io.in_flight.is_empty(), "copy-in completes at once");
+    }
+
+    /// Streamed rendezvous data carries the receive request and offsets.
+    #[test]
+    fn streamed_rendezvous_fragments() {
+        let msg = message(333);
+        let head = FragHead::Rndv { rreq: 0x55 };
+        let mut io = FakeIo::default();
+        let mut posted = 0;
+        assert!(send(&msg, head, None).post(&mut io, &mut posted).unwrap());
+        assert_eq!(reassemble(&io, head, msg.len()), msg);
+    }
+
+    /// A post that fails part-way returns the error and says how far the message went: the
+    /// receiver is to be told (it may have matched the first fragment); a failure of the first
+    /// post needs no abort.
+    #[test]
+    fn a_failed_post_reports_how_far_the_message_went() {
+        let msg = message(500);
+        let head = FragHead::Eager { tag: 1, msg_id: 2 };
+        let f = send(&msg, head, None);
+        let mut io = FakeIo {
+            fail_post_after: Some((
+                2,
+                Error::io("writing", std::io::Error::from_raw_os_error(32)),
+            )),
+            ..FakeIo::default()
+        };
+        let mut posted = 0;
+        let e = f.post(&mut io, &mut posted).unwrap_err();
+        assert!(matches!(e, Error::Io { .. }), "{e:?}");
+        assert_eq!(posted, 67 + 76);
+        assert!(abort_needed(posted));
+
+        let mut io = FakeIo {
+            fail_post_after: Some((0, Error::NoMemory("ring".into()))),
+            ..FakeIo::default()
+        };
+        let mut posted = 0;
+        assert!(f.post(&mut io, &mut posted).is_err());
+        assert_eq!(posted, 0);
+        assert!(!abort_needed(posted), "nothing went out: nothing to abort");
+    }
+
+    /// Zero-copy fragments cover the message from the registration, each in progress under its
+    /// own token; a push-back in between leaves no gap.
+    #[test]
+    fn zero_copy_fragments_cover_the_message() {
+        let msg = message(1000);
+        let addr = msg.as_ptr() as usize;
+        let memh = MemHandle::new(MemRegion::host(addr, msg.len()), "fake", Arc::new(()));
+        let head = FragHead::Eager { tag: 3, msg_id: 4 };
+        let f = send(&msg, head, Some((256, &memh)));
+        let mut io = FakeIo {
+            push_back_after: Some(1),
+            ..FakeIo::default()
+        };
+        let mut posted = 0;
+        assert!(!f.post(&mut io, &mut posted).unwrap());
+        assert_eq!(posted, 256);
+        assert!(f.post(&mut io, &mut posted).unwrap());
+        let mut next = 0;
+        let mut tokens = Vec::new();
+        for (i, op) in io.ep.ops.iter().enumerate() {
+            let Op::Zcopy {
+                id,
+                header,
+                iov,
+                token,
+            } = op
+            else {
+                panic!("a zero-copy send posted {op:?}");
+            };
+            assert_eq!(iov, &vec![(addr + next, 256.min(msg.len() - next))]);
+            match wire::parse(*id, header).unwrap() {
+                Msg::EagerFirst { total, data, .. } if i == 0 => {
+                    assert_eq!((total, data.len()), (1000, 0))
+                }
+                Msg::EagerMiddle { offset, data, .. } if i > 0 => {
+                    assert_eq!((offset, data.len()), (next as u64, 0))
+                }
+                m => panic!("fragment {i}: {m:?}"),
+            }
+            next += iov[0].1;
+            tokens.push(*token);
+        }
+        assert_eq!(next, msg.len());
+        assert_eq!(
+            io.in_flight,
+            tokens.iter().map(|t| (9, *t)).collect::<Vec<_>>(),
+            "every fragment awaits its completion"
+        );
+        // Completions may fail after the last post: the receiver must still be told.
+        assert!(abort_needed(posted));
     }
 }

@@ -36,4 +36,10 @@ pub(crate) trait ProtoIo {
 
     /// Queue control message `m` to peer `p`, behind its other messages.
     fn ctrl(&mut self, p: usize, m: &Msg<'_>);
+
+    /// This worker's id: the source of every message it sends.
+    fn uuid(&self) -> u64;
+
+    /// Count one run of `what` (a protocol, or how a rendezvous receive moved its data).
+    fn count(&mut self, what: &'static str);
 }

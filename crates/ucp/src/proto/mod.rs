@@ -6,6 +6,8 @@ use std::fmt;
 pub(crate) mod am;
 pub(crate) mod eager;
 pub(crate) mod eager_multi;
+#[cfg(test)]
+pub(crate) mod fake_io;
 pub(crate) mod gpu;
 pub(crate) mod io;
 pub(crate) mod rma;

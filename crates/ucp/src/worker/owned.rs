@@ -258,7 +258,7 @@ impl Worker {
 /// A matched receive whose buffer the peer may be writing (a rendezvous by the peer's writes
 /// or streamed, not our own reads): the worker's drop waits for it to end.
 fn peer_writes(rs: &RecvState) -> bool {
-    rs.rndv.as_ref().is_some_and(|rv| !rv.via_get) && !rs.pull
+    rs.rndv().is_some_and(|rv| !rv.via_get && !rv.staged.pull)
 }
 
 impl State {

@@ -28,10 +28,12 @@ impl Worker {
         }
         self.ensure_plan(&mut st, ep.0);
         let op = if sync { Op::TagSync } else { Op::Tag };
-        let table = st.peers[ep.0].plan.table(op, key);
-        let proto = match table.lookup(len) {
-            Some(r) => r.proto,
-            None => return Err(table.refusal(&st.peers[ep.0].remote.describe())),
+        let proto = match st.peers[ep.0].plan.select(op, key, len) {
+            Some(p) => p,
+            None => {
+                let table = st.peers[ep.0].plan.table(op, key);
+                return Err(table.refusal(&st.peers[ep.0].remote.describe()));
+            }
         };
         let proto = if proto == Proto::EagerBounce {
             match self.send_bounce(&mut st, ep.0, addr, len, tag, (mem, dev), op)? {
@@ -61,6 +63,7 @@ impl Worker {
             len,
             tag,
             proto,
+            op,
             msg_id: 0,
             posted: 0,
             rndv: RndvSend::default(),
@@ -98,24 +101,7 @@ impl Worker {
         };
         // Built in its slot (the request is a few hundred bytes; a move costs a memcpy call).
         let id = st.reqs.insert_with(|| Req {
-            kind: ReqKind::Recv(RecvState {
-                addr,
-                cap,
-                total: 0,
-                received: 0,
-                tag,
-                sender: None,
-                rndv: None,
-                mem,
-                dev,
-                chunks: VecDeque::new(),
-                landed: 0,
-                pull: false,
-                chunk_lane: usize::MAX,
-                dev_memh: None,
-                staged_host: false,
-                stream: false,
-            }),
+            kind: ReqKind::Recv(RecvState::tag(addr, cap, tag, mem, dev)),
             result: None,
             outstanding: 0,
             guards: Vec::new(),
@@ -153,6 +139,7 @@ impl Worker {
             len: buf.len,
             tag: 0,
             proto: Proto::EagerBcopy,
+            op: Op::Stream,
             msg_id: 0,
             posted: 0,
             rndv: RndvSend::default(),
@@ -203,22 +190,10 @@ impl Worker {
             });
         }
         let id = st.new_req(ReqKind::Recv(RecvState {
-            addr,
-            cap,
             total: cap,
-            received: 0,
-            tag: 0,
             sender: Some(p),
-            rndv: None,
-            mem: MemoryType::Host,
-            dev: None,
-            chunks: VecDeque::new(),
-            landed: 0,
-            pull: false,
-            chunk_lane: usize::MAX,
-            dev_memh: None,
-            staged_host: false,
-            stream: true,
+            proto: RecvProto::Stream,
+            ..RecvState::tag(addr, cap, 0, MemoryType::Host, None)
         }));
         if let Some(reason) = st.peers[p].failed.clone() {
             let peer = st.peers[p].remote.describe();

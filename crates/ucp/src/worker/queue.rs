@@ -238,16 +238,26 @@ impl State {
             return;
         };
         r.outstanding = r.outstanding.saturating_sub(1);
-        if let Err(e) = result {
-            // A failed read: fall back to streaming (not one byte lost).
-            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind
-                && rv.via_get
-                && !matches!(e, Error::EndpointFailure { .. })
-            {
-                tracing::warn!("rendezvous read failed ({e}); asking the sender to stream instead");
-                self.restart_as_stream(id);
-                return;
+        if let ReqKind::Recv(RecvState {
+            proto: RecvProto::Rndv(rv),
+            ..
+        }) = &r.kind
+            && r.result.is_none()
+            && (rv.via_get || result.is_err())
+        {
+            // A read of a rendezvous receive: its state machine says what comes next (a failed
+            // read falls back to streaming: not one byte lost).
+            let outstanding = r.outstanding;
+            if result.is_err() && rv.via_get {
+                r.guards.clear();
+                if let ReqKind::Recv(rs) = &mut r.kind {
+                    rs.received = 0;
+                }
             }
+            self.rndv_recv_step(id, |rv, io| rv.on_read(io, id, outstanding, result));
+            return;
+        }
+        if let Err(e) = result {
             self.fail(id, e);
             return;
         }
@@ -269,12 +279,6 @@ impl State {
                         }),
                     );
                 }
-            }
-            ReqKind::Recv(RecvState { rndv: Some(rv), .. })
-                if rv.via_get && rv.posted >= rv.get_end && !rv.gets_done =>
-            {
-                let (peer, sreq) = (rv.peer, rv.sreq);
-                self.gets_finished(id, peer, sreq);
             }
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;
@@ -325,5 +329,14 @@ impl ProtoIo for State {
     #[inline]
     fn ctrl(&mut self, p: usize, m: &Msg<'_>) {
         self.send_msg(p, m);
+    }
+
+    #[inline]
+    fn uuid(&self) -> u64 {
+        self.address.uuid
+    }
+
+    fn count(&mut self, what: &'static str) {
+        State::count(self, what);
     }
 }

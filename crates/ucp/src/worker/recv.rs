@@ -108,10 +108,7 @@ impl State {
                 kind: ReqKind::Recv(rs),
                 result: None,
                 ..
-            }) => {
-                let want = rs.rndv.as_ref().map_or(rs.total, |r| r.want);
-                rs.received >= want
-            }
+            }) => rs.received >= rs.want(),
             _ => false,
         };
         if done {
@@ -151,7 +148,7 @@ impl State {
             Some(Req {
                 kind:
                     ReqKind::Recv(RecvState {
-                        stream: true,
+                        proto: RecvProto::Stream,
                         sender: Some(p),
                         ..
                     }),

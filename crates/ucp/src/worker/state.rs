@@ -11,12 +11,12 @@ use rustc_hash::FxHashMap;
 use crate::address::{IfaceEntry, WorkerAddress};
 use crate::context::{Context, RegGuard};
 use crate::matching::{Tag, TagMatcher};
-use crate::plan::{EpPlan, MemKey, PlanConfig};
-use crate::proto::Proto;
-use crate::proto::gpu::{Chunk, Staging};
+use crate::plan::{EpPlan, MemKey, Op, PlanConfig};
+use crate::proto::gpu::{StagedRecv, Staging};
 use crate::proto::rma::RmaState;
 use crate::proto::rndv::{RndvRecv, RndvSend};
 use crate::proto::stream::{StreamRecvs, StreamRx};
+use crate::proto::{self, Proto};
 use crate::slab::Slab;
 use crate::wire::NamedKey;
 
@@ -178,6 +178,9 @@ pub(crate) struct SendState {
     pub(crate) tag: Tag,
     /// The protocol the plan chose (re-selected from a new plan after a registration failure).
     pub(crate) proto: Proto,
+    /// The operation, whose table of the plan the protocol is selected from (and re-selected
+    /// from after a registration failure): a tag send, a synchronous one, or a stream send.
+    pub(crate) op: Op,
     /// Message id of a multi-fragment eager send.
     pub(crate) msg_id: u64,
     /// Bytes of the (prefixed) message posted so far.
@@ -190,6 +193,8 @@ pub(crate) struct SendState {
     pub(crate) rndv: RndvSend,
 }
 
+/// A receive request: its buffer and what arrived, and the state of the protocol filling it
+/// ([`RecvProto`]).
 pub(crate) struct RecvState {
     pub(crate) addr: usize,
     pub(crate) cap: usize,
@@ -197,24 +202,85 @@ pub(crate) struct RecvState {
     pub(crate) received: usize,
     pub(crate) tag: Tag,
     pub(crate) sender: Option<usize>,
-    pub(crate) rndv: Option<Box<RndvRecv>>,
     pub(crate) mem: MemoryType,
     pub(crate) dev: Option<u32>,
-    /// Reads still to post (host keyed pull into GPU memory, or staged fragments).
-    pub(crate) chunks: VecDeque<Chunk>,
-    /// Bytes that reached the user buffer through chunks.
-    pub(crate) landed: usize,
-    /// Fragments are announced by the sender (staged pipeline).
-    pub(crate) pull: bool,
-    /// Lane the chunks are read on.
-    pub(crate) chunk_lane: usize,
-    /// The user buffer registered with the copy lane's domain (GPU memory only).
+    /// The user buffer registered with the copy lane's domain (GPU memory only): a property of
+    /// the buffer, used by every protocol that copies into it (eager bytes, staged chunks).
     pub(crate) dev_memh: Option<Box<(RegGuard, RemoteKey)>>,
-    /// A host buffer that no lane could register: its chunks are read into receive staging and
-    /// copied on by the CPU.
-    pub(crate) staged_host: bool,
-    /// A stream receive (filled from the peer's byte stream, not matched by tag).
-    pub(crate) stream: bool,
+    /// The protocol filling the buffer, and its own state.
+    pub(crate) proto: RecvProto,
+}
+
+/// The receive-side protocol of a request, each with the state only it needs.
+pub(crate) enum RecvProto {
+    /// Not matched yet, or filled by eager messages (whole, or fragments through `rx`).
+    Tag,
+    /// Filled from the peer's byte stream, not matched by tag.
+    Stream,
+    /// A rendezvous: read, written, streamed or split, or (GPU memory) read in staged chunks.
+    Rndv(Box<RndvRecv>),
+}
+
+impl RecvState {
+    /// A tag receive into `addr..addr + cap` (`mem` memory of `dev`), not matched yet.
+    #[inline(always)]
+    pub(crate) fn tag(
+        addr: usize,
+        cap: usize,
+        tag: Tag,
+        mem: MemoryType,
+        dev: Option<u32>,
+    ) -> Self {
+        RecvState {
+            addr,
+            cap,
+            total: 0,
+            received: 0,
+            tag,
+            sender: None,
+            mem,
+            dev,
+            dev_memh: None,
+            proto: RecvProto::Tag,
+        }
+    }
+
+    /// The rendezvous state, once the receive matched a request to send.
+    #[inline]
+    pub(crate) fn rndv(&self) -> Option<&RndvRecv> {
+        match &self.proto {
+            RecvProto::Rndv(rv) => Some(rv),
+            _ => None,
+        }
+    }
+
+    /// Mutable [`Self::rndv`].
+    #[inline]
+    pub(crate) fn rndv_mut(&mut self) -> Option<&mut RndvRecv> {
+        match &mut self.proto {
+            RecvProto::Rndv(rv) => Some(rv),
+            _ => None,
+        }
+    }
+
+    /// The staged (chunked) part of a GPU rendezvous receive.
+    #[inline]
+    pub(crate) fn staged(&self) -> Option<&StagedRecv> {
+        self.rndv().map(|rv| &rv.staged)
+    }
+
+    /// Mutable [`Self::staged`].
+    #[inline]
+    pub(crate) fn staged_mut(&mut self) -> Option<&mut StagedRecv> {
+        self.rndv_mut().map(|rv| &mut rv.staged)
+    }
+
+    /// Bytes this receive waits for: the rendezvous' (capacity-limited) size, else the
+    /// message's.
+    #[inline]
+    pub(crate) fn want(&self) -> usize {
+        self.rndv().map_or(self.total, |rv| rv.want)
+    }
 }
 
 pub(crate) enum ReqKind {
@@ -419,8 +485,9 @@ impl State {
     /// that the other side's request ends too rather than waiting for messages that will never
     /// come. Every failure of a rendezvous in progress ends here.
     pub(crate) fn fail(&mut self, id: u64, e: Error) {
-        // A multi-fragment eager send stopped part-way (its first fragments went out): the
-        // receiver drops them, and a receive that matched them ends.
+        // A multi-fragment eager send that ends after fragments went out (stopped part-way, or
+        // a zero-copy fragment's completion failed after all were posted): the receiver drops
+        // them, and a receive that matched them ends.
         let eager = match self.reqs.get(&id) {
             Some(Req {
                 kind: ReqKind::Send(s),
@@ -428,8 +495,7 @@ impl State {
                 ..
             }) if matches!(s.proto, Proto::EagerBcopyMulti | Proto::EagerZcopy)
                 && s.rndv.rreq.is_none()
-                && s.posted > 0
-                && s.posted < s.len =>
+                && proto::eager_multi::abort_needed(s.posted) =>
             {
                 Some((s.peer, s.msg_id))
             }
@@ -448,7 +514,7 @@ impl State {
                 kind: ReqKind::Recv(rs),
                 result: None,
                 ..
-            }) => rs.rndv.as_ref().map(|rv| (rv.peer, rv.sreq, id, false)),
+            }) => rs.rndv().map(|rv| (rv.peer, rv.sreq, id, false)),
             Some(Req { result: None, .. }) => None,
             _ => return,
         };
@@ -533,7 +599,7 @@ impl State {
 pub(crate) fn p_of(r: &Req) -> usize {
     match &r.kind {
         ReqKind::Send(s) => s.peer,
-        ReqKind::Recv(rs) => rs.rndv.as_ref().map_or(0, |v| v.peer),
+        ReqKind::Recv(rs) => rs.rndv().map_or(0, |v| v.peer),
         ReqKind::Rma(rm) => rm.peer,
     }
 }

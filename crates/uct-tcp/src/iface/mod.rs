@@ -2,7 +2,10 @@
 //! each connection is in `proto` (pure code); this layer owns the sockets, registers them with
 //! the readiness set (`ready::Watch`), accepts, and decides which connections a progress call
 //! handles: the ready ones, those whose endpoint asked for attention (`ready::Kick`), those
-//! with frames held back, and now and then those with a deadline running.
+//! with frames held back, and now and then those with a deadline running. While it has no
+//! connection at all it looks at the listener only every 32nd progress (and at the next one
+//! after an `arm` found it ready), so a worker whose peers are reached through other transports
+//! pays no system call per progress for it.
 //!
 //! Each connection has two halves with different owners: the interface owns the receiving
 //! half (`proto::Receiver`) and reads without a lock; the connection object
@@ -45,6 +48,10 @@ const MAX_UNIDENTIFIED: usize = 256;
 const LISTENER_KEY: u64 = u64::MAX;
 /// Progress calls between deadline checks of connections with no event.
 const TIMER_EVERY: u32 = 64;
+/// Progress calls between looks at the listener while the interface has no connection: a
+/// worker that talks to its peers through other transports (shared memory) then pays no
+/// system call on most of its progress calls, and a new connection waits a few calls longer.
+const IDLE_POLL_EVERY: u32 = 32;
 
 /// A connection as the interface keeps it.
 pub(crate) type SharedConn = Arc<Mutex<Conn<FdSock>>>;
@@ -122,6 +129,9 @@ pub struct TcpIface {
     timed: usize,
     /// Progress calls, for checking deadlines now and then.
     calls: u32,
+    /// Look at the sockets in the next progress even with no connection (set by `arm`: the
+    /// descriptor said something is ready).
+    poll_next: bool,
     /// Slots to handle in the next progress without an event.
     again: Vec<usize>,
     /// This progress's work: `(key, epoll events)`.
@@ -219,6 +229,7 @@ impl TcpIface {
             kick: Arc::new(Kick::default()),
             timed: 0,
             calls: 0,
+            poll_next: false,
             again: Vec::new(),
             work: Vec::new(),
             kicked: Vec::new(),
@@ -494,6 +505,16 @@ impl Iface for TcpIface {
     fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
         // The ready sockets (one epoll_wait), then connections kicked by their endpoints, those
         // with frames held back, and now and then those with a deadline running.
+        self.calls = self.calls.wrapping_add(1);
+        if self.slots.len() == self.free.len()
+            && !self.poll_next
+            && !self.calls.is_multiple_of(IDLE_POLL_EVERY)
+        {
+            // No connection, so nothing but the listener can have news (no endpoint to kick,
+            // no frame held back, no deadline, no merge).
+            return 0;
+        }
+        self.poll_next = false;
         let mut work = std::mem::take(&mut self.work);
         let mut accept = false;
         self.watch.wait(|key, ev| {
@@ -506,7 +527,6 @@ impl Iface for TcpIface {
         self.kick.take(&mut self.kicked);
         work.extend(self.kicked.drain(..).map(|k| (k, 0)));
         work.extend(self.again.drain(..).map(|k| (k, 0)));
-        self.calls = self.calls.wrapping_add(1);
         if self.timed > 0 && self.calls.is_multiple_of(TIMER_EVERY) {
             work.extend(
                 self.slots
@@ -607,6 +627,7 @@ impl Iface for TcpIface {
         // What it cannot show is work without a socket event: kicks from endpoints and
         // connections with frames held back.
         if self.kick.pending() || !self.again.is_empty() || self.watch.any_ready() {
+            self.poll_next = true;
             return Err(Error::Busy(format!(
                 "the tcp interface on {} has sockets or connections to handle",
                 self.dev.name

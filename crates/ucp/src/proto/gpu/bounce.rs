@@ -148,11 +148,10 @@ impl Worker {
         // round trip.
         match self.bounce(st, addr, len, mem, dev) {
             Ok((host, frag)) => {
+                // The host table of the same operation: a synchronous send stays one.
                 let hproto = st.peers[p]
                     .plan
-                    .table(Op::Tag, MemKey::HOST)
-                    .lookup(len)
-                    .map(|r| r.proto)
+                    .select(op, MemKey::HOST, len)
                     .unwrap_or(Proto::EagerBcopy);
                 let id = st.new_req(ReqKind::Send(SendState {
                     peer: p,
@@ -160,6 +159,7 @@ impl Worker {
                     len,
                     tag,
                     proto: hproto,
+                    op,
                     msg_id: 0,
                     posted: 0,
                     rndv: RndvSend::default(),

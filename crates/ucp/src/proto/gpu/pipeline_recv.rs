@@ -89,7 +89,11 @@ impl State {
             } => {
                 let (p, live) = match self.reqs.get(&id) {
                     Some(Req {
-                        kind: ReqKind::Recv(RecvState { rndv: Some(rv), .. }),
+                        kind:
+                            ReqKind::Recv(RecvState {
+                                proto: RecvProto::Rndv(rv),
+                                ..
+                            }),
                         result,
                         ..
                     }) => (rv.peer, result.is_none()),
@@ -106,7 +110,7 @@ impl State {
                     return Ok(());
                 }
                 match rfrag {
-                    Some(f) if matches!(&self.reqs[&id].kind, ReqKind::Recv(rs) if rs.staged_host) =>
+                    Some(f) if matches!(&self.reqs[&id].kind, ReqKind::Recv(rs) if rs.staged().is_some_and(|s| s.staged_host)) =>
                     {
                         // Into a host buffer no lane could register: copied from staging.
                         let uaddr = match &self.reqs[&id].kind {
@@ -186,8 +190,11 @@ impl State {
                     .reqs
                     .iter()
                     .filter_map(|(rid, r)| match &r.kind {
-                        ReqKind::Recv(rs) if r.result.is_none() && !rs.chunks.is_empty() => {
-                            rs.rndv.as_ref().map(|rv| (rv.peer, rid))
+                        ReqKind::Recv(RecvState {
+                            proto: RecvProto::Rndv(rv),
+                            ..
+                        }) if r.result.is_none() && !rv.staged.chunks.is_empty() => {
+                            Some((rv.peer, rid))
                         }
                         _ => None,
                     })
@@ -223,58 +230,48 @@ impl State {
 
     /// Bytes of a chunked receive reached the user buffer; finish when all did.
     pub(crate) fn chunk_landed(&mut self, id: u64, len: usize) {
-        let Some(Req {
+        let (want, p) = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) => match rs.rndv() {
+                Some(rv) => (rs.want(), rv.peer),
+                None => return,
+            },
+            _ => return,
+        };
+        self.rndv_recv_step(id, |rv, io| rv.chunk_landed(io, len, want));
+        if let Some(Req {
             kind: ReqKind::Recv(rs),
             result: None,
             ..
         }) = self.reqs.get_mut(&id)
-        else {
-            return;
-        };
-        rs.landed += len;
-        rs.received = rs.landed;
-        let want = rs.rndv.as_ref().map_or(rs.total, |r| r.want);
-        if rs.landed >= want && rs.chunks.is_empty() {
-            let (pull, p, sreq) = (
-                rs.pull,
-                rs.rndv.as_ref().map(|r| r.peer),
-                rs.rndv.as_ref().map(|r| r.sreq),
-            );
-            if !pull && let (Some(p), Some(sreq)) = (p, sreq) {
-                self.send_ats(p, sreq);
-                self.pump(p);
-            }
-            self.complete_recv(id);
+            && let Some(landed) = rs.staged().map(|s| s.landed)
+        {
+            rs.received = landed;
         }
+        self.pump(p);
     }
 
     /// A pipelined receive ended early: hand the sender back the staging fragments it announced
     /// and we will not read (it reuses them for other transfers).
     pub(crate) fn release_chunks(&mut self, id: u64) {
-        let Some(Req {
-            kind: ReqKind::Recv(rs),
-            ..
-        }) = self.reqs.get_mut(&id)
-        else {
-            return;
+        let p = match self.reqs.get(&id) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) => match rs.rndv() {
+                Some(rv) if !rv.staged.chunks.is_empty() => rv.peer,
+                _ => return,
+            },
+            _ => return,
         };
-        let Some((peer, sreq)) = rs.rndv.as_ref().map(|rv| (rv.peer, rv.sreq)) else {
-            return;
-        };
-        let acks: Vec<FragAck> = rs
-            .chunks
-            .drain(..)
-            .filter_map(|c| c.sfrag)
-            .map(|(frag, staged)| FragAck {
-                peer,
-                sreq,
-                frag,
-                staged,
-            })
-            .collect();
-        for a in acks {
-            self.ack_fragment(a);
-        }
+        self.rndv_recv_step(id, |rv, io| {
+            rv.release_chunks(io);
+            RecvNext::Wait
+        });
+        self.pump(p);
     }
 
     /// A staged fragment of the sender is ready: queue its read.
@@ -302,7 +299,7 @@ impl State {
             Err(e) => {
                 // Only a live receive of this sender may be ended by its message.
                 if self.reqs.get(&rreq).is_some_and(|r| {
-                    matches!(&r.kind, ReqKind::Recv(RecvState { rndv: Some(rv), .. })
+                    matches!(&r.kind, ReqKind::Recv(RecvState { proto: RecvProto::Rndv(rv), .. })
                         if rv.peer == p && rv.sreq == sreq)
                 }) {
                     self.fail(rreq, e);
@@ -344,7 +341,7 @@ impl State {
         };
         // Never read past the receive buffer (truncation): acknowledge the rest unread. The
         // acknowledgement of a clamped chunk still carries the whole staged length.
-        let want = rs.rndv.as_ref().map_or(0, |r| r.want);
+        let want = rs.rndv().map_or(0, |r| r.want);
         let n = len.min(want.saturating_sub(off));
         if n == 0 {
             self.ctrl(
@@ -372,7 +369,10 @@ impl State {
         else {
             return;
         };
-        rs.chunks.push_back(Chunk {
+        let Some(sr) = rs.staged_mut() else {
+            return;
+        };
+        sr.chunks.push_back(Chunk {
             raddr: addr,
             len: n,
             off,
@@ -403,12 +403,16 @@ impl State {
         else {
             return Ok(());
         };
-        if self.slots.get(rs.chunk_lane).is_some_and(|s| s.md == mi) {
+        if self
+            .slots
+            .get(rs.staged().map_or(usize::MAX, |s| s.lane))
+            .is_some_and(|s| s.md == mi)
+        {
             return Ok(());
         }
         let region = MemRegion {
             addr: rs.addr,
-            len: rs.rndv.as_ref().map_or(rs.cap, |r| r.want),
+            len: rs.rndv().map_or(rs.cap, |r| r.want),
             mem_type: rs.mem,
             device: rs.dev,
         };
@@ -472,9 +476,11 @@ impl State {
         if let Some(g) = guard {
             r.guards.insert(0, g);
         }
-        if let ReqKind::Recv(rs) = &mut r.kind {
-            rs.chunk_lane = lane;
-            rs.staged_host = staged_host;
+        if let ReqKind::Recv(rs) = &mut r.kind
+            && let Some(sr) = rs.staged_mut()
+        {
+            sr.lane = lane;
+            sr.staged_host = staged_host;
         }
         Ok(())
     }
@@ -490,12 +496,15 @@ impl State {
             let ReqKind::Recv(rs) = &r.kind else {
                 return Ok(true);
             };
-            let Some(c) = rs.chunks.front() else {
+            let Some(rv) = rs.rndv() else {
                 return Ok(true);
             };
-            let (p, sreq) = rs.rndv.as_ref().map_or((0, 0), |v| (v.peer, v.sreq));
+            let Some(c) = rv.staged.chunks.front() else {
+                return Ok(true);
+            };
+            let (p, sreq) = (rv.peer, rv.sreq);
             let (lane, raddr, len, off, rkey) =
-                (rs.chunk_lane, c.raddr, c.len, c.off, c.rkey.clone());
+                (rv.staged.lane, c.raddr, c.len, c.off, c.rkey.clone());
             let sfrag = c.sfrag.map(|(frag, staged)| FragAck {
                 peer: p,
                 sreq,
@@ -503,7 +512,7 @@ impl State {
                 staged,
             });
             let gpu = rs.mem.is_gpu();
-            let staged = gpu || rs.staged_host;
+            let staged = gpu || rv.staged.staged_host;
             let uaddr = rs.addr;
             if c.local.is_none()
                 && self.peers[p].eps.get_mut(&lane).is_none()
@@ -533,8 +542,9 @@ impl State {
                             kind: ReqKind::Recv(rs),
                             ..
                         }) = self.reqs.get_mut(&rid)
+                            && let Some(sr) = rs.staged_mut()
                         {
-                            rs.chunks.pop_front();
+                            sr.chunks.pop_front();
                         }
                         self.count("staged fragment copied to the GPU from shared memory");
                         self.post_tok(rid, token, st, TokWhat::DirectH2D { len, sfrag });
@@ -573,8 +583,9 @@ impl State {
                         kind: ReqKind::Recv(rs),
                         ..
                     }) = self.reqs.get_mut(&rid)
+                        && let Some(sr) = rs.staged_mut()
                     {
-                        rs.chunks.pop_front();
+                        sr.chunks.pop_front();
                     }
                     self.post_tok(
                         rid,

@@ -26,7 +26,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(Box::new(RndvRecv::new(p, sreq, want)));
+            rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
         }
         if let Some(reason) = self.peers[p].failed.clone() {
             let peer = self.peers[p].remote.describe();
@@ -99,7 +99,11 @@ impl State {
                             // First: the read's local handle (a host buffer may hold another
                             // domain's registration already, e.g. the one that typed it).
                             r.guards.insert(0, g);
-                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                            if let ReqKind::Recv(RecvState {
+                                proto: RecvProto::Rndv(rv),
+                                ..
+                            }) = &mut r.kind
+                            {
                                 rv.via_get = true;
                                 rv.get = Some((lane, saddr, rkey, raddr));
                             }
@@ -186,11 +190,16 @@ impl State {
         }
         let host_key = key_of(self, lane).map(|i| &keys[i]);
         let r = self.reqs.get_mut(&rid).expect("req");
-        let ReqKind::Recv(rs) = &mut r.kind else {
+        let ReqKind::Recv(RecvState {
+            proto: RecvProto::Rndv(rv),
+            ..
+        }) = &mut r.kind
+        else {
             return;
         };
+        let sr = &mut rv.staged;
         if registered {
-            rs.chunk_lane = lane;
+            sr.lane = lane;
         }
         if registered
             && staged_read
@@ -205,7 +214,7 @@ impl State {
                     let mut off = 0;
                     while off < want {
                         let n = frag.min(want - off);
-                        rs.chunks.push_back(Chunk {
+                        sr.chunks.push_back(Chunk {
                             raddr: saddr + off as u64,
                             len: n,
                             off,
@@ -224,7 +233,7 @@ impl State {
             }
         }
         // GPU sender (or no usable key): ask it to stage and announce fragments.
-        rs.pull = true;
+        sr.pull = true;
         self.count("rendezvous receive pipelined through host staging");
         self.ctrl(
             p,

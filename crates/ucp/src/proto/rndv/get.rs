@@ -6,11 +6,16 @@ use crate::worker::prelude::*;
 impl State {
     /// Post the reads of a rendezvous receive.
     pub(crate) fn stream_get(&mut self, rid: u64) -> Result<bool> {
-        if matches!(&self.reqs[&rid].kind, ReqKind::Recv(rs) if rs.chunk_lane != usize::MAX) {
+        if matches!(&self.reqs[&rid].kind, ReqKind::Recv(rs) if rs.staged().is_some_and(|sr| sr.active()))
+        {
             return self.stream_chunks(rid);
         }
         let r = &self.reqs[&rid];
-        let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &r.kind else {
+        let ReqKind::Recv(RecvState {
+            proto: RecvProto::Rndv(rv),
+            ..
+        }) = &r.kind
+        else {
             return Ok(true);
         };
         let Some((lane, raddr, rkey, laddr)) = rv.get.clone() else {
@@ -19,7 +24,7 @@ impl State {
         if !rv.via_get {
             return Ok(true);
         }
-        let (p, want, sreq) = (rv.peer, rv.get_end, rv.sreq);
+        let (p, want) = (rv.peer, rv.get_end);
         if self.peers[p].eps.get_mut(&lane).is_none() {
             if self.peers[p].targets.iter().any(|(l, _)| *l == lane) {
                 // Being connected (see `read_lane`; asked again: a re-plan meanwhile makes a
@@ -53,7 +58,7 @@ impl State {
         if let Some(Req {
             kind:
                 ReqKind::Recv(RecvState {
-                    rndv: Some(rv),
+                    proto: RecvProto::Rndv(rv),
                     received,
                     ..
                 }),
@@ -77,32 +82,15 @@ impl State {
             }
         }
         if self.reqs[&rid].outstanding == 0 {
-            self.gets_finished(rid, p, sreq);
+            self.gets_finished(rid);
         }
         Ok(true)
     }
 
     /// The reads of a rendezvous receive are complete: tell the sender; finish unless the
     /// sender still writes the tail (split).
-    pub(crate) fn gets_finished(&mut self, rid: u64, p: usize, sreq: u64) {
-        self.send_ats(p, sreq);
-        if let Some(Req {
-            kind: ReqKind::Recv(RecvState { rndv: Some(rv), .. }),
-            ..
-        }) = self.reqs.get_mut(&rid)
-            && rv.fin_pending
-        {
-            rv.gets_done = true;
-            return;
-        }
-        if let Some(Req {
-            kind: ReqKind::Recv(rs),
-            ..
-        }) = self.reqs.get_mut(&rid)
-        {
-            rs.received = rs.total.min(rs.cap);
-        }
-        self.complete_recv(rid);
+    pub(crate) fn gets_finished(&mut self, rid: u64) {
+        self.rndv_recv_step(rid, |rv, io| rv.reads_done(io));
     }
 
     /// A read-based receive could not proceed: drop its registration and ask the sender to
@@ -112,26 +100,46 @@ impl State {
             return;
         };
         r.guards.clear();
-        let ReqKind::Recv(rs) = &mut r.kind else {
+        if let ReqKind::Recv(rs) = &mut r.kind {
+            rs.received = 0;
+        }
+        self.rndv_recv_step(rid, |rv, io| rv.restart_as_stream(io, rid));
+    }
+
+    /// Run one step of rendezvous receive `rid`'s state machine (taken out of the request
+    /// while it runs, so that it acts on the worker through [`ProtoIo`]) and do what it says
+    /// (what it queued goes out with the peer's queue).
+    pub(crate) fn rndv_recv_step(
+        &mut self,
+        rid: u64,
+        step: impl FnOnce(&mut RndvRecv, &mut Self) -> RecvNext,
+    ) {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        else {
             return;
         };
-        rs.received = 0;
-        let Some(rv) = &mut rs.rndv else { return };
-        if rv.fin_pending || rv.gets_done {
-            // The sender is writing the tail into our buffer: streaming the whole message now
-            // could race with those writes. Fail rather than risk a mixed buffer.
-            self.fail(
-                rid,
-                Error::Internal(
-                    "the read half of a split rendezvous failed; the message is lost".into(),
-                ),
-            );
+        let RecvProto::Rndv(mut rv) = std::mem::replace(&mut rs.proto, RecvProto::Tag) else {
             return;
+        };
+        let next = step(&mut rv, self);
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.proto = RecvProto::Rndv(rv);
+            if next == RecvNext::Complete {
+                rs.received = rs.total.min(rs.cap);
+            }
         }
-        rv.via_get = false;
-        rv.get = None;
-        let (p, sreq) = (rv.peer, rv.sreq);
-        self.send_rtr(p, sreq, rid, None);
+        match next {
+            RecvNext::Wait => {}
+            RecvNext::Complete => self.complete_recv(rid),
+            RecvNext::Fail(e) => self.fail(rid, e),
+        }
     }
 
     /// The lane a rendezvous receive from peer `p` reads on, and which of the sender's `keys` it

@@ -47,6 +47,8 @@ pub(crate) struct RndvRecv {
     pub(crate) gets_done: bool,
     /// Bytes of a split's tail the sender streamed (it could not write them).
     pub(crate) tail_got: usize,
+    /// GPU memory on either side, staged: the chunks to read (`gpu/`).
+    pub(crate) staged: StagedRecv,
 }
 
 impl RndvRecv {
@@ -63,7 +65,96 @@ impl RndvRecv {
             fin_pending: false,
             gets_done: false,
             tail_got: 0,
+            staged: StagedRecv::default(),
         }
+    }
+}
+
+/// What a rendezvous receive does after an event its state machine handled.
+#[derive(Debug, PartialEq)]
+pub(crate) enum RecvNext {
+    /// Nothing more now: messages or completions are still to come.
+    Wait,
+    /// Every byte is in the buffer: complete the receive (its length, or the truncation).
+    Complete,
+    /// End the receive with this error (and tell the sender).
+    Fail(Error),
+}
+
+impl RndvRecv {
+    /// One read of this receive (request `rid`) completed with `res`, `outstanding` still in
+    /// flight. A failed read asks the sender to stream the whole message instead (no byte is
+    /// lost); the last read done acknowledges the reads to the sender.
+    pub(crate) fn on_read(
+        &mut self,
+        io: &mut impl ProtoIo,
+        rid: u64,
+        outstanding: usize,
+        res: Result<()>,
+    ) -> RecvNext {
+        match res {
+            Err(e @ Error::EndpointFailure { .. }) => RecvNext::Fail(e),
+            Err(e) if self.via_get => {
+                tracing::warn!("rendezvous read failed ({e}); asking the sender to stream instead");
+                self.restart_as_stream(io, rid)
+            }
+            Err(e) => RecvNext::Fail(e),
+            Ok(())
+                if outstanding == 0
+                    && self.via_get
+                    && self.posted >= self.get_end
+                    && !self.gets_done =>
+            {
+                self.reads_done(io)
+            }
+            Ok(()) => RecvNext::Wait,
+        }
+    }
+
+    /// Every read is complete: acknowledge them to the sender (ATS); complete, unless the
+    /// sender still writes the tail of a split (its finish message completes the receive).
+    pub(crate) fn reads_done(&mut self, io: &mut impl ProtoIo) -> RecvNext {
+        io.ctrl(
+            self.peer,
+            &Msg::Ats {
+                src: io.uuid(),
+                sreq: self.sreq,
+                ok: true,
+            },
+        );
+        if self.fin_pending {
+            self.gets_done = true;
+            return RecvNext::Wait;
+        }
+        RecvNext::Complete
+    }
+
+    /// The reads could not go on: ask the sender to stream the whole message through active
+    /// messages (an RTR without a key; the caller drops the registrations). A split whose
+    /// sender writes the tail fails instead: streaming the whole message could race with those
+    /// writes.
+    pub(crate) fn restart_as_stream(&mut self, io: &mut impl ProtoIo, rid: u64) -> RecvNext {
+        if self.fin_pending || self.gets_done {
+            return RecvNext::Fail(Error::Internal(
+                "the read half of a split rendezvous failed; the message is lost".into(),
+            ));
+        }
+        self.via_get = false;
+        self.get = None;
+        io.count("rendezvous receive streamed");
+        io.ctrl(
+            self.peer,
+            &Msg::Rtr {
+                src: io.uuid(),
+                sreq: self.sreq,
+                rreq: rid,
+                addr: 0,
+                size: self.want as u64,
+                offset: 0,
+                keys: Vec::new(),
+            },
+        );
+        RecvNext::Wait
     }
 }
 
@@ -194,16 +285,17 @@ impl State {
         key: MemKey,
     ) -> (Proto, Option<usize>) {
         self.refresh_plan(p);
+        let (op, old) = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => (s.op, s.proto),
+            _ => (Op::Tag, Proto::RndvAm),
+        };
+        // From the table of the send's own operation (a synchronous send's rows all wait for
+        // the match); a rendezvous stays one (its receiver may already have matched it).
         let proto = self.peers[p]
             .plan
-            .table(Op::Tag, key)
-            .lookup(len)
-            .map(|r| r.proto)
+            .select(op, key, len)
             .filter(|p| p.is_rndv())
-            .unwrap_or(match &self.reqs[&id].kind {
-                ReqKind::Send(s) => s.proto,
-                _ => Proto::RndvAm,
-            });
+            .unwrap_or(old);
         (proto, self.rndv_lane(p, key))
     }
 
@@ -259,7 +351,7 @@ impl State {
         let target = if by_sender {
             let ours = |r: &Req| {
                 r.result.is_none()
-                    && matches!(&r.kind, ReqKind::Recv(RecvState { rndv: Some(rv), .. })
+                    && matches!(&r.kind, ReqKind::Recv(RecvState { proto: RecvProto::Rndv(rv), .. })
                         if rv.peer == p && rv.sreq == sreq)
             };
             if rreq != 0 && self.reqs.get(&rreq).is_some_and(ours) {
@@ -346,7 +438,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.rndv = Some(Box::new(RndvRecv::new(p, sreq, want)));
+            rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
         }
         if self.peers[p].failed.is_some() {
             let reason = self.peers[p].failed.clone().unwrap_or_default();
@@ -402,7 +494,11 @@ impl State {
                             };
                             let r = self.reqs.get_mut(&rid).expect("req");
                             r.guards.push(g);
-                            if let ReqKind::Recv(RecvState { rndv: Some(rv), .. }) = &mut r.kind {
+                            if let ReqKind::Recv(RecvState {
+                                proto: RecvProto::Rndv(rv),
+                                ..
+                            }) = &mut r.kind
+                            {
                                 rv.via_get = true;
                                 rv.get = Some((lane, addr, rkey, raddr));
                                 if split_key.is_some() {
@@ -476,7 +572,10 @@ impl State {
             self.count("rendezvous receive streamed");
         }
         let want = match &self.reqs.get(&rreq).map(|r| &r.kind) {
-            Some(ReqKind::Recv(RecvState { rndv: Some(rv), .. })) => rv.want,
+            Some(ReqKind::Recv(RecvState {
+                proto: RecvProto::Rndv(rv),
+                ..
+            })) => rv.want,
             _ => 0,
         };
         let (addr, offset, keys) = match put {
@@ -617,5 +716,181 @@ impl State {
         }
         self.peers[p].queue.push_back(Pending::Stream(sreq));
         self.pump(p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::proto::fake_io::{FAKE_UUID, FakeIo};
+
+    const PEER: usize = 3;
+    const SREQ: u64 = 0x51;
+    const RREQ: u64 = 0x77;
+
+    /// A receive of 1000 bytes reading the sender's buffer, `posted` bytes of reads posted.
+    fn reading(posted: usize) -> RndvRecv {
+        let mut rv = RndvRecv::new(PEER, SREQ, 1000);
+        rv.via_get = true;
+        rv.get = Some((0, 0x1000, key(), 0x2000));
+        rv.posted = posted;
+        rv
+    }
+
+    fn key() -> RemoteKey {
+        RemoteKey::new("fake", 0x1000, 1000, Arc::new(()))
+    }
+
+    fn chunk(off: usize, len: usize, frag: Option<(u64, usize)>) -> Chunk {
+        Chunk {
+            raddr: 0x1000 + off as u64,
+            len,
+            off,
+            rkey: key(),
+            sfrag: frag,
+            local: None,
+        }
+    }
+
+    /// A read that fails (not the endpoint) asks the sender to stream the whole message:
+    /// an RTR without a key for the bytes wanted, the reads given up.
+    #[test]
+    fn a_failed_read_asks_the_sender_to_stream() {
+        let mut io = FakeIo::default();
+        let mut rv = reading(1000);
+        let e = Error::io("reading", std::io::Error::from_raw_os_error(5));
+        assert_eq!(rv.on_read(&mut io, RREQ, 2, Err(e)), RecvNext::Wait);
+        assert!(!rv.via_get && rv.get.is_none());
+        match io.ctrl_msgs(PEER).as_slice() {
+            [
+                Msg::Rtr {
+                    src,
+                    sreq,
+                    rreq,
+                    size,
+                    keys,
+                    ..
+                },
+            ] => {
+                assert_eq!((*src, *sreq, *rreq, *size), (FAKE_UUID, SREQ, RREQ, 1000));
+                assert!(keys.is_empty(), "no key: the sender streams");
+            }
+            m => panic!("{m:?}"),
+        }
+        assert_eq!(io.counted, ["rendezvous receive streamed"]);
+        // Completions of the reads still in flight do nothing more.
+        assert_eq!(rv.on_read(&mut io, RREQ, 1, Ok(())), RecvNext::Wait);
+        assert_eq!(io.ctrls.len(), 1);
+    }
+
+    /// The endpoint failing ends the receive with that error; nothing is sent to the peer.
+    #[test]
+    fn an_endpoint_failure_ends_the_receive() {
+        let mut io = FakeIo::default();
+        let mut rv = reading(1000);
+        let e = Error::EndpointFailure {
+            peer: "b".into(),
+            reason: "gone".into(),
+        };
+        assert_eq!(
+            rv.on_read(&mut io, RREQ, 0, Err(e.clone())),
+            RecvNext::Fail(e)
+        );
+        assert!(io.ctrls.is_empty());
+    }
+
+    /// The read half of a split failing cannot fall back to streaming (the sender writes the
+    /// tail meanwhile): the receive fails, and no RTR goes out.
+    #[test]
+    fn a_failed_read_of_a_split_fails_the_receive() {
+        let mut io = FakeIo::default();
+        let mut rv = reading(512);
+        rv.get_end = 512;
+        rv.fin_pending = true;
+        let e = Error::io("reading", std::io::Error::from_raw_os_error(5));
+        assert!(matches!(
+            rv.on_read(&mut io, RREQ, 0, Err(e)),
+            RecvNext::Fail(Error::Internal(_))
+        ));
+        assert!(io.ctrls.is_empty());
+    }
+
+    /// The last read done acknowledges to the sender and completes; earlier ones, or reads
+    /// not all posted yet, wait; a split waits for the sender's finish after its ATS.
+    #[test]
+    fn the_last_read_acknowledges_and_completes() {
+        let mut io = FakeIo::default();
+        let mut rv = reading(1000);
+        assert_eq!(rv.on_read(&mut io, RREQ, 1, Ok(())), RecvNext::Wait);
+        let mut part = reading(600);
+        assert_eq!(part.on_read(&mut io, RREQ, 0, Ok(())), RecvNext::Wait);
+        assert!(io.ctrls.is_empty());
+        assert_eq!(rv.on_read(&mut io, RREQ, 0, Ok(())), RecvNext::Complete);
+        assert!(matches!(
+            io.ctrl_msgs(PEER).as_slice(),
+            [Msg::Ats {
+                sreq: SREQ,
+                ok: true,
+                ..
+            }]
+        ));
+
+        let mut io = FakeIo::default();
+        let mut split = reading(512);
+        split.get_end = 512;
+        split.fin_pending = true;
+        assert_eq!(split.on_read(&mut io, RREQ, 0, Ok(())), RecvNext::Wait);
+        assert!(split.gets_done);
+        assert_eq!(io.ctrls.len(), 1, "the ATS");
+        // Another completion (none is left) does not acknowledge twice.
+        assert_eq!(split.on_read(&mut io, RREQ, 0, Ok(())), RecvNext::Wait);
+        assert_eq!(io.ctrls.len(), 1);
+    }
+
+    /// Staged chunks: the receive completes once every byte landed and no chunk is queued;
+    /// it acknowledges only reads of the sender's own buffer (announced fragments are
+    /// acknowledged one by one).
+    #[test]
+    fn staged_chunks_complete_once_all_landed() {
+        for pull in [false, true] {
+            let mut io = FakeIo::default();
+            let mut rv = RndvRecv::new(PEER, SREQ, 1000);
+            rv.staged.pull = pull;
+            rv.staged.lane = 1;
+            rv.staged.chunks.push_back(chunk(600, 400, None));
+            assert_eq!(rv.chunk_landed(&mut io, 600, 1000), RecvNext::Wait);
+            rv.staged.chunks.clear();
+            assert_eq!(rv.chunk_landed(&mut io, 300, 1000), RecvNext::Wait);
+            assert!(io.ctrls.is_empty());
+            assert_eq!(rv.chunk_landed(&mut io, 100, 1000), RecvNext::Complete);
+            assert_eq!(io.ctrls.len(), usize::from(!pull), "pull {pull}");
+        }
+    }
+
+    /// A staged receive that ends early hands back every announced fragment it did not read,
+    /// each with its whole staged length (more than the chunk when the receive truncates).
+    #[test]
+    fn an_ended_staged_receive_releases_its_announced_fragments() {
+        let mut io = FakeIo::default();
+        let mut rv = RndvRecv::new(PEER, SREQ, 1000);
+        rv.staged.pull = true;
+        rv.staged.chunks.push_back(chunk(0, 256, Some((4, 256))));
+        rv.staged.chunks.push_back(chunk(256, 100, Some((5, 256))));
+        rv.staged.chunks.push_back(chunk(356, 10, None));
+        rv.release_chunks(&mut io);
+        assert!(rv.staged.chunks.is_empty());
+        let acks: Vec<(u64, u64, u64)> = io
+            .ctrl_msgs(PEER)
+            .into_iter()
+            .map(|m| match m {
+                Msg::FragAck {
+                    sreq, frag, len, ..
+                } => (sreq, frag, len),
+                m => panic!("{m:?}"),
+            })
+            .collect();
+        assert_eq!(acks, [(SREQ, 4, 256), (SREQ, 5, 256)]);
     }
 }

@@ -16,7 +16,7 @@ impl State {
         else {
             return false;
         };
-        let Some(rv) = rs.rndv.as_mut() else {
+        let RecvProto::Rndv(rv) = &mut rs.proto else {
             return false;
         };
         if rv.get_end >= rv.want || !rv.fin_pending || rs.mem.is_gpu() {
@@ -50,7 +50,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rreq)
         {
-            if let Some(rv) = &mut rs.rndv
+            if let Some(rv) = rs.rndv_mut()
                 && rv.fin_pending
             {
                 rv.fin_pending = false;

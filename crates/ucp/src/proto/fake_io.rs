@@ -1,0 +1,233 @@
+//! A fake [`ProtoIo`] for protocol unit tests: it records what a protocol posts and queues,
+//! and can push back (`NoResource`), fail the Nth post or registration, and report completions
+//! later (in progress) so a test hands them to the protocol with the result it wants.
+
+use rucx_ucs::{Error, MemoryType, Result};
+use rucx_uct::{AmId, Endpoint, Iov, MemRegion, OpStatus, RemoteKey};
+
+use super::io::ProtoIo;
+use crate::context::RegGuard;
+use crate::wire::Msg;
+
+/// One operation the fake endpoint took.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Op {
+    /// An `am_bcopy`: its id and the packed bytes.
+    Bcopy { id: AmId, bytes: Vec<u8> },
+    /// An `am_zcopy`: its id, header, the iov as (address, length), and its token.
+    Zcopy {
+        id: AmId,
+        header: Vec<u8>,
+        iov: Vec<(usize, usize)>,
+        token: u64,
+    },
+    /// A `get_zcopy` or `put_zcopy`: local iov, remote address, token.
+    Rma {
+        get: bool,
+        iov: Vec<(usize, usize)>,
+        remote: u64,
+        token: u64,
+    },
+}
+
+/// The endpoint behind the fake: it records, and answers zero-copy operations as in progress.
+#[derive(Debug, Default)]
+pub(crate) struct FakeEp {
+    pub(crate) ops: Vec<Op>,
+}
+
+fn iov_of(iov: &[Iov<'_>]) -> Vec<(usize, usize)> {
+    iov.iter().map(|i| (i.addr, i.len)).collect()
+}
+
+impl Endpoint for FakeEp {
+    fn am_short(&mut self, id: AmId, header: u64, payload: &[u8]) -> Result<()> {
+        let mut bytes = header.to_le_bytes().to_vec();
+        bytes.extend_from_slice(payload);
+        self.ops.push(Op::Bcopy { id, bytes });
+        Ok(())
+    }
+
+    fn am_bcopy(&mut self, id: AmId, pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
+        let mut buf = vec![0u8; 1 << 16];
+        let n = pack(&mut buf);
+        if n > buf.len() {
+            return Err(Error::InvalidParam(format!("packed {n} bytes into 64 KiB")));
+        }
+        buf.truncate(n);
+        self.ops.push(Op::Bcopy { id, bytes: buf });
+        Ok(n)
+    }
+
+    fn am_zcopy(
+        &mut self,
+        id: AmId,
+        header: &[u8],
+        iov: &[Iov<'_>],
+        token: u64,
+    ) -> Result<OpStatus> {
+        self.ops.push(Op::Zcopy {
+            id,
+            header: header.to_vec(),
+            iov: iov_of(iov),
+            token,
+        });
+        Ok(OpStatus::InProgress)
+    }
+
+    fn put_short(&mut self, _: &[u8], _: u64, _: &RemoteKey) -> Result<()> {
+        Err(Error::InvalidParam(
+            "the fake endpoint does no put_short".into(),
+        ))
+    }
+
+    fn put_zcopy(
+        &mut self,
+        iov: &[Iov<'_>],
+        remote: u64,
+        _: &RemoteKey,
+        token: u64,
+    ) -> Result<OpStatus> {
+        self.ops.push(Op::Rma {
+            get: false,
+            iov: iov_of(iov),
+            remote,
+            token,
+        });
+        Ok(OpStatus::InProgress)
+    }
+
+    fn get_zcopy(
+        &mut self,
+        iov: &[Iov<'_>],
+        remote: u64,
+        _: &RemoteKey,
+        token: u64,
+    ) -> Result<OpStatus> {
+        self.ops.push(Op::Rma {
+            get: true,
+            iov: iov_of(iov),
+            remote,
+            token,
+        });
+        Ok(OpStatus::InProgress)
+    }
+
+    fn flush(&mut self, _: u64) -> Result<OpStatus> {
+        Ok(OpStatus::Done)
+    }
+}
+
+/// The fake I/O.
+#[derive(Default)]
+pub(crate) struct FakeIo {
+    pub(crate) ep: FakeEp,
+    /// Posts that go through before the next one is pushed back (once).
+    pub(crate) push_back_after: Option<usize>,
+    /// Posts that go through before the next one fails with this error (once).
+    pub(crate) fail_post_after: Option<(usize, Error)>,
+    /// Registrations that succeed before the next one fails (once).
+    pub(crate) fail_reg_after: Option<usize>,
+    /// Domains that may not register (demoted).
+    pub(crate) demoted: Vec<usize>,
+    /// Operations in progress, by (request, token).
+    pub(crate) in_flight: Vec<(u64, u64)>,
+    /// Registrations made, by (request, lane, region).
+    pub(crate) regs: Vec<(u64, usize, MemRegion)>,
+    /// Control messages queued, by peer, as (id, bytes).
+    pub(crate) ctrls: Vec<(usize, AmId, Vec<u8>)>,
+    /// What was counted, in order.
+    pub(crate) counted: Vec<&'static str>,
+    pub(crate) next_token: u64,
+}
+
+impl FakeIo {
+    /// The control messages queued to `p`, parsed.
+    pub(crate) fn ctrl_msgs(&self, p: usize) -> Vec<Msg<'_>> {
+        self.ctrls
+            .iter()
+            .filter(|(q, _, _)| *q == p)
+            .map(|(_, id, b)| crate::wire::parse(*id, b).expect("a well-formed control message"))
+            .collect()
+    }
+}
+
+/// The source id of every message of the fake.
+pub(crate) const FAKE_UUID: u64 = 0xfa4e;
+
+fn count_down(n: &mut Option<usize>) -> bool {
+    match n {
+        Some(0) => {
+            *n = None;
+            true
+        }
+        Some(k) => {
+            *k -= 1;
+            false
+        }
+        None => false,
+    }
+}
+
+impl ProtoIo for FakeIo {
+    fn post(
+        &mut self,
+        req: u64,
+        _p: usize,
+        _lane: usize,
+        op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
+    ) -> Result<bool> {
+        if count_down(&mut self.push_back_after) {
+            return Ok(false);
+        }
+        if let Some((n, _)) = &mut self.fail_post_after {
+            if *n == 0 {
+                let (_, e) = self.fail_post_after.take().expect("set");
+                return Err(e);
+            }
+            *n -= 1;
+        }
+        self.next_token += 1;
+        let token = self.next_token;
+        match op(&mut self.ep, token)? {
+            OpStatus::InProgress => self.in_flight.push((req, token)),
+            OpStatus::Done => {}
+        }
+        Ok(true)
+    }
+
+    fn register(&mut self, req: u64, lane: usize, region: MemRegion) -> Result<()> {
+        if count_down(&mut self.fail_reg_after) {
+            return Err(Error::NoMemory(format!(
+                "injected: registering {} bytes for lane {lane}",
+                region.len
+            )));
+        }
+        self.regs.push((req, lane, region));
+        Ok(())
+    }
+
+    fn register_md(&mut self, md: usize, region: MemRegion) -> Result<RegGuard> {
+        Err(Error::Unsupported {
+            what: format!("registering {} bytes with domain {md}", region.len),
+            why: "the fake I/O keeps no registrations".into(),
+        })
+    }
+
+    fn may_register(&self, md: usize, _mem: MemoryType, _dev: Option<u32>) -> bool {
+        !self.demoted.contains(&md)
+    }
+
+    fn ctrl(&mut self, p: usize, m: &Msg<'_>) {
+        let (id, bytes) = m.encode();
+        self.ctrls.push((p, id, bytes));
+    }
+
+    fn uuid(&self) -> u64 {
+        FAKE_UUID
+    }
+
+    fn count(&mut self, what: &'static str) {
+        self.counted.push(what);
+    }
+}
