@@ -39,10 +39,10 @@ impl State {
                         result: None,
                         ..
                     }) => (*peer, st.rreq, st.lane),
-                    // Ended meanwhile (aborted): the fragment is not announced.
+                    // Ended meanwhile (aborted): the fragments are not announced.
                     _ => {
                         if let Some(stg) = self.staging.as_mut() {
-                            stg.free_send.push(frag);
+                            stg.release_send(frag, len);
                         }
                         self.wake_staged_sends(id, false);
                         return Ok(());
@@ -58,26 +58,42 @@ impl State {
                     Ok((_, key)) => key,
                     Err(e) => {
                         if let Some(stg) = self.staging.as_mut() {
-                            stg.free_send.push(frag);
+                            stg.release_send(frag, len);
                         }
                         self.wake_staged_sends(id, false);
                         return Err(e);
                     }
                 };
-                let addr = self.staging.as_ref().expect("staging").addr(frag);
-                self.ctrl(
-                    p,
-                    &Msg::Frag {
-                        src: self.address.uuid,
-                        rreq,
-                        sreq: id,
-                        offset: off as u64,
-                        len: len as u64,
-                        addr: addr as u64,
-                        frag: frag as u64,
-                        key,
-                    },
-                );
+                // One announcement per fragment of the run (each read and acknowledged on
+                // its own, whatever the receiver's fragment size).
+                let stg = self.staging.as_ref().expect("staging");
+                let fsz = stg.frag;
+                let pieces: Vec<(usize, usize, usize)> = (0..len.div_ceil(fsz).max(1))
+                    .map(|i| {
+                        let n = if len <= fsz {
+                            len
+                        } else {
+                            fsz.min(len - i * fsz)
+                        };
+                        (frag + i, i * fsz, n)
+                    })
+                    .collect();
+                for (f, at, n) in pieces {
+                    let addr = self.staging.as_ref().expect("staging").addr(f);
+                    self.ctrl(
+                        p,
+                        &Msg::Frag {
+                            src: self.address.uuid,
+                            rreq,
+                            sreq: id,
+                            offset: (off + at) as u64,
+                            len: n as u64,
+                            addr: addr as u64,
+                            frag: f as u64,
+                            key: key.clone(),
+                        },
+                    );
+                }
                 self.pump(p);
                 Ok(())
             }
