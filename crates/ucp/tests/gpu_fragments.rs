@@ -65,6 +65,10 @@ fn four_kib_fragments_move_every_byte_in_any_order() {
                     c.contains_key("staged fragment copied to the GPU from shared memory"),
                     "{c:?}"
                 );
+                assert!(
+                    c.contains_key("staged fragments copied to the GPU in runs"),
+                    "{c:?}"
+                );
             }
             pair.check_clean();
         }

@@ -4,6 +4,9 @@
 
 use crate::worker::prelude::*;
 
+/// Most bytes of consecutive mapped fragments copied to the GPU at once.
+const MERGE_BYTES: usize = 4 << 20;
+
 /// A piece of a rendezvous receive to read.
 pub(crate) struct Chunk {
     pub(crate) raddr: u64,
@@ -403,7 +406,9 @@ impl State {
         {
             self.peers[p].queue.push_back(Pending::Stream(rreq));
         }
-        self.pump(p);
+        // Posted when this progress call has handled every message that arrived (the
+        // progress loop pumps each peer's queue after its interfaces' events): fragments
+        // announced together are then copied together (see `stream_chunks`).
     }
 
     /// Fragments staged by the sender carry a key of its RMA lane's domain, which need not be
@@ -539,11 +544,40 @@ impl State {
                 return Ok(false);
             }
             if gpu && let Some((laddr, lmemh)) = c.local.clone() {
-                // The sender's fragment is mapped here: one DMA copy to the GPU.
+                // The sender's fragment is mapped here: one DMA copy to the GPU, for it and the
+                // fragments queued behind it that continue it in both the mapping and the
+                // buffer (consecutive fragments of the sender's staging, each whole but the
+                // last): one copy, one completion, one acknowledgement for them all.
                 let key = match &rs.dev_memh {
                     Some(dm) => dm.1.clone(),
                     None => return Err(Error::Internal("GPU receive without its copy key".into())),
                 };
+                let (mut len, mut k, mut sfrag) = (len, 1usize, sfrag);
+                if let Some(first) = sfrag {
+                    let whole = first.staged;
+                    let mut last_whole = c.len == whole;
+                    for d in rv.staged.chunks.iter().skip(1) {
+                        let next = match (d.local.as_ref(), d.sfrag) {
+                            (Some((a, _)), Some((f, st)))
+                                if last_whole
+                                    && *a == laddr + len
+                                    && d.off == off + len
+                                    && f == first.frag + k as u64
+                                    && st <= whole
+                                    && len + d.len <= MERGE_BYTES =>
+                            {
+                                (d.len, st)
+                            }
+                            _ => break,
+                        };
+                        len += next.0;
+                        k += 1;
+                        last_whole = next.0 == whole && next.1 == whole;
+                        if let Some(s) = sfrag.as_mut() {
+                            s.staged += next.1;
+                        }
+                    }
+                }
                 let iov = [Iov {
                     addr: laddr,
                     len,
@@ -560,9 +594,12 @@ impl State {
                         }) = self.reqs.get_mut(&rid)
                             && let Some(sr) = rs.staged_mut()
                         {
-                            sr.chunks.pop_front();
+                            sr.chunks.drain(..k);
                         }
                         self.count("staged fragment copied to the GPU from shared memory");
+                        if k > 1 {
+                            self.count("staged fragments copied to the GPU in runs");
+                        }
                         self.post_tok(rid, token, st, TokWhat::DirectH2D { len, sfrag });
                         continue;
                     }
