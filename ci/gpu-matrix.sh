@@ -99,6 +99,28 @@ pair "after a refused pool buffer, plain device buffers still move through cuda_
 expect "refused buffer: cuda_ipc" "warm-up 1048576 bytes from CudaPool verified.*pipelined through host staging" "rank 1: protocols: .*rendezvous receive by read \(GPU zero-copy\)" "bound peer copy GPU0->GPU1|bound pinned host->device"
 reject "demotion: cuda_ipc"
 
+# Put and get with GPU memory (rucx-perftest, two local ranks; the client's buffer is the first
+# memory type, the server's mapped region the second): what was put into the region, or read
+# by the last gets, is checked by the tool; --bounds prints the copy floors and marks the
+# test's ("[this test's floor]": the peer copy for -m cuda).
+if [ -x "$B/rucx-perftest" ]; then
+  for t in ucp_put_bw ucp_get ucp_put_lat; do
+    for m in cuda host,cuda cuda,host; do
+      name="perftest $t -m $m"
+      if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]]; then continue; fi
+      echo "=== $name"
+      timeout 180 "$B/rucx-perftest" --local -t "$t" -m "$m" -s 8,1M,64M -n 100 --bounds > /tmp/rall.$$ 2>&1
+      st=$?
+      cat /tmp/rall.$$
+      if [ $st -eq 0 ] && grep -q "this test's floor" /tmp/rall.$$; then
+        echo "=== ok: $name"
+      else
+        echo "=== FAILED: $name"; fail=1
+      fi
+    done
+  done
+fi
+
 if command -v mpirun >/dev/null && { [ -z "${ONLY:-}" ] || [[ mpirun =~ $ONLY ]]; }; then
   echo "=== mpirun -np 2 exchange (host buffers) and gpu_exchange"
   OMPI_MCA_plm=isolated timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 "$B/exchange" --bw-size 16M 2>&1 || { echo "=== FAILED: mpirun exchange"; fail=1; }

@@ -8,14 +8,16 @@
 //!                                        every echo, then closing its endpoint (flush)
 //! echo_tokio doomed ADDR                 one client that echoes 1 MiB messages forever (to be
 //!                                        killed mid-request)
-//! echo_tokio shutdown ADDR               tell the server to stop
+//! echo_tokio shutdown ADDR               tell the server to stop, wait for its answer
 //! ```
 //!
 //! The server runs one worker under `rucx::tokio::drive`: it sleeps on the worker's event
 //! descriptor when idle, receives into owned buffers (`tag_recv_owned`) and sends the very
-//! buffer back (`tag_send_owned`), accepts new clients every few milliseconds, and logs each
-//! client that dies once (the worker's error handler), going on with the others. Requires the
-//! `tokio` feature: `cargo run --release -p rucx --features tokio --example echo_tokio`.
+//! buffer back (`tag_send_owned`), accepts new clients beside that (`rucx::tokio::accept`, which
+//! sleeps on the listener's descriptor: a busy echo loop never holds up a connecting client, nor
+//! a client that connects and says nothing the echoes), and logs each client that dies once (the
+//! worker's error handler), going on with the others. Requires the `tokio` feature:
+//! `cargo run --release -p rucx --features tokio --example echo_tokio`.
 
 use std::time::Duration;
 
@@ -47,45 +49,54 @@ fn server(addr: &str) -> Result<()> {
         e => eprintln!("server: client {ep} failed: {e}"),
     });
     let served = runtime().block_on(rucx::tokio::drive(&w, async {
-        let mut served = 0u64;
-        loop {
-            // One receive at a time from anyone; the echo goes back to its sender.
-            let recv = w.tag_recv_owned(vec![0u8; MAX_MSG], 0, TAG_MASK_ANY);
-            tokio::pin!(recv);
-            let (res, mut buf) = loop {
-                tokio::select! {
-                    done = &mut recv => break done,
-                    // The listening socket is not one of the worker's descriptors: look at it
-                    // now and then.
-                    _ = tokio::time::sleep(Duration::from_millis(5)) => {
-                        while let Some(ep) = w.accept(&l)? {
-                            println!("server: client {ep} connected");
-                        }
-                    }
+        // New clients are accepted beside the echoes, neither waiting for the other.
+        let accepting = async {
+            loop {
+                match rucx::tokio::accept(&w, &l).await {
+                    Ok(ep) => println!("server: client {ep} connected"),
+                    // One peer that could not connect (a stranger, one that hung up or went
+                    // silent during the handshake): the listener goes on.
+                    Err(e) => eprintln!("server: a client could not connect: {e}"),
                 }
-            };
-            let c = match res {
-                Ok(c) => c,
-                // A receive that met a dying sender's message: already logged by the handler.
-                Err(e) => {
-                    eprintln!("server: a receive failed: {e}");
-                    continue;
-                }
-            };
-            if c.tag == SHUTDOWN {
-                return Ok::<u64, Error>(served);
             }
-            let Some(ep) = c.sender else { continue };
-            buf.truncate(c.len);
-            // Sends to a client that died meanwhile fail; the error handler said so.
-            if let (Err(e), _) = w.tag_send_owned(ep, buf, ECHO).await {
-                eprintln!("server: echo to {ep} failed: {e}");
-            }
-            served += 1;
+        };
+        tokio::select! {
+            served = echo(&w) => served,
+            () = accepting => unreachable!("accepting never ends"),
         }
     }))??;
     println!("server: shut down after {served} echoes");
     Ok(())
+}
+
+/// Echo every message back to its sender until a `SHUTDOWN` message: the number echoed.
+async fn echo(w: &Worker) -> Result<u64> {
+    let mut served = 0u64;
+    loop {
+        // One receive at a time from anyone; the echo goes back to its sender in the very
+        // buffer received into.
+        let (res, mut buf) = w.tag_recv_owned(vec![0u8; MAX_MSG], 0, TAG_MASK_ANY).await;
+        let c = match res {
+            Ok(c) => c,
+            // A receive that met a dying sender's message: the handler logged the client.
+            Err(e) => {
+                eprintln!("server: a receive failed: {e}");
+                continue;
+            }
+        };
+        let Some(ep) = c.sender else { continue };
+        if c.tag == SHUTDOWN {
+            // The answer tells the sender that the server heard it and goes.
+            w.tag_send_owned(ep, Vec::new(), SHUTDOWN).await.0?;
+            return Ok(served);
+        }
+        buf.truncate(c.len);
+        // Sends to a client that died meanwhile fail; the error handler said so.
+        if let (Err(e), _) = w.tag_send_owned(ep, buf, ECHO).await {
+            eprintln!("server: echo to {ep} failed: {e}");
+        }
+        served += 1;
+    }
 }
 
 /// One client: `msgs` messages (`None`: forever, 1 MiB each), every echo checked.
@@ -151,10 +162,15 @@ fn main() -> Result<()> {
         (Some("shutdown"), Some(addr)) => {
             let w = worker()?;
             let ep = w.connect_sockaddr(addr, Duration::from_secs(10))?;
+            // No close after the answer: the server is gone by then.
             rucx::block_on(&w, async {
                 w.tag_send_owned(ep, Vec::new(), SHUTDOWN).await.0?;
-                w.close(ep, CloseMode::Flush).await.0
+                w.tag_recv_owned(Vec::new(), SHUTDOWN, TAG_MASK_FULL)
+                    .await
+                    .0
+                    .map(drop)
             })??;
+            println!("the server shuts down");
             Ok(())
         }
         _ => {

@@ -30,13 +30,15 @@ use std::task::Poll;
 use ::tokio::io::Interest;
 use ::tokio::io::unix::AsyncFd;
 
-use crate::{Error, Result, Worker};
+use crate::ucp::Listener;
+use crate::{EpId, Error, Result, Worker};
 
 /// Progress calls that find nothing before the driver arms the worker and waits for its
 /// descriptor.
 const SPIN_IDLE: u32 = 16;
 
-/// The worker's descriptor as tokio registers it (owned by the worker, not closed here).
+/// The worker's (or a listener's) descriptor as tokio registers it (owned by the worker or the
+/// listener, not closed here).
 struct WorkerFd(RawFd);
 
 impl AsRawFd for WorkerFd {
@@ -116,4 +118,51 @@ pub async fn drive<F: Future>(worker: &Worker, fut: F) -> Result<F::Output> {
         }
     })
     .await
+}
+
+/// The next peer of `listener` whose handshake completed ([`Worker::accept`]), waiting without
+/// CPU on the listener's descriptor (and, while a handshake is in progress, until its deadline)
+/// in between. Await it inside [`drive`] on the same worker, next to the service's other work
+/// (`tokio::select!`, `join!`): it needs nothing from them, and they need nothing from it.
+///
+/// An error concerns one connecting peer, which was dropped (a stranger, a bad address, a peer
+/// that hung up or stayed silent past the handshake timeout), or the listening socket (e.g. out
+/// of descriptors): log it and await `accept` again. Errors too when tokio refuses the
+/// listener's descriptor.
+pub async fn accept(worker: &Worker, listener: &Listener) -> Result<EpId> {
+    // SAFETY: the descriptor is the listener's event set, open and the same description for
+    // the listener's whole life; `listener` is borrowed for this whole function, and the
+    // `AsyncFd` is dropped before it returns.
+    let fd = unsafe {
+        AsyncFd::register_with_interest(WorkerFd(listener.as_raw_fd()), Interest::READABLE)
+    }
+    .map_err(|e| {
+        Error::io(
+            format!(
+                "tokio: registering the descriptor of the listener on {}",
+                listener.local_addr()
+            ),
+            e.into_parts().1,
+        )
+    })?;
+    loop {
+        if let Some(ep) = worker.accept(listener)? {
+            return Ok(ep);
+        }
+        // Nothing ready now; a readiness seen before this call was consumed by it.
+        let ready = fd.readable();
+        match listener.next_deadline() {
+            Some(at) => {
+                if let Ok(guard) = ::tokio::time::timeout_at(at.into(), ready).await {
+                    guard
+                        .map_err(|e| Error::io("tokio: waiting for the listener", e))?
+                        .clear_ready();
+                }
+            }
+            None => ready
+                .await
+                .map_err(|e| Error::io("tokio: waiting for the listener", e))?
+                .clear_ready(),
+        }
+    }
 }

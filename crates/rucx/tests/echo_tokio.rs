@@ -1,6 +1,8 @@
 //! The tokio echo example (`examples/echo_tokio.rs`) as a service under load: 64 concurrent
-//! clients, 4 more killed (SIGKILL) in the middle of 1 MiB requests; the server logs each dead
-//! client once, serves the others to the end, and shuts down cleanly when told.
+//! clients, 4 more killed (SIGKILL) in the middle of 1 MiB requests, and a stranger that
+//! connects and says nothing; the server logs each dead client once, serves the others to the
+//! end (none waits for the stranger or the streaming clients to be accepted), drops the stranger
+//! when it hangs up, and shuts down cleanly when told.
 #![cfg(feature = "tokio")]
 
 use std::collections::BTreeSet;
@@ -19,9 +21,15 @@ fn example() -> std::path::PathBuf {
     dir.join("examples").join("echo_tokio")
 }
 
-/// Spawn the example with `args`; its stdout and stderr lines arrive on the receivers.
-fn spawn(args: &[&str]) -> (Child, Receiver<String>, Receiver<String>) {
-    let mut c = Command::new(example())
+/// Spawn the example with `args` over transports `tls` (`None`: the defaults); its stdout and
+/// stderr lines arrive on the receivers.
+fn spawn(tls: Option<&str>, args: &[&str]) -> (Child, Receiver<String>, Receiver<String>) {
+    let mut cmd = Command::new(example());
+    match tls {
+        Some(t) => cmd.env("RUCX_TLS", t),
+        None => cmd.env_remove("RUCX_TLS"),
+    };
+    let mut c = cmd
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -41,6 +49,11 @@ fn spawn(args: &[&str]) -> (Child, Receiver<String>, Receiver<String>) {
     let out = lines(Box::new(c.stdout.take().unwrap()));
     let err = lines(Box::new(c.stderr.take().unwrap()));
     (c, out, err)
+}
+
+/// Every line still to come from `rx`, until the child closed its output.
+fn rest(rx: &Receiver<String>) -> Vec<String> {
+    rx.iter().collect()
 }
 
 /// The first line of `rx` that `f` accepts, within `limit`.
@@ -71,16 +84,25 @@ fn exit_ok(c: &mut Child, limit: Duration) -> bool {
 }
 
 #[test]
-#[ignore = "on main after the merges of 2026-12-01 the server accepts no second client while a \
-            doomed client streams 1 MiB echoes (the second connect times out after 10 s); it \
-            passed on the h-events branch; open in issue 13"]
 fn echo_server_serves_64_clients_survives_killed_ones_and_shuts_down() {
+    serve(None);
+}
+
+#[test]
+fn echo_server_over_tcp_serves_64_clients_survives_killed_ones_and_shuts_down() {
+    serve(Some("tcp"));
+}
+
+fn serve(tls: Option<&str>) {
+    let spawn = |args: &[&str]| spawn(tls, args);
     let (mut server, sout, serr) = spawn(&["server"]);
     let addr = line_where(&sout, Duration::from_secs(30), |l| {
         l.starts_with("listening on ")
     })
     .trim_start_matches("listening on ")
     .to_string();
+    // Connects and never sends its address.
+    let stranger = std::net::TcpStream::connect(&addr).unwrap();
     // Clients that stream 1 MiB requests until they are killed.
     let mut doomed: Vec<_> = (0..DOOMED)
         .map(|_| {
@@ -97,44 +119,40 @@ fn echo_server_serves_64_clients_survives_killed_ones_and_shuts_down() {
         c.wait().unwrap();
     }
     let ok = exit_ok(&mut clients, Duration::from_secs(120));
-    let client_out: Vec<String> = cout.try_iter().chain(cerr.try_iter()).collect();
+    let client_out: Vec<String> = rest(&cout).into_iter().chain(rest(&cerr)).collect();
     assert!(ok, "the clients failed: {client_out:#?}");
+    drop(stranger);
+    let (mut stop, _, stop_err) = spawn(&["shutdown", &addr]);
+    let stopped = exit_ok(&mut stop, Duration::from_secs(30));
+    let server_ok = exit_ok(&mut server, Duration::from_secs(30));
+    let out = rest(&sout);
+    let err = rest(&serr);
+    assert!(stopped, "shutdown failed: {:#?}", rest(&stop_err));
+    assert!(server_ok, "the server did not exit cleanly: {err:#?}");
     // Each killed client is logged once, and only those.
-    let mut failed = Vec::new();
-    let t = Instant::now();
-    while failed.len() < DOOMED && t.elapsed() < Duration::from_secs(30) {
-        if let Ok(l) = serr.recv_timeout(Duration::from_millis(100))
-            && l.starts_with("server: client ")
-            && l.contains(" failed: ")
-        {
-            failed.push(l);
-        }
-    }
-    let (mut stop, _, _) = spawn(&["shutdown", &addr]);
-    assert!(
-        exit_ok(&mut stop, Duration::from_secs(30)),
-        "shutdown failed"
-    );
-    assert!(
-        exit_ok(&mut server, Duration::from_secs(30)),
-        "the server did not exit cleanly"
-    );
-    failed.extend(
-        serr.try_iter()
-            .filter(|l| l.starts_with("server: client ") && l.contains(" failed: ")),
-    );
+    let failed: Vec<&String> = err
+        .iter()
+        .filter(|l| l.starts_with("server: client ") && l.contains(" failed: "))
+        .collect();
     let eps: BTreeSet<&str> = failed
         .iter()
         .map(|l| l.split_whitespace().nth(2).unwrap())
         .collect();
     println!("{failed:#?}");
-    assert_eq!(
-        failed.len(),
-        DOOMED,
-        "one line per killed client: {failed:#?}"
+    assert_eq!(failed.len(), DOOMED, "one line per killed client: {err:#?}");
+    assert_eq!(eps.len(), DOOMED, "each killed client once: {err:#?}");
+    // The stranger, once, when it hung up.
+    let refused: Vec<&String> = err
+        .iter()
+        .filter(|l| l.starts_with("server: a client could not connect: "))
+        .collect();
+    assert_eq!(refused.len(), 1, "{err:#?}");
+    assert!(
+        refused[0].contains("closed the connection after 0 of the 12 bytes"),
+        "{err:#?}"
     );
-    assert_eq!(eps.len(), DOOMED, "each killed client once: {failed:#?}");
-    let out: Vec<String> = sout.try_iter().collect();
+    let connected = out.iter().filter(|l| l.ends_with(" connected")).count();
+    assert_eq!(connected, DOOMED + CLIENTS + 1, "{out:#?}");
     let disconnected = out.iter().filter(|l| l.ends_with(" disconnected")).count();
     // Every client closed its endpoint (the shutdown client's close may race the exit).
     assert!(

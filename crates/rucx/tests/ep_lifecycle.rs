@@ -408,12 +408,21 @@ fn killed_idle_peer_job() {
     let (res, pid) = w.tag_recv_owned(vec![0u8; 4], 1, TAG_MASK_FULL).wait(w);
     res.unwrap();
     let pid = u32::from_le_bytes(pid.try_into().unwrap());
-    // Idle a while: nothing in flight, nothing detected.
+    // Idle a while: nothing in flight, nothing detected. The survivor either polls with naps,
+    // or (`RUCX_TEST_SURVIVOR=asleep`) sleeps in `Worker::wait`, as a service does: then only
+    // the worker's own timers or its descriptor wake it.
+    let asleep = std::env::var("RUCX_TEST_SURVIVOR").as_deref() == Ok("asleep");
+    let wakes = std::cell::Cell::new(0u32);
     let idle = |until: &dyn Fn() -> bool, limit: Duration| {
         let t = Instant::now();
         while !until() && t.elapsed() < limit {
             w.progress();
-            std::thread::sleep(Duration::from_millis(1));
+            if asleep {
+                wakes.set(wakes.get() + 1);
+                w.wait(Some(limit.saturating_sub(t.elapsed()))).unwrap();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
     };
     idle(&|| false, Duration::from_millis(1500));
@@ -435,7 +444,12 @@ fn killed_idle_peer_job() {
     assert_eq!(calls.len(), 1, "one call: {calls:?}");
     assert_eq!(calls[0].0, peer);
     println!(
-        "rank 0: KILLED IDLE PEER detected after {detected:.2?}: {}",
+        "rank 0: KILLED IDLE PEER detected after {detected:.2?}{}: {}",
+        if asleep {
+            format!(" (asleep in wait, woken {} times)", wakes.get())
+        } else {
+            String::new()
+        },
         calls[0].1
     );
     assert!(detected < Duration::from_secs(10), "{detected:?}");
@@ -490,4 +504,48 @@ fn killed_idle_peer_is_reported_once_over_tcp_on_one_host() {
         "tcp",
         &[],
     );
+}
+
+#[test]
+fn killed_idle_peer_wakes_a_survivor_asleep_in_wait_over_posix() {
+    if ranks::in_child() {
+        return killed_idle_peer_job();
+    }
+    let text = run_killed_idle_peer(
+        "killed_idle_peer_wakes_a_survivor_asleep_in_wait_over_posix",
+        "posix",
+        &[("RUCX_TEST_SURVIVOR", "asleep")],
+    );
+    assert!(text.contains("exited"), "found by its process:\n{text}");
+    assert!(text.contains("asleep in wait"), "{text}");
+}
+
+#[test]
+fn killed_idle_peer_wakes_a_survivor_asleep_in_wait_over_tcp() {
+    if ranks::in_child() {
+        return killed_idle_peer_job();
+    }
+    // The process check off: the broken connection wakes the survivor.
+    let text = run_killed_idle_peer(
+        "killed_idle_peer_wakes_a_survivor_asleep_in_wait_over_tcp",
+        "tcp",
+        &[
+            ("RUCX_TEST_SURVIVOR", "asleep"),
+            ("RUCX_PROC_CHECK_INTERVAL", "inf"),
+        ],
+    );
+    assert!(text.contains("asleep in wait"), "{text}");
+}
+
+#[test]
+fn killed_idle_peer_wakes_a_survivor_asleep_in_wait_over_tcp_on_one_host() {
+    if ranks::in_child() {
+        return killed_idle_peer_job();
+    }
+    let text = run_killed_idle_peer(
+        "killed_idle_peer_wakes_a_survivor_asleep_in_wait_over_tcp_on_one_host",
+        "tcp",
+        &[("RUCX_TEST_SURVIVOR", "asleep")],
+    );
+    assert!(text.contains("asleep in wait"), "{text}");
 }

@@ -1,22 +1,131 @@
 //! Client/server wire-up: a worker listens on `host:port`; a peer that knows only that address
 //! connects, the two exchange worker addresses over the socket, and each gets an endpoint.
+//!
+//! The server's side never blocks: [`Worker::accept`] takes the connections the kernel holds,
+//! reads each peer's address as it arrives (several handshakes may be in progress at once, each
+//! with a deadline), and returns an endpoint when one is complete. A peer that connects and
+//! says nothing, or too little, costs the server nothing but a socket until its deadline. The
+//! [`Listener`]'s descriptor ([`AsRawFd`]) is readable while a peer waits to be accepted or a
+//! handshake has bytes to read, so an event loop sleeps on it (with [`Listener::next_deadline`]
+//! as its timeout) instead of polling.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use rucx_ucs::event::EventSet;
 use rucx_ucs::{Error, Result};
 
 use crate::worker::{EpId, Worker};
 
 const MAGIC: &[u8; 8] = b"RUCXCM01";
+const HEADER: usize = 12;
 const MAX_ADDR: u32 = 1 << 20;
+/// How long a connected peer has to send its whole address (see
+/// [`Listener::set_handshake_timeout`]).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections taken from the kernel per [`Worker::accept`] call (the rest stay queued there).
+const ACCEPT_BATCH: usize = 64;
 
-/// A listening socket of a worker; see [`Worker::listen`].
+/// A listening socket of a worker and the handshakes in progress on it; see [`Worker::listen`]
+/// and [`Worker::accept`].
 #[derive(Debug)]
 pub struct Listener {
     sock: TcpListener,
     addr: SocketAddr,
+    /// The listening socket and every handshake's socket: readable when one of them is.
+    set: EventSet,
+    pending: Mutex<Vec<Handshake>>,
+    timeout: Duration,
+}
+
+/// A peer connected whose address is not complete yet.
+#[derive(Debug)]
+struct Handshake {
+    sock: TcpStream,
+    from: SocketAddr,
+    /// The header and the address read so far.
+    got: Vec<u8>,
+    deadline: Instant,
+}
+
+/// What reading a handshake's socket gave.
+enum Step {
+    /// Not complete yet: wait for more bytes.
+    More,
+    /// The peer's whole packed address.
+    Done(Vec<u8>),
+}
+
+impl Handshake {
+    /// Read what the socket has (never blocks).
+    fn step(&mut self) -> Result<Step> {
+        read_step(&mut self.got, self.from, &mut self.sock)
+    }
+}
+
+/// Bytes of the address message still expected, given `got`: the header, then the address it
+/// announced.
+fn wanted(got: &[u8], from: SocketAddr) -> Result<usize> {
+    if got.len() < HEADER {
+        return Ok(HEADER);
+    }
+    let n = u32::from_le_bytes([got[8], got[9], got[10], got[11]]);
+    if n > MAX_ADDR {
+        return Err(Error::InvalidAddress(format!(
+            "connection manager: the peer at {from} announced a {n}-byte worker address (at \
+             most {MAX_ADDR})"
+        )));
+    }
+    Ok(HEADER + n as usize)
+}
+
+/// Read from `r` (non-blocking) what it has of a peer's address message into `got`, never past
+/// the message's end: `Done` with the address once whole.
+fn read_step(got: &mut Vec<u8>, from: SocketAddr, r: &mut impl Read) -> Result<Step> {
+    loop {
+        let want = wanted(got, from)?;
+        if got.len() == want {
+            return Ok(Step::Done(got.split_off(HEADER)));
+        }
+        let have = got.len();
+        got.resize(want, 0);
+        let n = match r.read(&mut got[have..]) {
+            Ok(n) => n,
+            Err(e) => {
+                got.truncate(have);
+                match e.kind() {
+                    std::io::ErrorKind::WouldBlock => return Ok(Step::More),
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => {
+                        return Err(Error::io(
+                            format!(
+                                "connection manager: receiving the worker address of the peer \
+                                 at {from}"
+                            ),
+                            e,
+                        ));
+                    }
+                }
+            }
+        };
+        got.truncate(have + n);
+        if n == 0 {
+            return Err(Error::InvalidAddress(format!(
+                "connection manager: the peer at {from} closed the connection after {have} of \
+                 the {want} bytes of its worker address message"
+            )));
+        }
+        // A stranger is turned away as soon as its first bytes show it.
+        let m = got.len().min(MAGIC.len());
+        if got[..m] != MAGIC[..m] {
+            return Err(Error::InvalidAddress(format!(
+                "connection manager: the peer at {from} is not a rucx worker (bad magic)"
+            )));
+        }
+    }
 }
 
 impl Listener {
@@ -24,19 +133,51 @@ impl Listener {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// How long a connected peer has to send its address before [`Worker::accept`] drops it
+    /// with a timeout error ([`HANDSHAKE_TIMEOUT`] unless set; applies to peers that connect
+    /// from now on).
+    pub fn set_handshake_timeout(&mut self, t: Duration) {
+        self.timeout = t;
+    }
+
+    /// Handshakes in progress (peers connected whose address is not complete).
+    pub fn handshakes(&self) -> usize {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The earliest deadline of a handshake in progress: an event loop that sleeps on this
+    /// listener's descriptor wakes by then and calls [`Worker::accept`], which drops the late
+    /// peer. `None` without handshakes in progress.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        p.iter().map(|h| h.deadline).min()
+    }
+}
+
+/// Readable while a peer waits to be accepted or a handshake in progress has bytes to read:
+/// call [`Worker::accept`] then. Owned by the listener.
+impl AsRawFd for Listener {
+    fn as_raw_fd(&self) -> RawFd {
+        self.set.fd()
+    }
 }
 
 fn send_addr(s: &mut TcpStream, addr: &[u8]) -> Result<()> {
+    s.write_all(&addr_message(addr))
+        .map_err(|e| Error::io("connection manager: sending the worker address", e))
+}
+
+fn addr_message(addr: &[u8]) -> Vec<u8> {
     let mut b = MAGIC.to_vec();
     b.extend_from_slice(&(addr.len() as u32).to_le_bytes());
     b.extend_from_slice(addr);
-    s.write_all(&b)
-        .map_err(|e| Error::io("connection manager: sending the worker address", e))
+    b
 }
 
 fn recv_addr(s: &mut TcpStream) -> Result<Vec<u8>> {
     let io = |e| Error::io("connection manager: receiving the peer's worker address", e);
-    let mut m = [0u8; 12];
+    let mut m = [0u8; HEADER];
     s.read_exact(&mut m).map_err(io)?;
     if &m[..8] != MAGIC {
         return Err(Error::InvalidAddress(
@@ -61,27 +202,128 @@ impl Worker {
         sock.set_nonblocking(true)
             .map_err(|e| Error::io("listen: non-blocking", e))?;
         let addr = sock.local_addr().map_err(|e| Error::io("listen", e))?;
-        Ok(Listener { sock, addr })
+        let set = EventSet::new()
+            .and_then(|s| s.add(sock.as_raw_fd(), 0).map(|()| s))
+            .map_err(|e| Error::io(format!("listen on {addr}: its event set (epoll)"), e))?;
+        Ok(Listener {
+            sock,
+            addr,
+            set,
+            pending: Mutex::new(Vec::new()),
+            timeout: HANDSHAKE_TIMEOUT,
+        })
     }
 
-    /// Accept one waiting peer, if any (never blocks for a peer to arrive): exchange worker
-    /// addresses and return the endpoint to it.
+    /// Accept one peer whose handshake is complete, if any: never blocks. Takes the
+    /// connections waiting in the kernel, reads what the peers in handshake sent so far, and,
+    /// for a peer whose whole address arrived, sends this worker's address and returns the
+    /// endpoint to it. `Ok(None)`: nobody is ready (sleep on the listener's descriptor, see
+    /// [`Listener`]).
+    ///
+    /// An error concerns one connecting peer, which was dropped (not a rucx worker, an address
+    /// too long or malformed, the connection closed or broken, no whole address within the
+    /// handshake timeout), or, rarely, the listening socket (`accept(2)` failed, e.g. out of
+    /// descriptors). Either way the listener stays usable: log the error and call again.
     pub fn accept(&self, l: &Listener) -> Result<Option<EpId>> {
-        match l.sock.accept() {
-            Ok((mut s, from)) => {
-                s.set_nonblocking(false)
-                    .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(10))))
-                    .map_err(|e| Error::io("accept", e))?;
-                let peer = recv_addr(&mut s).map_err(|e| match e {
-                    Error::InvalidAddress(m) => Error::InvalidAddress(format!("{m} (from {from})")),
-                    other => other,
-                })?;
-                send_addr(&mut s, &self.address())?;
-                self.connect(&peer).map(Some)
+        let mut pending = l.pending.lock().unwrap_or_else(|p| p.into_inner());
+        for _ in 0..ACCEPT_BATCH {
+            match l.sock.accept() {
+                Ok((s, from)) => {
+                    s.set_nonblocking(true)
+                        .and_then(|()| l.set.add(s.as_raw_fd(), 0))
+                        .map_err(|e| {
+                            Error::io(
+                                format!("listener on {}: the connection from {from}", l.addr),
+                                e,
+                            )
+                        })?;
+                    pending.push(Handshake {
+                        sock: s,
+                        from,
+                        got: Vec::new(),
+                        deadline: Instant::now() + l.timeout,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("listener on {}: accepting a connection", l.addr),
+                        e,
+                    ));
+                }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
-            Err(e) => Err(Error::io("accept", e)),
         }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < pending.len() {
+            match pending[i].step() {
+                Ok(Step::More) if now >= pending[i].deadline => {
+                    let h = pending.swap_remove(i);
+                    return Err(Error::Timeout {
+                        after: l.timeout,
+                        what: format!(
+                            "connection manager: the worker address of the peer at {} ({} bytes \
+                             of it so far; Listener::set_handshake_timeout)",
+                            h.from,
+                            h.got.len()
+                        ),
+                    });
+                }
+                Ok(Step::More) => i += 1,
+                Ok(Step::Done(peer)) => {
+                    let h = pending.swap_remove(i);
+                    drop(pending);
+                    return self.finish_handshake(h, &peer).map(Some);
+                }
+                Err(e) => {
+                    pending.swap_remove(i);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// A peer's whole address arrived: check it, connect, answer with ours. The endpoint comes
+    /// first: the peer, once it has our address, may send, close and exit at once, and its
+    /// transports (a posix segment) may be gone by the time we would open them.
+    fn finish_handshake(&self, mut h: Handshake, peer: &[u8]) -> Result<EpId> {
+        let from = h.from;
+        crate::address::WorkerAddress::unpack(peer).map_err(|e| {
+            Error::InvalidAddress(format!(
+                "connection manager: the worker address of the peer at {from}: {e}"
+            ))
+        })?;
+        let ep = self.connect(peer)?;
+        // Our address is far smaller than a fresh socket's send buffer: it goes at once or the
+        // peer is gone.
+        let msg = addr_message(&self.address());
+        let sent = loop {
+            match h.sock.write(&msg) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => break r,
+            }
+        };
+        let e = match sent {
+            Ok(n) if n == msg.len() => return Ok(ep),
+            Ok(n) => Error::InvalidAddress(format!(
+                "connection manager: the peer at {from} took {n} of the {} bytes of this \
+                 worker's address",
+                msg.len()
+            )),
+            Err(e) => Error::io(
+                format!("connection manager: sending this worker's address to {from}"),
+                e,
+            ),
+        };
+        // The peer will not know us: the endpoint goes (the close runs on in progress).
+        drop(self.close(ep, crate::CloseMode::Force));
+        Err(e)
     }
 
     /// Connect to a peer listening on `addr`, waiting at most `timeout` for it to answer.
@@ -114,6 +356,10 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::VecDeque;
+    use std::io::ErrorKind;
+
+    use proptest::prelude::*;
 
     #[test]
     fn garbage_on_the_socket_is_an_error() {
@@ -127,5 +373,260 @@ mod tests {
         let e = recv_addr(&mut s).unwrap_err();
         assert!(e.to_string().contains("not a rucx worker"), "{e}");
         t.join().unwrap();
+    }
+
+    fn worker() -> Worker {
+        let mut tables = rucx_transports::config_tables();
+        tables.push(crate::CONFIG);
+        let cfg = rucx_ucs::Config::from_vars(&tables, [("RUCX_TLS", "posix")]).unwrap();
+        let ctx = crate::Context::new(&rucx_transports::registry(), cfg).unwrap();
+        Worker::new(&ctx).unwrap()
+    }
+
+    /// `accept` until it returns something other than `Ok(None)` (progressing the worker),
+    /// failing the test after 30 s of nothing.
+    fn accept_next(w: &Worker, l: &Listener) -> Result<EpId> {
+        let t = Instant::now();
+        loop {
+            match w.accept(l) {
+                Ok(None) => {
+                    assert!(t.elapsed() < Duration::from_secs(30), "nobody accepted");
+                    w.progress();
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Ok(Some(ep)) => return Ok(ep),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A client worker on its own thread connects to `at` and exchanges a message both ways.
+    fn client(at: SocketAddr) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            let w = worker();
+            let ep = w.connect_sockaddr(at, Duration::from_secs(30)).unwrap();
+            w.tag_send_wait(ep, b"hello", 1).unwrap();
+            let mut b = [0u8; 3];
+            w.tag_recv_wait(&mut b, 2, crate::TAG_MASK_FULL).unwrap();
+            assert_eq!(&b, b"bye");
+        })
+    }
+
+    fn serve_one(w: &Worker, ep: EpId) {
+        let mut b = [0u8; 5];
+        let c = w.tag_recv_wait(&mut b, 1, crate::TAG_MASK_FULL).unwrap();
+        assert_eq!((c.sender, &b), (Some(ep), b"hello"));
+        w.tag_send_wait(ep, b"bye", 2).unwrap();
+    }
+
+    #[test]
+    fn a_silent_peer_holds_up_nobody_and_is_dropped_at_its_deadline() {
+        let w = worker();
+        let mut l = w.listen("127.0.0.1:0").unwrap();
+        l.set_handshake_timeout(Duration::from_millis(300));
+        // Connects and says nothing (or half of a header).
+        let mut silent = TcpStream::connect(l.local_addr()).unwrap();
+        silent.write_all(&MAGIC[..5]).unwrap();
+        let t = client(l.local_addr());
+        let ep = accept_next(&w, &l).unwrap();
+        assert_eq!(l.handshakes(), 1, "the silent peer is still in handshake");
+        assert!(l.next_deadline().is_some());
+        serve_one(&w, ep);
+        t.join().unwrap();
+        let e = accept_next(&w, &l).unwrap_err();
+        let msg = e.to_string();
+        let me = silent.local_addr().unwrap().to_string();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(msg.contains(&me) && msg.contains("5 bytes"), "{msg}");
+        assert_eq!((l.handshakes(), l.next_deadline()), (0, None));
+        // The silent peer's connection was closed.
+        let mut rest = Vec::new();
+        silent
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        assert_eq!(silent.read_to_end(&mut rest).unwrap(), 0);
+    }
+
+    #[test]
+    fn strangers_are_turned_away_and_the_listener_keeps_serving() {
+        let w = worker();
+        let l = w.listen("127.0.0.1:0").unwrap();
+        let cases: [(&[u8], &str); 3] = [
+            (b"GET / HTTP/1.0\r\n\r\n", "not a rucx worker"),
+            (b"RUCXCM01\xff\xff\xff\xff", "announced a 4294967295-byte"),
+            (
+                b"RUCXCM01\x04\x00\x00\x00abcd",
+                "the worker address of the peer at",
+            ),
+        ];
+        for (bytes, want) in cases {
+            let mut s = TcpStream::connect(l.local_addr()).unwrap();
+            s.write_all(bytes).unwrap();
+            let e = accept_next(&w, &l).unwrap_err().to_string();
+            let me = s.local_addr().unwrap().to_string();
+            assert!(e.contains(want) && e.contains(&me), "{e}");
+        }
+        // A peer that hangs up part-way.
+        let mut s = TcpStream::connect(l.local_addr()).unwrap();
+        s.write_all(b"RUCXCM01\x10\x00\x00\x00ab").unwrap();
+        drop(s);
+        let e = accept_next(&w, &l).unwrap_err().to_string();
+        assert!(
+            e.contains("closed the connection after 14 of the 28 bytes"),
+            "{e}"
+        );
+        assert_eq!(l.handshakes(), 0);
+        let t = client(l.local_addr());
+        let ep = accept_next(&w, &l).unwrap();
+        serve_one(&w, ep);
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn an_address_in_pieces_is_put_together_across_calls_and_answered() {
+        let w = worker();
+        let l = w.listen("127.0.0.1:0").unwrap();
+        // Nobody: the listener's descriptor is not readable.
+        assert!(!rucx_ucs::event::wait_readable(l.as_raw_fd(), Some(Duration::ZERO)).unwrap());
+        let other = worker();
+        let msg = addr_message(&other.address());
+        let mut s = TcpStream::connect(l.local_addr()).unwrap();
+        // A peer connected: readable.
+        assert!(
+            rucx_ucs::event::wait_readable(l.as_raw_fd(), Some(Duration::from_secs(30))).unwrap()
+        );
+        for piece in msg[..msg.len() - 1].chunks(7) {
+            s.write_all(piece).unwrap();
+            assert!(
+                rucx_ucs::event::wait_readable(l.as_raw_fd(), Some(Duration::from_secs(30)))
+                    .unwrap()
+            );
+            assert_eq!(w.accept(&l).unwrap(), None);
+        }
+        assert_eq!(l.handshakes(), 1);
+        s.write_all(&msg[msg.len() - 1..]).unwrap();
+        accept_next(&w, &l).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        assert_eq!(recv_addr(&mut s).unwrap(), w.address());
+        assert!(!rucx_ucs::event::wait_readable(l.as_raw_fd(), Some(Duration::ZERO)).unwrap());
+    }
+
+    /// Hands out its chunks one per readiness: a read past the end of a chunk would block.
+    struct Chunks {
+        chunks: VecDeque<Vec<u8>>,
+        blocked: bool,
+        eof: bool,
+    }
+
+    impl Read for Chunks {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.blocked {
+                return Err(ErrorKind::WouldBlock.into());
+            }
+            let Some(c) = self.chunks.front_mut() else {
+                return if self.eof {
+                    Ok(0)
+                } else {
+                    Err(ErrorKind::WouldBlock.into())
+                };
+            };
+            let n = buf.len().min(c.len());
+            buf[..n].copy_from_slice(&c[..n]);
+            c.drain(..n);
+            if c.is_empty() {
+                self.chunks.pop_front();
+                self.blocked = true;
+            }
+            Ok(n)
+        }
+    }
+
+    /// Feed `bytes` cut at `cuts` to a handshake until it ends (or, without `eof`, waits for
+    /// bytes that never come: `Canceled`): the bytes left unread and the outcome.
+    fn feed(bytes: &[u8], cuts: &[usize], eof: bool) -> (usize, Result<Vec<u8>>) {
+        let mut pieces = VecDeque::new();
+        let mut at = 0;
+        let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+        cuts.sort_unstable();
+        for c in cuts.into_iter().chain([bytes.len()]) {
+            if c > at {
+                pieces.push_back(bytes[at..c].to_vec());
+                at = c;
+            }
+        }
+        let mut r = Chunks {
+            chunks: pieces,
+            blocked: false,
+            eof,
+        };
+        let from: SocketAddr = "192.0.2.1:7".parse().unwrap();
+        let mut got = Vec::new();
+        loop {
+            let unread = |r: &Chunks| r.chunks.iter().map(Vec::len).sum();
+            match read_step(&mut got, from, &mut r) {
+                Ok(Step::More) if r.chunks.is_empty() && !eof => {
+                    return (0, Err(Error::Canceled));
+                }
+                Ok(Step::More) => r.blocked = false,
+                Ok(Step::Done(a)) => return (unread(&r), Ok(a)),
+                Err(e) => return (unread(&r), Err(e)),
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn any_cut_of_a_message_gives_its_address_and_reads_no_further(
+            addr in proptest::collection::vec(any::<u8>(), 0..300),
+            cuts in proptest::collection::vec(any::<usize>(), 0..20),
+            trailing in proptest::collection::vec(any::<u8>(), 0..20),
+        ) {
+            let mut bytes = addr_message(&addr);
+            let len = bytes.len();
+            bytes.extend_from_slice(&trailing);
+            let (unread, r) = feed(&bytes, &cuts, false);
+            prop_assert_eq!(r.unwrap(), addr);
+            // The reads asked for the rest of the message only.
+            prop_assert_eq!(unread, bytes.len() - len);
+        }
+
+        #[test]
+        fn a_truncated_message_waits_then_fails_when_the_peer_hangs_up(
+            addr in proptest::collection::vec(any::<u8>(), 1..300),
+            keep in any::<usize>(),
+            cuts in proptest::collection::vec(any::<usize>(), 0..10),
+        ) {
+            let bytes = addr_message(&addr);
+            let short = &bytes[..keep % bytes.len()];
+            let (_, r) = feed(short, &cuts, false);
+            prop_assert!(matches!(r, Err(Error::Canceled)), "still waiting: {:?}", r);
+            let (_, r) = feed(short, &cuts, true);
+            let e = r.unwrap_err().to_string();
+            prop_assert!(e.contains("closed the connection after"), "{}", e);
+        }
+
+        #[test]
+        fn garbage_fails_or_waits_and_never_reads_past_an_announced_length(
+            bytes in proptest::collection::vec(any::<u8>(), 0..64),
+            cuts in proptest::collection::vec(any::<usize>(), 0..10),
+        ) {
+            let (_, r) = feed(&bytes, &cuts, true);
+            match r {
+                Ok(a) => {
+                    // Only a well-formed message gives an address.
+                    prop_assert!(bytes.starts_with(MAGIC));
+                    prop_assert_eq!(&bytes[HEADER..HEADER + a.len()], &a[..]);
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    prop_assert!(
+                        e.contains("bad magic")
+                            || e.contains("closed the connection")
+                            || e.contains("announced a"),
+                        "{}", e
+                    );
+                }
+            }
+        }
     }
 }

@@ -158,36 +158,42 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         self.track(self.worker.post_stream_recv(ep, buf.into()))
     }
 
-    /// Write `buf` to the peer's memory at `remote` (inside `rkey`'s region).
+    /// Write `buf` to the peer's memory at `remote` (inside `rkey`'s region). `buf` is any
+    /// [`Memory`](rucx_ucs::Memory) borrowed shared (a host slice, a GPU buffer of
+    /// `rucx-cuda`, a part of either) or [`SendBuf::from_raw`]; the region is the peer's host
+    /// or GPU memory ([`Worker::mem_map`]). The endpoint's plan picks the path for the pair
+    /// (zero-copy through a lane that reaches both, else staged through pinned host memory:
+    /// see [`Worker::path_query`]); with none, the request fails with
+    /// [`Error::Unsupported`](rucx_ucs::Error::Unsupported) naming the pair and why.
     pub fn put(
         &'scope self,
         ep: EpId,
-        buf: &'scope [u8],
+        buf: impl Into<SendBuf<'scope>>,
         remote: u64,
         rkey: &RkeyBundle,
     ) -> Request<'scope> {
+        let b = buf.into();
         self.track(
             self.worker
-                .post_rma(ep, true, buf.as_ptr() as usize, buf.len(), remote, rkey),
+                .post_rma(ep, true, (b.addr, b.len, b.mem), remote, rkey),
         )
     }
 
-    /// Read the peer's memory at `remote` into `buf`.
+    /// Read the peer's memory at `remote` into `buf` (any [`Memory`](rucx_ucs::Memory)
+    /// borrowed mutably, host or GPU, or [`RecvBuf::from_raw`]); paths as for
+    /// [`put`](Self::put).
     pub fn get(
         &'scope self,
         ep: EpId,
-        buf: &'scope mut [u8],
+        buf: impl Into<RecvBuf<'scope>>,
         remote: u64,
         rkey: &RkeyBundle,
     ) -> Request<'scope> {
-        self.track(self.worker.post_rma(
-            ep,
-            false,
-            buf.as_mut_ptr() as usize,
-            buf.len(),
-            remote,
-            rkey,
-        ))
+        let b = buf.into();
+        self.track(
+            self.worker
+                .post_rma(ep, false, (b.addr, b.len, b.mem), remote, rkey),
+        )
     }
 
     /// Complete every operation posted to `ep` so far, remotely too.

@@ -15,7 +15,7 @@ use rucx_uct::{
 };
 
 use crate::addr::{DeviceAddr, IfaceAddr, RkeyData};
-use crate::ring::{Geometry, Ring, SegIdentity, StallWatch};
+use crate::ring::{Cursor, Geometry, Ring, SegIdentity, StallWatch};
 use crate::sys::{self, CmaDir, ProcWatch, SegmentBacking, WakePipe};
 use crate::{DEVICE, NAME, Settings};
 
@@ -145,7 +145,7 @@ pub struct PosixIface {
     // Keeps the segment's descriptor (whose number is in the address) open.
     _file: File,
     ring: Ring,
-    tail: u64,
+    tail: Cursor,
     /// Senders write a byte here when they find the ring armed.
     wake: WakePipe,
     /// The ring is (or may still be) armed: the next progress disarms it and drains `wake`.
@@ -192,7 +192,7 @@ impl PosixIface {
             attr: iface_attr(geo, cma),
             _file: file,
             ring,
-            tail: 0,
+            tail: Cursor::default(),
             wake,
             armed: false,
             addr: IfaceAddr {
@@ -396,7 +396,7 @@ impl Iface for PosixIface {
     fn arm(&mut self) -> Result<()> {
         // A wake-up byte of an earlier arm would make the descriptor read as ready at once.
         self.wake.drain();
-        if self.ring.arm(self.tail) {
+        if self.ring.arm(&mut self.tail) {
             self.armed = true;
             return Ok(());
         }

@@ -31,8 +31,11 @@
 //! publishes with `seq = pos + 1` (release). A cell with `seq < pos` still holds an unconsumed message from the
 //! previous lap: the ring is full and the producer returns `NoResource` (it never waits and never
 //! overwrites). The consumer keeps its own `tail`; the cell at `tail` is ready when
-//! `seq == tail + 1` (acquire); after handing the data out it frees the cell for the next lap
-//! with `seq = tail + count` and then `writer = 0` (both release).
+//! `seq == tail + 1` (acquire); once the data is handed out it frees the cell for the next lap
+//! with `seq = tail + count` and then `writer = 0` (both release). It frees the last cell of a
+//! [`Ring::receive`] call at the start of the next call (or before sleeping), not at once: the
+//! free is a store to the line the producer wrote, and while it waits for that line it would
+//! hold up the consumer's next atomic instruction (the claim of its answer, in a ping-pong).
 //!
 //! Because the claim itself names the producer, a producer that dies between claiming and
 //! publishing leaves its pid in the cell: the consumer notices a cell at `tail` claimed for over
@@ -293,9 +296,12 @@ impl Ring {
         self.u32_at(OFF_WAKE_FD).load(Ordering::Relaxed)
     }
 
-    /// Owner: ask producers for a wake-up at the next message. False (and not armed) when a
-    /// message at or after `tail` is published or being written: receive first.
-    pub fn arm(&self, tail: u64) -> bool {
+    /// Owner: ask producers for a wake-up at the next message, freeing the cells it delivered
+    /// first. False (and not armed) when a message at or after the cursor's tail is published
+    /// or being written: receive first.
+    pub fn arm(&self, cur: &mut Cursor) -> bool {
+        self.give_back(cur);
+        let tail = cur.tail;
         let armed = self.u32_at(OFF_ARMED);
         armed.store(1, Ordering::SeqCst);
         if self.u64_at(OFF_HEAD).load(Ordering::SeqCst) != tail {
@@ -401,16 +407,25 @@ impl Ring {
         Ok(len)
     }
 
-    /// Consumer: deliver up to `max` ready messages to `f`, starting at `*tail`. Returns how many
-    /// messages were delivered. Only the segment's owner may call this, from one thread.
-    pub fn receive(&self, tail: &mut u64, max: usize, f: &mut dyn FnMut(AmId, &[u8])) -> usize {
+    /// Consumer: deliver up to `max` ready messages to `f`, starting at `cur.tail()`. Returns
+    /// how many messages were delivered. Only the segment's owner may call this, from one thread.
+    ///
+    /// The cell of the last message delivered stays with the consumer until the next call (or
+    /// [`Ring::give_back`]): freeing a cell writes its line, which the producer last wrote, and a
+    /// store still waiting for that line would hold up the consumer's next atomic instruction,
+    /// typically the claim of its answer in the peer's ring. Freed at the start of the next call,
+    /// while the consumer polls, the store is off the ping-pong's critical path.
+    pub fn receive(&self, cur: &mut Cursor, max: usize, f: &mut dyn FnMut(AmId, &[u8])) -> usize {
+        self.give_back(cur);
         let mut n = 0;
         while n < max {
-            let off = self.cell_off(*tail);
+            let off = self.cell_off(cur.tail);
             let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
-            if seq != tail.wrapping_add(1) {
+            if seq != cur.tail.wrapping_add(1) {
                 break;
             }
+            // Free the cell delivered before this one (a batch frees as it goes).
+            self.give_back(cur);
             let meta = self.u64_at(off + C_META).load(Ordering::Relaxed);
             let len = (meta & 0xffff_ffff) as usize;
             let id = ((meta >> 32) & 0xff) as u8;
@@ -419,7 +434,8 @@ impl Ring {
                 if len <= self.geo.capacity() && usize::from(id) < AM_ID_MAX {
                     // SAFETY: the acquire load saw the producer's release of `seq = tail + 1`,
                     // so the cell's data is fully written and no producer touches the cell again
-                    // until we release it below; `len` was checked against the cell capacity.
+                    // until we free it (at the earliest in the next iteration or call, after
+                    // `f` returned); `len` was checked against the cell capacity.
                     let data = unsafe {
                         std::slice::from_raw_parts(
                             self.map.as_mut_ptr().add(off + CELL_HEADER),
@@ -435,10 +451,20 @@ impl Ring {
                     );
                 }
             }
-            self.release(off, *tail);
-            *tail = tail.wrapping_add(1);
+            cur.tail = cur.tail.wrapping_add(1);
         }
         n
+    }
+
+    /// Consumer: free every cell delivered so far for the producers' next lap. [`Ring::receive`]
+    /// does it itself; an owner about to sleep calls it so that no producer finds the ring full
+    /// because of a cell the owner no longer needs.
+    #[inline]
+    pub fn give_back(&self, cur: &mut Cursor) {
+        while cur.freed != cur.tail {
+            self.release(self.cell_off(cur.freed), cur.freed);
+            cur.freed = cur.freed.wrapping_add(1);
+        }
     }
 
     fn release(&self, off: usize, pos: u64) {
@@ -457,18 +483,36 @@ impl Ring {
         (seq == tail && writer != 0).then_some(writer)
     }
 
-    /// Consumer: give up on the cell at `*tail`, whose writer died after claiming it, and move
+    /// Consumer: give up on the cell at the cursor's tail, whose writer died after claiming it, and move
     /// past it (moving `head` too when the writer died before doing so).
-    pub fn skip_dead(&self, tail: &mut u64) {
-        let off = self.cell_off(*tail);
+    pub fn skip_dead(&self, cur: &mut Cursor) {
+        self.give_back(cur);
+        let off = self.cell_off(cur.tail);
         let _ = self.u64_at(OFF_HEAD).compare_exchange(
-            *tail,
-            tail.wrapping_add(1),
+            cur.tail,
+            cur.tail.wrapping_add(1),
             Ordering::AcqRel,
             Ordering::Relaxed,
         );
-        self.release(off, *tail);
-        *tail = tail.wrapping_add(1);
+        self.release(off, cur.tail);
+        cur.tail = cur.tail.wrapping_add(1);
+        cur.freed = cur.tail;
+    }
+}
+
+/// The consumer's place in its ring: the next cell to read (`tail`) and the first cell read but
+/// not yet freed for the producers (`freed`; at most the last cell delivered, between two
+/// [`Ring::receive`] calls).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cursor {
+    tail: u64,
+    freed: u64,
+}
+
+impl Cursor {
+    /// The next position the consumer reads (messages delivered so far).
+    pub fn tail(&self) -> u64 {
+        self.tail
     }
 }
 
@@ -498,22 +542,23 @@ pub struct StallWatch {
 }
 
 impl StallWatch {
-    /// Look at the cell at `*tail` and skip it when its writer died after claiming it more than
-    /// [`STALL_LIMIT`] ago. Returns true when a cell was skipped.
-    pub fn check(&mut self, ring: &Ring, tail: &mut u64) -> bool {
-        match ring.stalled_writer(*tail) {
+    /// Look at the cell at the cursor's tail and skip it when its writer died after claiming it
+    /// more than [`STALL_LIMIT`] ago. Returns true when a cell was skipped.
+    pub fn check(&mut self, ring: &Ring, cur: &mut Cursor) -> bool {
+        let tail = cur.tail;
+        match ring.stalled_writer(tail) {
             None => {
                 self.since = None;
                 false
             }
             Some(pid) => match self.since {
-                Some((t, at)) if t == *tail => {
+                Some((t, at)) if t == tail => {
                     if at.elapsed() >= STALL_LIMIT && !sys::pid_alive(pid) {
                         tracing::warn!(
                             "posix: skipping a message slot claimed by pid {pid}, which died \
                              before filling it"
                         );
-                        ring.skip_dead(tail);
+                        ring.skip_dead(cur);
                         self.since = None;
                         true
                     } else {
@@ -521,7 +566,7 @@ impl StallWatch {
                     }
                 }
                 _ => {
-                    self.since = Some((*tail, Instant::now()));
+                    self.since = Some((tail, Instant::now()));
                     false
                 }
             },
@@ -571,7 +616,7 @@ mod tests {
             assert_eq!(put(&r, 1, &[i; 10]), Some(10));
         }
         assert_eq!(put(&r, 1, &[99; 10]), None, "a full ring must refuse");
-        let mut tail = 0;
+        let mut tail = Cursor::default();
         let mut got = Vec::new();
         assert_eq!(
             r.receive(&mut tail, usize::MAX, &mut |id, d| got
@@ -583,9 +628,49 @@ mod tests {
     }
 
     #[test]
+    fn last_delivered_cell_is_freed_by_the_next_call_or_before_sleeping() {
+        let r = ring(4, 128);
+        for i in 0..4u8 {
+            assert_eq!(put(&r, 1, &[i]), Some(1));
+        }
+        let mut tail = Cursor::default();
+        assert_eq!(r.receive(&mut tail, 2, &mut |_, _| {}), 2);
+        assert_eq!(r.receive(&mut tail, 2, &mut |_, _| {}), 2);
+        // Cells 0-2 are free, cell 3 (the last delivered) is still the consumer's.
+        for i in 0..3u8 {
+            assert_eq!(put(&r, 2, &[i]), Some(1), "freed cell {i}");
+        }
+        assert_eq!(
+            put(&r, 2, b"x"),
+            None,
+            "the last delivered cell is not free yet"
+        );
+        // A call that finds the next message frees it first ...
+        let mut got = Vec::new();
+        assert_eq!(r.receive(&mut tail, 1, &mut |_, d| got.push(d[0])), 1);
+        assert_eq!(got, [0]);
+        assert_eq!(put(&r, 3, b"y"), Some(1), "freed by the next receive");
+        // ... and so does one that finds nothing, or arming before a sleep.
+        let mut got = Vec::new();
+        assert_eq!(r.receive(&mut tail, 8, &mut |_, d| got.push(d.to_vec())), 3);
+        assert_eq!(got, [vec![1], vec![2], b"y".to_vec()]);
+        for _ in 0..3 {
+            assert!(put(&r, 4, b"z").is_some());
+        }
+        assert_eq!(put(&r, 4, b"z"), None);
+        assert_eq!(r.receive(&mut tail, 3, &mut |_, _| {}), 3);
+        assert!(r.arm(&mut tail), "nothing waits");
+        r.disarm();
+        for _ in 0..4 {
+            assert!(put(&r, 5, b"w").is_some(), "arm freed every delivered cell");
+        }
+        assert_eq!(put(&r, 5, b"w"), None);
+    }
+
+    #[test]
     fn wraps_around_many_times_in_order() {
         let r = ring(8, 128);
-        let mut tail = 0;
+        let mut tail = Cursor::default();
         let mut next_send = 0u32;
         let mut next_recv = 0u32;
         while next_recv < 10_000 {
@@ -598,7 +683,7 @@ mod tests {
                 next_recv += 1;
             });
         }
-        assert_eq!(tail, 10_000);
+        assert_eq!(tail.tail(), 10_000);
     }
 
     #[test]
@@ -609,13 +694,13 @@ mod tests {
         let e = r.send(|_| Ok((1, 100_000)));
         assert!(e.is_err(), "length past the cell must be refused");
         assert_eq!(put(&r, 5, b"x"), Some(1));
-        let mut tail = 0;
+        let mut tail = Cursor::default();
         let mut got = Vec::new();
         r.receive(&mut tail, usize::MAX, &mut |id, d| {
             got.push((id, d.to_vec()))
         });
         assert_eq!(got, vec![(5, b"x".to_vec())]);
-        assert_eq!(tail, 3);
+        assert_eq!(tail.tail(), 3);
     }
 
     #[test]
@@ -626,7 +711,7 @@ mod tests {
         }));
         assert!(res.is_err());
         assert_eq!(put(&r, 1, b"ok"), Some(2));
-        let mut tail = 0;
+        let mut tail = Cursor::default();
         assert_eq!(
             r.receive(&mut tail, usize::MAX, &mut |_, d| assert_eq!(d, b"ok")),
             1
@@ -653,7 +738,7 @@ mod tests {
             })
             .collect();
         let mut next = [0u32; 3];
-        let mut tail = 0;
+        let mut tail = Cursor::default();
         while next.iter().any(|&n| n < per) {
             r.receive(&mut tail, 64, &mut |_, d| {
                 let t = d[0] as usize;
@@ -693,17 +778,17 @@ mod tests {
     #[test]
     fn arm_is_refused_with_a_claim_or_message_and_a_send_takes_the_wakeup_once() {
         let r = ring(4, 128);
-        let mut tail = 0;
+        let mut tail = Cursor::default();
         assert!(!r.take_wakeup(), "not armed: no wake-up");
-        assert!(r.arm(tail));
+        assert!(r.arm(&mut tail));
         assert_eq!(put(&r, 1, b"a"), Some(1));
         assert!(r.take_wakeup(), "armed: the sender wakes the owner");
         assert!(!r.take_wakeup(), "only one sender wakes it");
         // A published message (or a claimed cell: `head` moved) refuses arming.
-        assert!(!r.arm(tail));
+        assert!(!r.arm(&mut tail));
         assert!(!r.take_wakeup(), "a refused arm leaves nothing armed");
         assert_eq!(r.receive(&mut tail, 8, &mut |_, _| {}), 1);
-        assert!(r.arm(tail));
+        assert!(r.arm(&mut tail));
         r.disarm();
         assert_eq!(put(&r, 1, b"b"), Some(1));
         assert!(!r.take_wakeup(), "disarmed: no wake-up");
@@ -753,7 +838,7 @@ mod tests {
             } else {
                 assert_eq!(put(&r, 1, b"later"), None, "claimed cell must not be taken");
             }
-            let mut tail = 0;
+            let mut tail = Cursor::default();
             assert_eq!(
                 r.receive(&mut tail, 8, &mut |_, _| {}),
                 0,
@@ -769,7 +854,9 @@ mod tests {
             let mut got = Vec::new();
             assert_eq!(r.receive(&mut tail, 8, &mut |_, d| got.push(d.to_vec())), 1);
             assert_eq!(got, vec![b"later".to_vec()]);
-            // The skipped cell is usable again on the next lap.
+            // The skipped cell is usable again on the next lap (and the delivered one once the
+            // consumer gives it back).
+            r.give_back(&mut tail);
             for _ in 0..4 {
                 assert!(put(&r, 1, b"n").is_some());
             }
@@ -782,11 +869,11 @@ mod tests {
         let off = r.cell_off(0);
         r.u32_at(off + C_WRITER)
             .store(sys::my_pid(), Ordering::Relaxed);
-        let mut tail = 0;
+        let mut tail = Cursor::default();
         let mut w = StallWatch {
             since: Some((0, Instant::now() - STALL_LIMIT)),
         };
         assert!(!w.check(&r, &mut tail));
-        assert_eq!(tail, 0);
+        assert_eq!(tail.tail(), 0);
     }
 }

@@ -300,7 +300,8 @@ pub struct Cli {
     #[arg(short = 'E', default_value = "poll", value_parser = WaitMode::from_str)]
     pub wait: WaitMode,
     /// Memory type of the send buffer and optionally the receive buffer: host, cuda
-    /// (each rank on GPU rank % device count: the server GPU 0, the client GPU 1).
+    /// (each rank on GPU rank % device count: the server GPU 0, the client GPU 1). For
+    /// ucp_put_*/ucp_get: the client's buffer, then the server's mapped region.
     #[arg(short = 'm', default_value = "host", value_parser = parse_mem_types)]
     pub mem: (MemoryType, MemoryType),
     /// With -m cuda: also time a pinned host->device copy, a device->pinned host copy and the
@@ -452,13 +453,6 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
             vec![cli.test]
         };
         for t in tests {
-            if t.is_rma() {
-                return Err(format!(
-                    "-m {send},{recv}: {t} with GPU memory is not supported: remote memory \
-                     access maps host memory only (Worker::mem_map takes a host slice); run \
-                     tag_lat/tag_bw for GPU memory, or {t} with -m host"
-                ));
-            }
             if matches!(t, TestKind::StreamLat | TestKind::StreamBw) {
                 return Err(format!(
                     "-m {send},{recv}: {t} with GPU memory is not supported: the stream API \
@@ -617,14 +611,13 @@ mod tests {
         assert!(p(&["--local", "-m", "cuda", "--sweep"]).is_ok());
         let e = p(&["-m", "cuda-managed"]).unwrap_err();
         assert!(e.contains("managed") && e.contains("use -m cuda"), "{e}");
-        let e = p(&["-m", "host,cuda", "-t", "ucp_put_bw"]).unwrap_err();
-        assert!(
-            e.contains("Worker::mem_map") && e.contains("not supported"),
-            "{e}"
-        );
-        for t in ["ucp_put_lat", "ucp_get"] {
-            let e = p(&["-m", "cuda", "-t", t]).unwrap_err();
-            assert!(e.contains("remote memory access"), "{e}");
+        // Put and get take GPU memory on either side (the client's buffer is the first type,
+        // the server's mapped region the second).
+        for m in ["cuda", "host,cuda", "cuda,host"] {
+            for t in ["ucp_put_lat", "ucp_put_bw", "ucp_get"] {
+                let o = p(&["--local", "-m", m, "-t", t, "--bounds"]).unwrap();
+                assert!(o.bounds && o.test.is_rma(), "{m} {t}");
+            }
         }
         for t in ["am_lat", "am_bw"] {
             let e = p(&["-m", "cuda,host", "-t", t]).unwrap_err();

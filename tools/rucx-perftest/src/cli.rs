@@ -226,9 +226,15 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
         ));
         if let Ok(paths) = job.worker().path_query(job.ep(0), Some(g.ordinal)) {
             let want = [opts.mem, (opts.mem.1, opts.mem.0)];
+            // The test's operation: put moves client -> server, get server -> client.
+            let op = match opts.test {
+                TestKind::PutLat | TestKind::PutBw => rucx::ucp::plan::Op::Put,
+                TestKind::Get => rucx::ucp::plan::Op::Get,
+                _ => rucx::ucp::plan::Op::Tag,
+            };
             let lines: Vec<String> = paths
                 .iter()
-                .filter(|p| want.contains(&(p.send_mem, p.recv_mem)))
+                .filter(|p| p.op == op && want.contains(&(p.send_mem, p.recv_mem)))
                 .map(|p| p.to_string())
                 .collect();
             if !lines.is_empty() {
@@ -315,6 +321,23 @@ pub fn lat_bounds_lines(f: &Figures, b: &mem::LatBounds) -> Vec<(String, String)
     ]
 }
 
+/// Which bound line (0: host -> GPU, 1: GPU -> host, 2: peer copy) is the floor of `test` with
+/// memory `mem`: the copy its data needs at best. The data flows from the first memory type to
+/// the second, except for a get (the client reads the server's region: second to first).
+pub fn matching_floor(test: TestKind, mem: (rucx::MemoryType, rucx::MemoryType)) -> Option<usize> {
+    let (from, to) = if test == TestKind::Get {
+        (mem.1, mem.0)
+    } else {
+        mem
+    };
+    match (from.is_gpu(), to.is_gpu()) {
+        (false, true) => Some(0),
+        (true, false) => Some(1),
+        (true, true) => Some(2),
+        (false, false) => None,
+    }
+}
+
 /// Measure and print the bounds (stdout for the table, stderr for CSV; JSON gets them as
 /// fields): for ping-pong tests one copy's latency at the smallest size of `figs`, else copy
 /// bandwidth at the largest. Returns the JSON fields.
@@ -348,6 +371,13 @@ fn bounds_report(opts: &Options, figs: &[Figures]) -> R<Vec<(&'static str, Strin
             bounds_lines(f, &b),
         )
     };
+    // The copy the test's data path needs at best: mark it.
+    let mut lines = lines;
+    if let Some(i) = matching_floor(opts.test, opts.mem)
+        && let Some(l) = lines.get_mut(i)
+    {
+        l.1.push_str(" [this test's floor]");
+    }
     match opts.format {
         Format::Table => {
             println!("{head}");
@@ -586,6 +616,21 @@ pub fn main() -> ExitCode {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn the_matching_floor_follows_the_data() {
+        use rucx::MemoryType::{Cuda, Host};
+        for t in [TestKind::TagBw, TestKind::PutBw, TestKind::PutLat] {
+            assert_eq!(matching_floor(t, (Cuda, Cuda)), Some(2));
+            assert_eq!(matching_floor(t, (Host, Cuda)), Some(0));
+            assert_eq!(matching_floor(t, (Cuda, Host)), Some(1));
+            assert_eq!(matching_floor(t, (Host, Host)), None);
+        }
+        // A get moves the server's region (second) into the client's buffer (first).
+        assert_eq!(matching_floor(TestKind::Get, (Host, Cuda)), Some(1));
+        assert_eq!(matching_floor(TestKind::Get, (Cuda, Host)), Some(0));
+        assert_eq!(matching_floor(TestKind::Get, (Cuda, Cuda)), Some(2));
+    }
 
     #[test]
     fn sweep_table_has_a_row_per_size() {

@@ -490,10 +490,14 @@ fn recv_rkey(w: &Worker, ep: EpId) -> R<rucx::RkeyBundle> {
         .map_err(ctx("unpacking the peer's remote key"))
 }
 
-fn put_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+// Remote memory access tests: the client's (initiator's) buffers are of `spec.mem.0`, the
+// server's mapped region of `spec.mem.1`, for put and get alike (as ucx_perftest's local and
+// remote buffers). GPU buffers are on GPU `rank % count`, as for the tag tests.
+
+fn put_bw_client(w: &Worker, ep: EpId, spec: &Spec, gpu: Option<&Gpu>, t: &mut Timer) -> R<()> {
+    let sbuf = Buf::pattern(spec.mem.0, gpu, spec.size)?;
     let rkey = recv_rkey(w, ep)?;
     let remote = rkey.base();
-    let sbuf = pattern(spec.size);
     let total = spec.warmup + spec.iters;
     let mut i = 0;
     while i < total {
@@ -503,26 +507,28 @@ fn put_bw_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
                 i..end,
                 spec.window,
                 t,
-                |_| s.put(ep, &sbuf, remote, &rkey),
+                |_| s.put(ep, sbuf.send_buf(), remote, &rkey),
                 |r| wait(w, ep, r).map(|_| ()),
             )
         })?;
         i = end;
     }
     w.scope(|s| wait(w, ep, s.flush(ep)))?;
+    // The server checks what arrived once told.
     send(w, ep, &[], TAG_DONE)
 }
 
-fn get_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
+fn get_client(w: &Worker, ep: EpId, spec: &Spec, gpu: Option<&Gpu>, t: &mut Timer) -> R<()> {
+    let mut ring = Ring::new(spec.mem.0, gpu, spec.size, ring_len(spec.size, spec.window))?;
     let rkey = recv_rkey(w, ep)?;
     let remote = rkey.base();
-    let mut bufs = vec![touched(spec.size); ring_len(spec.size, spec.window)];
     let total = spec.warmup + spec.iters;
     let mut i = 0;
     while i < total {
-        let n = bufs.len().min(total - i);
+        let n = ring.len().min(total - i);
+        let slots = ring.slots(n);
         w.scope(|s| {
-            let mut free = bufs.iter_mut();
+            let mut free = slots.into_iter();
             windowed(
                 i..i + n,
                 spec.window,
@@ -536,26 +542,66 @@ fn get_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
         })?;
         i += n;
     }
-    send(w, ep, &[], TAG_DONE)
+    send(w, ep, &[], TAG_DONE)?;
+    // The server's region holds the pattern: so must what was read (after the clock stopped).
+    let last = (total - 1) % ring.len().max(1);
+    for k in [0, last] {
+        ring.verify(k, &format!("client, get into slot {k}"))?;
+    }
+    Ok(())
 }
 
-/// Read the last byte of a mapped buffer that the peer writes into.
-fn last_byte(map: &rucx::MemMap<'_>) -> u8 {
-    let s = map.as_slice();
-    // SAFETY: the pointer is in bounds (the map is never empty here: sizes >= 1 are
-    // enforced) and the map keeps the buffer alive; a volatile read is needed because the
-    // peer's transport writes the byte behind the compiler's back.
-    unsafe { std::ptr::read_volatile(s.as_ptr().add(s.len() - 1)) }
+/// The last byte of `buf` (which the peer's puts write): a volatile read of host memory, a
+/// one-byte copy out of GPU memory.
+fn last_byte(buf: &Buf) -> R<u8> {
+    match buf {
+        Buf::Host(v) => {
+            let p = v.as_ptr();
+            // SAFETY: in bounds (sizes >= 1 are enforced) of a live vector; volatile because
+            // the peer's transport writes the byte behind the compiler's back.
+            Ok(unsafe { std::ptr::read_volatile(p.add(v.len() - 1)) })
+        }
+        Buf::Dev { mem, len } => {
+            let mut b = [0u8];
+            mem.copy_to_host(len - 1, &mut b)
+                .map_err(|e| format!("polling the mapped GPU buffer: {e}"))?;
+            Ok(b[0])
+        }
+    }
 }
 
+/// Set the last byte of the send buffer `buf` to `seq`.
+fn set_last_byte(buf: &mut Buf, seq: u8) -> R<()> {
+    match buf {
+        Buf::Host(v) => {
+            *v.last_mut().ok_or("empty buffer")? = seq;
+            Ok(())
+        }
+        Buf::Dev { mem, len } => mem
+            .copy_from_host(*len - 1, &[seq])
+            .map_err(|e| format!("writing the send buffer's last byte: {e}")),
+    }
+}
+
+/// Map `mine` (this side's buffer the peer writes into) and swap keys with the peer. The map
+/// takes the buffer by address, so that this side can poll it meanwhile (the peer's writes
+/// are the only other access, as for a host buffer read while a NIC writes it).
 fn exchange_maps<'a>(
     w: &Worker,
     ep: EpId,
-    buf: &'a mut [u8],
+    mine: &'a Buf,
     server: bool,
 ) -> R<(rucx::MemMap<'a>, rucx::RkeyBundle)> {
-    let map = w.mem_map(buf).map_err(ctx(
-        "mapping the buffer for remote access (does RUCX_TLS have a transport with put/get?)",
+    let (addr, len) = match mine {
+        Buf::Host(v) => (v.as_ptr() as u64, v.len()),
+        Buf::Dev { mem, len } => (mem.ptr(), *len),
+    };
+    // SAFETY: `mine` outlives the map ('a); this side only polls its last byte while the map
+    // lives (the peer's puts are the writers), and drops the map before the buffer.
+    let raw = unsafe { RecvBuf::from_raw(addr, len) };
+    let map = w.mem_map(raw).map_err(ctx(
+        "mapping the buffer for remote access (does RUCX_TLS have a transport with put/get, \
+         and for GPU memory one that exports it: cuda_ipc?)",
     ))?;
     let packed = map.pack_rkey();
     let rkey = if server {
@@ -569,16 +615,25 @@ fn exchange_maps<'a>(
     Ok((map, rkey))
 }
 
-fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, t: &mut Timer) -> R<()> {
-    let mut mine = touched(spec.size);
-    let (map, rkey) = exchange_maps(w, ep, &mut mine, false)?;
-    let mut sbuf = pattern(spec.size);
+fn put_lat_client(w: &Worker, ep: EpId, spec: &Spec, gpu: Option<&Gpu>, t: &mut Timer) -> R<()> {
+    let mine = Buf::touched(spec.mem.0, gpu, spec.size)?;
+    let mut sbuf = Buf::pattern(spec.mem.0, gpu, spec.size)?;
+    let (map, rkey) = exchange_maps(w, ep, &mine, false)?;
     for i in 0..spec.warmup + spec.iters {
-        t.begin(i);
         let seq = (i + 1) as u8;
-        *sbuf.last_mut().expect("size >= 1") = seq;
-        w.scope(|s| wait(w, ep, s.put(ep, &sbuf, rkey.base(), &rkey)))?;
-        progress_until(w, ep, || last_byte(&map) == seq)?;
+        // Outside the clock: a GPU buffer takes a copy to change.
+        set_last_byte(&mut sbuf, seq)?;
+        t.begin(i);
+        w.scope(|s| wait(w, ep, s.put(ep, sbuf.send_buf(), rkey.base(), &rkey)))?;
+        let mut polled = Ok(());
+        progress_until(w, ep, || match last_byte(&mine) {
+            Ok(b) => b == seq,
+            Err(e) => {
+                polled = Err(e);
+                true
+            }
+        })?;
+        polled?;
         t.end(i);
     }
     drop(map);
@@ -666,9 +721,9 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
             let sbuf = bw_buf.as_ref().expect("set up above");
             tag_bw_client(w, ep, spec, sbuf, &mut t)?
         }
-        TestKind::PutBw => put_bw_client(w, ep, spec, &mut t)?,
-        TestKind::Get => get_client(w, ep, spec, &mut t)?,
-        TestKind::PutLat => put_lat_client(w, ep, spec, &mut t)?,
+        TestKind::PutBw => put_bw_client(w, ep, spec, gpu, &mut t)?,
+        TestKind::Get => get_client(w, ep, spec, gpu, &mut t)?,
+        TestKind::PutLat => put_lat_client(w, ep, spec, gpu, &mut t)?,
         TestKind::AmLat => am_lat_client(w, ep, spec, &mut t)?,
         TestKind::AmBw => am_bw_client(w, ep, spec, &mut t)?,
     }
@@ -768,27 +823,49 @@ fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
 }
 
 fn rma_target_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let mut buf = pattern(spec.size);
-    send(w, ep, &[], TAG_READY)?;
-    let map = w.mem_map(&mut buf).map_err(ctx(
-        "mapping the buffer for remote access (does RUCX_TLS have a transport with put/get?)",
+    // Put: a cleared region the client's puts fill with the pattern; get: the pattern.
+    let setup = mem::gpu_for(spec.mem, 0).and_then(|g| match spec.test {
+        TestKind::Get => Buf::pattern(spec.mem.1, g.as_ref(), spec.size),
+        _ => Buf::touched(spec.mem.1, g.as_ref(), spec.size),
+    });
+    let mut buf = ready(w, ep, setup)?;
+    let map = w.mem_map(buf.recv_buf()).map_err(ctx(
+        "mapping the buffer for remote access (does RUCX_TLS have a transport with put/get, \
+         and for GPU memory one that exports it: cuda_ipc?)",
     ))?;
     send(w, ep, &map.pack_rkey(), TAG_RKEY)?;
     recv(w, ep, &mut [], TAG_DONE)?;
     drop(map);
+    if spec.test == TestKind::PutBw {
+        buf.verify("server, region written by puts")?;
+    }
     Ok(())
 }
 
 fn put_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
-    let mut mine = touched(spec.size);
-    send(w, ep, &[], TAG_READY)?;
-    let (map, rkey) = exchange_maps(w, ep, &mut mine, true)?;
-    let mut sbuf = pattern(spec.size);
+    let setup = mem::gpu_for(spec.mem, 0).and_then(|g| {
+        Ok((
+            Buf::touched(spec.mem.1, g.as_ref(), spec.size)?,
+            Buf::pattern(spec.mem.1, g.as_ref(), spec.size)?,
+        ))
+    });
+    let (mine, mut sbuf) = ready(w, ep, setup)?;
+    let (map, rkey) = exchange_maps(w, ep, &mine, true)?;
+    set_last_byte(&mut sbuf, 1)?;
     for i in 0..spec.warmup + spec.iters {
         let seq = (i + 1) as u8;
-        progress_until(w, ep, || last_byte(&map) == seq)?;
-        *sbuf.last_mut().expect("size >= 1") = seq;
-        w.scope(|s| wait(w, ep, s.put(ep, &sbuf, rkey.base(), &rkey)))?;
+        let mut polled = Ok(());
+        progress_until(w, ep, || match last_byte(&mine) {
+            Ok(b) => b == seq,
+            Err(e) => {
+                polled = Err(e);
+                true
+            }
+        })?;
+        polled?;
+        w.scope(|s| wait(w, ep, s.put(ep, sbuf.send_buf(), rkey.base(), &rkey)))?;
+        // The next answer's byte, while the client takes this one in.
+        set_last_byte(&mut sbuf, seq.wrapping_add(1))?;
     }
     recv(w, ep, &mut [], TAG_DONE)?;
     drop(map);

@@ -129,9 +129,9 @@ fn sweep_writes_a_plot() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let o = perftest(&["--local", "-m", "cuda", "-t", "ucp_put_bw"]);
+    let o = perftest(&["--local", "-m", "cuda", "-t", "am_bw"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("Worker::mem_map"), "{}", text(&o));
+    assert!(text(&o).contains("active messages"), "{}", text(&o));
     let o = perftest(&["--local", "--bounds"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("-m cuda"), "{}", text(&o));
@@ -150,35 +150,39 @@ fn bad_input_is_a_clear_error() {
 /// reason; with one (the GPU machine), the tests run and every message is verified.
 #[test]
 fn gpu_memory_runs_or_names_the_missing_driver() {
-    let args = [
-        "--local",
-        "-q",
-        "-m",
-        "cuda,cuda",
-        "-t",
-        "tag_lat",
-        "-s",
-        "8,1M",
-        "-n",
-        "20",
-    ];
-    let o = perftest(&args);
-    let out = text(&o);
-    match rucx_cuda::driver() {
-        Err(e) => {
-            assert_eq!(o.status.code(), Some(1), "{out}");
-            let reason = match e {
-                rucx::Error::Unavailable { reason, .. } => reason,
-                other => other.to_string(),
-            };
-            assert!(
-                out.contains(&format!("-m cuda needs a CUDA driver: {reason}")),
-                "{out}"
-            );
-        }
-        Ok(_) => {
-            assert!(o.status.success(), "{out}");
-            assert_eq!(row(&String::from_utf8_lossy(&o.stdout), 8)[1], "20");
+    // Tag ping-pong, and put/get between GPU buffers and between host and GPU (the client's
+    // buffer first, the server's region second).
+    for (m, t) in [
+        ("cuda,cuda", "tag_lat"),
+        ("cuda,cuda", "ucp_put_bw"),
+        ("cuda,cuda", "ucp_get"),
+        ("cuda,cuda", "ucp_put_lat"),
+        ("host,cuda", "ucp_put_bw"),
+        ("cuda,host", "ucp_get"),
+    ] {
+        let args = ["--local", "-q", "-m", m, "-t", t, "-s", "8,1M", "-n", "20"];
+        let o = perftest(&args);
+        let out = text(&o);
+        match rucx_cuda::driver() {
+            Err(e) => {
+                assert_eq!(o.status.code(), Some(1), "{m} {t}: {out}");
+                let reason = match e {
+                    rucx::Error::Unavailable { reason, .. } => reason,
+                    other => other.to_string(),
+                };
+                assert!(
+                    out.contains(&format!("-m cuda needs a CUDA driver: {reason}")),
+                    "{m} {t}: {out}"
+                );
+            }
+            Ok(_) => {
+                assert!(o.status.success(), "{m} {t}: {out}");
+                assert_eq!(
+                    row(&String::from_utf8_lossy(&o.stdout), 8)[1],
+                    "20",
+                    "{m} {t}"
+                );
+            }
         }
     }
 }

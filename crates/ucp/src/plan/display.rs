@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::{EpPlan, RecvStep};
+use super::{EpPlan, RecvStep, RmaStep};
 use crate::proto::TableDisplay;
 
 impl fmt::Display for EpPlan {
@@ -63,6 +63,35 @@ impl fmt::Display for EpPlan {
                 "rendezvous {} -> {}: {}",
                 r.send,
                 r.recv,
+                if steps.is_empty() {
+                    "refused".to_string()
+                } else {
+                    steps.join(", else ")
+                }
+            )?;
+            if !r.notes.is_empty() {
+                write!(f, " ({})", r.notes.join("; "))?;
+            }
+            writeln!(f)?;
+        }
+        for r in &self.rma {
+            let steps: Vec<String> = r
+                .steps
+                .iter()
+                .map(|s| {
+                    let how = match s {
+                        RmaStep::Zcopy { .. } => "zero-copy",
+                        RmaStep::Staged { .. } => "staged through pinned host memory",
+                    };
+                    format!("{how} on {}", self.lane_name(s.lane()))
+                })
+                .collect();
+            write!(
+                f,
+                "{} {} -> remote {}: {}",
+                r.op.name(),
+                r.local,
+                r.remote,
                 if steps.is_empty() {
                     "refused".to_string()
                 } else {

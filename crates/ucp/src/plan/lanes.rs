@@ -103,6 +103,33 @@ pub(super) fn select(
         );
         gpu.push((k, want(&mut wanted, a, c)));
     }
+    // Remote access to the peer's GPU memory: a lane whose domain exports it (the peer's key
+    // comes from the same domain). Wanted only once this worker met GPU memory.
+    let (a, c) = best(
+        lanes,
+        |l| {
+            l.attr
+                .caps
+                .intersects(IfaceCaps::GET_ZCOPY | IfaceCaps::PUT_ZCOPY)
+                && l.same_domain()
+                && l.md_attr.reg_mem_types().has(MemoryType::Cuda)
+        },
+        |l| bw_score(&l.attr),
+    );
+    let rma_gpu = if keys.iter().any(|k| k.mem.is_gpu()) {
+        want(&mut wanted, a, c)
+    } else {
+        None
+    };
     let copy = lanes.iter().position(|l| l.copy);
-    Ok((Lanes { am, rma, gpu, copy }, wanted))
+    Ok((
+        Lanes {
+            am,
+            rma,
+            gpu,
+            copy,
+            rma_gpu,
+        },
+        wanted,
+    ))
 }

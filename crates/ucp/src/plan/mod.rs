@@ -26,6 +26,7 @@ mod display;
 mod lanes;
 mod query;
 mod recv;
+mod rma;
 mod tables;
 #[cfg(test)]
 mod tests;
@@ -33,6 +34,7 @@ mod tests;
 pub use lanes::is_copy_lane;
 pub use query::{PAIRS, PathInfo, large_path, paths};
 pub use recv::{RecvStep, recv_steps};
+pub use rma::{RMA_REMOTE, RmaPlan, RmaStep};
 
 /// Memory of one type on one device (`None` for host memory, or GPU memory of an unknown
 /// device).
@@ -300,6 +302,9 @@ pub struct Lanes {
     pub gpu: Vec<(MemKey, Option<usize>)>,
     /// The in-process copy lane (host <-> GPU).
     pub copy: Option<usize>,
+    /// Remote memory access to the peer's GPU memory: a lane whose domain exports GPU memory
+    /// (cuda_ipc). Chosen once this worker met GPU memory (its own, or a peer's mapped region).
+    pub rma_gpu: Option<usize>,
 }
 
 impl Lanes {
@@ -327,6 +332,8 @@ pub struct EpPlan {
     unplanned: Vec<OpTable>,
     /// Receiver plans per pair of memory types.
     pub recv: Vec<RecvPlan>,
+    /// Put and get plans per pair of local and remote memory types.
+    pub rma: Vec<RmaPlan>,
     /// Lanes the plan would use once connected (empty when every chosen lane is connected).
     pub wanted: Vec<usize>,
     /// Below this size a rendezvous read is not split with the sender's writes.
@@ -377,6 +384,32 @@ impl EpPlan {
             })
     }
 
+    /// The plan of a put or get (`op`) between local `local` memory and a remote region of
+    /// `remote` memory: the one made for that device, else for that memory type on any device.
+    pub fn rma_plan(&self, op: Op, local: MemKey, remote: MemoryType) -> Option<&RmaPlan> {
+        let remote = if remote.is_gpu() {
+            MemoryType::Cuda
+        } else {
+            MemoryType::Host
+        };
+        self.rma
+            .iter()
+            .find(|r| r.op == op && r.local == local && r.remote == remote)
+            .or_else(|| {
+                self.rma.iter().find(|r| {
+                    r.op == op
+                        && r.local.mem == local.mem
+                        && r.local.dev.is_none()
+                        && r.remote == remote
+                })
+            })
+            .or_else(|| {
+                self.rma
+                    .iter()
+                    .find(|r| r.op == op && r.local.mem == local.mem && r.remote == remote)
+            })
+    }
+
     /// `transport/device` of lane `i`.
     pub fn lane_name(&self, i: usize) -> &str {
         self.lane_names.get(i).map_or("-", |s| s.as_str())
@@ -399,9 +432,17 @@ pub fn plan(input: PlanInput<'_>) -> Result<EpPlan, Unreachable> {
         }
     }
     let (lanes, wanted) = lanes::select(&input, &keys)?;
+    let mut rma = Vec::new();
+    for op in [Op::Put, Op::Get] {
+        for &k in &keys {
+            for r in RMA_REMOTE {
+                rma.push(rma::plan(&input, &lanes, op, k, r));
+            }
+        }
+    }
     let mut tables = Vec::new();
     for &k in &keys {
-        tables.extend(tables::for_mem(&input, &lanes, k));
+        tables.extend(tables::for_mem(&input, &lanes, k, &rma));
     }
     let mut recv = Vec::new();
     for send in [MemoryType::Host, MemoryType::Cuda] {
@@ -425,6 +466,7 @@ pub fn plan(input: PlanInput<'_>) -> Result<EpPlan, Unreachable> {
         tables,
         unplanned,
         recv,
+        rma,
         wanted,
         split_thresh: if input.cfg.scheme == Scheme::Auto {
             input.cfg.split_thresh

@@ -3,15 +3,19 @@
 
 use rucx_ucs::MemoryType;
 
-use super::{EpPlan, MemKey, Op, RecvStep};
+use super::{EpPlan, MemKey, Op, RecvStep, RmaStep};
 use crate::proto::Proto;
 
 /// Which path buffers of a given pair of memory types take on an endpoint, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PathInfo {
-    /// Sender's memory type.
+    /// The operation: [`Op::Tag`] (large tagged messages), [`Op::Put`] or [`Op::Get`].
+    pub op: Op,
+    /// Where the data comes from: the sender's memory type (for a put the local buffer's, for
+    /// a get the remote region's).
     pub send_mem: MemoryType,
-    /// Receiver's memory type.
+    /// Where the data goes: the receiver's memory type (for a put the remote region's, for a
+    /// get the local buffer's).
     pub recv_mem: MemoryType,
     /// Protocol for large messages.
     pub protocol: String,
@@ -26,6 +30,9 @@ pub struct PathInfo {
 
 impl std::fmt::Display for PathInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.op != Op::Tag {
+            write!(f, "{} ", self.op.name())?;
+        }
         write!(
             f,
             "{} -> {}: {} on {}{}",
@@ -81,7 +88,8 @@ pub fn large_path(plan: &EpPlan, send: MemKey, recv: MemKey) -> Option<(Proto, S
     Some((proto, lane))
 }
 
-/// The query for every pair of [`PAIRS`], GPU memory of `device`.
+/// The query for every pair of [`PAIRS`], GPU memory of `device`: large tagged messages first
+/// (in the order of `PAIRS`), then puts and gets.
 pub fn paths(plan: &EpPlan, device: Option<u32>) -> Vec<PathInfo> {
     let mut out = Vec::new();
     for (s, r) in PAIRS {
@@ -111,6 +119,7 @@ pub fn paths(plan: &EpPlan, device: Option<u32>) -> Vec<PathInfo> {
             why.clear();
         }
         out.push(PathInfo {
+            op: Op::Tag,
             send_mem: s,
             recv_mem: r,
             protocol,
@@ -118,6 +127,47 @@ pub fn paths(plan: &EpPlan, device: Option<u32>) -> Vec<PathInfo> {
             zero_copy,
             why_not: why,
         });
+    }
+    for op in [Op::Put, Op::Get] {
+        for (s, r) in PAIRS {
+            // A put moves local (`s`) to remote (`r`); a get remote (`s`) to local (`r`).
+            let (local, remote) = if op == Op::Put { (s, r) } else { (r, s) };
+            let lk = MemKey::new(local, device);
+            let (protocol, lane, zero_copy, why_not) = match plan.rma_plan(op, lk, remote) {
+                Some(rp) => match rp.steps.first() {
+                    Some(step) => {
+                        let zc = matches!(step, RmaStep::Zcopy { .. });
+                        (
+                            step.proto(op).name().to_string(),
+                            plan.lane_name(step.lane()).to_string(),
+                            zc,
+                            if zc { Vec::new() } else { rp.notes.clone() },
+                        )
+                    }
+                    None => (
+                        "unsupported".to_string(),
+                        "-".to_string(),
+                        false,
+                        rp.notes.clone(),
+                    ),
+                },
+                None => (
+                    "unsupported".to_string(),
+                    "-".to_string(),
+                    false,
+                    vec![format!("{local} memory was not planned for")],
+                ),
+            };
+            out.push(PathInfo {
+                op,
+                send_mem: s,
+                recv_mem: r,
+                protocol,
+                lane,
+                zero_copy,
+                why_not,
+            });
+        }
     }
     out
 }

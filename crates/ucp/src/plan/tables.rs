@@ -3,7 +3,7 @@
 use rucx_ucs::MemUnits;
 use rucx_uct::{DeviceType, IfaceAttr, IfaceCaps, LinearCost};
 
-use super::{Lanes, MemKey, Op, OpTable, PlanConfig, PlanInput, Scheme, lane_row};
+use super::{Lanes, MemKey, Op, OpTable, PlanConfig, PlanInput, RmaPlan, Scheme, lane_row};
 use crate::proto::{FIRST_OVERHEAD, ONE_OVERHEAD, Proto, Range, SHORT_OVERHEAD, SYNC_OVERHEAD};
 
 /// Copy bandwidth assumed for the CPU copies of copy-in protocols, bytes per second.
@@ -306,7 +306,12 @@ fn bounce_end(
 }
 
 /// Every table for sender memory `mem`.
-pub(super) fn for_mem(input: &PlanInput<'_>, lanes: &Lanes, mem: MemKey) -> Vec<OpTable> {
+pub(super) fn for_mem(
+    input: &PlanInput<'_>,
+    lanes: &Lanes,
+    mem: MemKey,
+    rma: &[RmaPlan],
+) -> Vec<OpTable> {
     let hl = host_lanes(input, lanes);
     let host_tag = host_tag(&hl, input.cfg, input);
     let rma_of = |cap: IfaceCaps, op: Op| match lanes.rma {
@@ -423,13 +428,31 @@ pub(super) fn for_mem(input: &PlanInput<'_>, lanes: &Lanes, mem: MemKey) -> Vec<
             Op::Am,
             "active-message payloads are host memory; send GPU buffers with tag_send",
         ),
-        gpu_only(
-            Op::Put,
-            "remote memory access maps host memory only; move GPU buffers with tag_send",
-        ),
-        gpu_only(
-            Op::Get,
-            "remote memory access maps host memory only; move GPU buffers with tag_send",
-        ),
+        gpu_rma(Op::Put, mem, rma, input),
+        gpu_rma(Op::Get, mem, rma, input),
     ]
+}
+
+/// The put or get table of GPU memory `mem`: the first step of its plan against a remote
+/// region of GPU memory (the usual case; `RmaPlan`s cover host regions too).
+fn gpu_rma(op: Op, mem: MemKey, rma: &[RmaPlan], input: &PlanInput<'_>) -> OpTable {
+    let plan = rma
+        .iter()
+        .find(|r| r.op == op && r.local == mem && r.remote.is_gpu());
+    match plan.and_then(|p| p.steps.first().map(|s| (p, *s))) {
+        Some((p, step)) => OpTable {
+            op,
+            mem,
+            rows: vec![lane_row(0, usize::MAX, step.proto(op), step.lane(), input)],
+            notes: p.notes.clone(),
+        },
+        None => refused(
+            op,
+            mem,
+            plan.map_or_else(
+                || "no plan for this memory".to_string(),
+                |p| p.notes.join("; "),
+            ),
+        ),
+    }
 }

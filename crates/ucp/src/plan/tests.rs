@@ -147,18 +147,17 @@ fn cuda_ipc() -> LaneCand {
         IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY,
         (10_000.0, 3_000.0, 350e9),
     );
-    lane(
+    let mut m = md(
         "cuda_ipc",
-        a,
-        md(
-            "cuda_ipc",
-            &[
-                (MemoryType::Cuda, RW),
-                (MemoryType::Host, MemTypeFlags::ACCESS),
-            ],
-            5_000.0,
-        ),
-    )
+        &[
+            (MemoryType::Cuda, RW),
+            (MemoryType::Host, MemTypeFlags::ACCESS),
+        ],
+        5_000.0,
+    );
+    // As the real domain: local buffers of a copy are described, not registered.
+    m.need_memh_for_zcopy = false;
+    lane("cuda_ipc", a, m)
 }
 
 /// An RC lane on a NIC; `gpu`: its domain registers GPU memory (peer memory or dma-buf).
@@ -531,11 +530,44 @@ fn explicit_thresholds_are_honoured() {
 fn gpu_operations_other_than_tag_are_refused_with_the_reason() {
     let m = machine(vec![posix(), cuda_copy(), cuda_ipc()]);
     let p = plan_of(&m, &Demoted::default(), &PlanConfig::defaults(), &[GPU0]);
-    for op in [Op::Stream, Op::Am, Op::Put, Op::Get] {
+    for op in [Op::Stream, Op::Am] {
         let t = p.table(op, GPU0);
         assert!(t.rows.is_empty(), "{op:?}");
         assert!(t.refusal("peer").to_string().contains("GPU"), "{op:?}");
     }
+    // Put and get of GPU memory: zero-copy by cuda_ipc (to a peer's GPU), staged to host.
+    for op in [Op::Put, Op::Get] {
+        let t = p.table(op, GPU0);
+        assert_eq!(t.rows.len(), 1, "{op:?}");
+        assert!(t.rows[0].proto.is_zcopy() && t.rows[0].lane.starts_with("cuda_ipc"));
+        let to_host = p.rma_plan(op, GPU0, MemoryType::Host).unwrap();
+        assert!(
+            matches!(to_host.steps[..], [RmaStep::Staged { .. }]),
+            "{to_host:?}"
+        );
+        assert!(
+            to_host.notes.iter().any(|n| n.contains("posix")),
+            "{to_host:?}"
+        );
+        let from_host = p.rma_plan(op, MemKey::HOST, MemoryType::Cuda).unwrap();
+        assert!(
+            matches!(from_host.steps[..], [RmaStep::Zcopy { .. }]),
+            "{from_host:?}"
+        );
+    }
+    // cuda_ipc demoted for GPU 0: staged through host memory, and the table says why.
+    let reg = Demoted(vec![(md_of(&m, "cuda_ipc"), MemoryType::Cuda, Some(0))]);
+    let p = plan_of(&m, &reg, &PlanConfig::defaults(), &[GPU0]);
+    let t = p.table(Op::Put, GPU0);
+    assert_eq!(t.rows[0].proto, Proto::PutStaged, "{t:?}");
+    assert!(t.notes.iter().any(|n| n.contains("demoted")), "{t:?}");
+    // Without a copy lane, GPU memory cannot be staged: refused, naming cuda_copy.
+    let m = machine(vec![posix(), cuda_ipc()]);
+    let reg = Demoted(vec![(md_of(&m, "cuda_ipc"), MemoryType::Cuda, Some(0))]);
+    let p = plan_of(&m, &reg, &PlanConfig::defaults(), &[GPU0]);
+    let t = p.table(Op::Get, GPU0);
+    assert!(t.rows.is_empty(), "{t:?}");
+    assert!(t.refusal("peer").to_string().contains("cuda_copy"), "{t:?}");
     // Without a copy lane and a GPU lane, GPU tag sends are refused too.
     let m = machine(vec![posix()]);
     let p = plan_of(&m, &Demoted::default(), &PlanConfig::defaults(), &[GPU0]);
@@ -662,6 +694,7 @@ proptest! {
         let mut chosen = vec![p.lanes.am];
         chosen.extend(p.lanes.rma);
         chosen.extend(p.lanes.gpu.iter().filter_map(|g| g.1));
+        chosen.extend(p.lanes.rma_gpu);
         for c in chosen {
             prop_assert!(!lanes[c].copy && lanes[c].remote_md.is_some());
             prop_assert!(lanes[c].connected || c == p.lanes.am);
@@ -675,9 +708,53 @@ proptest! {
                 }
             }
         }
+        // Put/get steps: a connected lane with the operation; zero-copy only where the lane's
+        // domain takes the local memory now; staging only for GPU memory, with a copy lane.
+        for r in &p.rma {
+            for st in &r.steps {
+                let l = &lanes[st.lane()];
+                prop_assert!(l.connected && !l.copy, "{:?}", r);
+                let cap = if r.op == Op::Put { IfaceCaps::PUT_ZCOPY } else { IfaceCaps::GET_ZCOPY };
+                prop_assert!(l.attr.has(cap), "{:?}", r);
+                match st {
+                    RmaStep::Zcopy { .. } => {
+                        if l.md_attr.reg_mem_types().has(r.local.mem) {
+                            prop_assert!(reg.can_register(l.md, r.local.mem, r.local.dev), "{:?}", r);
+                        } else {
+                            prop_assert!(!r.local.mem.is_gpu(), "{:?}", r);
+                        }
+                    }
+                    RmaStep::Staged { .. } => {
+                        prop_assert!(r.local.mem.is_gpu() && p.lanes.copy.is_some(), "{:?}", r);
+                    }
+                }
+            }
+            if r.steps.is_empty() {
+                prop_assert!(!r.notes.is_empty(), "a refusal says why: {:?}", r);
+            }
+        }
         // The query reads the same plan as the selection.
         for dev in [Some(0), Some(1)] {
             for q in paths(&p, dev) {
+                if q.op != Op::Tag {
+                    let (local, remote) = if q.op == Op::Put {
+                        (q.send_mem, q.recv_mem)
+                    } else {
+                        (q.recv_mem, q.send_mem)
+                    };
+                    let step = p
+                        .rma_plan(q.op, MemKey::new(local, dev), remote)
+                        .and_then(|r| r.steps.first().copied());
+                    match step {
+                        Some(st) => {
+                            prop_assert_eq!(&q.protocol, st.proto(q.op).name());
+                            prop_assert_eq!(q.lane.as_str(), p.lane_name(st.lane()));
+                            prop_assert_eq!(q.zero_copy, matches!(st, RmaStep::Zcopy { .. }));
+                        }
+                        None => prop_assert_eq!(q.protocol.as_str(), "unsupported"),
+                    }
+                    continue;
+                }
                 let want = large_path(&p, MemKey::new(q.send_mem, dev), MemKey::new(q.recv_mem, dev));
                 match want {
                     Some((proto, lane)) => {

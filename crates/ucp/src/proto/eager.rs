@@ -174,7 +174,9 @@ impl State {
             | Proto::StreamCopy
             | Proto::AmCopy
             | Proto::PutZcopy
-            | Proto::GetZcopy => {
+            | Proto::GetZcopy
+            | Proto::PutStaged
+            | Proto::GetStaged => {
                 // Not tag-send protocols: the plan never puts them in a send request.
                 self.finish(
                     id,

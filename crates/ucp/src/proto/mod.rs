@@ -46,6 +46,12 @@ pub enum Proto {
     PutZcopy,
     /// A remote read into a registered buffer.
     GetZcopy,
+    /// A remote write from GPU memory through pinned host staging: the copy lane copies each
+    /// fragment out of the GPU, a remote-access lane writes it.
+    PutStaged,
+    /// A remote read into GPU memory through pinned host staging: a remote-access lane reads
+    /// each fragment, the copy lane copies it into the GPU.
+    GetStaged,
 }
 
 impl Proto {
@@ -66,6 +72,8 @@ impl Proto {
             Proto::AmCopy => "active message copy-in",
             Proto::PutZcopy => "zero-copy put",
             Proto::GetZcopy => "zero-copy get",
+            Proto::PutStaged => "put staged through pinned host memory",
+            Proto::GetStaged => "get staged through pinned host memory",
         }
     }
 

@@ -28,10 +28,13 @@
 //! copies that finished at once, active messages not yet handed to their handlers, owned
 //! requests, closes and endpoint errors to hand out. `arm` reports those as busy too.
 //!
-//! Timers: the peer check of `RUCX_PEER_TIMEOUT` and the deadlines of transports (a tcp
-//! connect) run in `progress`, so a sleep lasts at most [`WAIT_TICK`] (or the peer-check
-//! interval when shorter) before `wait` returns for a progress call. A sleeping worker thus
-//! wakes at most once a second when nothing happens.
+//! Timers: the peer check of `RUCX_PEER_TIMEOUT`, the process check of same-host peers
+//! (`RUCX_PROC_CHECK_INTERVAL`) and the deadlines of transports (a tcp connect) run in
+//! `progress` (which reads the clock only every so many calls) and in `arm` (which reads it
+//! every time: a worker that sleeps makes few progress calls), so a sleep lasts at most
+//! [`WAIT_TICK`], or the peer-check or process-check interval when shorter, before `wait`
+//! returns for a progress call. A sleeping worker thus wakes twice a second when nothing
+//! happens (the process check's 500 ms; once a second with it off).
 
 use std::cell::{Cell, RefCell};
 use std::os::fd::RawFd;
@@ -130,9 +133,13 @@ impl State {
 
     /// The longest a sleep may last before timers need a progress call.
     fn wait_tick(&self) -> Duration {
-        match &self.keepalive {
+        let tick = match &self.keepalive {
             Some(ka) => ka.check_every().min(WAIT_TICK),
             None => WAIT_TICK,
+        };
+        match self.procs.interval() {
+            Some(every) => tick.min(every),
+            None => tick,
         }
     }
 }
@@ -216,6 +223,10 @@ impl Worker {
     /// With a poll-only transport, arming succeeds for the others (see
     /// [`wait_tick`](Self::wait_tick)).
     pub fn arm(&self) -> Result<()> {
+        // Timers (the peer and process checks) go by the clock, which the few progress calls
+        // of a worker that sleeps most of the time would seldom read: they run here, before
+        // a sleep; a peer found dead makes this arm busy (its error to hand out).
+        self.check_peers(Instant::now());
         let mut ifaces = self.ifaces.borrow_mut();
         self.events.get(&ifaces)?;
         if let Some(why) = self.st.borrow().pending_work() {

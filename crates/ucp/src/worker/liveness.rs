@@ -253,8 +253,9 @@ impl Backoff {
 }
 
 impl Worker {
-    /// Run the peer check now (rate-limited inside); for waits that read the clock anyway.
-    fn check_peers(&self, now: Instant) {
+    /// Run the peer and process checks now (rate-limited inside); for waits that read the
+    /// clock anyway, and [`arm`](Worker::arm) before a sleep.
+    pub(super) fn check_peers(&self, now: Instant) {
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.check_peers(now);
             st.check_procs(now);
@@ -338,6 +339,7 @@ mod tests {
             key: None,
             posted: 0,
             flush_lanes: Vec::new(),
+            staged: None,
         }))
     }
 

@@ -3,15 +3,44 @@
 
 use crate::worker::prelude::*;
 
-/// Remote keys of a peer's mapped region, as unpacked by [`Worker::rkey_unpack`].
+/// Remote keys of a peer's mapped region, as unpacked by [`Worker::rkey_unpack`], with the
+/// region's memory type (which decides how a put or get reaches it).
 #[derive(Debug, Clone)]
 pub struct RkeyBundle {
     base: u64,
     len: u64,
+    mem: MemoryType,
+    dev: Option<u32>,
     pub(crate) keys: Vec<(String, RemoteKey)>,
 }
 
+/// Memory type codes in a packed bundle (as `wire::mem_code`).
+fn mem_of_code(c: u8) -> Result<MemoryType> {
+    MemoryType::ALL
+        .into_iter()
+        .find(|m| wire::mem_code(*m) == c)
+        .ok_or_else(|| Error::InvalidAddress(format!("remote key bundle: memory type code {c}")))
+}
+
+/// No GPU ordinal in a packed bundle.
+const NO_DEVICE: u32 = u32::MAX;
+
 impl RkeyBundle {
+    /// Memory type of the remote region (host or GPU memory of the peer).
+    pub fn mem_type(&self) -> MemoryType {
+        self.mem
+    }
+
+    /// The peer's GPU ordinal of a region of GPU memory (as the peer numbers its GPUs).
+    pub fn device(&self) -> Option<u32> {
+        self.dev
+    }
+
+    /// Names of the memory domains whose keys this process could use.
+    pub fn domains(&self) -> Vec<&str> {
+        self.keys.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
     /// Remote base address.
     pub fn base(&self) -> u64 {
         self.base
@@ -47,6 +76,8 @@ impl RkeyBundle {
 pub struct MemMap<'a> {
     addr: usize,
     len: usize,
+    mem: MemoryType,
+    dev: Option<u32>,
     guards: Vec<(String, RegGuard)>,
     packed: Vec<NamedKey>,
     _buf: std::marker::PhantomData<&'a mut [u8]>,
@@ -57,6 +88,7 @@ impl fmt::Debug for MemMap<'_> {
         f.debug_struct("MemMap")
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
+            .field("mem", &self.mem)
             .field(
                 "domains",
                 &self.guards.iter().map(|g| &g.0).collect::<Vec<_>>(),
@@ -70,6 +102,8 @@ impl MemMap<'_> {
     pub fn pack_rkey(&self) -> Vec<u8> {
         let mut b = Vec::new();
         wire::put_u64s(&mut b, &[self.addr as u64, self.len as u64]);
+        b.push(wire::mem_code(self.mem));
+        b.extend_from_slice(&self.dev.unwrap_or(NO_DEVICE).to_le_bytes());
         wire::put_keys(&mut b, &self.packed);
         rucx_uct::rkey::pack("ucp-rkey", &b)
     }
@@ -79,19 +113,84 @@ impl MemMap<'_> {
         self.addr as u64
     }
 
-    /// Read the mapped buffer (after the peers' writes were flushed).
+    /// Length of the mapped buffer in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty mapping.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Memory type of the mapped buffer.
+    pub fn mem_type(&self) -> MemoryType {
+        self.mem
+    }
+
+    /// Names of the memory domains that registered the buffer (whose keys the packed bundle
+    /// carries).
+    pub fn domains(&self) -> Vec<&str> {
+        self.guards.iter().map(|g| g.0.as_str()).collect()
+    }
+
+    /// Read the mapped host buffer (after the peers' writes were flushed).
+    ///
+    /// # Panics
+    /// When the mapped buffer is GPU memory, which the CPU cannot read: copy it out with a
+    /// GPU copy (or [`try_as_slice`](Self::try_as_slice) to get an error instead).
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the map borrows the buffer mutably for its whole life; remote writers are
-        // the only other party, and callers read after those writes are flushed.
-        unsafe { host_slice(self.addr, self.len) }
+        match self.try_as_slice() {
+            Ok(s) => s,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Read the mapped host buffer; [`Error::Unsupported`] for GPU memory.
+    pub fn try_as_slice(&self) -> Result<&[u8]> {
+        if self.mem.is_gpu() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "reading mapped {} memory at {:#x}+{} as a host slice",
+                    self.mem, self.addr, self.len
+                ),
+                why: "the CPU cannot read GPU memory; copy it to the host first".into(),
+            });
+        }
+        // SAFETY: host memory; the map borrows the buffer mutably for its whole life; remote
+        // writers are the only other party, and callers read after those writes are flushed.
+        Ok(unsafe { host_slice(self.addr, self.len) })
     }
 }
 
 impl Worker {
-    /// Register `buf` for remote access by peers (put/get).
-    pub fn mem_map<'a>(&self, buf: &'a mut [u8]) -> Result<MemMap<'a>> {
-        let st = self.st.borrow();
-        let region = MemRegion::of_slice(buf);
+    /// Register `buf` for remote access by peers (put/get). `buf` is any
+    /// [`Memory`](rucx_ucs::Memory) borrowed mutably, as a receive takes it: a host slice
+    /// (`&mut [u8]`, `&mut Vec<u8>`), a GPU buffer of `rucx-cuda` (`&mut DeviceBuffer`, ...), a
+    /// part of either (`buf.slice_mut(a..b)`), or [`RecvBuf::from_raw`].
+    ///
+    /// Every domain with a put/get lane that registers memory of the buffer's type packs a key
+    /// (host memory: posix, tcp, ib...; GPU memory: cuda_ipc for processes of this host, ib
+    /// with GPUDirect); the packed bundle says the memory type, so a peer's put or get picks
+    /// its path (zero-copy, or staged through its own pinned host memory). A domain whose
+    /// registration fails is left out (and demoted when the failure is the domain's: one
+    /// warning); with none left the error names every failure.
+    pub fn mem_map<'a>(&self, buf: impl Into<RecvBuf<'a>>) -> Result<MemMap<'a>> {
+        let buf = buf.into();
+        let mut st = self.st.borrow_mut();
+        let (mem, dev) = match buf.mem {
+            Some(m) => m,
+            None => st.ctx.detect(buf.addr, buf.len)?,
+        };
+        if mem.is_gpu() {
+            st.note_gpu_key(MemKey::new(mem, dev));
+        }
+        let region = MemRegion {
+            addr: buf.addr,
+            len: buf.len,
+            mem_type: mem,
+            device: if mem.is_gpu() { dev } else { None },
+        };
         let mut guards = Vec::new();
         let mut packed = Vec::new();
         let mut errors = Vec::new();
@@ -101,13 +200,18 @@ impl Worker {
                     && s.attr
                         .caps
                         .intersects(IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY)
+                    && Some(s.md) != st.copy_md()
             });
-            if !rma || !st.ctx.can_register(mi, MemoryType::Host, None) {
+            if !rma || !st.ctx.domain(mi).attr().reg_mem_types().has(mem) {
+                continue;
+            }
+            let md = st.ctx.domain(mi);
+            if let Some(d) = st.ctx.demotion_of(mi, mem, region.device) {
+                errors.push(format!("{}: {d}", md.name()));
                 continue;
             }
             match st.ctx.register(mi, region) {
                 Ok(g) => {
-                    let md = st.ctx.domain(mi);
                     let key = md.mkey_pack(g.registration())?;
                     packed.push(NamedKey {
                         md: md.name().to_string(),
@@ -115,22 +219,36 @@ impl Worker {
                     });
                     guards.push((md.name().to_string(), g));
                 }
-                Err(e) => errors.push(e.to_string()),
+                Err(e) => errors.push(format!("{}: {e}", md.name())),
             }
         }
         if guards.is_empty() {
             return Err(Error::Unsupported {
-                what: format!("mapping {} bytes for remote access", buf.len()),
-                why: if errors.is_empty() {
-                    "no open transport supports put/get zero-copy (check RUCX_TLS)".into()
-                } else {
+                what: format!(
+                    "mapping {} bytes of {}{} memory for remote access",
+                    buf.len,
+                    mem,
+                    region
+                        .device
+                        .map(|d| format!(" (GPU {d})"))
+                        .unwrap_or_default()
+                ),
+                why: if !errors.is_empty() {
                     errors.join("; ")
+                } else if mem.is_gpu() {
+                    "no open transport with put/get exports GPU memory (cuda_ipc, or ib with \
+                     GPUDirect; check RUCX_TLS and `rucx-info -d`)"
+                        .into()
+                } else {
+                    "no open transport supports put/get zero-copy (check RUCX_TLS)".into()
                 },
             });
         }
         Ok(MemMap {
             addr: region.addr,
             len: region.len,
+            mem,
+            dev: region.device,
             guards,
             packed,
             _buf: std::marker::PhantomData,
@@ -145,6 +263,11 @@ impl Worker {
         let mut r = rucx_uct::rkey::Reader::new(payload, "remote key bundle");
         let base = r.u64()?;
         let len = r.u64()?;
+        let mem = mem_of_code(r.u8()?)?;
+        let dev = match r.u32()? {
+            NO_DEVICE => None,
+            d => Some(d),
+        };
         let n = r.u8()? as usize;
         let mut keys = Vec::new();
         for _ in 0..n {
@@ -161,6 +284,12 @@ impl Worker {
             }
         }
         r.finish()?;
-        Ok(RkeyBundle { base, len, keys })
+        Ok(RkeyBundle {
+            base,
+            len,
+            mem,
+            dev: if mem.is_gpu() { dev } else { None },
+            keys,
+        })
     }
 }

@@ -604,6 +604,7 @@ mod tests {
                     key: None,
                     posted: 0,
                     flush_lanes: Vec::new(),
+                    staged: None,
                 }));
                 st.finish(id, Err(e.clone()));
                 id

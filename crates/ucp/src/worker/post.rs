@@ -93,6 +93,7 @@ impl Worker {
                         key: None,
                         posted: 0,
                         flush_lanes: Vec::new(),
+                        staged: None,
                     }));
                     st.finish(id, Err(e));
                     return id;
@@ -222,13 +223,25 @@ impl Worker {
         &self,
         ep: EpId,
         put: bool,
-        addr: usize,
-        len: usize,
+        (addr, len, mem): (usize, usize, Option<(MemoryType, Option<u32>)>),
         remote: u64,
         rkey: &RkeyBundle,
     ) -> Result<u64> {
         let mut st = self.st.borrow_mut();
-        st.post_rma(ep.0, put, addr, len, remote, rkey)
+        st.check_peer(ep.0)?;
+        let (mem, dev) = match mem {
+            Some(m) => m,
+            None => st.ctx.detect(addr, len)?,
+        };
+        let local = MemKey::new(mem, dev);
+        if mem.is_gpu() {
+            st.note_gpu_key(local);
+        } else if rkey.mem_type().is_gpu() {
+            // A peer's GPU region: plan the lane that reaches it (connected below).
+            st.note_gpu_key(MemKey::new(MemoryType::Cuda, None));
+        }
+        self.ensure_plan(&mut st, ep.0);
+        st.post_rma(ep.0, put, addr, len, local, remote, rkey)
     }
 
     pub(crate) fn post_flush(&self, ep: EpId) -> Result<u64> {

@@ -112,6 +112,11 @@ impl ProcWatch {
         }
     }
 
+    /// The interval of the checks (`None`: off).
+    pub(super) fn interval(&self) -> Option<Duration> {
+        self.every
+    }
+
     /// A progress call: true every [`CHECK_POLLS`] calls (time to read the clock).
     #[inline]
     pub(super) fn tick(&mut self) -> bool {
@@ -276,6 +281,58 @@ mod tests {
             "{calls:?}"
         );
         assert!(w.ep_error(ep).is_some());
+    }
+
+    /// A worker that sleeps in `wait` makes one progress call per wake-up: the check runs
+    /// from `arm` (which reads the clock each time) and the sleeps last at most the interval,
+    /// so the dead peer is found in a few rounds, not after the [`CHECK_POLLS`] progress calls
+    /// (a minute of one-second sleeps) that progress alone needs to read the clock.
+    #[test]
+    fn a_worker_asleep_in_wait_finds_an_ended_peer_process_within_a_few_wake_ups() {
+        use std::sync::{Arc, Mutex};
+        let mut tables = rucx_transports::config_tables();
+        tables.push(crate::CONFIG);
+        let cfg = rucx_ucs::Config::from_vars(
+            &tables,
+            [("RUCX_TLS", "self"), ("RUCX_PROC_CHECK_INTERVAL", "10ms")],
+        )
+        .unwrap();
+        let ctx = crate::Context::new(&rucx_transports::registry(), cfg).unwrap();
+        let w = super::super::Worker::new(&ctx).unwrap();
+        assert_eq!(
+            w.wait_tick(),
+            Duration::from_millis(10),
+            "sleeps end for the check"
+        );
+        let ep = w.connect(&w.address()).unwrap();
+        let calls: Arc<Mutex<Vec<String>>> = Arc::default();
+        let c = calls.clone();
+        w.set_error_handler(move |_, _, err| c.lock().unwrap().push(err.to_string()));
+        while w.progress() > 0 {}
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start = match proc_state(pid) {
+            ProcState::Alive { start } => start,
+            _ => 0,
+        };
+        child.wait().unwrap();
+        {
+            let mut st = w.st.borrow_mut();
+            let remote = &mut st.peers[ep.0].remote;
+            remote.pid = pid;
+            remote.proc.start = start;
+        }
+        let mut rounds = 0;
+        while calls.lock().unwrap().is_empty() {
+            assert!(
+                rounds < CHECK_POLLS / 2,
+                "not found after {rounds} wake-ups"
+            );
+            w.wait(None).unwrap();
+            w.progress();
+            rounds += 1;
+        }
+        assert!(calls.lock().unwrap()[0].contains(&format!("its process {pid} ended")));
     }
 
     #[test]

@@ -238,6 +238,12 @@ impl State {
             return;
         };
         r.outstanding = r.outstanding.saturating_sub(1);
+        if let ReqKind::Rma(RmaState {
+            staged: Some(sg), ..
+        }) = &mut r.kind
+        {
+            sg.inflight = r.outstanding;
+        }
         if let ReqKind::Recv(RecvState {
             proto: RecvProto::Rndv(rv),
             ..
@@ -279,6 +285,9 @@ impl State {
                         }),
                     );
                 }
+            }
+            ReqKind::Rma(rm) if rm.staged.is_some() && rm.posted != usize::MAX => {
+                self.on_staged_done(id);
             }
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;

@@ -48,6 +48,10 @@ const MAX_UNIDENTIFIED: usize = 256;
 const LISTENER_KEY: u64 = u64::MAX;
 /// Progress calls between deadline checks of connections with no event.
 const TIMER_EVERY: u32 = 64;
+/// While the interface has a single connection that only waits for input, progress reads it
+/// without asking which sockets are ready, and asks (the listener, errors, room to write)
+/// once in this many calls.
+const SPECULATE_POLL_EVERY: u32 = 16;
 /// Progress calls between looks at the listener while the interface has no connection: a
 /// worker that talks to its peers through other transports (shared memory) then pays no
 /// system call on most of its progress calls, and a new connection waits a few calls longer.
@@ -146,6 +150,9 @@ pub struct TcpIface {
     /// Endpoints moved onto the peer's connection so far.
     merged: u64,
     events: Vec<Owned>,
+    /// The connection that last had input: the one read speculatively when it is the only one
+    /// (`speculative`).
+    last_input: usize,
 }
 
 impl TcpIface {
@@ -238,7 +245,26 @@ impl TcpIface {
             joining: Vec::new(),
             merged: 0,
             events: Vec::new(),
+            last_input: 0,
         })
+    }
+
+    /// The connection to read without a readiness check in this progress call, if any: the
+    /// only one there is, established, waiting for input alone (nothing queued to write, no
+    /// deadline), and not on the calls that check readiness anyway (every
+    /// [`SPECULATE_POLL_EVERY`]th: new connections, errors; and the first after a refused
+    /// `arm`).
+    fn speculative(&self) -> Option<usize> {
+        if self.slots.len() - self.free.len() != 1
+            || self.timed != 0
+            || self.poll_next
+            || self.calls.is_multiple_of(SPECULATE_POLL_EVERY)
+        {
+            return None;
+        }
+        let s = self.slot(self.last_input)?;
+        (s.rx.hello && s.interest == IN && s.want == IN && !s.gone && !s.again)
+            .then_some(self.last_input)
     }
 
     /// The listening socket address.
@@ -514,16 +540,23 @@ impl Iface for TcpIface {
             // no frame held back, no deadline, no merge).
             return 0;
         }
-        self.poll_next = false;
         let mut work = std::mem::take(&mut self.work);
         let mut accept = false;
-        self.watch.wait(|key, ev| {
-            if key == LISTENER_KEY {
-                accept = true;
-            } else {
-                work.push((key as usize, ev));
-            }
-        });
+        let speculate = self.speculative();
+        self.poll_next = false;
+        match speculate {
+            // One system call per message instead of two: a read that finds nothing costs what
+            // the readiness check would have, and one that finds data saves that check on the
+            // message's way.
+            Some(key) => work.push((key, IN)),
+            None => self.watch.wait(|key, ev| {
+                if key == LISTENER_KEY {
+                    accept = true;
+                } else {
+                    work.push((key as usize, ev));
+                }
+            }),
+        }
         self.kick.take(&mut self.kicked);
         work.extend(self.kicked.drain(..).map(|k| (k, 0)));
         work.extend(self.again.drain(..).map(|k| (k, 0)));
@@ -549,6 +582,9 @@ impl Iface for TcpIface {
                 continue;
             }
             let (timed, hello) = (s.timed, s.rx.hello);
+            if rev & IN != 0 {
+                self.last_input = key;
+            }
             delivered += s.progress(rev, &self.table, sink, &mut events);
             if !hello && s.rx.hello && !s.rx.dialed {
                 self.greeted.push(key);

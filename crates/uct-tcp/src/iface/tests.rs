@@ -560,3 +560,56 @@ fn a_partial_get_answer_for_no_get_fails_the_endpoint() {
     assert!(failed.unwrap().contains("not the oldest outstanding"));
     drop(ep);
 }
+
+#[test]
+fn a_lone_connection_is_read_without_readiness_checks_and_the_rest_still_happens() {
+    let (mut a, mut b, mut c) = (open(), open(), open());
+    let mut ba = b.create_ep(&params(&a, 1)).unwrap();
+    ba.am_short(1, 0, b"wire-up").unwrap();
+    deliver(&mut b, &mut a, 1);
+    // One established connection that only waits for input: read speculatively, except on
+    // the calls that check readiness anyway.
+    settle(&mut a, &mut b, |a, _| a.speculative().is_some());
+    let key = a.speculative().unwrap();
+    assert_eq!(a.slot(key).map(|s| s.interest), Some(IN));
+    for i in 0..100u8 {
+        ba.am_short(5, u64::from(i) << 8, &[i]).unwrap();
+        let mut got = None;
+        let start = Instant::now();
+        while got.is_none() {
+            b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+            a.progress(&mut |ev| match ev {
+                Event::Am { id: 5, data } => got = Some(data.to_vec()),
+                other => panic!("unexpected {other:?}"),
+            });
+            assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+        }
+        // The header (little endian) and then the payload.
+        assert_eq!(got, Some(vec![0, i, 0, 0, 0, 0, 0, 0, i]));
+    }
+    // A new peer is still accepted (by the periodic readiness check), and with two
+    // connections every call checks readiness again.
+    let mut ca = c.create_ep(&params(&a, 2)).unwrap();
+    ca.am_short(2, 0, b"newcomer").unwrap();
+    deliver(&mut c, &mut a, 2);
+    assert_eq!(a.connections(), 2);
+    assert_eq!(a.speculative(), None);
+    ba.am_short(3, 0, b"first peer").unwrap();
+    deliver(&mut b, &mut a, 3);
+    // The newcomer leaves: back to one connection, read speculatively again.
+    drop(ca);
+    settle(&mut a, &mut c, |a, c| {
+        a.connections() == 1 && c.connections() == 0
+    });
+    // (from its next input on: the connection read is the one that last had input)
+    ba.am_short(4, 0, b"again").unwrap();
+    deliver(&mut b, &mut a, 4);
+    settle(&mut a, &mut b, |a, _| a.speculative().is_some());
+    ba.am_short(6, 0, b"and again").unwrap();
+    deliver(&mut b, &mut a, 6);
+    // The last peer leaving is noticed through the speculative reads too.
+    drop(ba);
+    settle(&mut a, &mut b, |a, b| {
+        a.connections() == 0 && b.connections() == 0
+    });
+}

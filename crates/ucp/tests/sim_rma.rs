@@ -1,0 +1,299 @@
+//! Put and get between every pair of local and remote memory (host, simulated GPU) over the sim
+//! fabric: the path the plan picks (zero-copy through the GPU lane, staged through pinned host
+//! memory), registration faults that demote a domain part-way (the request goes on by the next
+//! path), and pairs with no path left (a clear error, no hang). Every byte is verified: the
+//! written range, the untouched bytes around it, the guards around every buffer.
+
+mod harness;
+
+use harness::{Buf, Mem, Pair, Watchdog, pattern};
+use rucx_ucp::plan::Op;
+use rucx_ucs::{Error, MemoryType, RegErrorKind};
+use rucx_uct_sim::{Delivery, FabricSpec, LaneKind};
+
+/// 64 KiB fragments: a staged transfer of a few hundred KiB takes several waves of 4.
+const VARS: &[(&str, &str)] = &[("RUCX_RNDV_FRAG_SIZE", "64K")];
+
+const SIZES: &[usize] = &[0, 1, 4095, (64 << 10) + 3, 300_000, (1 << 20) + 17];
+
+/// Bytes of the remote region before and after the accessed range (left untouched).
+const PAD: usize = 100;
+
+const ZCOPY_PUT: &str = "zero-copy put";
+const ZCOPY_GET: &str = "zero-copy get";
+const STAGED_PUT: &str = "put staged through pinned host memory";
+const STAGED_GET: &str = "get staged through pinned host memory";
+
+/// Put `len` bytes of `local` memory of side 0 into a region of `remote` memory mapped by side
+/// 1, read them back with a get into a fresh `local` buffer, and check every byte (and that
+/// nothing around the range moved). `Err`: the error of the put or the get.
+fn put_get(pair: &Pair, local: Mem, remote: Mem, len: usize, id: u64) -> Result<(), Error> {
+    let _dog = Watchdog::arm(60, format!("put/get {len} B {local:?} -> {remote:?}"));
+    let mut target = Buf::filled(&pair.fabric, len + 2 * PAD, remote, id + 1_000_000);
+    let src = Buf::filled(&pair.fabric, len, local, id);
+    let mut back = Buf::new(&pair.fabric, len, local);
+    let before = target.bytes().to_vec();
+    {
+        let map = pair.w[1].mem_map(target.recv())?;
+        let want = match remote {
+            Mem::Device(_) => MemoryType::Cuda,
+            _ => MemoryType::Host,
+        };
+        assert_eq!(map.mem_type(), want);
+        let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey())?;
+        assert_eq!(rkey.mem_type(), want);
+        let at = rkey.base() + PAD as u64;
+        pair.w[0].scope(|s| -> Result<(), Error> {
+            let r = s.put(pair.ep[0], src.send(), at, &rkey);
+            pair.drive(|| r.test().is_some())
+                .unwrap_or_else(|e| panic!("put hangs: {e}"));
+            assert_eq!(r.wait()?.len, len);
+            let r = s.get(pair.ep[0], back.recv(), at, &rkey);
+            pair.drive(|| r.test().is_some())
+                .unwrap_or_else(|e| panic!("get hangs: {e}"));
+            assert_eq!(r.wait()?.len, len);
+            Ok(())
+        })?;
+    }
+    let t = target.bytes();
+    assert!(
+        t[PAD..PAD + len] == pattern(id, len)[..],
+        "{len} B {local:?} -> {remote:?}: the remote range differs from what was put"
+    );
+    assert_eq!(&t[..PAD], &before[..PAD], "bytes before the range moved");
+    assert_eq!(
+        &t[PAD + len..],
+        &before[PAD + len..],
+        "bytes after the range moved"
+    );
+    assert!(
+        back.bytes() == pattern(id, len),
+        "{len} B {remote:?} -> {local:?}: the get read other bytes"
+    );
+    for b in [&target, &src, &back] {
+        assert_eq!(b.guard_damage(), None, "{b:?}");
+    }
+    Ok(())
+}
+
+fn counter(pair: &Pair, name: &str) -> u64 {
+    pair.w[0].counters().get(name).copied().unwrap_or(0)
+}
+
+/// Every pair of memory types, every size: the path each takes.
+#[test]
+fn every_pair_of_memory_types_at_every_size() {
+    let cases = [
+        (Mem::Host, Mem::Host, ZCOPY_PUT, ZCOPY_GET),
+        (Mem::Host, Mem::Device(1), ZCOPY_PUT, ZCOPY_GET),
+        (Mem::Device(0), Mem::Device(1), ZCOPY_PUT, ZCOPY_GET),
+        (Mem::Device(0), Mem::Host, STAGED_PUT, STAGED_GET),
+    ];
+    let deliveries = [
+        Delivery::InOrder,
+        // Operations held and completed out of order, `NoResource` pushbacks on every lane.
+        Delivery::Random {
+            seed: 5,
+            noresource_per_mille: 50,
+        },
+    ];
+    for ((local, remote, put, get), delivery) in
+        cases.into_iter().flat_map(|c| deliveries.map(|d| (c, d)))
+    {
+        let pair = Pair::new(FabricSpec::gpu().delivery(delivery), [VARS, VARS]);
+        for (i, &len) in SIZES.iter().enumerate() {
+            put_get(&pair, local, remote, len, i as u64 + 1)
+                .unwrap_or_else(|e| panic!("{len} B {local:?} -> {remote:?}: {e}"));
+        }
+        // Zero-byte requests end at once, without a protocol.
+        let n = SIZES.len() as u64 - 1;
+        assert_eq!(
+            counter(&pair, put),
+            n,
+            "{local:?} -> {remote:?}: {:?}",
+            pair.w[0].counters()
+        );
+        assert_eq!(
+            counter(&pair, get),
+            n,
+            "{local:?} -> {remote:?}: {:?}",
+            pair.w[0].counters()
+        );
+        pair.check_clean();
+    }
+}
+
+/// The planner's choice is what the query reports.
+#[test]
+fn path_query_shows_the_put_and_get_paths() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    let paths = pair.w[0].path_query(pair.ep[0], Some(0)).unwrap();
+    let find = |op: Op, s: MemoryType, r: MemoryType| {
+        paths
+            .iter()
+            .find(|p| p.op == op && p.send_mem == s && p.recv_mem == r)
+            .unwrap_or_else(|| panic!("no {op:?} {s} -> {r} in {paths:#?}"))
+    };
+    let (h, c) = (MemoryType::Host, MemoryType::Cuda);
+    // A put moves local -> remote, a get remote -> local.
+    for (op, s, r, zc, lane) in [
+        (Op::Put, h, h, true, "sim_shm"),
+        (Op::Put, c, c, true, "sim_ipc"),
+        (Op::Put, h, c, true, "sim_ipc"),
+        (Op::Put, c, h, false, "sim_shm"),
+        (Op::Get, h, h, true, "sim_shm"),
+        (Op::Get, c, c, true, "sim_ipc"),
+        (Op::Get, c, h, true, "sim_ipc"),
+        (Op::Get, h, c, false, "sim_shm"),
+    ] {
+        let p = find(op, s, r);
+        assert_eq!(p.zero_copy, zc, "{p}");
+        assert!(p.lane.starts_with(lane), "{p}");
+        if !zc {
+            assert!(p.protocol.contains("staged"), "{p}");
+            assert!(p.why_not.iter().any(|w| w.contains("sim_shm")), "{p}");
+        }
+    }
+    // The tag paths come first, as before.
+    assert!(paths[..4].iter().all(|p| p.op == Op::Tag));
+}
+
+/// Side 0's GPU lane cannot register its device memory (`RUCX_FAULT_INJECT`, from the first
+/// registration): device puts and gets go through staging from the first request on, one
+/// warning; host memory still goes straight to the peer's GPU.
+#[test]
+fn injected_gpu_registration_fault_stages_instead() {
+    let a: Vec<(&str, &str)> = VARS
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
+    for (i, &len) in SIZES.iter().enumerate() {
+        put_get(&pair, Mem::Device(0), Mem::Device(1), len, 40 + i as u64)
+            .unwrap_or_else(|e| panic!("{len} B: {e}"));
+        put_get(&pair, Mem::Host, Mem::Device(1), len, 80 + i as u64)
+            .unwrap_or_else(|e| panic!("{len} B: {e}"));
+    }
+    assert!(counter(&pair, STAGED_PUT) >= SIZES.len() as u64 - 1);
+    assert!(counter(&pair, STAGED_GET) >= SIZES.len() as u64 - 1);
+    let d = pair.ctx[0].demotions();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(
+        (d[0].md.as_str(), d[0].mem_type),
+        ("sim_ipc", MemoryType::Cuda)
+    );
+    pair.check_clean();
+    // The query tells why.
+    let paths = pair.w[0].path_query(pair.ep[0], Some(0)).unwrap();
+    let p = paths
+        .iter()
+        .find(|p| p.op == Op::Put && p.send_mem.is_gpu() && p.recv_mem.is_gpu())
+        .unwrap();
+    assert!(!p.zero_copy && p.protocol.contains("staged"), "{p}");
+}
+
+/// A registration that fails while a put is being posted (the plan still had the zero-copy
+/// path): the domain is demoted, one warning, and that very put goes on through staging.
+#[test]
+fn a_registration_failing_at_post_time_continues_the_request_through_staging() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    put_get(&pair, Mem::Device(0), Mem::Device(1), 100_000, 1).unwrap();
+    assert_eq!(counter(&pair, ZCOPY_PUT), 1);
+    let next = pair.fabric.reg_attempts(pair.nodes[0], LaneKind::Ipc) + 1;
+    pair.fabric
+        .fail_registration(pair.nodes[0], LaneKind::Ipc, next, RegErrorKind::BadAddress);
+    put_get(&pair, Mem::Device(0), Mem::Device(1), 300_000, 2).unwrap();
+    assert_eq!(counter(&pair, STAGED_PUT), 1, "{:?}", pair.w[0].counters());
+    assert_eq!(pair.ctx[0].demotions().len(), 1);
+    pair.check_clean();
+}
+
+/// No path left: the peer cannot export GPU memory (mapping fails, naming why), or side 0
+/// cannot stage (its copy lane refuses host memory): the request ends with `Unsupported`
+/// naming the pair, at once.
+#[test]
+fn no_path_left_is_a_clear_error() {
+    // No GPU lane: the peer's device memory cannot be mapped.
+    let pair = Pair::new(FabricSpec::gpu().ipc(false), [VARS, VARS]);
+    let mut dev = Buf::new(&pair.fabric, 4096, Mem::Device(1));
+    let e = pair.w[1].mem_map(dev.recv()).unwrap_err();
+    assert!(
+        matches!(&e, Error::Unsupported { why, .. } if why.contains("exports GPU memory")),
+        "{e}"
+    );
+    pair.check_clean();
+    // Device memory to a host region needs staging; the copy domain refuses host memory.
+    let a: Vec<(&str, &str)> = VARS
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_copy,mem=host,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
+    let e = put_get(&pair, Mem::Device(0), Mem::Host, 100_000, 3).unwrap_err();
+    let Error::Unsupported { what, why } = &e else {
+        panic!("{e}")
+    };
+    assert!(
+        what.contains("put") && what.contains("cuda") && what.contains("host"),
+        "{e}"
+    );
+    assert!(why.contains("sim_copy"), "{e}");
+    // Host to host is unaffected.
+    put_get(&pair, Mem::Host, Mem::Host, 100_000, 4).unwrap();
+    pair.check_clean();
+}
+
+/// Out-of-bounds accesses are refused before anything moves, for GPU regions too.
+#[test]
+fn gpu_region_bounds_are_checked() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    let mut dev = Buf::new(&pair.fabric, 8192, Mem::Device(1));
+    let src = Buf::filled(&pair.fabric, 100, Mem::Device(0), 5);
+    let map = pair.w[1].mem_map(dev.recv()).unwrap();
+    let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+    pair.w[0].scope(|s| {
+        let e = s
+            .put(pair.ep[0], src.send(), rkey.base() + 8192 - 99, &rkey)
+            .wait()
+            .unwrap_err();
+        assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
+    });
+    assert!(map.try_as_slice().is_err());
+    drop(map);
+    pair.check_clean();
+}
+
+/// A bundle is checked whole: a bad memory type code, or bytes cut anywhere, is an error, and
+/// a bundle of another process's region still carries its memory type and GPU.
+#[test]
+fn bundles_carry_the_memory_type_and_bad_ones_are_errors() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    let mut dev = Buf::new(&pair.fabric, 4096, Mem::Device(1));
+    let map = pair.w[1].mem_map(dev.recv()).unwrap();
+    assert_eq!(map.domains(), vec!["sim_ipc"]);
+    let packed = map.pack_rkey();
+    let k = pair.w[0].rkey_unpack(pair.ep[0], &packed).unwrap();
+    assert_eq!(
+        (k.mem_type(), k.device(), k.len()),
+        (MemoryType::Cuda, Some(1), 4096)
+    );
+    for cut in 0..packed.len() {
+        assert!(
+            pair.w[0].rkey_unpack(pair.ep[0], &packed[..cut]).is_err(),
+            "cut at {cut}"
+        );
+    }
+    // Base, length, then a memory type code no memory type has.
+    let mut payload = Vec::new();
+    payload.extend_from_slice(&0x1000u64.to_le_bytes());
+    payload.extend_from_slice(&64u64.to_le_bytes());
+    payload.push(77);
+    payload.extend_from_slice(&u32::MAX.to_le_bytes());
+    payload.push(0);
+    let bad = rucx_uct::rkey::pack("ucp-rkey", &payload);
+    let e = pair.w[0].rkey_unpack(pair.ep[0], &bad).unwrap_err();
+    assert!(e.to_string().contains("memory type code 77"), "{e}");
+    drop(map);
+    pair.check_clean();
+}
