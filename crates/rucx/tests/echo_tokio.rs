@@ -103,6 +103,7 @@ fn serve(tls: Option<&str>) {
     .to_string();
     // Connects and never sends its address.
     let stranger = std::net::TcpStream::connect(&addr).unwrap();
+    let stranger_at = stranger.local_addr().unwrap();
     // Clients that stream 1 MiB requests until they are killed.
     let mut doomed: Vec<_> = (0..DOOMED)
         .map(|_| {
@@ -147,8 +148,10 @@ fn serve(tls: Option<&str>) {
         .filter(|l| l.starts_with("server: a client could not connect: "))
         .collect();
     assert_eq!(refused.len(), 1, "{err:#?}");
+    // Dropped when it hung up (or, on a machine so loaded that the clients took longer than
+    // the handshake timeout, at its deadline).
     assert!(
-        refused[0].contains("closed the connection after 0 of the 12 bytes"),
+        refused[0].contains(&format!("the peer at {stranger_at}")),
         "{err:#?}"
     );
     let connected = out.iter().filter(|l| l.ends_with(" connected")).count();

@@ -8,7 +8,8 @@
 //! *notification*: the arrival of an active message at the peer's interface, and the completion
 //! of a zero-copy operation or flush at the poster's interface. So reordering never changes
 //! bytes, only the order in which protocols learn about them, and no delayed copy can touch a
-//! buffer after its request ended.
+//! buffer after its request ended. (An operation lost on purpose, [`Fabric::fail_completions_after`],
+//! moves nothing; only its failed completion is delivered.)
 //!
 //! Three [`Delivery`] modes:
 //! - [`Delivery::InOrder`]: everything is delivered in posting order at the next progress of the

@@ -481,3 +481,57 @@ fn copy_lane_reaches_its_own_node_only_and_shared_staging_maps() {
     );
     let _ = &mut cb;
 }
+
+/// `fail_completions_after`: the first zero-copy operations go through; the next one is taken
+/// (in progress), delivers nothing and writes nothing, and its completion reports an error;
+/// operations after it go through again.
+#[test]
+fn a_failed_completion_loses_the_operation_after_a_successful_post() {
+    let f = Fabric::new(FabricSpec::host());
+    let (a, b) = (f.add_node("a"), f.add_node("b"));
+    let mut sa = open(&f, a, LaneKind::Shm);
+    let mut sb = open(&f, b, LaneKind::Shm);
+    let mut ep = sa.iface.create_ep(&params(sb.iface.as_ref(), 1)).unwrap();
+    let src = [7u8; 64];
+    let target = [0u8; 64];
+    let ha = reg(&sa.md, &src);
+    let hb = reg(&sb.md, &target);
+    let key = sa.md.rkey_unpack(&sb.md.mkey_pack(&hb).unwrap()).unwrap();
+    let iov = [Iov {
+        addr: src.as_ptr() as usize,
+        len: 16,
+        memh: &ha,
+    }];
+    f.fail_completions_after(a, LaneKind::Shm, 1, 2);
+    // Through: delivered.
+    ep.am_zcopy(5, b"h", &iov, 1).unwrap();
+    // Lost: an am_zcopy and a put_zcopy, both taken.
+    assert_eq!(ep.am_zcopy(5, b"h", &iov, 2).unwrap(), OpStatus::InProgress);
+    assert_eq!(
+        ep.put_zcopy(&iov, target.as_ptr() as u64, &key, 3).unwrap(),
+        OpStatus::InProgress
+    );
+    // Through again.
+    ep.am_zcopy(6, b"h", &iov, 4).unwrap();
+    let ev = events(sb.iface.as_mut());
+    assert_eq!(
+        ev.iter().filter(|e| e.starts_with("am ")).count(),
+        2,
+        "the lost message is not delivered: {ev:?}"
+    );
+    assert!(target.iter().all(|x| *x == 0), "the lost put wrote nothing");
+    let done = events(sa.iface.as_mut());
+    for t in [2, 3] {
+        assert!(done.contains(&format!("done {t} false")), "{t}: {done:?}");
+    }
+    assert!(
+        !done
+            .iter()
+            .any(|d| d.starts_with("done 1 false") || d.starts_with("done 4 false"))
+    );
+    assert!(
+        f.log()
+            .iter()
+            .any(|l| l.contains("injected completion failure"))
+    );
+}

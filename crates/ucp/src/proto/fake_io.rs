@@ -3,11 +3,13 @@
 //! later (in progress) so a test hands them to the protocol with the result it wants.
 
 use rucx_ucs::{Error, MemoryType, Result};
-use rucx_uct::{AmId, Endpoint, Iov, MemRegion, OpStatus, RemoteKey};
+use std::sync::Arc;
+
+use rucx_uct::{AmId, Endpoint, Iov, MemHandle, MemRegion, OpStatus, RemoteKey};
 
 use super::io::ProtoIo;
 use crate::context::RegGuard;
-use crate::wire::Msg;
+use crate::wire::{Msg, NamedKey};
 
 /// One operation the fake endpoint took.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,6 +154,9 @@ impl FakeIo {
     }
 }
 
+/// A packed key the fake refuses to unpack.
+pub(crate) const BAD_KEY: &[u8] = b"bad key";
+
 /// The source id of every message of the fake.
 pub(crate) const FAKE_UUID: u64 = 0xfa4e;
 
@@ -208,9 +213,39 @@ impl ProtoIo for FakeIo {
     }
 
     fn register_md(&mut self, md: usize, region: MemRegion) -> Result<RegGuard> {
-        Err(Error::Unsupported {
-            what: format!("registering {} bytes with domain {md}", region.len),
-            why: "the fake I/O keeps no registrations".into(),
+        if count_down(&mut self.fail_reg_after) {
+            return Err(Error::NoMemory(format!(
+                "injected: registering {} bytes with domain {md}",
+                region.len
+            )));
+        }
+        self.regs.push((0, md, region));
+        Ok(RegGuard::Direct(MemHandle::new(
+            region,
+            &format!("fake{md}"),
+            Arc::new(()),
+        )))
+    }
+
+    fn unpack_key(&self, md: usize, key: &[u8]) -> Result<RemoteKey> {
+        if key == BAD_KEY {
+            return Err(Error::InvalidRkey {
+                domain: format!("fake{md}"),
+                reason: "injected: a key that does not unpack".into(),
+            });
+        }
+        Ok(RemoteKey::new(
+            &format!("fake{md}"),
+            0,
+            u64::MAX,
+            Arc::new(()),
+        ))
+    }
+
+    fn pack_key(&self, md: usize, _g: &RegGuard) -> Result<NamedKey> {
+        Ok(NamedKey {
+            md: format!("fake{md}"),
+            key: vec![md as u8],
         })
     }
 

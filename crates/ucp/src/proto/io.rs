@@ -5,10 +5,10 @@
 //! (`crates/ucp/tests/harness`) drives it over the simulated fabric.
 
 use rucx_ucs::{MemoryType, Result};
-use rucx_uct::{Endpoint, MemRegion, OpStatus};
+use rucx_uct::{Endpoint, MemRegion, OpStatus, RemoteKey};
 
 use crate::context::RegGuard;
-use crate::wire::Msg;
+use crate::wire::{Msg, NamedKey};
 
 /// What a protocol asks of the worker.
 pub(crate) trait ProtoIo {
@@ -33,6 +33,12 @@ pub(crate) trait ProtoIo {
 
     /// Whether domain `md` may register `mem` memory of `dev` now (not demoted).
     fn may_register(&self, md: usize, mem: MemoryType, dev: Option<u32>) -> bool;
+
+    /// Unpack a key the peer packed with domain `md`'s counterpart.
+    fn unpack_key(&self, md: usize, key: &[u8]) -> Result<RemoteKey>;
+
+    /// Pack our registration `g` with domain `md` for the peer (named by the domain).
+    fn pack_key(&self, md: usize, g: &RegGuard) -> Result<NamedKey>;
 
     /// Queue control message `m` to peer `p`, behind its other messages.
     fn ctrl(&mut self, p: usize, m: &Msg<'_>);

@@ -340,6 +340,18 @@ impl ProtoIo for State {
         self.send_msg(p, m);
     }
 
+    fn unpack_key(&self, md: usize, key: &[u8]) -> Result<RemoteKey> {
+        self.ctx.domain(md).rkey_unpack(key)
+    }
+
+    fn pack_key(&self, md: usize, g: &RegGuard) -> Result<NamedKey> {
+        let d = self.ctx.domain(md);
+        Ok(NamedKey {
+            md: d.name().to_string(),
+            key: d.mkey_pack(g.registration())?,
+        })
+    }
+
     #[inline]
     fn uuid(&self) -> u64 {
         self.address.uuid

@@ -141,20 +141,136 @@ impl RndvRecv {
         }
         self.via_get = false;
         self.get = None;
-        io.count("rendezvous receive streamed");
+        self.rtr(io, rid, None);
+        RecvNext::Wait
+    }
+}
+
+/// Where a host rendezvous receive may move its data: what the worker found in the plan's
+/// steps, the peer's lanes and the sender's request.
+pub(crate) struct HostRecvChoice {
+    /// Read: the lane, its domain, the sender's key of that domain, and whether the lane also
+    /// writes (a large read is then split with the sender's writes).
+    pub(crate) read: Option<(usize, usize, NamedKey, bool)>,
+    /// The sender asked for our key (put rendezvous): the plan's write lane and its domain.
+    pub(crate) put: Option<(usize, usize)>,
+    /// From this size on a read is split with the sender's writes.
+    pub(crate) split_thresh: usize,
+    /// The sender's buffer.
+    pub(crate) saddr: u64,
+    /// The receive buffer (host memory, `want` bytes of it used).
+    pub(crate) raddr: usize,
+}
+
+/// What starting a host rendezvous receive left the worker to do.
+pub(crate) struct HostStarted {
+    /// The receive buffer's registration, kept with the request.
+    pub(crate) guard: Option<RegGuard>,
+    /// Reads are to be posted (queue the request).
+    pub(crate) reads: bool,
+}
+
+impl RndvRecv {
+    /// Start a host rendezvous receive (request `rid`) on the first path of `c` that works: read
+    /// the sender's buffer (split with its writes when large), or hand the sender our key to
+    /// write, or, when a registration or key fails (the domain is demoted or the buffer
+    /// refused, through [`ProtoIo`]), ask the sender to stream: no failure ends the receive.
+    pub(crate) fn start_host(
+        &mut self,
+        io: &mut impl ProtoIo,
+        rid: u64,
+        c: &HostRecvChoice,
+    ) -> HostStarted {
+        let want = self.want;
+        let region = MemRegion::host(c.raddr, want);
+        if let Some((lane, md, k, writes)) = &c.read
+            && io.may_register(*md, MemoryType::Host, None)
+        {
+            match io.register_md(*md, region) {
+                Ok(g) => match io.unpack_key(*md, &k.key) {
+                    Ok(rkey) => {
+                        // Large messages: read the head while the sender writes the tail, so
+                        // both sides' cores copy.
+                        let split_at = (want / 2) & !4095;
+                        let split_key = if want >= c.split_thresh && split_at > 0 && *writes {
+                            io.pack_key(*md, &g).ok()
+                        } else {
+                            None
+                        };
+                        self.via_get = true;
+                        self.get = Some((*lane, c.saddr, rkey, c.raddr));
+                        match split_key {
+                            Some(key) => {
+                                self.get_end = split_at;
+                                self.fin_pending = true;
+                                self.rtr(io, rid, Some((c.raddr as u64, split_at, key)));
+                                io.count("rendezvous receive split: read head, remote writes tail");
+                            }
+                            None => io.count("rendezvous receive by read"),
+                        }
+                        return HostStarted {
+                            guard: Some(g),
+                            reads: true,
+                        };
+                    }
+                    Err(e) => {
+                        tracing::warn!("sender's key did not unpack ({e}); streaming instead")
+                    }
+                },
+                Err(e) => tracing::debug!(
+                    "receive registration failed ({e}); steering the sender to stream"
+                ),
+            }
+        }
+        if let Some((_, md)) = c.put
+            && io.may_register(md, MemoryType::Host, None)
+        {
+            match io.register_md(md, region) {
+                Ok(g) => match io.pack_key(md, &g) {
+                    Ok(key) => {
+                        io.count("rendezvous receive by remote write");
+                        self.rtr(io, rid, Some((c.raddr as u64, 0, key)));
+                        return HostStarted {
+                            guard: Some(g),
+                            reads: false,
+                        };
+                    }
+                    Err(e) => tracing::warn!("packing our key failed ({e}); streaming instead"),
+                },
+                Err(e) => tracing::debug!(
+                    "receive registration failed ({e}); steering the sender to stream"
+                ),
+            }
+        }
+        self.rtr(io, rid, None);
+        HostStarted {
+            guard: None,
+            reads: false,
+        }
+    }
+
+    /// Answer the sender (RTR): with our key and the offset it writes from, or without a key
+    /// (stream the message to us).
+    pub(crate) fn rtr(&self, io: &mut impl ProtoIo, rid: u64, put: Option<(u64, usize, NamedKey)>) {
+        if put.is_none() {
+            io.count("rendezvous receive streamed");
+        }
+        let (addr, offset, keys) = match put {
+            Some((a, off, k)) => (a, off as u64, vec![k]),
+            None => (0, 0, Vec::new()),
+        };
         io.ctrl(
             self.peer,
             &Msg::Rtr {
                 src: io.uuid(),
                 sreq: self.sreq,
                 rreq: rid,
-                addr: 0,
+                addr,
                 size: self.want as u64,
-                offset: 0,
-                keys: Vec::new(),
+                offset,
+                keys,
             },
         );
-        RecvNext::Wait
     }
 }
 
@@ -467,100 +583,55 @@ impl State {
             RecvStep::Put { lane } => Some(*lane),
             _ => None,
         });
-        let split_thresh = self.peers[p].plan.split_thresh;
-        let region = MemRegion::host(raddr, want);
-        // Get: the sender offered a key of the lane's domain (both sides share it), or of
+        // Read: the sender offered a key of the lane's domain (both sides share it), or of
         // another lane of ours that reads (the sender's plan moved after a demotion on its
-        // side), and we can register.
-        if !wants_put
-            && let Some((lane, ki)) = self.read_lane(p, get_lane, &keys)
-            && let Some(k) = keys.get(ki)
-        {
-            let md = self.slots[lane].md;
-            if self.may_register(md, MemoryType::Host, None) {
-                match self.register_md(md, region) {
-                    Ok(g) => match self.ctx.domain(md).rkey_unpack(&k.key) {
-                        Ok(rkey) => {
-                            // Large messages: read the head while the sender writes the tail,
-                            // so both sides' cores copy.
-                            let split_at = (want / 2) & !4095;
-                            let split_key = if want >= split_thresh
-                                && split_at > 0
-                                && self.slots[lane].attr.has(IfaceCaps::PUT_ZCOPY)
-                            {
-                                self.ctx.domain(md).mkey_pack(g.registration()).ok()
-                            } else {
-                                None
-                            };
-                            let r = self.reqs.get_mut(&rid).expect("req");
-                            r.guards.push(g);
-                            if let ReqKind::Recv(RecvState {
-                                proto: RecvProto::Rndv(rv),
-                                ..
-                            }) = &mut r.kind
-                            {
-                                rv.via_get = true;
-                                rv.get = Some((lane, addr, rkey, raddr));
-                                if split_key.is_some() {
-                                    rv.get_end = split_at;
-                                    rv.fin_pending = true;
-                                }
-                            }
-                            if let Some(k) = split_key {
-                                let key = NamedKey {
-                                    md: self.ctx.domain(md).name().to_string(),
-                                    key: k,
-                                };
-                                self.send_rtr(p, sreq, rid, Some((raddr as u64, split_at, key)));
-                                self.count(
-                                    "rendezvous receive split: read head, remote writes tail",
-                                );
-                            } else {
-                                self.count("rendezvous receive by read");
-                            }
-                            self.peers[p].queue.push_back(Pending::Stream(rid));
-                            self.pump(p);
-                            return;
-                        }
-                        Err(e) => {
-                            tracing::warn!("sender's key did not unpack ({e}); streaming instead")
-                        }
-                    },
-                    Err(e) => tracing::debug!(
-                        "receive registration failed ({e}); steering the sender to stream"
-                    ),
-                }
+        // side). Put: the sender asked for our key, for the plan's write lane.
+        let read = if wants_put {
+            None
+        } else {
+            self.read_lane(p, get_lane, &keys).and_then(|(lane, ki)| {
+                let writes = self.slots[lane].attr.has(IfaceCaps::PUT_ZCOPY);
+                keys.get(ki)
+                    .map(|k| (lane, self.slots[lane].md, k.clone(), writes))
+            })
+        };
+        let choice = HostRecvChoice {
+            read,
+            put: put_lane
+                .filter(|_| wants_put)
+                .map(|l| (l, self.slots[l].md)),
+            split_thresh: self.peers[p].plan.split_thresh,
+            saddr: addr,
+            raddr,
+        };
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        else {
+            return;
+        };
+        let RecvProto::Rndv(mut rv) = std::mem::replace(&mut rs.proto, RecvProto::Tag) else {
+            return;
+        };
+        let started = rv.start_host(self, rid, &choice);
+        if let Some(r) = self.reqs.get_mut(&rid) {
+            if let ReqKind::Recv(rs) = &mut r.kind {
+                rs.proto = RecvProto::Rndv(rv);
+            }
+            if let Some(g) = started.guard {
+                r.guards.push(g);
             }
         }
-        // Put: register our buffer and hand the sender a key.
-        if wants_put && let Some(lane) = put_lane {
-            let md = self.slots[lane].md;
-            if self.may_register(md, MemoryType::Host, None) {
-                match self.register_md(md, region) {
-                    Ok(g) => match self.ctx.domain(md).mkey_pack(g.registration()) {
-                        Ok(k) => {
-                            self.reqs.get_mut(&rid).expect("req").guards.push(g);
-                            let key = NamedKey {
-                                md: self.ctx.domain(md).name().to_string(),
-                                key: k,
-                            };
-                            self.count("rendezvous receive by remote write");
-                            self.send_rtr(p, sreq, rid, Some((raddr as u64, 0, key)));
-                            self.pump(p);
-                            return;
-                        }
-                        Err(e) => tracing::warn!("packing our key failed ({e}); streaming instead"),
-                    },
-                    Err(e) => tracing::debug!(
-                        "receive registration failed ({e}); steering the sender to stream"
-                    ),
-                }
-            }
+        if started.reads {
+            self.peers[p].queue.push_back(Pending::Stream(rid));
         }
-        self.send_rtr(p, sreq, rid, None);
         self.pump(p);
     }
 
+    /// Answer the sender `p` of rendezvous `sreq` for receive `rreq` (RTR): with our key and
+    /// the offset it writes from, or without a key (stream to us). The receive's state builds
+    /// the answer ([`RndvRecv::rtr`]).
     pub(crate) fn send_rtr(
         &mut self,
         p: usize,
@@ -568,32 +639,15 @@ impl State {
         rreq: u64,
         put: Option<(u64, usize, NamedKey)>,
     ) {
-        if put.is_none() {
-            self.count("rendezvous receive streamed");
-        }
-        let want = match &self.reqs.get(&rreq).map(|r| &r.kind) {
-            Some(ReqKind::Recv(RecvState {
-                proto: RecvProto::Rndv(rv),
-                ..
-            })) => rv.want,
-            _ => 0,
-        };
-        let (addr, offset, keys) = match put {
-            Some((a, off, k)) => (a, off as u64, vec![k]),
-            None => (0, 0, Vec::new()),
-        };
-        self.ctrl(
-            p,
-            &Msg::Rtr {
-                src: self.address.uuid,
-                sreq,
-                rreq,
-                addr,
-                size: want as u64,
-                offset,
-                keys,
-            },
-        );
+        self.rndv_recv_step(rreq, |rv, io| {
+            debug_assert_eq!(
+                (rv.peer, rv.sreq),
+                (p, sreq),
+                "the receive's own rendezvous"
+            );
+            rv.rtr(io, rreq, put);
+            RecvNext::Wait
+        });
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -724,7 +778,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::proto::fake_io::{FAKE_UUID, FakeIo};
+    use crate::proto::fake_io::{BAD_KEY, FAKE_UUID, FakeIo};
 
     const PEER: usize = 3;
     const SREQ: u64 = 0x51;
@@ -892,5 +946,137 @@ mod tests {
             })
             .collect();
         assert_eq!(acks, [(SREQ, 4, 256), (SREQ, 5, 256)]);
+    }
+
+    const READ_MD: usize = 2;
+    const PUT_MD: usize = 4;
+
+    fn choice(want_put: bool, key: &[u8], writes: bool) -> HostRecvChoice {
+        HostRecvChoice {
+            read: (!want_put).then(|| {
+                (
+                    7,
+                    READ_MD,
+                    NamedKey {
+                        md: "fake2".into(),
+                        key: key.to_vec(),
+                    },
+                    writes,
+                )
+            }),
+            put: want_put.then_some((8, PUT_MD)),
+            split_thresh: 64 << 10,
+            saddr: 0x10_0000,
+            raddr: 0x20_0000,
+        }
+    }
+
+    /// The only answer queued: an RTR; its offset and keys.
+    fn rtr_of(io: &FakeIo) -> (u64, u64, Vec<NamedKey>) {
+        match io.ctrl_msgs(PEER).as_slice() {
+            [
+                Msg::Rtr {
+                    src,
+                    sreq,
+                    rreq,
+                    size,
+                    offset,
+                    keys,
+                    ..
+                },
+            ] => {
+                assert_eq!((*src, *sreq, *rreq), (FAKE_UUID, SREQ, RREQ));
+                (*size, *offset, keys.clone())
+            }
+            m => panic!("{m:?}"),
+        }
+    }
+
+    /// A receive whose registration fails (or whose domain is demoted, or whose sender's key
+    /// does not unpack) does not end: it asks the sender to stream, without a key.
+    #[test]
+    fn a_host_receive_that_cannot_read_asks_the_sender_to_stream() {
+        for case in [
+            "registration fails",
+            "demoted",
+            "bad key",
+            "put: registration fails",
+        ] {
+            let mut io = FakeIo::default();
+            let c = match case {
+                "bad key" => choice(false, BAD_KEY, false),
+                "put: registration fails" => choice(true, b"k", false),
+                _ => choice(false, b"k", false),
+            };
+            match case {
+                "demoted" => io.demoted.push(READ_MD),
+                "bad key" => {}
+                _ => io.fail_reg_after = Some(0),
+            }
+            let mut rv = RndvRecv::new(PEER, SREQ, 1000);
+            let started = rv.start_host(&mut io, RREQ, &c);
+            assert!(started.guard.is_none() && !started.reads, "{case}");
+            assert!(!rv.via_get && rv.get.is_none(), "{case}");
+            let (size, _, keys) = rtr_of(&io);
+            assert_eq!(size, 1000, "{case}");
+            assert!(keys.is_empty(), "{case}: stream to me");
+            assert_eq!(io.counted, ["rendezvous receive streamed"], "{case}");
+            if case == "demoted" {
+                assert!(io.regs.is_empty(), "a demoted domain is not asked");
+            }
+        }
+    }
+
+    /// With a registration and the sender's key, the receive reads: nothing is sent yet (the
+    /// reads acknowledge when done), the registration is kept with the request.
+    #[test]
+    fn a_host_receive_reads_the_senders_buffer() {
+        let mut io = FakeIo::default();
+        let mut rv = RndvRecv::new(PEER, SREQ, 1000);
+        let started = rv.start_host(&mut io, RREQ, &choice(false, b"k", true));
+        assert!(started.guard.is_some() && started.reads);
+        assert!(rv.via_get && !rv.fin_pending);
+        let (lane, saddr, _, laddr) = rv.get.clone().unwrap();
+        assert_eq!((lane, saddr, laddr), (7, 0x10_0000, 0x20_0000));
+        assert!(io.ctrls.is_empty());
+        assert_eq!(io.counted, ["rendezvous receive by read"]);
+        assert_eq!(io.regs.len(), 1);
+        assert_eq!(io.regs[0].2.len, 1000);
+    }
+
+    /// A large receive on a lane that also writes is split: it reads the head and hands the
+    /// sender its key for the tail (from the 4 KiB-aligned middle).
+    #[test]
+    fn a_large_host_receive_is_split() {
+        let mut io = FakeIo::default();
+        let want = 1 << 20;
+        let mut rv = RndvRecv::new(PEER, SREQ, want);
+        let started = rv.start_host(&mut io, RREQ, &choice(false, b"k", true));
+        assert!(started.reads);
+        assert_eq!(rv.get_end, want / 2);
+        assert!(rv.fin_pending);
+        let (size, offset, keys) = rtr_of(&io);
+        assert_eq!((size, offset), (want as u64, (want / 2) as u64));
+        assert_eq!(keys.len(), 1);
+        assert_eq!(keys[0].md, "fake2");
+        // Not split on a lane that does not write.
+        let mut io = FakeIo::default();
+        let mut rv = RndvRecv::new(PEER, SREQ, want);
+        rv.start_host(&mut io, RREQ, &choice(false, b"k", false));
+        assert_eq!((rv.get_end, rv.fin_pending), (want, false));
+        assert!(io.ctrls.is_empty());
+    }
+
+    /// A sender that asked for our key gets it (put rendezvous); no reads.
+    #[test]
+    fn a_put_rendezvous_hands_the_sender_our_key() {
+        let mut io = FakeIo::default();
+        let mut rv = RndvRecv::new(PEER, SREQ, 5000);
+        let started = rv.start_host(&mut io, RREQ, &choice(true, b"", false));
+        assert!(started.guard.is_some() && !started.reads);
+        let (size, offset, keys) = rtr_of(&io);
+        assert_eq!((size, offset), (5000, 0));
+        assert_eq!(keys[0].md, "fake4");
+        assert_eq!(io.counted, ["rendezvous receive by remote write"]);
     }
 }
