@@ -59,6 +59,14 @@ expect "refused buffer: cuda_ipc" "rendezvous receive pipelined through host sta
 reject "demotion: cuda_ipc"
 pair "fault injected on the receiver's cuda_ipc registrations" "" "RUCX_FAULT_INJECT=md=cuda_ipc,mem=cuda,after=0" --oneway
 pair "host sender, device receiver" "" "" --send-mem host --recv-mem cuda
+expect "protocols: .*rendezvous receive by remote write into GPU memory"
+pair "host sender, device receiver, the receiver's cuda_ipc refused: staged read" "" "RUCX_FAULT_INJECT=md=cuda_ipc,mem=cuda,after=0" --send-mem host --recv-mem cuda --oneway
+expect "rendezvous receive by read, staged to the GPU"
+pair "staged device to device, 64K fragments" "RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=64K" "RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=64K" --oneway --bw-size 64M
+expect "staging fragments copied in runs" "staged fragments copied to the GPU in runs"
+pair "staged device to device, 4K fragments" "RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=4K" "RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=4K" --oneway --bw-size 16M --iters 3
+expect "staging fragments copied in runs"
+pair "staged with 4K fragments, device into host" "RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=4K" "RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=4K" --send-mem cuda --recv-mem host --sizes 1,4097,1M+3 --bw-size 4M --iters 2
 pair "device sender, host receiver" "" "" --send-mem cuda --recv-mem host
 
 # Truncation through the staged pipeline (a send larger than the receive buffer): the receiver

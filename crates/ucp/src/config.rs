@@ -44,8 +44,9 @@ pub static CONFIG: &[OptionSpec] = &[
         kind: OptKind::UintIn(Bounds::new(1, 1024)),
         default: "8",
         help: "Pinned host staging fragments of RNDV_FRAG_SIZE for GPU memory pipelines, per \
-               direction (sends and receives each get this many; 1 to 1024). Staging lives in host memory, \
-               so it never uses a GPU's BAR1 aperture.",
+               direction (sends and receives each get this many; 1 to 1024). Left unset, small \
+               fragments get more (32 MiB in flight per direction, at most 8192 fragments). \
+               Staging lives in host memory, so it never uses a GPU's BAR1 aperture.",
     },
     OptionSpec {
         name: "RNDV_STAGING_AHEAD",

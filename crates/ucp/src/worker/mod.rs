@@ -241,7 +241,19 @@ impl Worker {
         } else {
             Vec::new()
         };
-        let stage_count = (cfg.uint("RNDV_FRAG_COUNT") as usize).clamp(1, 1024);
+        // As set (from the environment or by the program); left at its default, deeper for
+        // small fragments.
+        let stage_count = {
+            let n = (cfg.uint("RNDV_FRAG_COUNT") as usize).clamp(1, 1024);
+            let set = cfg.options().any(|(o, raw, from_env)| {
+                o.name == "RNDV_FRAG_COUNT" && (from_env || raw != o.default)
+            });
+            if set {
+                n
+            } else {
+                crate::proto::gpu::staging::stage_count(n, frag)
+            }
+        };
         // With a copy lane, make the staging now on a helper thread: the transfer that first
         // needs it (one that demotes a zero-copy GPU path) then does not wait for it.
         let staging_ahead = match &copy {

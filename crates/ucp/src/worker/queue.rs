@@ -198,7 +198,7 @@ impl State {
                     && let Some(stg) = self.staging.as_mut()
                 {
                     match what {
-                        TokWhat::StageD2H { frag, .. } => stg.free_send.push(frag),
+                        TokWhat::StageD2H { frag, len, .. } => stg.release_send(frag, len),
                         TokWhat::PullGet { rfrag: Some(f), .. } | TokWhat::H2D { rfrag: f, .. } => {
                             stg.free_recv.push(f)
                         }

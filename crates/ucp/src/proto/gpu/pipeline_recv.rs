@@ -4,6 +4,9 @@
 
 use crate::worker::prelude::*;
 
+/// Most bytes of consecutive mapped fragments copied to the GPU at once.
+const MERGE_BYTES: usize = 4 << 20;
+
 /// A piece of a rendezvous receive to read.
 pub(crate) struct Chunk {
     pub(crate) raddr: u64,
@@ -39,10 +42,10 @@ impl State {
                         result: None,
                         ..
                     }) => (*peer, st.rreq, st.lane),
-                    // Ended meanwhile (aborted): the fragment is not announced.
+                    // Ended meanwhile (aborted): the fragments are not announced.
                     _ => {
                         if let Some(stg) = self.staging.as_mut() {
-                            stg.free_send.push(frag);
+                            stg.release_send(frag, len);
                         }
                         self.wake_staged_sends(id, false);
                         return Ok(());
@@ -58,26 +61,42 @@ impl State {
                     Ok((_, key)) => key,
                     Err(e) => {
                         if let Some(stg) = self.staging.as_mut() {
-                            stg.free_send.push(frag);
+                            stg.release_send(frag, len);
                         }
                         self.wake_staged_sends(id, false);
                         return Err(e);
                     }
                 };
-                let addr = self.staging.as_ref().expect("staging").addr(frag);
-                self.ctrl(
-                    p,
-                    &Msg::Frag {
-                        src: self.address.uuid,
-                        rreq,
-                        sreq: id,
-                        offset: off as u64,
-                        len: len as u64,
-                        addr: addr as u64,
-                        frag: frag as u64,
-                        key,
-                    },
-                );
+                // One announcement per fragment of the run (each read and acknowledged on
+                // its own, whatever the receiver's fragment size).
+                let stg = self.staging.as_ref().expect("staging");
+                let fsz = stg.frag;
+                let pieces: Vec<(usize, usize, usize)> = (0..len.div_ceil(fsz).max(1))
+                    .map(|i| {
+                        let n = if len <= fsz {
+                            len
+                        } else {
+                            fsz.min(len - i * fsz)
+                        };
+                        (frag + i, i * fsz, n)
+                    })
+                    .collect();
+                for (f, at, n) in pieces {
+                    let addr = self.staging.as_ref().expect("staging").addr(f);
+                    self.ctrl(
+                        p,
+                        &Msg::Frag {
+                            src: self.address.uuid,
+                            rreq,
+                            sreq: id,
+                            offset: (off + at) as u64,
+                            len: n as u64,
+                            addr: addr as u64,
+                            frag: f as u64,
+                            key: key.clone(),
+                        },
+                    );
+                }
                 self.pump(p);
                 Ok(())
             }
@@ -387,7 +406,9 @@ impl State {
         {
             self.peers[p].queue.push_back(Pending::Stream(rreq));
         }
-        self.pump(p);
+        // Posted when this progress call has handled every message that arrived (the
+        // progress loop pumps each peer's queue after its interfaces' events): fragments
+        // announced together are then copied together (see `stream_chunks`).
     }
 
     /// Fragments staged by the sender carry a key of its RMA lane's domain, which need not be
@@ -523,11 +544,40 @@ impl State {
                 return Ok(false);
             }
             if gpu && let Some((laddr, lmemh)) = c.local.clone() {
-                // The sender's fragment is mapped here: one DMA copy to the GPU.
+                // The sender's fragment is mapped here: one DMA copy to the GPU, for it and the
+                // fragments queued behind it that continue it in both the mapping and the
+                // buffer (consecutive fragments of the sender's staging, each whole but the
+                // last): one copy, one completion, one acknowledgement for them all.
                 let key = match &rs.dev_memh {
                     Some(dm) => dm.1.clone(),
                     None => return Err(Error::Internal("GPU receive without its copy key".into())),
                 };
+                let (mut len, mut k, mut sfrag) = (len, 1usize, sfrag);
+                if let Some(first) = sfrag {
+                    let whole = first.staged;
+                    let mut last_whole = c.len == whole;
+                    for d in rv.staged.chunks.iter().skip(1) {
+                        let next = match (d.local.as_ref(), d.sfrag) {
+                            (Some((a, _)), Some((f, st)))
+                                if last_whole
+                                    && *a == laddr + len
+                                    && d.off == off + len
+                                    && f == first.frag + k as u64
+                                    && st <= whole
+                                    && len + d.len <= MERGE_BYTES =>
+                            {
+                                (d.len, st)
+                            }
+                            _ => break,
+                        };
+                        len += next.0;
+                        k += 1;
+                        last_whole = next.0 == whole && next.1 == whole;
+                        if let Some(s) = sfrag.as_mut() {
+                            s.staged += next.1;
+                        }
+                    }
+                }
                 let iov = [Iov {
                     addr: laddr,
                     len,
@@ -544,9 +594,12 @@ impl State {
                         }) = self.reqs.get_mut(&rid)
                             && let Some(sr) = rs.staged_mut()
                         {
-                            sr.chunks.pop_front();
+                            sr.chunks.drain(..k);
                         }
                         self.count("staged fragment copied to the GPU from shared memory");
+                        if k > 1 {
+                            self.count("staged fragments copied to the GPU in runs");
+                        }
                         self.post_tok(rid, token, st, TokWhat::DirectH2D { len, sfrag });
                         continue;
                     }

@@ -4,6 +4,10 @@
 
 use crate::worker::prelude::*;
 
+/// Most bytes one staging copy fills (a run of consecutive fragments; a fragment larger than
+/// this is copied alone).
+const RUN_BYTES: usize = 1 << 20;
+
 /// Sender side of a staged pipeline.
 pub(crate) struct StageSend {
     pub(crate) rreq: u64,
@@ -85,16 +89,33 @@ impl State {
             if next_off >= len {
                 return Ok(true);
             }
-            let stg = self.staging.as_mut().expect("staging");
-            let Some(f) = stg.free_send.pop() else {
-                // Resumed when the receiver acknowledges a fragment.
-                return Ok(true);
-            };
             let limit = lane.map_or(usize::MAX, |l| {
                 self.slots[l].attr.limits.get_max_zcopy.max(1)
             });
             let stg = self.staging.as_mut().expect("staging");
-            let n = stg.frag.min(limit).min(len - next_off);
+            // Consecutive free fragments are filled by one copy (one call, one completion),
+            // up to RUN_BYTES: small fragments then cost the copy engine what large ones do.
+            // Only whole fragments make a run (a lane that reads less than a fragment at once
+            // stages one at a time).
+            let max_run = if stg.frag <= limit {
+                (RUN_BYTES / stg.frag).max(1)
+            } else {
+                1
+            };
+            let want = (len - next_off).div_ceil(stg.frag).min(max_run);
+            let Some((f, k)) = stg.free_send.take_run(want) else {
+                // Resumed when the receiver acknowledges a fragment.
+                return Ok(true);
+            };
+            let n = if k == 1 {
+                stg.frag.min(limit).min(len - next_off)
+            } else {
+                (k * stg.frag).min(len - next_off)
+            };
+            if k > 1 {
+                self.count("staging fragments copied in runs");
+            }
+            let stg = self.staging.as_mut().expect("staging");
             let faddr = stg.addr(f);
             let memh = stg.copy_memh.clone();
             let key = match &self.reqs[&id].kind {
@@ -129,7 +150,7 @@ impl State {
                     );
                 }
                 Err(e) => {
-                    self.staging.as_mut().expect("staging").free_send.push(f);
+                    self.staging.as_mut().expect("staging").release_send(f, n);
                     if e.is_retryable() {
                         return Ok(false);
                     }
@@ -189,7 +210,7 @@ impl State {
     /// The receiver read one of our staged fragments.
     pub(crate) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
         if let Some(stg) = self.staging.as_mut() {
-            stg.free_send.push(frag);
+            stg.release_send(frag, len);
         }
         // The send may have ended meanwhile (aborted): its fragments still come back.
         if let Some(Req {

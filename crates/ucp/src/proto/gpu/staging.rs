@@ -11,8 +11,8 @@ pub(crate) struct Staging {
     pub(crate) copy_memh: MemHandle,
     pub(crate) rma: FxHashMap<usize, (RegGuard, NamedKey)>,
     pub(crate) frag: usize,
-    pub(crate) free_send: Vec<usize>,
-    pub(crate) free_recv: Vec<usize>,
+    pub(crate) free_send: FreeFrags,
+    pub(crate) free_recv: FreeFrags,
     pub(crate) base: usize,
     /// Shared-memory staging (peers on this host map it), and the domain that made it.
     pub(crate) shared: Option<(usize, rucx_uct::SharedAlloc)>,
@@ -23,7 +23,96 @@ impl Staging {
     pub(crate) fn addr(&self, f: usize) -> usize {
         self.base + f * self.frag
     }
+
+    /// Give back the send fragments of a run that starts at `first` and holds `len` bytes (one
+    /// fragment at least; a run is what one staging copy filled). Ids outside the send half or
+    /// free already (a confused or hostile acknowledgement) are ignored: a fragment is never
+    /// handed out twice.
+    pub(crate) fn release_send(&mut self, first: usize, len: usize) {
+        let k = len
+            .div_ceil(self.frag.max(1))
+            .clamp(1, self.free_send.is_free.len().max(1));
+        for f in first..first.saturating_add(k) {
+            self.free_send.push(f);
+        }
+    }
 }
+
+/// Free staging fragments of one direction, handed out first in, first out: fragments come
+/// back in the order their transfers end, so consecutive ones stay next to each other and a
+/// sender copies a run of them with one copy (fragments batched per copy call and per event,
+/// whatever the fragment size).
+pub(crate) struct FreeFrags {
+    q: VecDeque<usize>,
+    /// Fragments of this direction are `lo..lo + is_free.len()`; which are in `q`.
+    lo: usize,
+    is_free: Vec<bool>,
+}
+
+impl FreeFrags {
+    /// Fragments `lo..lo + count`, all free.
+    pub(crate) fn new(lo: usize, count: usize) -> FreeFrags {
+        FreeFrags {
+            q: (lo..lo + count).collect(),
+            lo,
+            is_free: vec![true; count],
+        }
+    }
+
+    /// Take the oldest free fragment.
+    pub(crate) fn pop(&mut self) -> Option<usize> {
+        let f = self.q.pop_front()?;
+        self.is_free[f - self.lo] = false;
+        Some(f)
+    }
+
+    /// Give fragment `f` back; one not of this direction, or free already, is ignored (and
+    /// logged): it must never be handed out twice.
+    pub(crate) fn push(&mut self, f: usize) {
+        match f.checked_sub(self.lo).and_then(|i| self.is_free.get_mut(i)) {
+            Some(free) if !*free => {
+                *free = true;
+                self.q.push_back(f);
+            }
+            _ => tracing::debug!("staging fragment {f} given back twice or not ours; ignored"),
+        }
+    }
+
+    /// Take a run of up to `max` consecutive free fragments (at least one when any is free):
+    /// the first and how many.
+    pub(crate) fn take_run(&mut self, max: usize) -> Option<(usize, usize)> {
+        let first = self.pop()?;
+        let mut k = 1;
+        while k < max && self.q.front() == Some(&(first + k)) {
+            self.pop();
+            k += 1;
+        }
+        Some((first, k))
+    }
+
+    /// Free fragments now.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.q.len()
+    }
+}
+
+/// Staging fragments per direction for fragments of `frag` bytes when `RUCX_RNDV_FRAG_COUNT`
+/// is left at its default (`configured`): that many, or more when fragments are small, so that at least `STAGING_DEPTH_BYTES` are in flight per
+/// direction whatever the fragment size (8 fragments of 4 KiB would leave the copy engines
+/// idle between round trips), and never more than `MAX_FRAGS`.
+pub(crate) fn stage_count(configured: usize, frag: usize) -> usize {
+    configured
+        .max(STAGING_DEPTH_BYTES / frag.max(1))
+        .clamp(1, MAX_FRAGS)
+}
+
+/// Bytes of staging per direction the pipeline keeps in flight at least (the default
+/// `RUCX_RNDV_FRAG_COUNT` x `RUCX_RNDV_FRAG_SIZE`).
+const STAGING_DEPTH_BYTES: usize = 32 << 20;
+
+/// Most staging fragments per direction.
+const MAX_FRAGS: usize = 8192;
 
 /// Staging memory, allocated and registered with the copy lane's domain, not yet cut into
 /// fragments.
@@ -204,8 +293,8 @@ impl State {
             copy_memh,
             rma: FxHashMap::default(),
             frag: self.frag,
-            free_send: (0..count).rev().collect(),
-            free_recv: (count..2 * count).rev().collect(),
+            free_send: FreeFrags::new(0, count),
+            free_recv: FreeFrags::new(count, count),
             base,
             shared,
             _mem: mem,
@@ -293,5 +382,46 @@ impl State {
             }
         };
         Some((base + (addr - rkey.base()) as usize, memh))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FreeFrags;
+
+    #[test]
+    fn runs_are_consecutive_and_fragments_never_handed_out_twice() {
+        let mut f = FreeFrags::new(8, 8);
+        assert_eq!(f.take_run(3), Some((8, 3)));
+        assert_eq!(f.take_run(100), Some((11, 5)));
+        assert_eq!(f.take_run(1), None);
+        // Back in completion order: runs form again.
+        for x in [9, 8, 10, 11] {
+            f.push(x);
+        }
+        assert_eq!(f.take_run(4), Some((9, 1)));
+        assert_eq!(f.take_run(4), Some((8, 1)));
+        assert_eq!(f.take_run(4), Some((10, 2)));
+        // Twice, and out of range: ignored.
+        f.push(12);
+        f.push(12);
+        f.push(3);
+        f.push(16);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f.pop(), Some(12));
+        assert_eq!(f.pop(), None);
+    }
+
+    #[test]
+    fn small_fragments_get_a_deeper_pipeline() {
+        use super::stage_count;
+        // The default: 8 fragments of 4 MiB.
+        assert_eq!(stage_count(8, 4 << 20), 8);
+        // 64 KiB: 32 MiB in flight per direction.
+        assert_eq!(stage_count(8, 64 << 10), 512);
+        assert_eq!(stage_count(8, 4 << 10), 8192);
+        // Asked for more: given; large fragments: as configured.
+        assert_eq!(stage_count(1000, 64 << 10), 1000);
+        assert_eq!(stage_count(2, 1 << 30), 2);
     }
 }
