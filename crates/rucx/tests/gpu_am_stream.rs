@@ -12,25 +12,14 @@
 
 #![forbid(unsafe_code)]
 
+mod ranks;
+
 use std::collections::VecDeque;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rucx::cuda::DeviceBuffer;
 use rucx::{EpId, Error, Job, Memory, MemoryType, Worker};
-
-const ROLE: &str = "RUCX_TEST_RANK_ROLE";
-
-fn skip_reason() -> Option<String> {
-    if std::env::var("RUCX_GPU_TESTS").as_deref() != Ok("1") {
-        return Some("set RUCX_GPU_TESTS=1 to run GPU tests".into());
-    }
-    match rucx::cuda::driver() {
-        Ok(_) => None,
-        Err(e) => panic!("RUCX_GPU_TESTS=1 but the CUDA driver is unavailable: {e}"),
-    }
-}
 
 fn pattern(n: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -47,43 +36,9 @@ fn pattern(n: usize, seed: u64) -> Vec<u8> {
 /// Run this test's rank body in two child processes (with `extra` environment); panic with
 /// their output if one fails.
 fn two_ranks(test: &str, extra: &[(&str, &str)]) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
-    let exe = std::env::current_exe().unwrap();
-    let kids: Vec<_> = (0..2)
-        .map(|rank| {
-            Command::new(&exe)
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "1")
-                .env("RUCX_RANK", rank.to_string())
-                .env("RUCX_SIZE", "2")
-                .env("RUCX_BOOTSTRAP", format!("127.0.0.1:{port}"))
-                .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
-                .envs(extra.iter().copied())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let start = Instant::now();
-    for (rank, mut k) in kids.into_iter().enumerate() {
-        while k.try_wait().unwrap().is_none() {
-            if start.elapsed() > Duration::from_secs(180) {
-                let _ = k.kill();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let o = k.wait_with_output().unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
+    let outs = ranks::run_both(test, "all", extra);
+    for (rank, text) in outs.iter().enumerate() {
         println!("--- rank {rank}:\n{text}");
-        assert!(o.status.success(), "rank {rank} failed:\n{text}");
     }
 }
 
@@ -262,10 +217,10 @@ fn am_and_streams(job: &Job) {
 
 #[test]
 fn gpu_active_messages_and_streams() {
-    if std::env::var(ROLE).is_ok() {
+    if ranks::in_child() {
         return am_and_streams(&Job::from_env().unwrap());
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         eprintln!("skipped: {why}");
         return;
     }
@@ -276,10 +231,10 @@ fn gpu_active_messages_and_streams() {
 /// rendezvous payloads go through the staged pipeline after the demotion.
 #[test]
 fn gpu_active_messages_and_streams_demoted() {
-    if std::env::var(ROLE).is_ok() {
+    if ranks::in_child() {
         return am_and_streams(&Job::from_env().unwrap());
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         eprintln!("skipped: {why}");
         return;
     }

@@ -19,17 +19,6 @@ use std::time::{Duration, Instant};
 use rucx::cuda::{DeviceBuffer, PrimaryContext};
 use rucx::{CloseMode, EpId, Error, Job, TAG_MASK_FULL, Worker};
 
-/// Why GPU tests do not run here, or `None` when they do.
-fn skip_reason() -> Option<String> {
-    if std::env::var("RUCX_GPU_TESTS").as_deref() != Ok("1") {
-        return Some("set RUCX_GPU_TESTS=1 to run GPU tests".into());
-    }
-    match rucx::cuda::driver() {
-        Ok(_) => None,
-        Err(e) => panic!("RUCX_GPU_TESTS=1 but the CUDA driver is unavailable: {e}"),
-    }
-}
-
 /// Sizes through every GPU protocol: small (bounce or zero-copy read), a rendezvous, and
 /// large enough for several pipeline fragments when staged.
 const SIZES: [usize; 4] = [1, 4097, 1 << 20, (16 << 20) + 3];
@@ -140,7 +129,7 @@ fn gpu_close_with_flush_delivers_every_device_buffer_over_cuda_ipc() {
     if ranks::in_child() {
         return close_flush_job();
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         return println!("skipped: {why}");
     }
     let out = run(
@@ -156,7 +145,7 @@ fn gpu_close_with_flush_delivers_every_device_buffer_through_staging() {
     if ranks::in_child() {
         return close_flush_job();
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         return println!("skipped: {why}");
     }
     let out = run(
@@ -218,7 +207,7 @@ fn gpu_close_with_force_cancels_device_sends_over_cuda_ipc() {
     if ranks::in_child() {
         return close_force_job();
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         return println!("skipped: {why}");
     }
     let out = run(
@@ -337,7 +326,7 @@ fn gpu_killed_idle_peer_is_reported_once_with_cuda_lanes() {
     if ranks::in_child() {
         return killed_peer_job(false);
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         return println!("skipped: {why}");
     }
     run_killed(
@@ -351,7 +340,7 @@ fn gpu_peer_killed_during_a_device_transfer_is_reported_once_over_cuda_ipc() {
     if ranks::in_child() {
         return killed_peer_job(true);
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         return println!("skipped: {why}");
     }
     run_killed(
@@ -365,7 +354,7 @@ fn gpu_peer_killed_during_a_staged_device_transfer_is_reported_once() {
     if ranks::in_child() {
         return killed_peer_job(true);
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         return println!("skipped: {why}");
     }
     run_killed(

@@ -13,7 +13,6 @@
 
 mod ranks;
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use rucx::cuda::{DeviceBuffer, PinnedHostBuffer};
@@ -29,43 +28,21 @@ const SIZES: [usize; 2] = [100, (9 << 20) + 3];
 /// Slots of a region: one per local buffer kind.
 const KINDS: [&str; 3] = ["device", "pinned host", "pageable host"];
 
-fn skip_reason() -> Option<String> {
-    if std::env::var("RUCX_GPU_TESTS").as_deref() != Ok("1") {
-        return Some("set RUCX_GPU_TESTS=1 to run GPU tests".into());
-    }
-    match rucx::cuda::driver() {
-        Ok(_) => None,
-        Err(e) => panic!("RUCX_GPU_TESTS=1 but the CUDA driver is unavailable: {e}"),
-    }
-}
-
 /// Both ranks of `test`; `fault` names the rank whose cuda_ipc refuses device memory.
 fn two_ranks(test: &str, fault: Option<usize>) {
-    let exe = std::env::current_exe().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
-    let kids: Vec<_> = (0..2)
-        .map(|rank| {
-            let mut c = Command::new(&exe);
-            c.args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ranks::ROLE, "1")
-                .env("RUCX_RANK", rank.to_string())
-                .env("RUCX_SIZE", "2")
-                .env("RUCX_BOOTSTRAP", format!("127.0.0.1:{port}"))
-                .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            if let Some(f) = fault {
-                c.env(FAULT_RANK, f.to_string());
-                if f == rank {
-                    c.env("RUCX_FAULT_INJECT", "md=cuda_ipc,mem=cuda,after=0");
-                }
+    let kids = ranks::spawn_with(test, |rank| match fault {
+        Some(f) => {
+            let mut env = vec![(FAULT_RANK.to_string(), f.to_string())];
+            if f == rank {
+                env.push((
+                    "RUCX_FAULT_INJECT".to_string(),
+                    "md=cuda_ipc,mem=cuda,after=0".to_string(),
+                ));
             }
-            c.spawn().unwrap()
-        })
-        .collect();
+            env
+        }
+        None => Vec::new(),
+    });
     for (rank, k) in kids.into_iter().enumerate() {
         let (ok, text) = ranks::finish(k, Duration::from_secs(240));
         println!("--- rank {rank}:\n{text}");
@@ -252,7 +229,7 @@ fn gpu_put_get_every_pair() {
     if ranks::in_child() {
         return rank_body(&Job::from_env().unwrap());
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         eprintln!("skipped: {why}");
         return;
     }
@@ -267,7 +244,7 @@ fn gpu_put_get_with_a_cuda_ipc_registration_fault() {
     if ranks::in_child() {
         return rank_body(&Job::from_env().unwrap());
     }
-    if let Some(why) = skip_reason() {
+    if let Some(why) = ranks::gpu_skip_reason() {
         eprintln!("skipped: {why}");
         return;
     }

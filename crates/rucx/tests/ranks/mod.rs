@@ -23,6 +23,15 @@ fn free_port() -> u16 {
 
 /// Spawn the two ranks of test `test` over transports `tls`, with extra environment.
 pub fn spawn(test: &str, tls: &str, env: &[(&str, &str)]) -> Vec<Child> {
+    spawn_with(test, |_| {
+        std::iter::once(("RUCX_TLS".to_string(), tls.to_string()))
+            .chain(env.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+            .collect()
+    })
+}
+
+/// Spawn the two ranks of test `test`, each with the environment `env_of(rank)` gives.
+pub fn spawn_with(test: &str, env_of: impl Fn(usize) -> Vec<(String, String)>) -> Vec<Child> {
     let exe = std::env::current_exe().unwrap();
     let boot = format!("127.0.0.1:{}", free_port());
     (0..2)
@@ -34,14 +43,25 @@ pub fn spawn(test: &str, tls: &str, env: &[(&str, &str)]) -> Vec<Child> {
                 .env("RUCX_SIZE", "2")
                 .env("RUCX_BOOTSTRAP", &boot)
                 .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
-                .env("RUCX_TLS", tls)
-                .envs(env.iter().copied())
+                .envs(env_of(rank))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
         .collect()
+}
+
+/// Why GPU tests do not run here (`RUCX_GPU_TESTS=1` is not set), or `None` when they do;
+/// with it set, a missing CUDA driver is a failure, not a skip.
+pub fn gpu_skip_reason() -> Option<String> {
+    if std::env::var("RUCX_GPU_TESTS").as_deref() != Ok("1") {
+        return Some("set RUCX_GPU_TESTS=1 to run GPU tests".into());
+    }
+    match rucx::cuda::driver() {
+        Ok(_) => None,
+        Err(e) => panic!("RUCX_GPU_TESTS=1 but the CUDA driver is unavailable: {e}"),
+    }
 }
 
 /// Wait up to `limit` for `k` to exit (killing it past that): its success and its output.
