@@ -54,8 +54,9 @@ pub static CONFIG: &[OptionSpec] = &[
         default: "y",
         help: "With a copy transport (cuda_copy) open, allocate and page-lock the staging \
                fragments (2 x RNDV_FRAG_COUNT x RNDV_FRAG_SIZE of host memory) on a helper thread \
-               when the worker starts, so that the first transfer needing them (e.g. one that \
-               demotes a zero-copy GPU path) does not wait tens of milliseconds (n: on first use).",
+               when the worker first meets GPU memory, so that the first transfer needing them \
+               (e.g. one that demotes a zero-copy GPU path) does not wait tens of milliseconds \
+               (n: on first use). A worker that only moves host memory makes none.",
     },
     OptionSpec {
         name: "PROTO_INFO",

@@ -108,6 +108,16 @@ fn staging_made_ahead_on_a_helper_thread_carries_the_pipeline() {
         ("RUCX_RNDV_STAGING_AHEAD", "y"),
     ];
     let pair = Pair::new(FabricSpec::gpu().ipc(false), [ahead, ahead]);
+    // Host memory alone starts nothing: no helper thread next to a host-only job's first
+    // messages, no staging pinned for nothing.
+    exchange_sizes(&pair, 0, [Mem::Host, Mem::Host], false);
+    for w in &pair.w {
+        assert!(
+            !w.counters().contains_key("staging ahead started"),
+            "{:?}",
+            w.counters()
+        );
+    }
     exchange_sizes(&pair, 0, [Mem::Device(0), Mem::Device(1)], false);
     exchange_sizes(&pair, 1, [Mem::Device(1), Mem::Host], false);
     assert!(
@@ -118,11 +128,9 @@ fn staging_made_ahead_on_a_helper_thread_carries_the_pipeline() {
         pair.w[1].counters()
     );
     for w in &pair.w {
-        assert!(
-            w.counters().contains_key("staging made ahead"),
-            "{:?}",
-            w.counters()
-        );
+        for c in ["staging ahead started", "staging made ahead"] {
+            assert!(w.counters().contains_key(c), "{c}: {:?}", w.counters());
+        }
     }
     pair.check_clean();
 }

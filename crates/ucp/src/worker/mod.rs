@@ -254,15 +254,13 @@ impl Worker {
                 crate::proto::gpu::staging::stage_count(n, frag)
             }
         };
-        // With a copy lane, make the staging now on a helper thread: the transfer that first
-        // needs it (one that demotes a zero-copy GPU path) then does not wait for it.
-        let staging_ahead = match &copy {
+        // With a copy lane, the staging is made on a helper thread once the worker meets GPU
+        // memory (`State::note_gpu_key`): the transfer that first needs it (one that demotes a
+        // zero-copy GPU path) then does not wait for it, and a worker that only ever moves host
+        // memory pins nothing and runs no helper next to its first messages.
+        let staging_ahead_wanted = match &copy {
             Some((i, _)) if cfg.bool("RNDV_STAGING_AHEAD") => {
-                crate::proto::gpu::staging::StagingMem::ahead(
-                    ctx,
-                    slots[*i].md,
-                    frag * stage_count * 2,
-                )
+                Some((slots[*i].md, frag * stage_count * 2))
             }
             _ => None,
         };
@@ -292,7 +290,8 @@ impl Worker {
                 closing: false,
                 copy,
                 staging: None,
-                staging_ahead,
+                staging_ahead: None,
+                staging_ahead_wanted,
                 stage_count,
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),

@@ -146,6 +146,14 @@ impl State {
             self.gpu_keys.push(key);
             self.plan_gen += 1;
         }
+        // The first GPU buffer met: start making the staging its transfers may need.
+        if key.mem.is_gpu()
+            && self.staging.is_none()
+            && let Some((mi, len)) = self.staging_ahead_wanted.take()
+        {
+            self.staging_ahead = crate::proto::gpu::staging::StagingMem::ahead(&self.ctx, mi, len);
+            self.count("staging ahead started");
+        }
     }
 
     /// The plan of peer `p` as the planner makes it from the current state.

@@ -373,6 +373,9 @@ pub(crate) struct State {
     /// The staging being made ahead by a helper thread (`RUCX_RNDV_STAGING_AHEAD`), taken by
     /// the first transfer that needs staging.
     pub(crate) staging_ahead: Option<crate::proto::gpu::staging::StagingAhead>,
+    /// The staging to make ahead (copy domain, bytes) once the worker meets GPU memory
+    /// (`RUCX_RNDV_STAGING_AHEAD`); taken when the helper thread starts.
+    pub(crate) staging_ahead_wanted: Option<(usize, usize)>,
     pub(crate) stage_count: usize,
     /// Completions that happened at once, handled after the current step.
     pub(crate) done_q: VecDeque<(Tok, Result<()>)>,
