@@ -50,6 +50,18 @@ fn dev_read(d: &DeviceBuffer, n: usize) -> Vec<u8> {
     out
 }
 
+/// The body of every test here: in a rank, `job`; in the test, unless GPU tests are off, both
+/// ranks run by `parent`.
+fn gpu_test(job: impl FnOnce(), parent: impl FnOnce()) {
+    if ranks::in_child() {
+        return job();
+    }
+    if let Some(why) = ranks::gpu_skip_reason() {
+        return println!("skipped: {why}");
+    }
+    parent();
+}
+
 /// Both ranks of `test` over the transports `tls` (each with `env`); their outputs.
 fn run(test: &str, tls: &str, env: &[(&str, &str)]) -> Vec<String> {
     let outs = ranks::run_both(test, tls, env);
@@ -126,34 +138,26 @@ fn close_flush_job() {
 
 #[test]
 fn gpu_close_with_flush_delivers_every_device_buffer_over_cuda_ipc() {
-    if ranks::in_child() {
-        return close_flush_job();
-    }
-    if let Some(why) = ranks::gpu_skip_reason() {
-        return println!("skipped: {why}");
-    }
-    let out = run(
-        "gpu_close_with_flush_delivers_every_device_buffer_over_cuda_ipc",
-        "all",
-        &[],
-    );
-    assert!(out[1].contains("close reported once"), "{}", out[1]);
+    gpu_test(close_flush_job, || {
+        let out = run(
+            "gpu_close_with_flush_delivers_every_device_buffer_over_cuda_ipc",
+            "all",
+            &[],
+        );
+        assert!(out[1].contains("close reported once"), "{}", out[1]);
+    });
 }
 
 #[test]
 fn gpu_close_with_flush_delivers_every_device_buffer_through_staging() {
-    if ranks::in_child() {
-        return close_flush_job();
-    }
-    if let Some(why) = ranks::gpu_skip_reason() {
-        return println!("skipped: {why}");
-    }
-    let out = run(
-        "gpu_close_with_flush_delivers_every_device_buffer_through_staging",
-        "^cuda_ipc",
-        &[],
-    );
-    assert!(out[1].contains("close reported once"), "{}", out[1]);
+    gpu_test(close_flush_job, || {
+        let out = run(
+            "gpu_close_with_flush_delivers_every_device_buffer_through_staging",
+            "^cuda_ipc",
+            &[],
+        );
+        assert!(out[1].contains("close reported once"), "{}", out[1]);
+    });
 }
 
 // ----- close with force -----
@@ -204,19 +208,15 @@ fn close_force_job() {
 
 #[test]
 fn gpu_close_with_force_cancels_device_sends_over_cuda_ipc() {
-    if ranks::in_child() {
-        return close_force_job();
-    }
-    if let Some(why) = ranks::gpu_skip_reason() {
-        return println!("skipped: {why}");
-    }
-    let out = run(
-        "gpu_close_with_force_cancels_device_sends_over_cuda_ipc",
-        "all",
-        &[],
-    );
-    assert!(out[0].contains("canceled its device sends"), "{}", out[0]);
-    assert!(out[1].contains("reported once"), "{}", out[1]);
+    gpu_test(close_force_job, || {
+        let out = run(
+            "gpu_close_with_force_cancels_device_sends_over_cuda_ipc",
+            "all",
+            &[],
+        );
+        assert!(out[0].contains("canceled its device sends"), "{}", out[0]);
+        assert!(out[1].contains("reported once"), "{}", out[1]);
+    });
 }
 
 // ----- a peer killed -----
@@ -323,42 +323,39 @@ fn run_killed(test: &str, tls: &str) -> String {
 
 #[test]
 fn gpu_killed_idle_peer_is_reported_once_with_cuda_lanes() {
-    if ranks::in_child() {
-        return killed_peer_job(false);
-    }
-    if let Some(why) = ranks::gpu_skip_reason() {
-        return println!("skipped: {why}");
-    }
-    run_killed(
-        "gpu_killed_idle_peer_is_reported_once_with_cuda_lanes",
-        "all",
+    gpu_test(
+        || killed_peer_job(false),
+        || {
+            run_killed(
+                "gpu_killed_idle_peer_is_reported_once_with_cuda_lanes",
+                "all",
+            );
+        },
     );
 }
 
 #[test]
 fn gpu_peer_killed_during_a_device_transfer_is_reported_once_over_cuda_ipc() {
-    if ranks::in_child() {
-        return killed_peer_job(true);
-    }
-    if let Some(why) = ranks::gpu_skip_reason() {
-        return println!("skipped: {why}");
-    }
-    run_killed(
-        "gpu_peer_killed_during_a_device_transfer_is_reported_once_over_cuda_ipc",
-        "all",
+    gpu_test(
+        || killed_peer_job(true),
+        || {
+            run_killed(
+                "gpu_peer_killed_during_a_device_transfer_is_reported_once_over_cuda_ipc",
+                "all",
+            );
+        },
     );
 }
 
 #[test]
 fn gpu_peer_killed_during_a_staged_device_transfer_is_reported_once() {
-    if ranks::in_child() {
-        return killed_peer_job(true);
-    }
-    if let Some(why) = ranks::gpu_skip_reason() {
-        return println!("skipped: {why}");
-    }
-    run_killed(
-        "gpu_peer_killed_during_a_staged_device_transfer_is_reported_once",
-        "^cuda_ipc",
+    gpu_test(
+        || killed_peer_job(true),
+        || {
+            run_killed(
+                "gpu_peer_killed_during_a_staged_device_transfer_is_reported_once",
+                "^cuda_ipc",
+            );
+        },
     );
 }
