@@ -53,13 +53,7 @@ fn four_kib_fragments_move_every_byte_in_any_order() {
                     .is_some_and(|&n| n >= 6),
                 "{c:?}"
             );
-            assert!(
-                pair.w[0]
-                    .counters()
-                    .contains_key("staging fragments copied in runs"),
-                "{:?}",
-                pair.w[0].counters()
-            );
+            pair.assert_ran(0, "staging fragments copied in runs");
             if shared {
                 assert!(
                     c.contains_key("staged fragment copied to the GPU from shared memory"),

@@ -90,13 +90,7 @@ fn host_every_size_class_random_delivery_and_network_lane() {
     let pair = Pair::new(FabricSpec::host().with_net().without_shm(), [&[], &[]]);
     exchange_sizes(&pair, 0, [Mem::Host, Mem::Host], false);
     assert_eq!(pair.w[0].lanes(pair.ep[0]).unwrap().0, "sim_net/net0");
-    assert!(
-        pair.w[0]
-            .counters()
-            .contains_key("rendezvous zero-copy write to remote"),
-        "{:?}",
-        pair.w[0].counters()
-    );
+    pair.assert_ran(0, "rendezvous zero-copy write to remote");
     pair.check_clean();
 }
 
@@ -120,13 +114,7 @@ fn staging_made_ahead_on_a_helper_thread_carries_the_pipeline() {
     }
     exchange_sizes(&pair, 0, [Mem::Device(0), Mem::Device(1)], false);
     exchange_sizes(&pair, 1, [Mem::Device(1), Mem::Host], false);
-    assert!(
-        pair.w[1]
-            .counters()
-            .contains_key("rendezvous receive pipelined through host staging"),
-        "{:?}",
-        pair.w[1].counters()
-    );
+    pair.assert_ran(1, "rendezvous receive pipelined through host staging");
     for w in &pair.w {
         for c in ["staging ahead started", "staging made ahead"] {
             assert!(w.counters().contains_key(c), "{c}: {:?}", w.counters());
@@ -177,13 +165,7 @@ fn gpu_memory_every_combination() {
     // Without the GPU zero-copy lane, device to device goes through host staging.
     let pair = Pair::new(FabricSpec::gpu().ipc(false), [HOST_VARS, HOST_VARS]);
     exchange_sizes(&pair, 1, [Mem::Device(1), Mem::Device(0)], false);
-    assert!(
-        pair.w[0]
-            .counters()
-            .contains_key("rendezvous receive pipelined through host staging"),
-        "{:?}",
-        pair.w[0].counters()
-    );
+    pair.assert_ran(0, "rendezvous receive pipelined through host staging");
     pair.check_clean();
 }
 
@@ -376,13 +358,7 @@ fn staged_device_send_into_a_smaller_device_receive_completes() {
             assert_eq!(recv.guard_damage(), None);
         }
         assert_eq!(pair.ctx[0].demotions().len(), 1);
-        assert!(
-            pair.w[1]
-                .counters()
-                .contains_key("rendezvous receive pipelined through host staging"),
-            "{:?}",
-            pair.w[1].counters()
-        );
+        pair.assert_ran(1, "rendezvous receive pipelined through host staging");
         pair.check_clean();
     }
 }

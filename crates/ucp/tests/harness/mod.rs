@@ -580,6 +580,16 @@ impl Pair {
         })
     }
 
+    /// Panic unless worker `w`'s protocol counter `name` counted at least once (the counters
+    /// are printed otherwise).
+    pub fn assert_ran(&self, w: usize, name: &str) {
+        let c = self.w[w].counters();
+        assert!(
+            c.contains_key(name),
+            "{name} never ran on worker {w}: {c:?}"
+        );
+    }
+
     /// Panic unless the fabric saw no violation, and every demotion of either context was
     /// announced by exactly one warning (none for those configured with `RUCX_REG_SKIP`).
     pub fn check_clean(&self) {
