@@ -311,20 +311,16 @@ impl Worker {
                 room.saturating_sub(RTS_ROOM)
             )));
         }
-        let rid = st.new_req(ReqKind::Send(SendState {
-            peer: p,
+        let rid = st.new_req(ReqKind::Send(SendState::new(
+            p,
             addr,
             len,
-            tag: u64::from(id),
+            u64::from(id),
             proto,
-            op: Op::Am,
-            msg_id: 0,
-            posted: 0,
-            rndv: RndvSend::default(),
-            wait: SendWait::Posting,
+            Op::Am,
             mem,
             dev,
-        }));
+        )));
         st.am_rts.insert(rid, (id, header.to_vec()));
         st.count("active message rendezvous");
         st.start_send(rid);

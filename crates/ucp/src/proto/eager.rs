@@ -50,13 +50,6 @@ impl State {
                 // SAFETY: the scope keeps the send buffer alive while this runs.
                 let data = unsafe { host_slice(addr, len) };
                 let tag = self.send_tag(id);
-                if let Some(Req {
-                    kind: ReqKind::Send(s),
-                    ..
-                }) = self.reqs.get_mut(&id)
-                {
-                    s.wait = SendWait::Receiver;
-                }
                 self.ctrl(
                     p,
                     &Msg::EagerSync {
@@ -133,11 +126,15 @@ impl State {
                 } else {
                     let msg_id = self.next_msg(p);
                     if let Some(Req {
-                        kind: ReqKind::Send(s),
+                        kind:
+                            ReqKind::Send(SendState {
+                                state: SendProto::Frags(f),
+                                ..
+                            }),
                         ..
                     }) = self.reqs.get_mut(&id)
                     {
-                        s.msg_id = msg_id;
+                        f.msg_id = msg_id;
                     }
                     let am = self.peers[p].am;
                     if proto == Proto::EagerZcopy
@@ -159,7 +156,7 @@ impl State {
                             ..
                         }) = self.reqs.get_mut(&id)
                         {
-                            s.proto = np;
+                            s.set_proto(np);
                         }
                         if np != Proto::EagerBcopyMulti {
                             self.start_send(id);
@@ -203,30 +200,14 @@ impl State {
             .unwrap_or(proto)
     }
 
-    /// Register the send buffer with the domain of `lane`; on failure the context demotes the
-    /// domain and the error is returned for re-planning.
+    /// Register the send buffer with the domain of `lane` (see [`register_send`]); on failure
+    /// the context demotes the domain and the error is returned for re-planning.
     pub(crate) fn register_send(&mut self, id: u64, lane: usize) -> Result<()> {
-        let (addr, len, mem, dev) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.addr, s.len, s.mem, s.dev),
+        let head = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => s.head(),
             _ => return Ok(()),
         };
-        let md = self.slots[lane].md;
-        if !self.may_register(md, mem, dev) {
-            return Err(Error::Unsupported {
-                what: "registration".into(),
-                why: format!("{} is demoted for {mem} memory", self.ctx.domain(md).name()),
-            });
-        }
-        self.register(
-            id,
-            lane,
-            MemRegion {
-                addr,
-                len,
-                mem_type: mem,
-                device: dev,
-            },
-        )
+        register_send(self, id, &head, lane).map(|_| ())
     }
 
     /// A whole tagged message in one packet (eager short or single-fragment copy-in).

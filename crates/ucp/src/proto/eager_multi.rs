@@ -2,6 +2,7 @@
 //! registered buffer), whose fragment loop also streams a rendezvous through active messages
 //! (the `am` scheme, and a split's tail).
 
+use crate::proto::io::SendIo;
 use crate::worker::prelude::*;
 
 /// What each fragment of a send starts with: the first or a later fragment of a tagged
@@ -36,7 +37,7 @@ impl FragSend<'_> {
     /// Post fragments from byte `*posted` on until the whole message is out (`Ok(true)`) or
     /// the transport pushes back (`Ok(false)`: call again after progress). `*posted` always
     /// says how far the message went out, an error included (the caller decides from it
-    /// whether the receiver must be told: [`abort_needed`]).
+    /// whether the receiver must be told: [`EagerFrags::abort_needed`]).
     pub(crate) fn post(&self, io: &mut impl ProtoIo, posted: &mut usize) -> Result<bool> {
         let src = self.src;
         let mut h = Vec::with_capacity(40);
@@ -124,100 +125,148 @@ impl FragSend<'_> {
     }
 }
 
-/// Whether a multi-fragment eager send that ends with an error now (its request still
-/// pending) must tell the receiver with `AM_EAGER_ABORT`: once any fragment went out, the
-/// receive it matched (or the unexpected message it started) would otherwise wait for bytes
-/// that never come. That holds also after every fragment was posted: a zero-copy fragment whose
-/// completion failed may not have arrived.
-pub(crate) fn abort_needed(posted: usize) -> bool {
-    posted > 0
+/// The active-message lane a send's fragments go on, as the worker found it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AmFrags {
+    pub(crate) lane: usize,
+    /// The lane's domain (zero-copy fragments come from a registration with it).
+    pub(crate) md: usize,
+    /// The lane's largest `am_bcopy` (header included).
+    pub(crate) max_bcopy: usize,
+    /// The largest zero-copy fragment.
+    pub(crate) max_zcopy: usize,
 }
 
-impl State {
-    pub(crate) fn stream_send(&mut self, id: u64) -> Result<bool> {
-        if let ReqKind::Send(s) = &self.reqs[&id].kind
-            && s.rndv.deferred
-            && s.rndv.rreq.is_none()
-            && s.wait == SendWait::Posting
-        {
-            // A request to send that waits for a lane (see `send_rts`); the progress loop
-            // connects it before it posts the queue again.
-            if self.peers[s.peer].needs_lanes {
-                return Ok(false);
-            }
-            self.send_rts(id);
-            return Ok(true);
-        }
-        if matches!(&self.reqs[&id].kind, ReqKind::Send(s) if s.rndv.stage.is_some()) {
-            return self.stream_stage(id);
-        }
-        let ReqKind::Send(s) = &self.reqs[&id].kind else {
-            return Ok(true);
+/// The send-side state of a multi-fragment eager message: its id (in every fragment), how far
+/// it went out, and whether every fragment was posted.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct EagerFrags {
+    pub(crate) msg_id: u64,
+    /// Bytes of the message posted so far.
+    pub(crate) posted: usize,
+    /// Every fragment was posted: waiting for the completions of zero-copy ones.
+    pub(crate) all_posted: bool,
+}
+
+impl EagerFrags {
+    /// Post the fragments of send `req` from byte `posted` on: zero-copy from the buffer's
+    /// registration with the AM lane's domain when the send is zero-copy, copied in otherwise.
+    /// `Ok(true)`: all posted; `Ok(false)`: the transport pushed back (call again after
+    /// progress); an error ends the send (the receiver is told once a fragment went:
+    /// [`Self::abort_needed`]).
+    pub(crate) fn post(
+        &mut self,
+        io: &mut impl SendIo,
+        req: u64,
+        head: &SendHead,
+        am: &AmFrags,
+    ) -> Result<bool> {
+        let memh = if head.proto == Proto::EagerZcopy {
+            io.reg(req, am.md)
+        } else {
+            None
         };
-        let (p, addr, len, proto, posted, msg_id, tag) =
-            (s.peer, s.addr, s.len, s.proto, s.posted, s.msg_id, s.tag);
-        let rndv_to = s.rndv.rreq;
-        let put = s.rndv.put.clone();
-        let src = self.address.uuid;
-        if let Some((raddr, rkey, lane)) = put {
-            return self.stream_put(id, p, lane, addr, len, raddr, &rkey);
-        }
-        let am = self.peers[p].am;
-        let limits = self.slots[am].attr.limits;
-        // Zero-copy from a registration of the AM lane's domain; a streamed split tail is
-        // copied in (its registrations serve the receiver's reads of the head).
-        let split_tail = s.rndv.split_left > 0;
-        let am_name = self.ctx.domain(self.slots[am].md).name();
-        let zcopy = !split_tail
-            && self.reqs[&id]
-                .guards
-                .first()
-                .is_some_and(|g| g.registration().domain() == am_name)
-            && (proto == Proto::EagerZcopy || rndv_to.is_some());
-        let memh = zcopy.then(|| self.reqs[&id].guards[0].registration().clone());
         let frags = FragSend {
-            req: id,
-            peer: p,
-            lane: am,
-            src,
-            head: match rndv_to {
-                Some(rreq) => FragHead::Rndv { rreq },
-                None => FragHead::Eager { tag, msg_id },
+            req,
+            peer: head.peer,
+            lane: am.lane,
+            src: io.uuid(),
+            head: FragHead::Eager {
+                tag: head.tag,
+                msg_id: self.msg_id,
             },
-            addr,
-            len,
-            max_bcopy: limits.am_max_bcopy,
-            zcopy: memh
-                .as_ref()
-                .map(|m| (limits.am_max_zcopy.min(self.frag), m)),
+            addr: head.addr,
+            len: head.len,
+            max_bcopy: am.max_bcopy,
+            zcopy: memh.as_ref().map(|m| (am.max_zcopy, m)),
         };
-        let mut off = posted;
-        let res = frags.post(self, &mut off);
-        if let Some(Req {
-            kind: ReqKind::Send(s),
-            ..
-        }) = self.reqs.get_mut(&id)
-        {
-            s.posted = off;
-        }
+        let mut off = self.posted;
+        let res = frags.post(io, &mut off);
+        self.posted = off;
         if !res? {
             return Ok(false);
         }
-        let r = self.reqs.get_mut(&id).expect("request");
-        if let ReqKind::Send(s) = &mut r.kind {
-            s.wait = SendWait::Completions;
-        }
-        if r.outstanding == 0 && self.split_step(id) {
-            self.finish(
-                id,
-                Ok(Completion {
-                    len,
-                    tag,
-                    sender: None,
-                }),
-            );
-        }
+        self.all_posted = true;
         Ok(true)
+    }
+
+    /// One zero-copy fragment completed with `res`, `outstanding` still in flight: the send
+    /// completes once every fragment was posted and completed; a failed one ends it.
+    pub(crate) fn on_transfer(&self, outstanding: usize, res: Result<()>) -> SendNext {
+        match res {
+            Err(e) => SendNext::Fail(e),
+            Ok(()) if outstanding == 0 && self.all_posted => SendNext::Complete,
+            Ok(()) => SendNext::Wait,
+        }
+    }
+
+    /// Whether the send, ending with an error now (its request still pending), must tell the
+    /// receiver with `AM_EAGER_ABORT`: once any fragment went out, the receive it matched (or
+    /// the unexpected message it started) would otherwise wait for bytes that never come. That
+    /// holds also after every fragment was posted: a zero-copy fragment whose completion failed
+    /// may not have arrived.
+    pub(crate) fn abort_needed(&self) -> bool {
+        self.posted > 0
+    }
+}
+
+impl State {
+    /// Post the next operations of send `id`: its fragments (multi-fragment eager), the data
+    /// of its rendezvous (streamed or written), its staged fragments, or the request to send
+    /// that waited for a lane. `Ok(true)`: all posted; `Ok(false)`: pushed back.
+    pub(crate) fn stream_send(&mut self, id: u64) -> Result<bool> {
+        let Some(Req {
+            kind: ReqKind::Send(s),
+            ..
+        }) = self.reqs.get(&id)
+        else {
+            return Ok(true);
+        };
+        let p = s.peer;
+        let put_lane = match &s.state {
+            SendProto::Rndv(rv)
+                if rv.deferred && rv.rreq.is_none() && rv.wait == SendWait::Posting =>
+            {
+                // A request to send that waits for a lane (see `send_rts`); the progress loop
+                // connects it before it posts the queue again.
+                if self.peers[p].needs_lanes {
+                    return Ok(false);
+                }
+                self.send_rts(id);
+                return Ok(true);
+            }
+            SendProto::Rndv(rv) if rv.stage.is_some() => return self.stream_stage(id),
+            SendProto::Rndv(rv) => rv.put.as_ref().map(|(_, _, l)| *l),
+            SendProto::Frags(_) => None,
+            SendProto::Copied | SendProto::Sync => return Ok(true),
+        };
+        let am = self.am_frags(p);
+        let put_max = put_lane.map_or(1, |l| {
+            self.slots[l].attr.limits.put_max_zcopy.min(self.frag)
+        });
+        let done = self
+            .with_send(id, |sp, head, st| match sp {
+                SendProto::Frags(f) => f.post(st, id, head, &am),
+                SendProto::Rndv(rv) => rv.post_data(st, id, head, &am, put_max),
+                _ => Ok(true),
+            })
+            .unwrap_or(Ok(true))?;
+        if done && self.reqs.get(&id).is_some_and(|r| r.outstanding == 0) {
+            self.send_transfer(id, 0, Ok(()));
+        }
+        Ok(done)
+    }
+
+    /// The active-message lane to peer `p`, for fragments.
+    pub(crate) fn am_frags(&self, p: usize) -> AmFrags {
+        let am = self.peers[p].am;
+        let limits = self.slots[am].attr.limits;
+        AmFrags {
+            lane: am,
+            md: self.slots[am].md,
+            max_bcopy: limits.am_max_bcopy,
+            max_zcopy: limits.am_max_zcopy.min(self.frag),
+        }
     }
 
     /// The first fragment of a multi-fragment message (tagged, or a user active message).
@@ -438,6 +487,14 @@ mod tests {
 
     const SRC: u64 = 0xabc;
 
+    /// The send state of a message that went out up to `posted`.
+    fn sent(posted: usize) -> EagerFrags {
+        EagerFrags {
+            posted,
+            ..EagerFrags::default()
+        }
+    }
+
     fn message(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 7 + 3) as u8).collect()
     }
@@ -565,7 +622,7 @@ mod tests {
         let e = f.post(&mut io, &mut posted).unwrap_err();
         assert!(matches!(e, Error::Io { .. }), "{e:?}");
         assert_eq!(posted, 67 + 76);
-        assert!(abort_needed(posted));
+        assert!(sent(posted).abort_needed());
 
         let mut io = FakeIo {
             fail_post_after: Some((0, Error::NoMemory("ring".into()))),
@@ -574,7 +631,10 @@ mod tests {
         let mut posted = 0;
         assert!(f.post(&mut io, &mut posted).is_err());
         assert_eq!(posted, 0);
-        assert!(!abort_needed(posted), "nothing went out: nothing to abort");
+        assert!(
+            !sent(posted).abort_needed(),
+            "nothing went out: nothing to abort"
+        );
     }
 
     /// Zero-copy fragments cover the message from the registration, each in progress under its
@@ -626,6 +686,6 @@ mod tests {
             "every fragment awaits its completion"
         );
         // Completions may fail after the last post: the receiver must still be told.
-        assert!(abort_needed(posted));
+        assert!(sent(posted).abort_needed());
     }
 }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use rucx_uct::{AmId, Endpoint, Iov, MemHandle, MemRegion, OpStatus, RemoteKey};
 
-use super::io::ProtoIo;
+use super::io::{ProtoIo, SendIo};
+use super::rndv::{RndvPick, SendHead};
 use crate::context::RegGuard;
 use crate::wire::{Msg, NamedKey};
 
@@ -141,6 +142,16 @@ pub(crate) struct FakeIo {
     /// What was counted, in order.
     pub(crate) counted: Vec<&'static str>,
     pub(crate) next_token: u64,
+    /// The plan's lane for rendezvous sends (lanes are their own domains in the fake).
+    pub(crate) rndv_lane: Option<usize>,
+    /// The plan wants lanes not connected yet.
+    pub(crate) lanes_pending: bool,
+    /// What each re-plan gives a rendezvous send, in order (then the plan stays as it is).
+    pub(crate) replans: std::collections::VecDeque<RndvPick>,
+    /// Re-plans asked for (sends re-selected, or a peer's plan refreshed).
+    pub(crate) replanned: usize,
+    /// The marker a host send carries for a GPU receiver.
+    pub(crate) write_hint: Option<NamedKey>,
 }
 
 impl FakeIo {
@@ -264,5 +275,69 @@ impl ProtoIo for FakeIo {
 
     fn count(&mut self, what: &'static str) {
         self.counted.push(what);
+    }
+}
+
+impl SendIo for FakeIo {
+    fn rndv_pick(&mut self, _req: u64, head: &SendHead, replan: bool) -> RndvPick {
+        if replan {
+            self.replanned += 1;
+            if let Some(p) = self.replans.pop_front() {
+                self.rndv_lane = p.lane;
+                self.lanes_pending = p.lanes_pending;
+                return p;
+            }
+        }
+        RndvPick {
+            proto: head.proto,
+            lane: self.rndv_lane,
+            lanes_pending: self.lanes_pending,
+        }
+    }
+
+    fn lane_md(&self, lane: usize) -> usize {
+        lane
+    }
+
+    fn req_key(&self, req: u64, md: usize) -> Result<NamedKey> {
+        match self.reg(req, md) {
+            Some(_) => Ok(NamedKey {
+                md: format!("fake{md}"),
+                key: vec![md as u8],
+            }),
+            None => Err(Error::Internal(format!(
+                "request {req}: no registration with {md}"
+            ))),
+        }
+    }
+
+    fn reg(&self, req: u64, md: usize) -> Option<MemHandle> {
+        self.regs
+            .iter()
+            .rev()
+            .find(|(r, l, _)| *r == req && *l == md)
+            .map(|(_, _, region)| MemHandle::new(*region, &format!("fake{md}"), Arc::new(())))
+    }
+
+    fn keep_regs(&mut self, req: u64, md: Option<usize>) {
+        self.regs.retain(|(r, l, _)| *r != req || Some(*l) == md);
+    }
+
+    fn register_write_source(&mut self, req: u64, lane: usize) -> Result<()> {
+        if count_down(&mut self.fail_reg_after) {
+            return Err(Error::NoMemory(format!(
+                "injected: registering a write source for lane {lane}"
+            )));
+        }
+        self.regs.push((req, lane, MemRegion::host(0, 0)));
+        Ok(())
+    }
+
+    fn replan_peer(&mut self, _p: usize) {
+        self.replanned += 1;
+    }
+
+    fn write_hint(&self, _p: usize) -> Option<NamedKey> {
+        self.write_hint.clone()
     }
 }

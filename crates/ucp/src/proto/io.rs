@@ -5,9 +5,10 @@
 //! (`crates/ucp/tests/harness`) drives it over the simulated fabric.
 
 use rucx_ucs::{MemoryType, Result};
-use rucx_uct::{Endpoint, MemRegion, OpStatus, RemoteKey};
+use rucx_uct::{Endpoint, MemHandle, MemRegion, OpStatus, RemoteKey};
 
 use crate::context::RegGuard;
+use crate::proto::rndv::{RndvPick, SendHead};
 use crate::wire::{Msg, NamedKey};
 
 /// What a protocol asks of the worker.
@@ -48,4 +49,38 @@ pub(crate) trait ProtoIo {
 
     /// Count one run of `what` (a protocol, or how a rendezvous receive moved its data).
     fn count(&mut self, what: &'static str);
+}
+
+/// What the send side of a rendezvous asks of the worker besides [`ProtoIo`]: the plan's
+/// choice for a send (re-made after a demotion), and the registrations a send holds.
+pub(crate) trait SendIo: ProtoIo {
+    /// The protocol and lane the plan gives rendezvous send `req` (`head`) now; with `replan`,
+    /// the plan is made again first when the registration view changed (a registration failed
+    /// and demoted, or the send waited for a lane), and the protocol is selected again from
+    /// the table of the send's operation (a rendezvous stays one: its receiver may already have
+    /// matched it).
+    fn rndv_pick(&mut self, req: u64, head: &SendHead, replan: bool) -> RndvPick;
+
+    /// The domain of `lane`.
+    fn lane_md(&self, lane: usize) -> usize;
+
+    /// Pack request `req`'s registration with domain `md` for the peer.
+    fn req_key(&self, req: u64, md: usize) -> Result<NamedKey>;
+
+    /// Request `req`'s registration with domain `md`, if it holds one.
+    fn reg(&self, req: u64, md: usize) -> Option<MemHandle>;
+
+    /// Keep only request `req`'s registrations with domain `md` (none: drop them all).
+    fn keep_regs(&mut self, req: u64, md: Option<usize>);
+
+    /// Register send `req`'s buffer as the source of writes on `lane` (with the lane's domain,
+    /// or, where the domain reaches that memory without registering it, described for this
+    /// request alone).
+    fn register_write_source(&mut self, req: u64, lane: usize) -> Result<()>;
+
+    /// Make peer `p`'s plan again if the registration view changed.
+    fn replan_peer(&mut self, p: usize);
+
+    /// The marker a host send to peer `p` carries when we can write into its GPU memory.
+    fn write_hint(&self, p: usize) -> Option<NamedKey>;
 }

@@ -121,8 +121,8 @@ impl State {
         else {
             return false;
         };
-        let (p, proto, wait, posted) = (s.peer, s.proto, s.wait, s.posted);
-        let untouched = s.rndv.rreq.is_none() && s.rndv.put.is_none() && s.rndv.stage.is_none();
+        let (p, proto, wait, posted) = (s.peer, s.proto, s.wait(), s.posted());
+        let untouched = s.rndv().is_none_or(|rv| rv.untouched());
         let queue = &mut self.peers[p].queue;
         // A stream send: its bytes belong to the stream, whose order cannot skip them.
         if queue.iter().any(
@@ -234,7 +234,7 @@ impl State {
                 s.len,
                 s.tag,
                 peer(s.peer),
-                match s.wait {
+                match s.wait() {
                     SendWait::Posting => "being posted",
                     SendWait::Receiver => "waiting for the receiver",
                     SendWait::Completions => "waiting for its transfers to complete",

@@ -102,29 +102,7 @@ impl State {
             }
             Msg::Ats { src, sreq, ok } => {
                 let p = self.src_peer(src)?;
-                if let Some(Req {
-                    kind: ReqKind::Send(s),
-                    ..
-                }) = self.reqs.get(&sreq)
-                {
-                    let (len, tag) = (s.len, s.tag);
-                    if ok && !self.split_step(sreq) {
-                        return Ok(());
-                    }
-                    let res = if ok {
-                        Ok(Completion {
-                            len,
-                            tag,
-                            sender: None,
-                        })
-                    } else {
-                        Err(Error::PeerAborted {
-                            peer: self.peers[p].remote.describe(),
-                            reason: "the receiver gave the rendezvous up".into(),
-                        })
-                    };
-                    self.finish(sreq, res);
-                }
+                self.on_ats(p, sreq, ok);
             }
             Msg::Rtr {
                 src,

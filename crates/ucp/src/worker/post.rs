@@ -57,20 +57,9 @@ impl Worker {
                 sender: None,
             }));
         }
-        let id = st.new_req(ReqKind::Send(SendState {
-            peer: ep.0,
-            addr,
-            len,
-            tag,
-            proto,
-            op,
-            msg_id: 0,
-            posted: 0,
-            rndv: RndvSend::default(),
-            wait: SendWait::Posting,
-            mem,
-            dev,
-        }));
+        let id = st.new_req(ReqKind::Send(SendState::new(
+            ep.0, addr, len, tag, proto, op, mem, dev,
+        )));
         st.start_send(id);
         Ok(Posted::Pending(id))
     }
@@ -142,20 +131,16 @@ impl Worker {
         };
         // The pieces are packed from `buf` as the transport takes them: the buffer stays lent
         // to the request's scope until the request finishes, after the last piece.
-        let id = st.new_req(ReqKind::Send(SendState {
-            peer: p,
+        let id = st.new_req(ReqKind::Send(SendState::new(
+            p,
             addr,
-            len: buf.len,
-            tag: 0,
-            proto: Proto::EagerBcopy,
-            op: Op::Stream,
-            msg_id: 0,
-            posted: 0,
-            rndv: RndvSend::default(),
-            wait: SendWait::Posting,
-            mem: MemoryType::Host,
-            dev: None,
-        }));
+            buf.len,
+            0,
+            Proto::EagerBcopy,
+            Op::Stream,
+            MemoryType::Host,
+            None,
+        )));
         if let Some(h) = held {
             st.stream_host.insert(id, h);
         }

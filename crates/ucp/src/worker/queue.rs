@@ -1,6 +1,7 @@
 //! A peer's queue of work (control messages, fragments to post, stream pieces), posting
 //! transport operations with completion tokens, and the events interfaces report.
 
+use crate::proto::io::SendIo;
 use crate::worker::prelude::*;
 
 impl State {
@@ -263,6 +264,13 @@ impl State {
             self.rndv_recv_step(id, |rv, io| rv.on_read(io, id, outstanding, result));
             return;
         }
+        if matches!(r.kind, ReqKind::Send(_)) && r.result.is_none() {
+            // The send's protocol says what comes next (a failure ends it, and tells the
+            // receiver).
+            let outstanding = r.outstanding;
+            self.send_transfer(id, outstanding, result);
+            return;
+        }
         if let Err(e) = result {
             self.fail(id, e);
             return;
@@ -271,21 +279,6 @@ impl State {
             return;
         }
         match &r.kind {
-            ReqKind::Send(s) if s.wait == SendWait::Completions => {
-                let (len, tag) = (s.len, s.tag);
-                if s.rndv.put.is_some() {
-                    self.put_done(id);
-                } else if self.split_step(id) {
-                    self.finish(
-                        id,
-                        Ok(Completion {
-                            len,
-                            tag,
-                            sender: None,
-                        }),
-                    );
-                }
-            }
             ReqKind::Rma(rm) if rm.staged.is_some() && rm.posted != usize::MAX => {
                 self.on_staged_done(id);
             }
@@ -359,5 +352,90 @@ impl ProtoIo for State {
 
     fn count(&mut self, what: &'static str) {
         State::count(self, what);
+    }
+}
+
+/// What the send side of a rendezvous asks of the worker: the plan's choice, the send's
+/// registrations.
+impl SendIo for State {
+    fn rndv_pick(&mut self, _req: u64, head: &SendHead, replan: bool) -> RndvPick {
+        let (p, key) = (head.peer, MemKey::new(head.mem, head.dev));
+        let proto = if replan {
+            self.refresh_plan(p);
+            // From the table of the send's own operation (a synchronous send's rows all wait
+            // for the match); a rendezvous stays one.
+            self.peers[p]
+                .plan
+                .select(head.op, key, head.len)
+                .filter(|x| x.is_rndv())
+                .unwrap_or(head.proto)
+        } else {
+            head.proto
+        };
+        // The lane the data moves on, as the plan says now: the GPU lane of that memory, or
+        // the host RMA lane.
+        let lane = if key.mem.is_gpu() {
+            self.peers[p].plan.lanes.gpu(key)
+        } else {
+            self.peers[p].rma
+        };
+        RndvPick {
+            proto,
+            lane,
+            lanes_pending: self.peers[p].needs_lanes,
+        }
+    }
+
+    fn lane_md(&self, lane: usize) -> usize {
+        self.slots[lane].md
+    }
+
+    fn req_key(&self, req: u64, md: usize) -> Result<NamedKey> {
+        let g = self.reg_guard(req, md).ok_or_else(|| {
+            Error::Internal(format!(
+                "request {req} holds no registration with {}",
+                self.ctx.domain(md).name()
+            ))
+        })?;
+        self.pack_key(md, g)
+    }
+
+    fn reg(&self, req: u64, md: usize) -> Option<MemHandle> {
+        self.reg_guard(req, md).map(|g| g.registration().clone())
+    }
+
+    fn keep_regs(&mut self, req: u64, md: Option<usize>) {
+        let name = md.map(|m| self.ctx.domain(m).name().to_string());
+        if let Some(r) = self.reqs.get_mut(&req) {
+            match name {
+                Some(n) => r.guards.retain(|g| g.registration().domain() == n),
+                None => r.guards.clear(),
+            }
+        }
+    }
+
+    fn register_write_source(&mut self, req: u64, lane: usize) -> Result<()> {
+        self.register_put_source(req, lane)
+    }
+
+    fn replan_peer(&mut self, p: usize) {
+        self.refresh_plan(p);
+    }
+
+    fn write_hint(&self, p: usize) -> Option<NamedKey> {
+        self.gpu_write_hint(p)
+    }
+}
+
+impl State {
+    /// Request `req`'s registration with domain `md` (the latest, when it holds several).
+    fn reg_guard(&self, req: u64, md: usize) -> Option<&RegGuard> {
+        let name = self.ctx.domain(md).name();
+        self.reqs
+            .get(&req)?
+            .guards
+            .iter()
+            .rev()
+            .find(|g| g.registration().domain() == name)
     }
 }

@@ -12,11 +12,12 @@ use crate::address::{IfaceEntry, WorkerAddress};
 use crate::context::{Context, RegGuard};
 use crate::matching::{Tag, TagMatcher};
 use crate::plan::{EpPlan, MemKey, Op, PlanConfig};
-use crate::proto::gpu::{StagedRecv, Staging};
+use crate::proto::Proto;
+use crate::proto::eager_multi::EagerFrags;
+use crate::proto::gpu::{StageSend, StagedRecv, Staging};
 use crate::proto::rma::RmaState;
-use crate::proto::rndv::{RndvRecv, RndvSend};
+use crate::proto::rndv::{RndvRecv, RndvSend, SendHead};
 use crate::proto::stream::{StreamRecvs, StreamRx};
-use crate::proto::{self, Proto};
 use crate::slab::Slab;
 use crate::wire::NamedKey;
 
@@ -159,9 +160,10 @@ pub(crate) struct Peer {
     pub(crate) remote_ep: Option<u64>,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub(crate) enum SendWait {
     /// Posting fragments.
+    #[default]
     Posting,
     /// Waiting for the receiver (ATS or RTR).
     Receiver,
@@ -169,8 +171,8 @@ pub(crate) enum SendWait {
     Completions,
 }
 
-/// A send request: what every send protocol has, and the rendezvous part
-/// ([`RndvSend`], untouched by eager protocols).
+/// A send request: what every send protocol has, and the state of the protocol moving it
+/// ([`SendProto`]).
 pub(crate) struct SendState {
     pub(crate) peer: usize,
     pub(crate) addr: usize,
@@ -181,16 +183,150 @@ pub(crate) struct SendState {
     /// The operation, whose table of the plan the protocol is selected from (and re-selected
     /// from after a registration failure): a tag send, a synchronous one, or a stream send.
     pub(crate) op: Op,
-    /// Message id of a multi-fragment eager send.
-    pub(crate) msg_id: u64,
-    /// Bytes of the (prefixed) message posted so far.
-    pub(crate) posted: usize,
-    pub(crate) wait: SendWait,
     /// Memory type and device of the buffer.
     pub(crate) mem: MemoryType,
     pub(crate) dev: Option<u32>,
-    /// The rendezvous protocols' state.
-    pub(crate) rndv: RndvSend,
+    /// The protocol moving the message, and its own state.
+    pub(crate) state: SendProto,
+}
+
+/// The send-side protocol of a request, each with the state only it needs. Short and copy-in
+/// sends keep nothing (no allocation on their path); a rendezvous is boxed.
+pub(crate) enum SendProto {
+    /// Copied out when posted: eager short and copy-in (complete once copied), and stream
+    /// sends (their pieces wait in the peer's queue, [`Pending::StreamPiece`]).
+    Copied,
+    /// The eager message of a synchronous send: out, waiting for the receiver's
+    /// acknowledgement of the match.
+    Sync,
+    /// A multi-fragment eager message, copied in or zero-copy.
+    Frags(EagerFrags),
+    /// A rendezvous: announced, then read, written, streamed, split or staged.
+    Rndv(Box<RndvSend>),
+}
+
+impl SendProto {
+    /// The state a send of protocol `proto` starts with.
+    #[inline(always)]
+    pub(crate) fn of(proto: Proto) -> Self {
+        match proto {
+            Proto::EagerSync => SendProto::Sync,
+            Proto::EagerBcopyMulti | Proto::EagerZcopy => SendProto::Frags(EagerFrags::default()),
+            p if p.is_rndv() => SendProto::Rndv(Box::default()),
+            _ => SendProto::Copied,
+        }
+    }
+}
+
+impl SendState {
+    /// A send of `len` bytes at `addr` (`mem` memory of `dev`) to peer `peer`, by `proto`
+    /// (selected from the plan's table of `op`), not started yet.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(crate) fn new(
+        peer: usize,
+        addr: usize,
+        len: usize,
+        tag: Tag,
+        proto: Proto,
+        op: Op,
+        mem: MemoryType,
+        dev: Option<u32>,
+    ) -> Self {
+        SendState {
+            peer,
+            addr,
+            len,
+            tag,
+            proto,
+            op,
+            mem,
+            dev,
+            state: SendProto::of(proto),
+        }
+    }
+
+    /// Move the send to protocol `proto` (re-selected): its state starts afresh when the
+    /// protocol is of another kind, and is kept when it is of the same kind (a rendezvous
+    /// re-selected keeps what it has).
+    pub(crate) fn set_proto(&mut self, proto: Proto) {
+        self.proto = proto;
+        let same = matches!(
+            (&self.state, SendProto::of(proto)),
+            (SendProto::Copied, SendProto::Copied)
+                | (SendProto::Sync, SendProto::Sync)
+                | (SendProto::Frags(_), SendProto::Frags(_))
+                | (SendProto::Rndv(_), SendProto::Rndv(_))
+        );
+        if !same {
+            self.state = SendProto::of(proto);
+        }
+    }
+
+    /// Where the send stands.
+    pub(crate) fn wait(&self) -> SendWait {
+        match &self.state {
+            SendProto::Copied => SendWait::Posting,
+            SendProto::Sync => SendWait::Receiver,
+            SendProto::Frags(f) if f.all_posted => SendWait::Completions,
+            SendProto::Frags(_) => SendWait::Posting,
+            SendProto::Rndv(rv) => rv.wait,
+        }
+    }
+
+    /// Bytes of the message posted so far (fragments, streamed or written data).
+    pub(crate) fn posted(&self) -> usize {
+        match &self.state {
+            SendProto::Frags(f) => f.posted,
+            SendProto::Rndv(rv) => rv.posted,
+            _ => 0,
+        }
+    }
+
+    /// The rendezvous state.
+    #[inline]
+    pub(crate) fn rndv(&self) -> Option<&RndvSend> {
+        match &self.state {
+            SendProto::Rndv(rv) => Some(rv),
+            _ => None,
+        }
+    }
+
+    /// Mutable [`Self::rndv`].
+    #[inline]
+    pub(crate) fn rndv_mut(&mut self) -> Option<&mut RndvSend> {
+        match &mut self.state {
+            SendProto::Rndv(rv) => Some(rv),
+            _ => None,
+        }
+    }
+
+    /// The staged pipeline of a GPU rendezvous send, once the receiver asked for it.
+    #[inline]
+    pub(crate) fn stage(&self) -> Option<&StageSend> {
+        self.rndv().and_then(|rv| rv.stage.as_deref())
+    }
+
+    /// Mutable [`Self::stage`].
+    #[inline]
+    pub(crate) fn stage_mut(&mut self) -> Option<&mut StageSend> {
+        self.rndv_mut().and_then(|rv| rv.stage.as_deref_mut())
+    }
+
+    /// The common part, copied (what a protocol's state machine reads of its request).
+    #[inline]
+    pub(crate) fn head(&self) -> SendHead {
+        SendHead {
+            peer: self.peer,
+            addr: self.addr,
+            len: self.len,
+            tag: self.tag,
+            proto: self.proto,
+            op: self.op,
+            mem: self.mem,
+            dev: self.dev,
+        }
+    }
 }
 
 /// A receive request: its buffer and what arrived, and the state of the protocol filling it
@@ -539,26 +675,28 @@ impl State {
         // them, and a receive that matched them ends.
         let eager = match self.reqs.get(&id) {
             Some(Req {
-                kind: ReqKind::Send(s),
+                kind:
+                    ReqKind::Send(SendState {
+                        peer,
+                        state: SendProto::Frags(f),
+                        ..
+                    }),
                 result: None,
                 ..
-            }) if matches!(s.proto, Proto::EagerBcopyMulti | Proto::EagerZcopy)
-                && s.rndv.rreq.is_none()
-                && proto::eager_multi::abort_needed(s.posted) =>
-            {
-                Some((s.peer, s.msg_id))
-            }
+            }) if f.abort_needed() => Some((*peer, f.msg_id)),
             _ => None,
         };
         let notice = match self.reqs.get(&id) {
             Some(Req {
-                kind: ReqKind::Send(s),
+                kind:
+                    ReqKind::Send(SendState {
+                        peer,
+                        state: SendProto::Rndv(rv),
+                        ..
+                    }),
                 result: None,
                 ..
-            }) if s.proto.is_rndv() => {
-                let rreq = s.rndv.stage.as_ref().map(|st| st.rreq).or(s.rndv.rreq);
-                Some((s.peer, id, rreq.unwrap_or(0), true))
-            }
+            }) => Some((*peer, id, rv.peer_rreq(), true)),
             Some(Req {
                 kind: ReqKind::Recv(rs),
                 result: None,
@@ -571,8 +709,22 @@ impl State {
         let notify = !matches!(e, Error::EndpointFailure { .. });
         let reason = e.to_string();
         self.set_result(id, Err(e));
-        if notify && let Some((p, sreq, rreq, by_sender)) = notice {
-            self.send_abort(p, sreq, rreq, by_sender, &reason);
+        match notice {
+            Some((p, _, _, true))
+                if notify && self.peers.get(p).is_some_and(|x| x.failed.is_none()) =>
+            {
+                // The send's rendezvous state tells the receiver (which receive, why).
+                tracing::debug!(
+                    "rendezvous send {id:#x} to {} aborted on this side: {reason}",
+                    self.peers[p].remote.describe()
+                );
+                self.with_rndv_send(id, |rv, head, st| rv.abort(st, head, id, &reason));
+                self.pump(p);
+            }
+            Some((p, sreq, rreq, false)) if notify => {
+                self.send_abort(p, sreq, rreq, false, &reason)
+            }
+            _ => {}
         }
         if notify && let Some((p, msg_id)) = eager {
             self.send_eager_abort(p, msg_id, &reason);

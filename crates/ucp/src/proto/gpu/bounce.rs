@@ -153,20 +153,16 @@ impl Worker {
                     .plan
                     .select(op, MemKey::HOST, len)
                     .unwrap_or(Proto::EagerBcopy);
-                let id = st.new_req(ReqKind::Send(SendState {
-                    peer: p,
-                    addr: host,
+                let id = st.new_req(ReqKind::Send(SendState::new(
+                    p,
+                    host,
                     len,
                     tag,
-                    proto: hproto,
+                    hproto,
                     op,
-                    msg_id: 0,
-                    posted: 0,
-                    rndv: RndvSend::default(),
-                    wait: SendWait::Posting,
-                    mem: MemoryType::Host,
-                    dev: None,
-                }));
+                    MemoryType::Host,
+                    None,
+                )));
                 st.count(Proto::EagerBounce.name());
                 // Eager protocols copy the bytes out before returning.
                 st.start_send(id);

@@ -28,20 +28,16 @@ impl State {
             TokWhat::Plain => Ok(()),
             TokWhat::StageD2H { frag, off, len } => {
                 // A fragment is staged: announce it to the receiver.
-                let (p, rreq, lane) = match self.reqs.get(&id) {
+                let staged = match self.reqs.get(&id) {
                     Some(Req {
-                        kind:
-                            ReqKind::Send(SendState {
-                                peer,
-                                rndv:
-                                    RndvSend {
-                                        stage: Some(st), ..
-                                    },
-                                ..
-                            }),
+                        kind: ReqKind::Send(s),
                         result: None,
                         ..
-                    }) => (*peer, st.rreq, st.lane),
+                    }) => s.stage().map(|st| (s.peer, st.rreq, st.lane)),
+                    _ => None,
+                };
+                let (p, rreq, lane) = match staged {
+                    Some(x) => x,
                     // Ended meanwhile (aborted): the fragments are not announced.
                     _ => {
                         if let Some(stg) = self.staging.as_mut() {

@@ -29,7 +29,7 @@ impl State {
                 kind: ReqKind::Send(s),
                 result: None,
                 ..
-            }) if s.peer == p => (s.addr, s.len, s.mem, s.dev),
+            }) if s.peer == p && s.rndv().is_some() => (s.addr, s.len, s.mem, s.dev),
             _ => {
                 self.answer_for_gone_send(p, sreq, rreq);
                 return;
@@ -40,34 +40,24 @@ impl State {
             .and_then(|k| self.ensure_staging().map(|_| k));
         match staged {
             Ok((memh, key)) => {
-                let r = self.reqs.get_mut(&sreq).expect("req");
                 // A zero-copy registration made for the RTS is no longer needed.
-                r.guards.clear();
-                if let ReqKind::Send(s) = &mut r.kind {
-                    s.rndv.stage = Some(Box::new(StageSend {
-                        rreq,
-                        lane: self.peers[p].rma,
-                        next_off: 0,
-                        acked: 0,
-                        _dev_memh: memh,
-                        dev_key: key,
-                    }));
-                    s.wait = SendWait::Posting;
-                }
-                self.peers[p].queue.push_back(Pending::Stream(sreq));
+                self.reqs.get_mut(&sreq).expect("req").guards.clear();
+                let st = StageSend {
+                    rreq,
+                    lane: self.peers[p].rma,
+                    next_off: 0,
+                    acked: 0,
+                    _dev_memh: memh,
+                    dev_key: key,
+                };
+                self.rndv_send_step(sreq, |rv, _, _| rv.staged(st));
                 self.pump(p);
             }
             // We cannot stage, and the receiver waits for fragments: end both sides.
-            Err(e) => {
-                if let Some(Req {
-                    kind: ReqKind::Send(s),
-                    ..
-                }) = self.reqs.get_mut(&sreq)
-                {
-                    s.rndv.rreq = Some(rreq);
-                }
-                self.fail(sreq, e);
-            }
+            Err(e) => self.rndv_send_step(sreq, |rv, _, _| {
+                rv.rreq = Some(rreq);
+                SendNext::Fail(e)
+            }),
         }
     }
 
@@ -75,15 +65,10 @@ impl State {
     pub(crate) fn stream_stage(&mut self, id: u64) -> Result<bool> {
         loop {
             let (addr, len, next_off, lane) = match &self.reqs[&id].kind {
-                ReqKind::Send(SendState {
-                    addr,
-                    len,
-                    rndv:
-                        RndvSend {
-                            stage: Some(st), ..
-                        },
-                    ..
-                }) => (*addr, *len, st.next_off, st.lane),
+                ReqKind::Send(s) => match s.stage() {
+                    Some(st) => (s.addr, s.len, st.next_off, st.lane),
+                    None => return Ok(true),
+                },
                 _ => return Ok(true),
             };
             if next_off >= len {
@@ -119,15 +104,10 @@ impl State {
             let faddr = stg.addr(f);
             let memh = stg.copy_memh.clone();
             let key = match &self.reqs[&id].kind {
-                ReqKind::Send(SendState {
-                    rndv:
-                        RndvSend {
-                            stage: Some(st), ..
-                        },
-                    ..
-                }) => st.dev_key.clone(),
-                _ => unreachable!("checked above"),
-            };
+                ReqKind::Send(s) => s.stage().map(|st| st.dev_key.clone()),
+                _ => None,
+            }
+            .expect("checked above");
             let iov = [Iov {
                 addr: faddr,
                 len: n,
@@ -159,16 +139,10 @@ impl State {
                 }
             }
             if let Some(Req {
-                kind:
-                    ReqKind::Send(SendState {
-                        rndv:
-                            RndvSend {
-                                stage: Some(st), ..
-                            },
-                        ..
-                    }),
+                kind: ReqKind::Send(s),
                 ..
             }) = self.reqs.get_mut(&id)
+                && let Some(st) = s.stage_mut()
             {
                 st.next_off += n;
             }
@@ -186,7 +160,7 @@ impl State {
                 ReqKind::Send(s)
                     if r.result.is_none()
                         && id != except
-                        && s.rndv.stage.as_ref().is_some_and(|st| st.next_off < s.len) =>
+                        && s.stage().is_some_and(|st| st.next_off < s.len) =>
                 {
                     Some((s.peer, id))
                 }
@@ -217,23 +191,17 @@ impl State {
             kind: ReqKind::Send(s),
             result: None,
             ..
-        }) = self.reqs.get_mut(&sreq)
-            && let Some(st) = &mut s.rndv.stage
+        }) = self.reqs.get(&sreq)
+            && s.stage().is_some()
         {
-            st.acked += len;
-            let (p, done, total, tag) = (s.peer, st.acked >= s.len, s.len, s.tag);
-            if done {
-                self.finish(
-                    sreq,
-                    Ok(Completion {
-                        len: total,
-                        tag,
-                        sender: None,
-                    }),
-                );
-            } else {
-                self.peers[p].queue.push_back(Pending::Stream(sreq));
-                self.pump(p);
+            let p = s.peer;
+            let next = self.with_rndv_send(sreq, |rv, head, _| rv.on_frag_ack(len, head.len));
+            if let Some(next) = next {
+                let post = next == SendNext::Post;
+                self.send_next(sreq, next);
+                if post {
+                    self.pump(p);
+                }
             }
         }
         // Not only this one, which may just have finished or ended.

@@ -1,5 +1,6 @@
 //! Split rendezvous: the receiver reads the head while the sender writes (or, when it cannot,
-//! streams) the tail; each side finishes after both halves.
+//! streams) the tail; each side finishes after both halves (the sender's count of halves is
+//! [`RndvSend::split_step`]).
 
 use crate::worker::prelude::*;
 
@@ -61,19 +62,5 @@ impl State {
             rs.received = rs.total.min(rs.cap);
         }
         self.complete_recv(rreq);
-    }
-
-    /// One of the two halves of a split send is done; true when the send may finish.
-    pub(crate) fn split_step(&mut self, id: u64) -> bool {
-        match self.reqs.get_mut(&id) {
-            Some(Req {
-                kind: ReqKind::Send(s),
-                ..
-            }) if s.rndv.split_left > 0 => {
-                s.rndv.split_left -= 1;
-                s.rndv.split_left == 0
-            }
-            _ => true,
-        }
     }
 }
