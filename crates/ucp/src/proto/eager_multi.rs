@@ -485,7 +485,8 @@ mod tests {
     use super::*;
     use crate::proto::fake_io::{FakeIo, Op};
 
-    const SRC: u64 = 0xabc;
+    /// The source of every fragment: this worker (the fake's id).
+    const SRC: u64 = crate::proto::fake_io::FAKE_UUID;
 
     /// The send state of a message that went out up to `posted`.
     fn sent(posted: usize) -> EagerFrags {
@@ -687,5 +688,61 @@ mod tests {
         );
         // Completions may fail after the last post: the receiver must still be told.
         assert!(sent(posted).abort_needed());
+    }
+
+    /// The send state of a multi-fragment message: a copy-in send completes once all went out;
+    /// a zero-copy one goes from the buffer's registration with the AM lane's domain and
+    /// completes with the last fragment's completion, after a push-back resumed it; a failed
+    /// completion ends it, and the receiver is to be told.
+    #[test]
+    fn a_multi_fragment_send_completes_after_its_last_fragment() {
+        let msg = message(1000);
+        let am = AmFrags {
+            lane: 4,
+            md: 4,
+            max_bcopy: 100,
+            max_zcopy: 400,
+        };
+        let mut head = SendHead {
+            peer: 1,
+            addr: msg.as_ptr() as usize,
+            len: msg.len(),
+            tag: 3,
+            proto: Proto::EagerBcopyMulti,
+            op: crate::plan::Op::Tag,
+            mem: MemoryType::Host,
+            dev: None,
+        };
+        let mut io = FakeIo::default();
+        let mut f = EagerFrags {
+            msg_id: 6,
+            ..EagerFrags::default()
+        };
+        assert!(f.post(&mut io, 9, &head, &am).unwrap());
+        assert!(f.all_posted && f.posted == 1000);
+        assert_eq!(f.on_transfer(0, Ok(())), SendNext::Complete);
+        let head_of = FragHead::Eager { tag: 3, msg_id: 6 };
+        assert_eq!(reassemble(&io, head_of, msg.len()), msg);
+
+        head.proto = Proto::EagerZcopy;
+        let mut io = FakeIo {
+            push_back_after: Some(1),
+            ..FakeIo::default()
+        };
+        io.regs.push((9, 4, MemRegion::host(head.addr, msg.len())));
+        let mut f = EagerFrags::default();
+        assert!(!f.post(&mut io, 9, &head, &am).unwrap(), "pushed back");
+        assert!(!f.all_posted);
+        assert_eq!(f.on_transfer(0, Ok(())), SendNext::Wait, "not all posted");
+        assert!(f.post(&mut io, 9, &head, &am).unwrap());
+        assert_eq!(
+            io.in_flight.len(),
+            3,
+            "1000 bytes in 400-byte zero-copy fragments"
+        );
+        assert_eq!(f.on_transfer(1, Ok(())), SendNext::Wait);
+        let e = Error::io("sending", std::io::Error::from_raw_os_error(104));
+        assert_eq!(f.on_transfer(0, Err(e.clone())), SendNext::Fail(e));
+        assert!(f.abort_needed(), "the fragments may have matched a receive");
     }
 }
