@@ -16,7 +16,7 @@ impl State {
     /// Take in the staging a helper thread made, once it is ready (taking it in offers it to
     /// the peers). Called by the progress loop when the thread has finished.
     pub(crate) fn take_staging_ahead(&mut self) {
-        if let Err(e) = self.ensure_staging() {
+        if let Err(e) = self.staging_from_helper() {
             tracing::debug!("staging made ahead not taken in: {e}");
         }
     }

@@ -262,6 +262,16 @@ impl State {
 
     /// The pinned staging fragments, made on first use.
     pub(crate) fn ensure_staging(&mut self) -> Result<()> {
+        self.staging_from(true)
+    }
+
+    /// Take in the staging a helper thread made; when it failed, leave the making to the
+    /// first transfer that needs it (never page-locks from the progress loop).
+    pub(crate) fn staging_from_helper(&mut self) -> Result<()> {
+        self.staging_from(false)
+    }
+
+    fn staging_from(&mut self, or_make: bool) -> Result<()> {
         if self.staging.is_some() {
             return Ok(());
         }
@@ -301,7 +311,8 @@ impl State {
                 self.count("staging made ahead");
                 m
             }
-            None => StagingMem::make(&self.ctx, mi, total)?,
+            None if or_make => StagingMem::make(&self.ctx, mi, total)?,
+            None => return Ok(()),
         };
         self.staging = Some(Staging {
             copy_memh,
