@@ -5,6 +5,7 @@
 //! worker runs its steps (`stage_io.rs`).
 
 mod bounce;
+pub(crate) mod offer;
 mod pipeline_recv;
 mod pipeline_send;
 mod recv;
