@@ -240,7 +240,7 @@ impl CopyEp {
     fn copy(&mut self, dst: usize, src: usize, len: usize, token: u64) -> Result<OpStatus> {
         let every = self.ctl.push_back_every.load(Ordering::SeqCst);
         let asked = self.ctl.asked.fetch_add(1, Ordering::SeqCst) + 1;
-        if every > 0 && asked % every == 0 {
+        if every > 0 && asked.is_multiple_of(every) {
             self.ctl.pushed_back.fetch_add(1, Ordering::SeqCst);
             return Err(Error::NoResource("stand-in copy engine busy".into()));
         }
