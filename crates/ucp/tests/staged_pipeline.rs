@@ -71,12 +71,18 @@ fn is_device(addr: usize, len: usize) -> bool {
         .any(|(b, l)| addr >= *b && addr + len.max(1) <= b + l)
 }
 
-/// Per-process (per-context) behaviour of the stand-in: copies that complete with an error.
+/// Per-process (per-context) behaviour of the stand-in: copies that complete with an error,
+/// copies pushed back.
 #[derive(Debug, Default)]
 struct CopyCtl {
     copies: AtomicUsize,
     /// The copy with this number (1 = the first) completes with an error.
     fail_copy: Mutex<Option<usize>>,
+    /// Every this many copies asked for, one is pushed back (`NoResource`; 0: none).
+    push_back_every: AtomicUsize,
+    /// Copies asked for, and how many were pushed back.
+    asked: AtomicUsize,
+    pushed_back: AtomicUsize,
 }
 
 #[derive(Debug)]
@@ -232,6 +238,12 @@ struct CopyEp {
 impl CopyEp {
     /// Copy `len` bytes and queue the completion; the chosen copy completes with an error.
     fn copy(&mut self, dst: usize, src: usize, len: usize, token: u64) -> Result<OpStatus> {
+        let every = self.ctl.push_back_every.load(Ordering::SeqCst);
+        let asked = self.ctl.asked.fetch_add(1, Ordering::SeqCst) + 1;
+        if every > 0 && asked.is_multiple_of(every) {
+            self.ctl.pushed_back.fetch_add(1, Ordering::SeqCst);
+            return Err(Error::NoResource("stand-in copy engine busy".into()));
+        }
         let n = self.ctl.copies.fetch_add(1, Ordering::SeqCst) + 1;
         let result = if *self.ctl.fail_copy.lock().unwrap() == Some(n) {
             Err(Error::Device {
@@ -479,6 +491,88 @@ fn staged_pipeline_moves_every_size_intact() {
     });
     assert!(out.0.is_empty(), "{:?}", out.0);
     assert!(out.1.is_empty(), "{:?}", out.1);
+}
+
+/// Copies (and pushed-back copies) of one `n`-byte GPU-to-GPU transfer through the staged
+/// pipeline with 64 KiB fragments, over the self transport (fragments read into receive staging
+/// and copied on) or between two workers over posix (fragments mapped and copied straight to
+/// the GPU), the copy lane pushing back every `every`th copy (0: never): the copies of the
+/// first worker and of the second (none over self), and how many were pushed back. The
+/// transfer must be intact on both sides.
+fn copies_of(n: usize, posix: bool, every: usize) -> (usize, usize, usize) {
+    let env = [
+        if posix {
+            POSIX
+        } else {
+            ("RUCX_TLS", "self,cuda_copy")
+        },
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+    ];
+    let ctl = |c: &Arc<CopyCtl>| {
+        c.push_back_every.store(every, Ordering::SeqCst);
+        c.clone()
+    };
+    let (c0, c1): (Arc<CopyCtl>, Arc<CopyCtl>) = (Arc::default(), Arc::default());
+    if posix {
+        let sizes: &'static [usize] = Box::leak(vec![n].into_boxed_slice());
+        let (s, r) = two_sided(env.to_vec(), env.to_vec(), ctl(&c0), ctl(&c1), sizes);
+        assert!(s[0].is_ok() && r[0].is_ok(), "{every}: {s:?} {r:?}");
+    } else {
+        let c = ctl(&c0);
+        let (s, r, got) = bounded("copy push-back", move || {
+            let w = worker(&env, c);
+            let ep = w.connect(&w.address()).unwrap();
+            let out = self_exchange(&w, ep, n, n, 5);
+            assert_eq!(w.live_requests(), 0);
+            out
+        });
+        assert_eq!((s, r), (Ok(n), Ok(n)), "{every}");
+        assert!(got == pattern(n, 5), "{every}: bytes arrived wrong");
+    }
+    let load = |c: &CopyCtl| {
+        (
+            c.copies.load(Ordering::SeqCst),
+            c.pushed_back.load(Ordering::SeqCst),
+        )
+    };
+    let ((copies0, pushed0), (copies1, pushed1)) = (load(&c0), load(&c1));
+    eprintln!(
+        "posix {posix}, every {every}: copies {copies0} + {copies1}, pushed back {pushed0} + {pushed1}"
+    );
+    (copies0, copies1, pushed0 + pushed1)
+}
+
+#[test]
+fn a_copy_lane_that_pushes_back_costs_no_extra_copy() {
+    // A pushed-back copy (device -> staging on the sender, staging or a mapped fragment ->
+    // device on the receiver) is posted again after progress: nothing spins and every byte
+    // arrives. In one worker (fragments read into receive staging, one copy each) the transfer
+    // takes exactly the copies it takes without push-back; between two workers over posix the
+    // receiver copies runs of mapped fragments, which depend on how many were announced when
+    // a copy is posted (push-back moves that), but never copies a fragment twice.
+    let n: usize = (1 << 20) + 3;
+    let frags = n.div_ceil(64 << 10);
+    let (base, _, none) = copies_of(n, false, 0);
+    assert_eq!(none, 0);
+    assert_eq!(
+        base,
+        2 + frags,
+        "two staging copies of the sender, one per fragment"
+    );
+    for every in [2, 3, 7] {
+        let (copies, _, pushed) = copies_of(n, false, every);
+        assert!(pushed > 0, "every {every}: nothing pushed back");
+        assert_eq!(copies, base, "every {every}: {pushed} pushed back");
+    }
+    // Over posix each side asks for two or three copies: every other one is pushed back.
+    let (_, received, _) = copies_of(n, true, 0);
+    assert!((1..=frags).contains(&received), "posix: {received} copies");
+    let (_, received, pushed) = copies_of(n, true, 2);
+    assert!(pushed > 0, "posix: nothing pushed back");
+    assert!(
+        (1..=frags).contains(&received),
+        "posix: {received} copies of {frags} fragments"
+    );
 }
 
 // ----- hang B: the copy lane's registrations fail -----

@@ -1,16 +1,20 @@
-//! A fake [`ProtoIo`] for protocol unit tests: it records what a protocol posts and queues,
-//! and can push back (`NoResource`), fail the Nth post or registration, and report completions
-//! later (in progress) so a test hands them to the protocol with the result it wants.
+//! A fake [`ProtoIo`] (and [`StageIo`]) for protocol unit tests: it records what a protocol
+//! posts and queues, and can push back (`NoResource`), fail the Nth post or registration, and
+//! report completions later (in progress) so a test hands them to the protocol with the result
+//! it wants. Its receive staging is a pool of slots whose free count a test checks.
 
 use rucx_ucs::{Error, MemoryType, Result};
 use std::sync::Arc;
 
 use rucx_uct::{AmId, Endpoint, Iov, MemHandle, MemRegion, OpStatus, RemoteKey};
 
+use super::gpu::stage_io::{LaneState, On, StageIo};
+use super::gpu::staging::FreeFrags;
 use super::io::{ProtoIo, SendIo};
 use super::rndv::{RndvPick, SendHead};
 use crate::context::RegGuard;
 use crate::wire::{Msg, NamedKey};
+use crate::worker::state::TokWhat;
 
 /// One operation the fake endpoint took.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,9 +156,63 @@ pub(crate) struct FakeIo {
     pub(crate) replanned: usize,
     /// The marker a host send carries for a GPU receiver.
     pub(crate) write_hint: Option<NamedKey>,
+    /// Pipeline steps posted, by (request, where, what).
+    pub(crate) steps: Vec<(u64, On, TokWhat)>,
+    /// Receive staging slots (none unless a test makes them: [`FakeIo::with_slots`]).
+    pub(crate) slots: Option<FreeFrags>,
+    /// Receive staging cannot be registered (with any domain).
+    pub(crate) staging_fails: bool,
+    /// Peers' staging fragments are mapped here (shared memory).
+    pub(crate) maps: bool,
+    /// Lanes being connected; lanes absent.
+    pub(crate) connecting: Vec<usize>,
+    /// Domains no lane reads with.
+    pub(crate) no_read_lane: Vec<usize>,
+    /// CPU copies out of staging, by (slot, destination, length).
+    pub(crate) unstaged: Vec<(usize, usize, usize)>,
+    /// Registrations kept with a request, by (request, as its first).
+    pub(crate) kept: Vec<(u64, bool)>,
+    /// The key a host-to-GPU remote write offer yields (none: not offered).
+    pub(crate) write_key: Option<NamedKey>,
 }
 
+/// Bytes of one fake staging slot, and where the slots lie.
+pub(crate) const SLOT: usize = 4096;
+pub(crate) const SLOT_BASE: usize = 0x5000_0000;
+
 impl FakeIo {
+    /// A fake with `n` receive staging slots.
+    pub(crate) fn with_slots(n: usize) -> FakeIo {
+        FakeIo {
+            slots: Some(FreeFrags::new(0, n)),
+            ..FakeIo::default()
+        }
+    }
+
+    /// Free receive staging slots now.
+    pub(crate) fn free_slots(&self) -> usize {
+        self.slots.as_ref().map_or(0, |s| s.len())
+    }
+
+    /// Push back or fail a post as configured; true: it goes through.
+    fn gate(&mut self) -> Result<bool> {
+        if count_down(&mut self.push_back_after) {
+            return Ok(false);
+        }
+        if let Some((n, _)) = &mut self.fail_post_after {
+            if *n == 0 {
+                let (_, e) = self.fail_post_after.take().expect("set");
+                return Err(e);
+            }
+            *n -= 1;
+        }
+        Ok(true)
+    }
+
+    fn handle(md: usize, region: MemRegion) -> MemHandle {
+        MemHandle::new(region, &format!("fake{md}"), Arc::new(()))
+    }
+
     /// The control messages queued to `p`, parsed.
     pub(crate) fn ctrl_msgs(&self, p: usize) -> Vec<Msg<'_>> {
         self.ctrls
@@ -193,15 +251,8 @@ impl ProtoIo for FakeIo {
         _lane: usize,
         op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
     ) -> Result<bool> {
-        if count_down(&mut self.push_back_after) {
+        if !self.gate()? {
             return Ok(false);
-        }
-        if let Some((n, _)) = &mut self.fail_post_after {
-            if *n == 0 {
-                let (_, e) = self.fail_post_after.take().expect("set");
-                return Err(e);
-            }
-            *n -= 1;
         }
         self.next_token += 1;
         let token = self.next_token;
@@ -231,11 +282,7 @@ impl ProtoIo for FakeIo {
             )));
         }
         self.regs.push((0, md, region));
-        Ok(RegGuard::Direct(MemHandle::new(
-            region,
-            &format!("fake{md}"),
-            Arc::new(()),
-        )))
+        Ok(RegGuard::Direct(FakeIo::handle(md, region)))
     }
 
     fn unpack_key(&self, md: usize, key: &[u8]) -> Result<RemoteKey> {
@@ -276,6 +323,10 @@ impl ProtoIo for FakeIo {
     fn count(&mut self, what: &'static str) {
         self.counted.push(what);
     }
+
+    fn lane_md(&self, lane: usize) -> usize {
+        lane
+    }
 }
 
 impl SendIo for FakeIo {
@@ -293,10 +344,6 @@ impl SendIo for FakeIo {
             lane: self.rndv_lane,
             lanes_pending: self.lanes_pending,
         }
-    }
-
-    fn lane_md(&self, lane: usize) -> usize {
-        lane
     }
 
     fn req_key(&self, req: u64, md: usize) -> Result<NamedKey> {
@@ -339,5 +386,134 @@ impl SendIo for FakeIo {
 
     fn write_hint(&self, _p: usize) -> Option<NamedKey> {
         self.write_hint.clone()
+    }
+}
+
+impl StageIo for FakeIo {
+    fn post_step(
+        &mut self,
+        req: u64,
+        on: On,
+        what: TokWhat,
+        op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
+    ) -> Result<bool> {
+        if !self.gate()? {
+            return Ok(false);
+        }
+        self.next_token += 1;
+        op(&mut self.ep, self.next_token)?;
+        self.steps.push((req, on, what));
+        Ok(true)
+    }
+
+    fn lane_state(&mut self, _p: usize, lane: usize) -> LaneState {
+        if self.connecting.contains(&lane) {
+            LaneState::Connecting
+        } else {
+            LaneState::Ready
+        }
+    }
+
+    /// Lane `md` of domain `md` reads, unless listed in `no_read_lane`.
+    fn read_lane(&mut self, _p: usize, md: usize) -> Option<usize> {
+        (!self.no_read_lane.contains(&md)).then_some(md)
+    }
+
+    fn names(&self, md: usize, p: usize) -> (String, String) {
+        (format!("fake{md}"), format!("peer{p}"))
+    }
+
+    fn unpack_named(&self, key: &NamedKey) -> Result<(usize, RemoteKey)> {
+        let md = key
+            .md
+            .strip_prefix("fake")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| Error::InvalidRkey {
+                domain: key.md.clone(),
+                reason: "no such local domain".into(),
+            })?;
+        self.unpack_key(md, &key.key).map(|k| (md, k))
+    }
+
+    fn map_fragment(
+        &mut self,
+        md: usize,
+        _rkey: &RemoteKey,
+        addr: u64,
+    ) -> Option<(usize, MemHandle)> {
+        self.maps.then(|| {
+            (
+                addr as usize,
+                FakeIo::handle(md, MemRegion::host(addr as usize, SLOT)),
+            )
+        })
+    }
+
+    fn recv_staging(&mut self, md: usize) -> Result<MemHandle> {
+        if self.staging_fails {
+            return Err(Error::NoMemory(format!(
+                "injected: registering the receive staging with fake{md}"
+            )));
+        }
+        Ok(FakeIo::handle(md, MemRegion::host(SLOT_BASE, SLOT)))
+    }
+
+    fn copy_staging(&self) -> Result<MemHandle> {
+        Ok(FakeIo::handle(99, MemRegion::host(SLOT_BASE, SLOT)))
+    }
+
+    fn take_slot(&mut self) -> Option<(usize, usize)> {
+        let f = self.slots.as_mut()?.pop()?;
+        Some((f, self.slot_addr(f)))
+    }
+
+    fn slot_addr(&self, f: usize) -> usize {
+        SLOT_BASE + f * SLOT
+    }
+
+    fn release_slot(&mut self, f: usize) {
+        self.slots
+            .as_mut()
+            .expect("a fake with staging slots")
+            .push(f);
+    }
+
+    fn unstage(&mut self, f: usize, dst: usize, len: usize) {
+        self.unstaged.push((f, dst, len));
+    }
+
+    fn keep(&mut self, req: u64, _g: RegGuard, first: bool) {
+        self.kept.push((req, first));
+    }
+
+    fn gpu_copy_key(&mut self, req: u64, region: MemRegion) -> Result<RemoteKey> {
+        if count_down(&mut self.fail_reg_after) {
+            return Err(Error::NoMemory(format!(
+                "injected: registering {} bytes of GPU memory for copies",
+                region.len
+            )));
+        }
+        self.regs.push((req, 99, region));
+        Ok(RemoteKey::new(
+            "fake99",
+            region.addr as u64,
+            region.len as u64,
+            Arc::new(()),
+        ))
+    }
+
+    fn register_uncached(&mut self, md: usize, region: MemRegion) -> Result<RegGuard> {
+        self.register_md(md, region)
+    }
+
+    fn gpu_write_key(
+        &mut self,
+        _req: u64,
+        _p: usize,
+        _region: MemRegion,
+        _lane: usize,
+        _keys: &[NamedKey],
+    ) -> Option<NamedKey> {
+        self.write_key.clone()
     }
 }

@@ -49,6 +49,9 @@ pub(crate) trait ProtoIo {
 
     /// Count one run of `what` (a protocol, or how a rendezvous receive moved its data).
     fn count(&mut self, what: &'static str);
+
+    /// The domain of `lane`.
+    fn lane_md(&self, lane: usize) -> usize;
 }
 
 /// What the send side of a rendezvous asks of the worker besides [`ProtoIo`]: the plan's
@@ -60,9 +63,6 @@ pub(crate) trait SendIo: ProtoIo {
     /// the table of the send's operation (a rendezvous stays one: its receiver may already have
     /// matched it).
     fn rndv_pick(&mut self, req: u64, head: &SendHead, replan: bool) -> RndvPick;
-
-    /// The domain of `lane`.
-    fn lane_md(&self, lane: usize) -> usize;
 
     /// Pack request `req`'s registration with domain `md` for the peer.
     fn req_key(&self, req: u64, md: usize) -> Result<NamedKey>;

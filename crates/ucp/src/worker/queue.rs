@@ -193,44 +193,25 @@ impl State {
     pub(crate) fn on_tok(&mut self, tok: Tok, result: Result<()>) {
         match tok.what {
             TokWhat::Plain => self.on_completion(tok.req, result),
-            what => {
-                // Give staging fragments back whatever happened.
-                if result.is_err()
-                    && let Some(stg) = self.staging.as_mut()
-                {
-                    match what {
-                        TokWhat::StageD2H { frag, len, .. } => stg.release_send(frag, len),
-                        TokWhat::PullGet { rfrag: Some(f), .. } | TokWhat::H2D { rfrag: f, .. } => {
-                            stg.free_recv.push(f)
-                        }
-                        _ => {}
-                    }
-                }
-                if result.is_err() && matches!(what, TokWhat::StageD2H { .. }) {
-                    self.wake_staged_sends(tok.req, false);
-                }
-                if result.is_err() {
-                    // A read or copy of an announced fragment failed: the sender may still
-                    // reuse the fragment (we no longer need it).
-                    if let TokWhat::PullGet {
-                        sfrag: Some(sf), ..
-                    }
-                    | TokWhat::DirectH2D {
-                        sfrag: Some(sf), ..
-                    } = what
-                    {
-                        self.ack_fragment(sf);
-                    }
-                }
-                match result {
-                    Ok(()) => {
-                        if let Err(e) = self.on_pipeline(tok.req, what) {
-                            self.fail(tok.req, e);
-                        }
-                    }
-                    Err(e) => self.fail(tok.req, e),
-                }
+            // The staged receive's reads and copies: its state machine goes on.
+            what @ (TokWhat::PullGet { .. } | TokWhat::H2D { .. } | TokWhat::DirectH2D { .. }) => {
+                self.on_recv_step(tok.req, what, result)
             }
+            what @ TokWhat::StageD2H { frag, len, .. } => match result {
+                Ok(()) => {
+                    if let Err(e) = self.on_pipeline(tok.req, what) {
+                        self.fail(tok.req, e);
+                    }
+                }
+                Err(e) => {
+                    // Give the staging fragments back whatever happened.
+                    if let Some(stg) = self.staging.as_mut() {
+                        stg.release_send(frag, len);
+                    }
+                    self.wake_staged_sends(tok.req, false);
+                    self.fail(tok.req, e);
+                }
+            },
         }
     }
 
@@ -353,6 +334,10 @@ impl ProtoIo for State {
     fn count(&mut self, what: &'static str) {
         State::count(self, what);
     }
+
+    fn lane_md(&self, lane: usize) -> usize {
+        self.slots[lane].md
+    }
 }
 
 /// What the send side of a rendezvous asks of the worker: the plan's choice, the send's
@@ -384,10 +369,6 @@ impl SendIo for State {
             lane,
             lanes_pending: self.peers[p].needs_lanes,
         }
-    }
-
-    fn lane_md(&self, lane: usize) -> usize {
-        self.slots[lane].md
     }
 
     fn req_key(&self, req: u64, md: usize) -> Result<NamedKey> {

@@ -407,12 +407,6 @@ impl RecvState {
         self.rndv().map(|rv| &rv.staged)
     }
 
-    /// Mutable [`Self::staged`].
-    #[inline]
-    pub(crate) fn staged_mut(&mut self) -> Option<&mut StagedRecv> {
-        self.rndv_mut().map(|rv| &mut rv.staged)
-    }
-
     /// Bytes this receive waits for: the rendezvous' (capacity-limited) size, else the
     /// message's.
     #[inline]

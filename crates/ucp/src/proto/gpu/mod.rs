@@ -1,20 +1,30 @@
 //! GPU memory: the bounce eager protocol for small messages, the staged pipeline through pinned
 //! host fragments (sender and receiver sides), the receiver's choice of GPU path, and the
-//! staging and copy-lane registrations they share, and host-to-GPU remote writes.
+//! staging and copy-lane registrations they share, and host-to-GPU remote writes. The receive
+//! side (`pipeline_recv.rs`, `recv.rs`) is a state machine over [`stage_io::StageIo`]; the
+//! worker runs its steps (`stage_io.rs`).
 
 mod bounce;
 pub(crate) mod offer;
 mod pipeline_recv;
 mod pipeline_send;
 mod recv;
+#[cfg(test)]
+mod recv_tests;
+pub(crate) mod stage_io;
 pub(crate) mod staging;
 mod write;
 
 pub(crate) use bounce::Bounced;
-pub(crate) use pipeline_recv::Chunk;
+pub(crate) use pipeline_recv::{Chunk, FragMsg, PendingCopy, Posting, StagedNext};
 pub(crate) use pipeline_send::StageSend;
+pub(crate) use recv::GpuRecvChoice;
+pub(crate) use stage_io::StageIo;
 pub(crate) use staging::Staging;
 pub(crate) use write::GPU_WRITE_HINT;
+
+use rucx_ucs::MemoryType;
+use rucx_uct::{MemHandle, RemoteKey};
 
 use crate::proto::io::ProtoIo;
 use crate::proto::rndv::{RecvNext, RndvRecv};
@@ -35,6 +45,19 @@ pub(crate) struct StagedRecv {
     /// A host buffer that no lane could register: its chunks are read into receive staging and
     /// copied on by the CPU.
     pub(crate) staged_host: bool,
+    /// The receive buffer: its address, memory type and device.
+    pub(crate) dst: usize,
+    pub(crate) mem: MemoryType,
+    pub(crate) dev: Option<u32>,
+    /// A host buffer's registration with the read lane's domain (kept with the request).
+    pub(crate) reg: Option<MemHandle>,
+    /// A GPU buffer's key on the copy lane (its registration is kept with the request).
+    pub(crate) copy_key: Option<RemoteKey>,
+    /// Announced fragments given up unread (the receive is ending), acknowledged to the sender
+    /// after the abort ([`RndvRecv::release_chunks`]).
+    pub(crate) unread: Vec<(u64, usize)>,
+    /// Chunks read into staging slots whose copy to the GPU waits for the copy lane.
+    pub(crate) copies: std::collections::VecDeque<PendingCopy>,
 }
 
 impl Default for StagedRecv {
@@ -45,6 +68,13 @@ impl Default for StagedRecv {
             pull: false,
             lane: usize::MAX,
             staged_host: false,
+            dst: 0,
+            mem: MemoryType::Host,
+            dev: None,
+            reg: None,
+            copy_key: None,
+            unread: Vec::new(),
+            copies: std::collections::VecDeque::new(),
         }
     }
 }
@@ -87,8 +117,15 @@ impl RndvRecv {
 
     /// The receive ended early: hand the sender back every fragment it announced that was
     /// not read (each acknowledgement carries the fragment's whole staged length, which the
-    /// sender counts against its message).
-    pub(crate) fn release_chunks(&mut self, io: &mut impl ProtoIo) {
+    /// sender counts against its message), and give back the staging slots whose copy to the
+    /// GPU had not started.
+    pub(crate) fn release_chunks(&mut self, io: &mut impl StageIo) {
+        for c in self.staged.copies.drain(..) {
+            io.release_slot(c.slot);
+        }
+        for (frag, staged) in self.staged.unread.drain(..) {
+            pipeline_recv::release_unread(io, self.peer, self.sreq, frag, staged);
+        }
         for c in self.staged.chunks.drain(..) {
             if let Some((frag, staged)) = c.sfrag {
                 io.ctrl(

@@ -1,8 +1,18 @@
-//! The staged pipeline, receiver side: announced fragments (or a host sender's buffer) read in
-//! chunks over a host RMA lane, into the host buffer or through receive staging to the GPU, each
-//! acknowledged so the sender reuses it.
+//! The staged pipeline, receiver side, as a state machine over [`StageIo`]: announced fragments
+//! (or a host sender's buffer) read in chunks over a host RMA lane, into the host buffer or
+//! through receive staging slots to the GPU (or, mapped from a peer on this host, copied
+//! straight to the GPU), each acknowledged so the sender reuses it. Every method returns what
+//! the worker does next ([`StagedNext`], [`Posting`]); the worker only dispatches
+//! (`stage_io.rs`).
 
-use crate::worker::prelude::*;
+use rucx_ucs::{Error, Result};
+use rucx_uct::{Iov, MemHandle, MemRegion, RemoteKey};
+
+use super::stage_io::{LaneState, On, StageIo};
+use crate::proto::io::ProtoIo;
+use crate::proto::rndv::{RecvNext, RndvRecv};
+use crate::wire::{Msg, NamedKey};
+use crate::worker::state::{FragAck, TokWhat};
 
 /// Most bytes of consecutive mapped fragments copied to the GPU at once.
 const MERGE_BYTES: usize = 4 << 20;
@@ -22,642 +32,464 @@ pub(crate) struct Chunk {
     pub(crate) local: Option<(usize, MemHandle)>,
 }
 
-impl State {
-    pub(crate) fn on_pipeline(&mut self, id: u64, what: TokWhat) -> Result<()> {
-        match what {
-            TokWhat::Plain => Ok(()),
-            TokWhat::StageD2H { frag, off, len } => {
-                // A fragment is staged: announce it to the receiver.
-                let staged = match self.reqs.get(&id) {
-                    Some(Req {
-                        kind: ReqKind::Send(s),
-                        result: None,
-                        ..
-                    }) => s.stage().map(|st| (s.peer, st.rreq, st.lane)),
-                    _ => None,
-                };
-                let (p, rreq, lane) = match staged {
-                    Some(x) => x,
-                    // Ended meanwhile (aborted): the fragments are not announced.
-                    _ => {
-                        if let Some(stg) = self.staging.as_mut() {
-                            stg.release_send(frag, len);
-                        }
-                        self.wake_staged_sends(id, false);
-                        return Ok(());
-                    }
-                };
-                let key = match lane
-                    .ok_or_else(|| Error::Unsupported {
-                        what: "the staged pipeline".into(),
-                        why: "no transport with remote memory access reaches the receiver".into(),
-                    })
-                    .and_then(|lane| self.staging_reg(self.slots[lane].md))
-                {
-                    Ok((_, key)) => key,
-                    Err(e) => {
-                        if let Some(stg) = self.staging.as_mut() {
-                            stg.release_send(frag, len);
-                        }
-                        self.wake_staged_sends(id, false);
-                        return Err(e);
-                    }
-                };
-                // One announcement per fragment of the run (each read and acknowledged on
-                // its own, whatever the receiver's fragment size).
-                let stg = self.staging.as_ref().expect("staging");
-                let fsz = stg.frag;
-                let pieces: Vec<(usize, usize, usize)> = (0..len.div_ceil(fsz).max(1))
-                    .map(|i| {
-                        let n = if len <= fsz {
-                            len
-                        } else {
-                            fsz.min(len - i * fsz)
-                        };
-                        (frag + i, i * fsz, n)
-                    })
-                    .collect();
-                for (f, at, n) in pieces {
-                    let addr = self.staging.as_ref().expect("staging").addr(f);
-                    self.ctrl(
-                        p,
-                        &Msg::Frag {
-                            src: self.address.uuid,
-                            rreq,
-                            sreq: id,
-                            offset: (off + at) as u64,
-                            len: n as u64,
-                            addr: addr as u64,
-                            frag: f as u64,
-                            key: key.clone(),
-                        },
-                    );
-                }
-                self.pump(p);
-                Ok(())
-            }
-            TokWhat::PullGet {
-                off,
-                len,
-                sfrag,
-                rfrag,
-            } => {
-                let (p, live) = match self.reqs.get(&id) {
-                    Some(Req {
-                        kind:
-                            ReqKind::Recv(RecvState {
-                                proto: RecvProto::Rndv(rv),
-                                ..
-                            }),
-                        result,
-                        ..
-                    }) => (rv.peer, result.is_none()),
-                    _ => (usize::MAX, false),
-                };
-                if let Some(sf) = sfrag {
-                    self.ack_fragment(sf);
-                }
-                if !live {
-                    // The receive ended meanwhile: copy nothing more into its buffer.
-                    if let (Some(f), Some(stg)) = (rfrag, self.staging.as_mut()) {
-                        stg.free_recv.push(f);
-                    }
-                    return Ok(());
-                }
-                match rfrag {
-                    Some(f) if matches!(&self.reqs[&id].kind, ReqKind::Recv(rs) if rs.staged().is_some_and(|s| s.staged_host)) =>
-                    {
-                        // Into a host buffer no lane could register: copied from staging.
-                        let uaddr = match &self.reqs[&id].kind {
-                            ReqKind::Recv(rs) => rs.addr,
-                            _ => unreachable!("matched above"),
-                        };
-                        let from = self.staging.as_ref().expect("staging").addr(f);
-                        // SAFETY: `from..from + len` is our receive staging fragment `f`, which
-                        // the completed read filled and which is not reused before it is freed
-                        // below; the destination is the receive buffer, lent mutably to the
-                        // scope and alive and unaliased while the request has not ended (it is
-                        // live), and chunks never pass it (`off + len <= want <= cap`).
-                        unsafe {
-                            host_slice_mut(uaddr + off, len).copy_from_slice(host_slice(from, len))
-                        };
-                        return self.on_pipeline(id, TokWhat::H2D { rfrag: f, len });
-                    }
-                    Some(f) => {
-                        // Into the GPU buffer: host staging -> device.
-                        let (addr, key) = match &self.reqs[&id].kind {
-                            ReqKind::Recv(RecvState {
-                                addr,
-                                dev_memh: Some(dm),
-                                ..
-                            }) => (*addr, dm.1.clone()),
-                            _ => {
-                                return Err(Error::Internal(
-                                    "GPU receive without its copy key".into(),
-                                ));
-                            }
-                        };
-                        let stg = self.staging.as_ref().expect("staging");
-                        let memh = stg.copy_memh.clone();
-                        let iov = [Iov {
-                            addr: stg.addr(f),
-                            len,
-                            memh: &memh,
-                        }];
-                        let token = self.next_token;
-                        self.next_token += 1;
-                        let ep = &mut self.copy.as_mut().expect("copy lane").1;
-                        let st = loop {
-                            match ep.put_zcopy(&iov, (addr + off) as u64, &key, token) {
-                                Err(e) if e.is_retryable() => std::hint::spin_loop(),
-                                other => break other,
-                            }
-                        };
-                        match st {
-                            Ok(st) => self.post_tok(id, token, st, TokWhat::H2D { rfrag: f, len }),
-                            Err(e) => {
-                                if let Some(stg) = self.staging.as_mut() {
-                                    stg.free_recv.push(f);
-                                }
-                                return Err(e);
-                            }
-                        }
-                    }
-                    None => self.chunk_landed(id, len),
-                }
-                self.pump(p);
-                Ok(())
-            }
-            TokWhat::DirectH2D { len, sfrag } => {
-                if let Some(sf) = sfrag {
-                    self.ack_fragment(sf);
-                }
-                self.chunk_landed(id, len);
-                Ok(())
-            }
-            TokWhat::H2D { rfrag, len } => {
-                if let Some(stg) = self.staging.as_mut() {
-                    stg.free_recv.push(rfrag);
-                }
-                self.chunk_landed(id, len);
-                // Chunks that waited for a fragment may go on; so may other receives.
-                let waiting: Vec<(usize, u64)> = self
-                    .reqs
-                    .iter()
-                    .filter_map(|(rid, r)| match &r.kind {
-                        ReqKind::Recv(RecvState {
-                            proto: RecvProto::Rndv(rv),
-                            ..
-                        }) if r.result.is_none() && !rv.staged.chunks.is_empty() => {
-                            Some((rv.peer, rid))
-                        }
-                        _ => None,
-                    })
-                    .collect();
-                for (p, rid) in waiting {
-                    if !self.peers[p]
-                        .queue
-                        .iter()
-                        .any(|q| matches!(q, Pending::Stream(x) if *x == rid))
-                    {
-                        self.peers[p].queue.push_back(Pending::Stream(rid));
-                    }
-                    self.pump(p);
-                }
-                Ok(())
-            }
+/// A chunk read into receive staging slot `slot`, whose copy to the GPU the copy lane pushed
+/// back: posted again before any new read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PendingCopy {
+    pub(crate) slot: usize,
+    pub(crate) off: usize,
+    pub(crate) len: usize,
+}
+
+/// A fragment the sender staged and announced (FRAG).
+#[derive(Clone, Debug)]
+pub(crate) struct FragMsg {
+    /// Offset in the message.
+    pub(crate) off: usize,
+    /// Bytes staged.
+    pub(crate) len: usize,
+    /// Where, in the sender's staging.
+    pub(crate) addr: u64,
+    /// The sender's fragment id.
+    pub(crate) frag: u64,
+    /// The sender's key for its staging, named by its domain.
+    pub(crate) key: NamedKey,
+}
+
+/// What the worker does after a step of a staged receive.
+#[derive(Debug, PartialEq)]
+pub(crate) enum StagedNext {
+    /// Nothing more now: messages or completions are still to come.
+    Wait,
+    /// Reads or copies can be posted: queue the request on its peer ([`RndvRecv::post_chunks`]).
+    Post,
+    /// Every byte is in the buffer: complete the receive (its length, or the truncation).
+    Complete,
+    /// End the receive with this error, and tell the sender (what the receive still holds is
+    /// handed back by [`RndvRecv::release_chunks`], after the abort).
+    Fail(Error),
+}
+
+impl From<RecvNext> for StagedNext {
+    fn from(n: RecvNext) -> Self {
+        match n {
+            RecvNext::Wait => StagedNext::Wait,
+            RecvNext::Complete => StagedNext::Complete,
+            RecvNext::Fail(e) => StagedNext::Fail(e),
         }
     }
+}
 
-    /// Tell a sender that its staging fragment is free again.
-    pub(crate) fn ack_fragment(&mut self, a: FragAck) {
-        self.ctrl(
-            a.peer,
-            &Msg::FragAck {
-                src: self.address.uuid,
-                sreq: a.sreq,
-                frag: a.frag,
-                len: a.staged as u64,
-            },
-        );
-        self.pump(a.peer);
-    }
+/// How posting a staged receive's chunks ended.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Posting {
+    /// Every queued chunk and copy is posted (or there were none).
+    Done,
+    /// The transport pushed back, or the read lane is being connected: post again after
+    /// progress.
+    Later,
+    /// Every receive staging slot is in use: post again when one comes back.
+    NoSlot,
+}
 
-    /// Bytes of a chunked receive reached the user buffer; finish when all did.
-    pub(crate) fn chunk_landed(&mut self, id: u64, len: usize) {
-        let (want, p) = match self.reqs.get(&id) {
-            Some(Req {
-                kind: ReqKind::Recv(rs),
-                result: None,
-                ..
-            }) => match rs.rndv() {
-                Some(rv) => (rs.want(), rv.peer),
-                None => return,
-            },
-            _ => return,
-        };
-        self.rndv_recv_step(id, |rv, io| rv.chunk_landed(io, len, want));
-        if let Some(Req {
-            kind: ReqKind::Recv(rs),
-            result: None,
-            ..
-        }) = self.reqs.get_mut(&id)
-            && let Some(landed) = rs.staged().map(|s| s.landed)
-        {
-            rs.received = landed;
+/// Hand sender fragment `frag` (`staged` bytes) of send `sreq` of peer `p` back unread.
+pub(crate) fn release_unread(io: &mut impl ProtoIo, p: usize, sreq: u64, frag: u64, staged: usize) {
+    io.ctrl(
+        p,
+        &Msg::FragAck {
+            src: io.uuid(),
+            sreq,
+            frag,
+            len: staged as u64,
+        },
+    );
+}
+
+/// Acknowledge a fragment read (or no longer needed).
+fn ack(io: &mut impl ProtoIo, a: FragAck) {
+    release_unread(io, a.peer, a.sreq, a.frag, a.staged);
+}
+
+/// A step of a receive that ended meanwhile completed: give its staging slot back and the
+/// sender its fragment; copy nothing more into the buffer.
+pub(crate) fn step_orphaned(io: &mut impl StageIo, what: TokWhat) {
+    match what {
+        TokWhat::PullGet { sfrag, rfrag, .. } => {
+            if let Some(sf) = sfrag {
+                ack(io, sf);
+            }
+            if let Some(f) = rfrag {
+                io.release_slot(f);
+            }
         }
-        self.pump(p);
+        TokWhat::DirectH2D { sfrag, .. } => {
+            if let Some(sf) = sfrag {
+                ack(io, sf);
+            }
+        }
+        TokWhat::H2D { rfrag, .. } => io.release_slot(rfrag),
+        TokWhat::Plain | TokWhat::StageD2H { .. } => {}
     }
+}
 
-    /// A pipelined receive ended early: hand the sender back the staging fragments it announced
-    /// and we will not read (it reuses them for other transfers).
-    pub(crate) fn release_chunks(&mut self, id: u64) {
-        let p = match self.reqs.get(&id) {
-            Some(Req {
-                kind: ReqKind::Recv(rs),
-                ..
-            }) => match rs.rndv() {
-                Some(rv) if !rv.staged.chunks.is_empty() => rv.peer,
-                _ => return,
-            },
-            _ => return,
-        };
-        self.rndv_recv_step(id, |rv, io| {
-            rv.release_chunks(io);
-            RecvNext::Wait
-        });
-        self.pump(p);
-    }
-
-    /// A staged fragment of the sender is ready: queue its read.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn on_frag(
-        &mut self,
-        p: usize,
-        rreq: u64,
-        sreq: u64,
-        off: usize,
-        len: usize,
-        addr: u64,
-        frag: u64,
-        key: NamedKey,
-    ) {
-        let rkey = match self.ctx.domain_index(&key.md) {
-            Some(mi) => self.ctx.domain(mi).rkey_unpack(&key.key).map(|k| (mi, k)),
-            None => Err(Error::InvalidRkey {
-                domain: key.md.clone(),
-                reason: "no such local domain".into(),
-            }),
-        };
-        let (mi, rkey) = match rkey {
+impl RndvRecv {
+    /// The sender announced a staged fragment for this receive (request `rid`): read it on a
+    /// lane of its key's domain (chosen on the first fragment, or again when the key's domain
+    /// changes), clamped to the bytes wanted; a fragment wholly past them is acknowledged
+    /// unread. A key that does not unpack, or no lane (or registration) left to read it, ends
+    /// the receive; the fragment is handed back after the abort.
+    pub(crate) fn on_frag(&mut self, io: &mut impl StageIo, rid: u64, f: FragMsg) -> StagedNext {
+        let (mi, rkey) = match io.unpack_named(&f.key) {
             Ok(k) => k,
             Err(e) => {
-                // Only a live receive of this sender may be ended by its message.
-                if self.reqs.get(&rreq).is_some_and(|r| {
-                    matches!(&r.kind, ReqKind::Recv(RecvState { proto: RecvProto::Rndv(rv), .. })
-                        if rv.peer == p && rv.sreq == sreq)
-                }) {
-                    self.fail(rreq, e);
-                }
-                self.ctrl(
-                    p,
-                    &Msg::FragAck {
-                        src: self.address.uuid,
-                        sreq,
-                        frag,
-                        len: len as u64,
-                    },
-                );
-                self.pump(p);
-                return;
+                self.staged.unread.push((f.frag, f.len));
+                return StagedNext::Fail(e);
             }
         };
-        if let Err(e) = self.chunk_lane_for(rreq, p, mi) {
-            self.fail(rreq, e);
+        if let Err(e) = self.read_lane_for(io, rid, mi) {
+            self.staged.unread.push((f.frag, f.len));
+            return StagedNext::Fail(e);
         }
-        let Some(Req {
-            kind: ReqKind::Recv(rs),
-            result: None,
-            ..
-        }) = self.reqs.get_mut(&rreq)
-        else {
-            // The receive is gone (canceled or failed): still release the sender's fragment.
-            self.ctrl(
-                p,
-                &Msg::FragAck {
-                    src: self.address.uuid,
-                    sreq,
-                    frag,
-                    len: len as u64,
-                },
-            );
-            self.pump(p);
-            return;
-        };
         // Never read past the receive buffer (truncation): acknowledge the rest unread. The
         // acknowledgement of a clamped chunk still carries the whole staged length.
-        let want = rs.rndv().map_or(0, |r| r.want);
-        let n = len.min(want.saturating_sub(off));
+        let n = f.len.min(self.want.saturating_sub(f.off));
         if n == 0 {
-            self.ctrl(
-                p,
-                &Msg::FragAck {
-                    src: self.address.uuid,
-                    sreq,
-                    frag,
-                    len: len as u64,
-                },
-            );
-            self.pump(p);
-            return;
+            release_unread(io, self.peer, self.sreq, f.frag, f.len);
+            return StagedNext::Wait;
         }
-        let gpu = rs.mem.is_gpu();
-        let local = if gpu {
-            self.map_fragment(mi, &rkey, addr)
+        let local = if self.staged.mem.is_gpu() {
+            io.map_fragment(mi, &rkey, f.addr)
         } else {
             None
         };
-        let Some(Req {
-            kind: ReqKind::Recv(rs),
-            ..
-        }) = self.reqs.get_mut(&rreq)
-        else {
-            return;
-        };
-        let Some(sr) = rs.staged_mut() else {
-            return;
-        };
-        sr.chunks.push_back(Chunk {
-            raddr: addr,
+        self.staged.chunks.push_back(Chunk {
+            raddr: f.addr,
             len: n,
-            off,
+            off: f.off,
             rkey,
-            sfrag: Some((frag, len)),
+            sfrag: Some((f.frag, f.len)),
             local,
         });
-        if !self.peers[p]
-            .queue
-            .iter()
-            .any(|q| matches!(q, Pending::Stream(x) if *x == rreq))
-        {
-            self.peers[p].queue.push_back(Pending::Stream(rreq));
-        }
-        // Posted when this progress call has handled every message that arrived (the
-        // progress loop pumps each peer's queue after its interfaces' events): fragments
-        // announced together are then copied together (see `stream_chunks`).
+        StagedNext::Post
     }
 
     /// Fragments staged by the sender carry a key of its RMA lane's domain, which need not be
-    /// the domain of our lane (a demotion on either side moves a lane): receive `rid` from peer
-    /// `p` reads them through a connected lane of domain `mi`, its buffer registered there when
-    /// it is read into directly (host memory).
-    pub(crate) fn chunk_lane_for(&mut self, rid: u64, p: usize, mi: usize) -> Result<()> {
-        let Some(Req {
-            kind: ReqKind::Recv(rs),
-            result: None,
-            ..
-        }) = self.reqs.get(&rid)
-        else {
-            return Ok(());
-        };
-        if self
-            .slots
-            .get(rs.staged().map_or(usize::MAX, |s| s.lane))
-            .is_some_and(|s| s.md == mi)
-        {
+    /// the domain of our lane (a demotion on either side moves a lane): read them through a
+    /// lane of domain `mi`, the buffer registered there when it is read into directly (host
+    /// memory). A host buffer no lane can register is read through receive staging and copied
+    /// on by the CPU; when even the staging cannot be registered, no path is left.
+    pub(crate) fn read_lane_for(
+        &mut self,
+        io: &mut impl StageIo,
+        rid: u64,
+        mi: usize,
+    ) -> Result<()> {
+        if self.staged.active() && io.lane_md(self.staged.lane) == mi {
             return Ok(());
         }
-        let region = MemRegion {
-            addr: rs.addr,
-            len: rs.rndv().map_or(rs.cap, |r| r.want),
-            mem_type: rs.mem,
-            device: rs.dev,
-        };
-        // A connected lane of that domain, else one that reaches the peer (connected by the
-        // next progress; the reads wait for it).
-        let reads = |l: usize| {
-            self.slots[l].md == mi && self.slots[l].attr.caps.contains(IfaceCaps::GET_ZCOPY)
-        };
-        let lane = self.peers[p]
-            .eps
-            .keys()
-            .copied()
-            .find(|&l| reads(l))
-            .or_else(|| {
-                self.peers[p]
-                    .targets
-                    .iter()
-                    .map(|(l, _)| *l)
-                    .find(|&l| reads(l))
-            })
-            .ok_or_else(|| Error::Unsupported {
-                what: format!(
-                    "reading fragments staged with {}",
-                    self.ctx.domain(mi).name()
-                ),
-                why: format!(
-                    "no lane to {} reads with that domain",
-                    self.peers[p].remote.describe()
-                ),
-            })?;
-        self.want_lane(p, lane);
-        let mut guard = None;
+        let lane = io.read_lane(self.peer, mi).ok_or_else(|| {
+            let (md, peer) = io.names(mi, self.peer);
+            Error::Unsupported {
+                what: format!("reading fragments staged with {md}"),
+                why: format!("no lane to {peer} reads with that domain"),
+            }
+        })?;
+        let st = &mut self.staged;
         let mut staged_host = false;
-        if !region.mem_type.is_gpu() {
-            let reg = if self.may_register(mi, region.mem_type, region.device) {
-                self.register_md(mi, region)
+        if !st.mem.is_gpu() {
+            let region = MemRegion {
+                addr: st.dst,
+                len: self.want,
+                mem_type: st.mem,
+                device: st.dev,
+            };
+            let reg = if io.may_register(mi, st.mem, st.dev) {
+                io.register_md(mi, region)
             } else {
+                let (md, _) = io.names(mi, self.peer);
                 Err(Error::Unsupported {
-                    what: format!(
-                        "registering a receive buffer with {}",
-                        self.ctx.domain(mi).name()
-                    ),
+                    what: format!("registering a receive buffer with {md}"),
                     why: "the domain is demoted for host memory".into(),
                 })
             };
             match reg {
-                Ok(g) => guard = Some(g),
+                Ok(g) => {
+                    st.reg = Some(g.registration().clone());
+                    io.keep(rid, g, true);
+                }
                 // The buffer cannot be read into directly: read into receive staging (which
-                // that domain registers apart) and copy on; when even that fails, no path is
-                // left.
+                // that domain registers apart) and copy on.
                 Err(e) => {
                     tracing::debug!("receive buffer not registered ({e}); reading through staging");
-                    self.ensure_staging()?;
-                    self.staging_reg(mi)?;
+                    io.recv_staging(mi)?;
+                    st.reg = None;
                     staged_host = true;
-                    self.count("rendezvous receive staged into host memory");
+                    io.count("rendezvous receive staged into host memory");
                 }
             }
         }
-        let r = self.reqs.get_mut(&rid).expect("req");
-        if let Some(g) = guard {
-            r.guards.insert(0, g);
-        }
-        if let ReqKind::Recv(rs) = &mut r.kind
-            && let Some(sr) = rs.staged_mut()
-        {
-            sr.lane = lane;
-            sr.staged_host = staged_host;
-        }
+        st.lane = lane;
+        st.staged_host = staged_host;
         Ok(())
     }
 
-    /// Post reads of queued chunks: straight into a host buffer, or into receive staging for a
-    /// GPU buffer (then copied on by the copy lane).
-    pub(crate) fn stream_chunks(&mut self, rid: u64) -> Result<bool> {
+    /// Post the copies the copy lane pushed back, then reads of the queued chunks: straight
+    /// into a host buffer, or into a receive staging slot (then copied on), or, for a fragment
+    /// mapped here, one copy to the GPU for it and the fragments behind it that continue it.
+    pub(crate) fn post_chunks(&mut self, io: &mut impl StageIo, rid: u64) -> Result<Posting> {
+        if !self.flush_copies(io, rid)? {
+            return Ok(Posting::Later);
+        }
+        let (p, sreq) = (self.peer, self.sreq);
         loop {
-            let r = &self.reqs[&rid];
-            if r.result.is_some() {
-                return Ok(true);
-            }
-            let ReqKind::Recv(rs) = &r.kind else {
-                return Ok(true);
+            let st = &mut self.staged;
+            let Some(c) = st.chunks.front() else {
+                return Ok(Posting::Done);
             };
-            let Some(rv) = rs.rndv() else {
-                return Ok(true);
-            };
-            let Some(c) = rv.staged.chunks.front() else {
-                return Ok(true);
-            };
-            let (p, sreq) = (rv.peer, rv.sreq);
-            let (lane, raddr, len, off, rkey) =
-                (rv.staged.lane, c.raddr, c.len, c.off, c.rkey.clone());
+            let (lane, raddr, len, off) = (st.lane, c.raddr, c.len, c.off);
             let sfrag = c.sfrag.map(|(frag, staged)| FragAck {
                 peer: p,
                 sreq,
                 frag,
                 staged,
             });
-            let gpu = rs.mem.is_gpu();
-            let staged = gpu || rv.staged.staged_host;
-            let uaddr = rs.addr;
-            if c.local.is_none()
-                && self.peers[p].eps.get_mut(&lane).is_none()
-                && self.peers[p].targets.iter().any(|(l, _)| *l == lane)
-            {
-                // Being connected (see `chunk_lane_for`).
-                self.want_lane(p, lane);
-                return Ok(false);
+            let gpu = st.mem.is_gpu();
+            if c.local.is_none() && io.lane_state(p, lane) == LaneState::Connecting {
+                return Ok(Posting::Later);
             }
             if gpu && let Some((laddr, lmemh)) = c.local.clone() {
                 // The sender's fragment is mapped here: one DMA copy to the GPU, for it and the
                 // fragments queued behind it that continue it in both the mapping and the
                 // buffer (consecutive fragments of the sender's staging, each whole but the
                 // last): one copy, one completion, one acknowledgement for them all.
-                let key = match &rs.dev_memh {
-                    Some(dm) => dm.1.clone(),
-                    None => return Err(Error::Internal("GPU receive without its copy key".into())),
-                };
-                let (mut len, mut k, mut sfrag) = (len, 1usize, sfrag);
-                if let Some(first) = sfrag {
-                    let whole = first.staged;
-                    let mut last_whole = c.len == whole;
-                    for d in rv.staged.chunks.iter().skip(1) {
-                        let next = match (d.local.as_ref(), d.sfrag) {
-                            (Some((a, _)), Some((f, st)))
-                                if last_whole
-                                    && *a == laddr + len
-                                    && d.off == off + len
-                                    && f == first.frag + k as u64
-                                    && st <= whole
-                                    && len + d.len <= MERGE_BYTES =>
-                            {
-                                (d.len, st)
-                            }
-                            _ => break,
-                        };
-                        len += next.0;
-                        k += 1;
-                        last_whole = next.0 == whole && next.1 == whole;
-                        if let Some(s) = sfrag.as_mut() {
-                            s.staged += next.1;
-                        }
-                    }
-                }
+                let key = st
+                    .copy_key
+                    .clone()
+                    .ok_or_else(|| Error::Internal("GPU receive without its copy key".into()))?;
+                let (len, k, sfrag) = st.mapped_run(laddr, len, off, sfrag);
                 let iov = [Iov {
                     addr: laddr,
                     len,
                     memh: &lmemh,
                 }];
-                let token = self.next_token;
-                let ep = &mut self.copy.as_mut().expect("copy lane").1;
-                match ep.put_zcopy(&iov, (uaddr + off) as u64, &key, token) {
-                    Ok(st) => {
-                        self.next_token += 1;
-                        if let Some(Req {
-                            kind: ReqKind::Recv(rs),
-                            ..
-                        }) = self.reqs.get_mut(&rid)
-                            && let Some(sr) = rs.staged_mut()
-                        {
-                            sr.chunks.drain(..k);
-                        }
-                        self.count("staged fragment copied to the GPU from shared memory");
-                        if k > 1 {
-                            self.count("staged fragments copied to the GPU in runs");
-                        }
-                        self.post_tok(rid, token, st, TokWhat::DirectH2D { len, sfrag });
-                        continue;
-                    }
-                    Err(e) if e.is_retryable() => return Ok(false),
-                    Err(e) => return Err(e),
+                let dst = (st.dst + off) as u64;
+                let what = TokWhat::DirectH2D { len, sfrag };
+                if !io.post_step(rid, On::Copy, what, |ep, tok| {
+                    ep.put_zcopy(&iov, dst, &key, tok)
+                })? {
+                    return Ok(Posting::Later);
                 }
+                self.staged.chunks.drain(..k);
+                io.count("staged fragment copied to the GPU from shared memory");
+                if k > 1 {
+                    io.count("staged fragments copied to the GPU in runs");
+                }
+                continue;
             }
-            let (iov_addr, memh, rfrag) = if staged {
-                let md = self.slots[lane].md;
-                let (memh, _) = self.staging_reg(md)?;
-                let stg = self.staging.as_mut().expect("staging");
-                let Some(f) = stg.free_recv.pop() else {
-                    // Resumed when a staging fragment frees up.
-                    return Ok(true);
+            let rkey = c.rkey.clone();
+            let (iov_addr, memh, rfrag) = if gpu || st.staged_host {
+                let md = io.lane_md(lane);
+                let memh = io.recv_staging(md)?;
+                let Some((f, addr)) = io.take_slot() else {
+                    return Ok(Posting::NoSlot);
                 };
-                (stg.addr(f), memh, Some(f))
+                (addr, memh, Some(f))
             } else {
-                (uaddr + off, r.guards[0].registration().clone(), None)
+                let memh = st.reg.clone().ok_or_else(|| {
+                    Error::Internal("a staged read without its registration".into())
+                })?;
+                (st.dst + off, memh, None)
             };
             let iov = [Iov {
                 addr: iov_addr,
                 len,
                 memh: &memh,
             }];
-            let token = self.next_token;
-            let ep = self.peers[p]
-                .eps
-                .get_mut(&lane)
-                .ok_or_else(|| Error::Internal("rma lane not connected".into()))?;
-            match ep.get_zcopy(&iov, raddr, &rkey, token) {
-                Ok(st) => {
-                    self.next_token += 1;
-                    if let Some(Req {
-                        kind: ReqKind::Recv(rs),
-                        ..
-                    }) = self.reqs.get_mut(&rid)
-                        && let Some(sr) = rs.staged_mut()
-                    {
-                        sr.chunks.pop_front();
+            let what = TokWhat::PullGet {
+                off,
+                len,
+                sfrag,
+                rfrag,
+            };
+            match io.post_step(rid, On::Lane { p, lane }, what, |ep, tok| {
+                ep.get_zcopy(&iov, raddr, &rkey, tok)
+            }) {
+                Ok(true) => {
+                    self.staged.chunks.pop_front();
+                }
+                Ok(false) => {
+                    if let Some(f) = rfrag {
+                        io.release_slot(f);
                     }
-                    self.post_tok(
-                        rid,
-                        token,
-                        st,
-                        TokWhat::PullGet {
-                            off,
-                            len,
-                            sfrag,
-                            rfrag,
-                        },
-                    );
+                    return Ok(Posting::Later);
                 }
                 Err(e) => {
-                    if let (Some(f), Some(stg)) = (rfrag, self.staging.as_mut()) {
-                        stg.free_recv.push(f);
-                    }
-                    if e.is_retryable() {
-                        return Ok(false);
+                    if let Some(f) = rfrag {
+                        io.release_slot(f);
                     }
                     return Err(e);
                 }
             }
         }
+    }
+
+    /// Post the copies to the GPU that wait for the copy lane, in order. False: pushed back.
+    fn flush_copies(&mut self, io: &mut impl StageIo, rid: u64) -> Result<bool> {
+        while let Some(&c) = self.staged.copies.front() {
+            let key = self
+                .staged
+                .copy_key
+                .clone()
+                .ok_or_else(|| Error::Internal("GPU receive without its copy key".into()))?;
+            let memh = io.copy_staging()?;
+            let iov = [Iov {
+                addr: io.slot_addr(c.slot),
+                len: c.len,
+                memh: &memh,
+            }];
+            let dst = (self.staged.dst + c.off) as u64;
+            let what = TokWhat::H2D {
+                rfrag: c.slot,
+                len: c.len,
+            };
+            match io.post_step(rid, On::Copy, what, |ep, tok| {
+                ep.put_zcopy(&iov, dst, &key, tok)
+            }) {
+                Ok(true) => {
+                    self.staged.copies.pop_front();
+                }
+                Ok(false) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// A step of this receive completed with `res`: a read of a chunk (into the buffer, or a
+    /// staging slot then copied on), or a copy to the GPU. A failed step ends the receive; its
+    /// slot goes back now, the sender's fragment after the abort.
+    pub(crate) fn on_step_done(
+        &mut self,
+        io: &mut impl StageIo,
+        rid: u64,
+        what: TokWhat,
+        res: Result<()>,
+    ) -> StagedNext {
+        if let Err(e) = res {
+            match what {
+                TokWhat::PullGet { sfrag, rfrag, .. } => {
+                    if let Some(f) = rfrag {
+                        io.release_slot(f);
+                    }
+                    if let Some(sf) = sfrag {
+                        self.staged.unread.push((sf.frag, sf.staged));
+                    }
+                }
+                TokWhat::DirectH2D { sfrag, .. } => {
+                    if let Some(sf) = sfrag {
+                        self.staged.unread.push((sf.frag, sf.staged));
+                    }
+                }
+                TokWhat::H2D { rfrag, .. } => io.release_slot(rfrag),
+                TokWhat::Plain | TokWhat::StageD2H { .. } => {}
+            }
+            return StagedNext::Fail(e);
+        }
+        match what {
+            TokWhat::PullGet {
+                off,
+                len,
+                sfrag,
+                rfrag,
+            } => {
+                if let Some(sf) = sfrag {
+                    ack(io, sf);
+                }
+                match rfrag {
+                    // Into a host buffer no lane could register: copied on from staging.
+                    Some(f) if self.staged.staged_host => {
+                        io.unstage(f, self.staged.dst + off, len);
+                        io.release_slot(f);
+                        self.land(io, len)
+                    }
+                    // Into the GPU buffer: staging -> device by the copy lane.
+                    Some(f) => {
+                        self.staged
+                            .copies
+                            .push_back(PendingCopy { slot: f, off, len });
+                        match self.flush_copies(io, rid) {
+                            Ok(true) => StagedNext::Wait,
+                            Ok(false) => StagedNext::Post,
+                            Err(e) => StagedNext::Fail(e),
+                        }
+                    }
+                    None => self.land(io, len),
+                }
+            }
+            TokWhat::DirectH2D { len, sfrag } => {
+                if let Some(sf) = sfrag {
+                    ack(io, sf);
+                }
+                self.land(io, len)
+            }
+            TokWhat::H2D { rfrag, len } => {
+                io.release_slot(rfrag);
+                self.land(io, len)
+            }
+            TokWhat::Plain | TokWhat::StageD2H { .. } => StagedNext::Wait,
+        }
+    }
+
+    /// `len` more bytes reached the user buffer.
+    fn land(&mut self, io: &mut impl StageIo, len: usize) -> StagedNext {
+        let want = self.want;
+        self.chunk_landed(io, len, want).into()
+    }
+}
+
+impl super::StagedRecv {
+    /// Whether the receive holds anything to hand back when it ends.
+    pub(crate) fn holds_any(&self) -> bool {
+        !self.chunks.is_empty() || !self.unread.is_empty() || !self.copies.is_empty()
+    }
+
+    /// The run of mapped fragments starting with the front chunk (mapped at `laddr`, `len`
+    /// bytes at offset `off`, fragment `sfrag`): its bytes, how many chunks, and the
+    /// acknowledgement covering them all.
+    fn mapped_run(
+        &self,
+        laddr: usize,
+        len: usize,
+        off: usize,
+        sfrag: Option<FragAck>,
+    ) -> (usize, usize, Option<FragAck>) {
+        let (mut len, mut k, mut sfrag) = (len, 1usize, sfrag);
+        let Some(first) = sfrag else {
+            return (len, k, sfrag);
+        };
+        let whole = first.staged;
+        let mut last_whole = self.chunks.front().is_some_and(|c| c.len == whole);
+        for d in self.chunks.iter().skip(1) {
+            let next = match (d.local.as_ref(), d.sfrag) {
+                (Some((a, _)), Some((f, st)))
+                    if last_whole
+                        && *a == laddr + len
+                        && d.off == off + len
+                        && f == first.frag + k as u64
+                        && st <= whole
+                        && len + d.len <= MERGE_BYTES =>
+                {
+                    (d.len, st)
+                }
+                _ => break,
+            };
+            len += next.0;
+            k += 1;
+            last_whole = next.0 == whole && next.1 == whole;
+            if let Some(s) = sfrag.as_mut() {
+                s.staged += next.1;
+            }
+        }
+        (len, k, sfrag)
     }
 }

@@ -13,6 +13,8 @@ pub(crate) struct Staging {
     pub(crate) frag: usize,
     pub(crate) free_send: FreeFrags,
     pub(crate) free_recv: FreeFrags,
+    /// Receives that found every receive slot in use: posted again when one comes back.
+    pub(crate) slot_waiters: Vec<u64>,
     pub(crate) base: usize,
     /// Shared-memory staging (peers on this host map it), and the domain that made it.
     pub(crate) shared: Option<(usize, rucx_uct::SharedAlloc)>,
@@ -91,7 +93,6 @@ impl FreeFrags {
     }
 
     /// Free fragments now.
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.q.len()
     }
@@ -320,6 +321,7 @@ impl State {
             frag: self.frag,
             free_send: FreeFrags::new(0, count),
             free_recv: FreeFrags::new(count, count),
+            slot_waiters: Vec::new(),
             base,
             shared,
             _mem: mem,

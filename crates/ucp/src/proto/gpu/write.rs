@@ -44,29 +44,29 @@ impl State {
         })
     }
 
-    /// Receive `rid` (GPU memory, `region`) of a host send `sreq` of peer `p`, whose plan's step
-    /// is a remote write on `lane`: when the sender offered that lane's domain (`keys` holds its
-    /// marker), register the buffer there and hand the sender the key. False when this path is
-    /// not taken (no offer, or the registration failed: demoted, the staged read follows).
-    pub(crate) fn gpu_write_offer(
+    /// Receive `rid` (GPU memory, `region`) of a host send of peer `p`, whose plan's step is a
+    /// remote write on `lane`: when the sender offered that lane's domain (`keys` holds its
+    /// marker), register the buffer there (kept with the request): the key to hand the sender
+    /// (the receive's state answers with it, `recv.rs`). `None` when this path is not taken (no
+    /// offer, or the registration failed: demoted, the staged read follows).
+    pub(crate) fn gpu_write_key(
         &mut self,
         rid: u64,
         p: usize,
-        sreq: u64,
         region: MemRegion,
         lane: usize,
         keys: &[NamedKey],
-    ) -> bool {
+    ) -> Option<NamedKey> {
         let md = self.slots[lane].md;
         let name = self.ctx.domain(md).name().to_string();
         if !keys
             .iter()
             .any(|k| k.md == GPU_WRITE_HINT && k.key == name.as_bytes())
         {
-            return false;
+            return None;
         }
         if !self.may_register(md, region.mem_type, region.device) {
-            return false;
+            return None;
         }
         let packed = self.register_md(md, region).and_then(|g| {
             self.ctx
@@ -79,9 +79,7 @@ impl State {
                 let key = NamedKey { md: name, key };
                 self.reqs.get_mut(&rid).expect("req").guards.insert(0, g);
                 self.count("rendezvous receive by remote write into GPU memory");
-                self.send_rtr(p, sreq, rid, Some((region.addr as u64, 0, key)));
-                self.pump(p);
-                true
+                Some(key)
             }
             Err(e) => {
                 tracing::debug!(
@@ -89,7 +87,7 @@ impl State {
                     self.ctx.domain(md).name()
                 );
                 self.refresh_plan(p);
-                false
+                None
             }
         }
     }

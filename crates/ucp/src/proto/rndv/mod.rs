@@ -474,27 +474,6 @@ impl State {
         }
         self.pump(p);
     }
-
-    /// Answer the sender `p` of rendezvous `sreq` for receive `rreq` (RTR): with our key and
-    /// the offset it writes from, or without a key (stream to us). The receive's state builds
-    /// the answer ([`RndvRecv::rtr`]).
-    pub(crate) fn send_rtr(
-        &mut self,
-        p: usize,
-        sreq: u64,
-        rreq: u64,
-        put: Option<(u64, usize, NamedKey)>,
-    ) {
-        self.rndv_recv_step(rreq, |rv, io| {
-            debug_assert_eq!(
-                (rv.peer, rv.sreq),
-                (p, sreq),
-                "the receive's own rendezvous"
-            );
-            rv.rtr(io, rreq, put);
-            RecvNext::Wait
-        });
-    }
 }
 
 #[cfg(test)]
