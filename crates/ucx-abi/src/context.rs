@@ -19,6 +19,9 @@ pub struct AbiContext {
     /// Remember host ranges of posted buffers (`RUCX_ABI_MEMTYPE_CACHE`, and only where a
     /// domain handles GPU memory: without one, every buffer is host memory at no cost).
     pub memtype_cache: bool,
+    /// No domain classifies memory by address: every buffer is host memory, known without
+    /// asking.
+    pub host_only: bool,
 }
 
 /// Features this library serves: tag matching only. RMA, atomics, streams, active messages
@@ -160,10 +163,12 @@ pub unsafe extern "C" fn ucp_init_version(
         }
     };
     let memtype_cache = memtype_cache && memory_types(&ctx) != 1 << UCS_MEMORY_TYPE_HOST;
+    let host_only = !ctx.detects_memory();
     let abi = AbiContext {
         ctx,
         pool: Pool::new(user_size, init, cleanup),
         memtype_cache,
+        host_only,
     };
     // SAFETY: checked non-NULL; writable by the caller's promise.
     unsafe { *context_p = Box::into_raw(Box::new(abi)) };

@@ -32,9 +32,9 @@ pub enum Finish {
     Send,
     Recv,
     /// A generic-type receive: unpack what landed in our buffer.
-    RecvUnpack(Unpack),
+    RecvUnpack(Box<Unpack>),
     /// A matched-message receive: copy what landed in our buffer to the caller's.
-    MsgCopy(Dest, TagRecvInfo),
+    MsgCopy(Box<(Dest, TagRecvInfo)>),
 }
 
 /// Where a matched message goes.
@@ -81,7 +81,8 @@ impl Finish {
                 let n = info.length.min(data.len());
                 (u.unpack(&data[..n]), info)
             }
-            Finish::MsgCopy(dest, probed) => {
+            Finish::MsgCopy(m) => {
+                let (dest, probed) = *m;
                 if status != UCS_OK {
                     return (status, probed);
                 }
@@ -209,8 +210,11 @@ fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
     if len == 0 {
         return None;
     }
+    if c.host_only {
+        return Some(MemInfo::HOST);
+    }
     if c.memtype_cache {
-        return crate::memtype::classify(&c.ctx, addr, len);
+        return crate::memtype::classify(&c.ctx, &w.last_host, addr, len);
     }
     let (t, d) = c.ctx.detect(addr, len).ok()?;
     Some(MemInfo::new(t, d))
@@ -313,13 +317,13 @@ unsafe fn send(
             data: owned_data(data),
             req,
             send: true,
-            ended,
+            ended: None,
         },
     );
     drop(ops);
-    if req.is_none() {
+    if let Some(res) = ended {
         // Ended while posted, asked to complete through the request: at the next progress.
-        w.ready.borrow_mut().push(token);
+        w.ready.borrow_mut().push((token, res));
     }
     user
 }
@@ -368,7 +372,7 @@ unsafe fn recv(
         Ok(Dt::Generic(g)) => {
             // SAFETY: the caller's promise on the type and buffer.
             let (u, size) = unsafe { Unpack::start(g, buf, count) };
-            (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(u))
+            (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(Box::new(u)))
         }
         Err(s) => return status_ptr(s),
     };
@@ -416,10 +420,10 @@ unsafe fn recv(
                 data: owned_data(data),
                 req: None,
                 send: false,
-                ended: Some(res),
+                ended: None,
             },
         );
-        w.ready.borrow_mut().push(token);
+        w.ready.borrow_mut().push((token, res));
         return user;
     }
     // SAFETY: as for `request_for`.
@@ -697,7 +701,7 @@ pub unsafe extern "C" fn ucp_tag_probe_nb(
             data: owned_data(data),
             req,
             send: false,
-            ended,
+            ended: ended.map(Box::new),
         },
     );
     Box::into_raw(Box::new(Message { token, info: found })).cast()
@@ -757,12 +761,12 @@ unsafe fn msg_recv(
     };
     p.user = user;
     p.cb = opts.cb;
-    p.fin = Finish::MsgCopy(dest, msg.info);
-    let ended = p.ended.is_some();
+    p.fin = Finish::MsgCopy(Box::new((dest, msg.info)));
+    let ended = p.ended.take();
     drop(ops);
-    if ended {
+    if let Some(res) = ended {
         // The message's receive ended before this call: delivered by the next progress.
-        w.ready.borrow_mut().push(msg.token);
+        w.ready.borrow_mut().push((msg.token, *res));
     }
     user
 }

@@ -29,8 +29,10 @@ pub struct AbiWorker {
     pub worker: Worker,
     pub ops: RefCell<Ops>,
     /// Operations that ended outside progress (while posted, or a probed message before it
-    /// was received), delivered by the next progress: their tokens.
-    pub ready: RefCell<Vec<u64>>,
+    /// was received), delivered by the next progress: their tokens and ends.
+    pub ready: RefCell<Vec<(u64, Result<Completion>)>>,
+    /// The last host range this worker's posts hit ([`crate::memtype`]).
+    pub last_host: crate::memtype::LastHost,
 }
 
 /// How a request's end is told to its caller.
@@ -56,8 +58,9 @@ pub struct Pending {
     /// The rucx request, while it runs (for cancel).
     pub req: Option<QueuedReq>,
     pub send: bool,
-    /// Its end, when it ended before it could be delivered (see [`AbiWorker::ready`]).
-    pub ended: Option<Result<Completion>>,
+    /// The end of a probed message's receive that ended before a receive took the message
+    /// (boxed: the table's entries stay small, and this is rare).
+    pub ended: Option<Box<Result<Completion>>>,
 }
 
 /// The operations in flight of a worker, by token: a table of entries and a list of free
@@ -117,15 +120,10 @@ impl AbiWorker {
     pub fn progress(&self) -> usize {
         let mut n = self.worker.progress();
         if !self.ready.borrow().is_empty() {
-            let ready = std::mem::take(&mut *self.ready.borrow_mut());
-            for &token in &ready {
+            let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
+            for (token, res) in ready.drain(..) {
                 let p = self.ops.borrow_mut().remove(token);
-                if let Some(mut p) = p {
-                    let res = p.ended.take().unwrap_or_else(|| {
-                        Err(rucx_ucs::Error::Internal(format!(
-                            "operation {token} delivered before it ended"
-                        )))
-                    });
+                if let Some(p) = p {
                     finish(p, res);
                     n += 1;
                 }
@@ -133,8 +131,6 @@ impl AbiWorker {
             // Keep the list's memory unless a callback queued more meanwhile.
             let mut r = self.ready.borrow_mut();
             if r.is_empty() {
-                let mut ready = ready;
-                ready.clear();
                 *r = ready;
             }
         }
@@ -146,7 +142,7 @@ impl AbiWorker {
             if p.user.is_null() {
                 // A probed message no receive took yet: delivered once one does.
                 p.req = None;
-                p.ended = Some(res);
+                p.ended = Some(Box::new(res));
                 continue;
             }
             let p = ops.remove(token).expect("looked up");
@@ -236,6 +232,7 @@ pub unsafe extern "C" fn ucp_worker_create(
                 worker,
                 ops: RefCell::new(Ops::default()),
                 ready: RefCell::new(Vec::new()),
+                last_host: Default::default(),
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
