@@ -31,6 +31,8 @@ pub struct AbiWorker {
     /// Operations that ended outside progress (while posted, or a probed message before it
     /// was received), delivered by the next progress: their tokens and ends.
     pub ready: RefCell<Vec<(u64, Result<Completion>)>>,
+    /// The list the rucx worker's queued ends are taken into (kept for its memory).
+    pub ended: RefCell<Vec<(u64, Result<Completion>)>>,
     /// The last host range this worker's posts hit ([`crate::memtype`]).
     pub last_host: crate::memtype::LastHost,
 }
@@ -134,7 +136,16 @@ impl AbiWorker {
                 *r = ready;
             }
         }
-        while let Some((token, res)) = self.worker.next_completed() {
+        // The ends the rucx worker queued, taken all at once (the lists trade places).
+        let mut ended = {
+            let mut slot = self.ended.borrow_mut();
+            self.worker.take_completed(&mut slot);
+            if slot.is_empty() {
+                return n;
+            }
+            std::mem::take(&mut *slot)
+        };
+        for (token, res) in ended.drain(..) {
             let mut ops = self.ops.borrow_mut();
             let Some(p) = ops.get_mut(token) else {
                 continue;
@@ -149,6 +160,11 @@ impl AbiWorker {
             drop(ops);
             finish(p, res);
             n += 1;
+        }
+        // Keep the list's memory (unless a callback's own progress call left one there).
+        let mut slot = self.ended.borrow_mut();
+        if slot.capacity() == 0 {
+            *slot = ended;
         }
         n
     }
@@ -232,6 +248,7 @@ pub unsafe extern "C" fn ucp_worker_create(
                 worker,
                 ops: RefCell::new(Ops::default()),
                 ready: RefCell::new(Vec::new()),
+                ended: RefCell::new(Vec::new()),
                 last_host: Default::default(),
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.

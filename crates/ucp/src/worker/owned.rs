@@ -15,12 +15,11 @@
 //! [`Worker::tag_send_queued`] and [`Worker::tag_recv_queued`] post on memory given by address
 //! ([`RawBuf`]) with a caller's token instead of a handle: no allocation, no lock. Their ends
 //! are queued in the order they happen, with the token, and taken with
-//! [`Worker::next_completed`] (the C ABI's progress delivers exactly those). A request that
+//! [`Worker::take_completed`] (the C ABI's progress delivers exactly those). A request that
 //! ended while being posted is reported by the post itself and never queued. The worker's drop
 //! ends outstanding queued requests as it ends owned ones (see [`crate::owned`]): once it
 //! returned, nothing of rucx touches their memory.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::worker::prelude::*;
@@ -51,7 +50,7 @@ pub(crate) struct Registry {
     /// transport) still run on the buffer: handed back once those finished.
     draining: Vec<u64>,
     /// Ends of queued requests not taken yet: token and result.
-    completed: VecDeque<(u64, Result<Completion>)>,
+    completed: Vec<(u64, Result<Completion>)>,
 }
 
 /// The index part of a request id (see `crate::slab`).
@@ -121,7 +120,7 @@ pub enum Queued {
     /// It ended while being posted (a small send the transport took, a receive that matched a
     /// message already here, or a refusal): nothing is queued for it, and the memory is free.
     Ended(Result<Completion>),
-    /// Outstanding: its end will be queued with the token ([`Worker::next_completed`]).
+    /// Outstanding: its end will be queued with the token ([`Worker::take_completed`]).
     Pending(QueuedReq),
 }
 
@@ -200,7 +199,7 @@ impl Worker {
 
     /// Send the memory of `buf` with `tag` to `ep` (`sync`: ending once a receive of the peer
     /// matched it, see [`Scope::tag_send_sync`](crate::Scope::tag_send_sync)), its end queued
-    /// with `token` ([`next_completed`](Self::next_completed)) unless it ended while posted
+    /// with `token` ([`take_completed`](Self::take_completed)) unless it ended while posted
     /// ([`Queued::Ended`]: sent at once, or refused). The memory is the request's, under
     /// [`RawBuf::new`]'s contract, until its end was reported (by the post or the queue) or the
     /// worker was dropped.
@@ -247,12 +246,30 @@ impl Worker {
         Queued::Pending(QueuedReq { id, worker })
     }
 
-    /// The next end of a queued request, in the order they ended: its token and result. Ends
-    /// are queued by the progress call (or cancel, or the worker's drop) that saw them; each
-    /// is reported once.
-    pub fn next_completed(&self) -> Option<(u64, Result<Completion>)> {
+    /// Move the ends of queued requests not taken yet, in the order they ended (token and
+    /// result), to the end of `into`. Ends are queued by the progress call (or cancel, or the
+    /// worker's drop) that saw them; each is reported once. When `into` is empty the two lists
+    /// trade places (no copy): keep handing in the same emptied vector, and neither side
+    /// allocates once both have grown.
+    #[inline]
+    pub fn take_completed(&self, into: &mut Vec<(u64, Result<Completion>)>) {
         let mut st = self.st.borrow_mut();
-        st.owned.completed.pop_front()
+        let q = &mut st.owned.completed;
+        if q.is_empty() {
+            return;
+        }
+        Self::move_completed(q, into);
+    }
+
+    fn move_completed(
+        q: &mut Vec<(u64, Result<Completion>)>,
+        into: &mut Vec<(u64, Result<Completion>)>,
+    ) {
+        if into.is_empty() {
+            std::mem::swap(q, into);
+        } else {
+            into.append(q);
+        }
     }
 
     /// Cancel queued receive `r` if it has not matched a message yet: true when it was
@@ -299,8 +316,10 @@ impl Worker {
             }
             let st = &mut *st;
             let mut ids = std::mem::take(&mut st.owned.done);
-            let draining = std::mem::take(&mut st.owned.draining);
-            ids.extend(draining);
+            if !st.owned.draining.is_empty() {
+                let draining = std::mem::take(&mut st.owned.draining);
+                ids.extend(draining);
+            }
             for &id in &ids {
                 let res = match st.owned_end(id) {
                     End::Pending => continue,
@@ -314,7 +333,7 @@ impl Worker {
                 n += 1;
                 match st.owned.remove(id) {
                     Some(Owner::Handle(f)) => actions.extend(f.finish(res)),
-                    Some(Owner::Queue(token)) => st.owned.completed.push_back((token, res)),
+                    Some(Owner::Queue(token)) => st.owned.completed.push((token, res)),
                     None => {}
                 }
             }
@@ -403,7 +422,7 @@ impl Worker {
             st.reqs.remove(&id);
             match owner {
                 Owner::Handle(f) => actions.extend(f.finish(res)),
-                Owner::Queue(token) => st.owned.completed.push_back((token, res)),
+                Owner::Queue(token) => st.owned.completed.push((token, res)),
             }
         }
         st.owned.done.clear();
@@ -427,26 +446,24 @@ enum End {
 impl State {
     /// Whether owned request `id` can be handed back, and its result if so.
     fn owned_end(&mut self, id: u64) -> End {
-        let drain = match self.reqs.get(&id) {
-            None => {
-                return End::Ended(Err(Error::Internal(format!(
-                    "owned request {id} is unknown"
-                ))));
-            }
-            Some(Req { result: None, .. }) => return End::Pending,
-            Some(Req {
-                result: Some(Err(e)),
-                outstanding,
-                ..
-            }) => self.copies_in_flight(id) || (*outstanding > 0 && matches!(e, Error::Canceled)),
-            Some(_) => false,
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return End::Ended(Err(Error::Internal(format!(
+                "owned request {id} is unknown"
+            ))));
         };
-        if drain {
-            return End::Drain;
-        }
-        match self.reqs.get_mut(&id).and_then(|r| r.result.take()) {
-            Some(res) => End::Ended(res),
+        match &r.result {
             None => End::Pending,
+            Some(Ok(_)) => End::Ended(r.result.take().expect("matched")),
+            Some(Err(e)) => {
+                let canceled_in_flight = r.outstanding > 0 && matches!(e, Error::Canceled);
+                if canceled_in_flight || self.copies_in_flight(id) {
+                    return End::Drain;
+                }
+                match self.reqs.get_mut(&id).and_then(|r| r.result.take()) {
+                    Some(res) => End::Ended(res),
+                    None => End::Pending,
+                }
+            }
         }
     }
 }
@@ -627,9 +644,7 @@ mod tests {
         let t = std::time::Instant::now();
         while got.len() < want && t.elapsed() < Duration::from_secs(10) {
             w.progress();
-            while let Some(e) = w.next_completed() {
-                got.push(e);
-            }
+            w.take_completed(&mut got);
         }
         got
     }
@@ -676,7 +691,9 @@ mod tests {
             assert_eq!(*t, 200 + k as u64);
             assert_eq!(r.as_ref().unwrap().len, n);
         }
-        assert!(w.next_completed().is_none(), "each end is reported once");
+        let mut more = Vec::new();
+        w.take_completed(&mut more);
+        assert!(more.is_empty(), "each end is reported once: {more:?}");
         assert_eq!(w.live_requests(), 0);
         assert_eq!(w.st.borrow().owned_len(), 0);
     }
@@ -711,7 +728,9 @@ mod tests {
             assert!(!w.cancel_queued(*h), "once");
         }
         let mut canceled = 0;
-        while let Some((t, r)) = w.next_completed() {
+        let mut ends = Vec::new();
+        w.take_completed(&mut ends);
+        for (t, r) in ends {
             if t == 9999 {
                 continue;
             }
@@ -745,7 +764,9 @@ mod tests {
             Queued::Pending(_) => panic!("the message was here"),
         }
         assert_eq!(&b, b"early");
-        assert!(w.next_completed().is_none(), "nothing queued for it");
+        let mut ends = Vec::new();
+        w.take_completed(&mut ends);
+        assert!(ends.is_empty(), "nothing queued for it");
         assert_eq!(w.live_requests(), 0);
     }
 
