@@ -211,7 +211,7 @@ impl Worker {
         sync: bool,
         token: u64,
     ) -> Queued {
-        let posted = self.post_send(ep, SendBuf::from(buf.owned_ref()), tag, sync);
+        let posted = self.post_send(ep, SendBuf::of_raw(&buf), tag, sync);
         self.adopt_queued(posted, token)
     }
 
@@ -220,8 +220,8 @@ impl Worker {
     /// with `token` unless it matched a message already here and ended while posted
     /// ([`Queued::Ended`]). The memory is the request's as for
     /// [`tag_send_queued`](Self::tag_send_queued).
-    pub fn tag_recv_queued(&self, mut buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
-        let id = self.post_recv(RecvBuf::from(buf.owned_mut()), tag, mask);
+    pub fn tag_recv_queued(&self, buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
+        let id = self.post_recv(RecvBuf::of_raw(&buf), tag, mask);
         self.adopt_queued(Ok(Posted::Pending(id)), token)
     }
 
