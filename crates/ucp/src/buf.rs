@@ -94,6 +94,18 @@ impl<'a, T: Memory + ?Sized> From<&'a mut T> for RecvBuf<'a> {
 }
 
 impl SendBuf<'_> {
+    /// The memory of `r` (queued requests: the caller of [`rucx_ucs::RawBuf::new`] vouched
+    /// for it until the request ends).
+    #[inline]
+    pub(crate) fn of_raw(r: &rucx_ucs::RawBuf) -> Self {
+        SendBuf {
+            addr: r.addr(),
+            len: r.len(),
+            mem: mem_pair(r.info()),
+            _p: PhantomData,
+        }
+    }
+
     /// A buffer of any memory type (host, CUDA device, managed) by address; its type and
     /// owning GPU are classified by the memory domains that can detect them. Buffer types that
     /// implement [`Memory`] need none of this: pass `&buf` or `buf.slice(range)`.
@@ -122,6 +134,17 @@ impl SendBuf<'_> {
 }
 
 impl RecvBuf<'_> {
+    /// The memory of `r`, as [`SendBuf::of_raw`].
+    #[inline]
+    pub(crate) fn of_raw(r: &rucx_ucs::RawBuf) -> Self {
+        RecvBuf {
+            addr: r.addr(),
+            len: r.len(),
+            mem: mem_pair(r.info()),
+            _p: PhantomData,
+        }
+    }
+
     /// A buffer of any memory type by address, classified like [`SendBuf::from_raw`].
     ///
     /// # Safety

@@ -43,7 +43,7 @@ pub use rucx_ucs::{OwnedBuf, OwnedBufMut, RawBuf};
 pub use scope::{Request, Scope, wait_all, wait_all_timeout, wait_any, wait_any_timeout};
 pub use worker::{
     AmMessage, AmPayload, AmRemoteData, CloseMode, Completion, EpId, MemMap, POLL_ONLY_TICK,
-    RkeyBundle, WAIT_TICK, Worker,
+    Queued, QueuedReq, RkeyBundle, WAIT_TICK, Worker,
 };
 
 /// What `docs/architecture.md` says of [`Context`]'s registration: `can_register`,

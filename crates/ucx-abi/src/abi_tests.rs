@@ -369,6 +369,114 @@ fn cancel_and_free_before_completion() {
 }
 
 #[test]
+fn a_message_already_here_is_delivered_from_the_next_progress() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let data = *b"early!!!";
+    let mut got = [0u8; 8];
+    let mut got2 = [0u8; 8];
+    // SAFETY: live handles; buffers outlive the operations.
+    unsafe {
+        for tag in [0x31, 0x32] {
+            let s = ucp_tag_send_nbx(pair.ep[0], data.as_ptr().cast(), 8, tag, std::ptr::null());
+            assert!(s.is_null(), "an 8-byte send ends in place");
+        }
+        let mut probed = TagRecvInfo::default();
+        pair.drive(|| !ucp_tag_probe_nb(pair.w[1], 0x32, u64::MAX, 0, &mut probed).is_null());
+        // With a callback: a request, and the callback from the next progress, not the post.
+        let r = ucp_tag_recv_nb(
+            pair.w[1],
+            got.as_mut_ptr().cast(),
+            8,
+            1 << 3,
+            0x31,
+            u64::MAX,
+            Some(recv_cb),
+        );
+        assert!(ptr_is_ptr(r));
+        assert!(pair.calls().is_empty(), "no callback inside the post");
+        ucp_worker_progress(pair.w[1]);
+        assert_eq!(pair.calls(), vec![(r as usize, UCS_OK, 0x31, 8)]);
+        assert_eq!(got, data);
+        ucp_request_free(r);
+        // Asking for the information instead: ended in place, NULL, the information written.
+        let mut info = TagRecvInfo::default();
+        let mut p = nbx(UCP_OP_ATTR_FIELD_RECV_INFO);
+        p.recv_info.tag_info = &mut info;
+        let r = ucp_tag_recv_nbx(pair.w[1], got2.as_mut_ptr().cast(), 8, 0x32, u64::MAX, &p);
+        assert!(r.is_null(), "ended in place");
+        assert_eq!((info.sender_tag, info.length), (0x32, 8));
+        assert_eq!(got2, data);
+    }
+}
+
+#[test]
+fn progress_delivers_each_end_once_among_many_in_flight() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    const N: usize = 200;
+    let mut bufs = vec![[0u8; 8]; N];
+    // SAFETY: live handles; buffers outlive the operations, all ended below.
+    unsafe {
+        let reqs: Vec<*mut c_void> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(k, b)| {
+                ucp_tag_recv_nb(
+                    pair.w[1],
+                    b.as_mut_ptr().cast(),
+                    8,
+                    1 << 3,
+                    k as u64,
+                    u64::MAX,
+                    Some(recv_cb),
+                )
+            })
+            .collect();
+        assert!(reqs.iter().all(|&r| ptr_is_ptr(r)));
+        // Cancel one in the middle: found by its request alone; its end comes from progress.
+        ucp_request_cancel(pair.w[1], reqs[77]);
+        pair.drive(|| ucp_request_check_status(reqs[77]) != UCS_INPROGRESS);
+        assert_eq!(
+            pair.calls(),
+            vec![(reqs[77] as usize, UCS_ERR_CANCELED, 0, 0)]
+        );
+        // A second cancel changes nothing.
+        ucp_request_cancel(pair.w[1], reqs[77]);
+        for k in (0..N).rev().filter(|&k| k != 77) {
+            let v = [k as u8; 8];
+            let s = ucp_tag_send_nb(pair.ep[0], v.as_ptr().cast(), 8, 1 << 3, k as u64, None);
+            assert!(!ptr_is_err(s));
+            if ptr_is_ptr(s) {
+                pair.drive(|| ucp_request_check_status(s) != UCS_INPROGRESS);
+                ucp_request_free(s);
+            }
+        }
+        pair.drive(|| {
+            reqs.iter()
+                .all(|&r| ucp_request_check_status(r) != UCS_INPROGRESS)
+        });
+        for _ in 0..100 {
+            ucp_worker_progress(pair.w[1]);
+        }
+        let calls = pair.calls();
+        assert_eq!(calls.len(), N, "one callback per receive");
+        for (k, &r) in reqs.iter().enumerate() {
+            let want = if k == 77 {
+                (r as usize, UCS_ERR_CANCELED, 0, 0)
+            } else {
+                (r as usize, UCS_OK, k as u64, 8)
+            };
+            assert_eq!(calls.iter().filter(|c| c.0 == r as usize).count(), 1);
+            assert!(calls.contains(&want), "receive {k}");
+            let expect = if k == 77 { [0u8; 8] } else { [k as u8; 8] };
+            assert_eq!(bufs[k], expect, "receive {k}");
+            ucp_request_free(r);
+        }
+    }
+}
+
+#[test]
 fn bad_input_is_refused() {
     let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
     let pair = Pair::new();

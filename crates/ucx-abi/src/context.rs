@@ -17,8 +17,11 @@ pub struct AbiContext {
     pub ctx: Context,
     pub pool: Pool,
     /// Remember host ranges of posted buffers (`RUCX_ABI_MEMTYPE_CACHE`, and only where a
-    /// domain handles GPU memory: without one, every buffer is host memory at no cost).
+    /// domain classifies memory: without one, every buffer is host memory at no cost).
     pub memtype_cache: bool,
+    /// No domain classifies memory by address: every buffer is host memory, known without
+    /// asking.
+    pub host_only: bool,
 }
 
 /// Features this library serves: tag matching only. RMA, atomics, streams, active messages
@@ -159,11 +162,16 @@ pub unsafe extern "C" fn ucp_init_version(
             return status_of(&e);
         }
     };
-    let memtype_cache = memtype_cache && memory_types(&ctx) != 1 << UCS_MEMORY_TYPE_HOST;
+    // Without a domain that classifies memory, every buffer is host memory, known without
+    // asking; with one (a CUDA domain, even on a host without a GPU), asking costs a query
+    // per buffer, which the cache saves.
+    let host_only = !ctx.detects_memory();
+    let memtype_cache = memtype_cache && !host_only;
     let abi = AbiContext {
         ctx,
         pool: Pool::new(user_size, init, cleanup),
         memtype_cache,
+        host_only,
     };
     // SAFETY: checked non-NULL; writable by the caller's promise.
     unsafe { *context_p = Box::into_raw(Box::new(abi)) };

@@ -84,9 +84,7 @@ pub unsafe extern "C" fn ucp_ep_create(
     let Some(addr) = (unsafe { unpack_address(p.address) }) else {
         return UCS_ERR_INVALID_ADDR;
     };
-    let connected = w.worker.connect(addr);
-    w.touch();
-    match connected {
+    match w.worker.connect(addr) {
         Ok(id) => {
             let ep = AbiEp { worker, id };
             // SAFETY: checked non-NULL, writable by the caller's promise.

@@ -43,7 +43,9 @@ struct Header {
     _pad: u32,
     info: TagRecvInfo,
     pool: *const Pool,
-    _spare: [u64; 3],
+    /// The operation's token in its worker's table, plus one (0: none), for cancel.
+    token: u64,
+    _spare: [u64; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_SIZE);
@@ -105,7 +107,8 @@ impl Pool {
                 _pad: 0,
                 info: TagRecvInfo::default(),
                 pool: self,
-                _spare: [0; 3],
+                token: 0,
+                _spare: [0; 2],
             })
         };
         // SAFETY: within the block.
@@ -156,7 +159,8 @@ pub unsafe fn init_provided(user: *mut c_void) -> bool {
                 _pad: 0,
                 info: TagRecvInfo::default(),
                 pool: std::ptr::null(),
-                _spare: [0; 3],
+                token: 0,
+                _spare: [0; 2],
             })
     };
     true
@@ -174,6 +178,26 @@ unsafe fn header<'a>(user: *mut c_void) -> Option<&'a mut Header> {
     // SAFETY: the caller's promise; the magic tells ours from anything else.
     let h = unsafe { &mut *user.cast::<u8>().sub(HEADER_SIZE).cast::<Header>() };
     (h.magic == MAGIC).then_some(h)
+}
+
+/// Note the token of the operation request `user` completes (for `ucp_request_cancel`).
+///
+/// # Safety
+/// `user` is a live request of this library.
+pub unsafe fn set_token(user: *mut c_void, token: u64) {
+    // SAFETY: forwarded.
+    if let Some(h) = unsafe { header(user) } {
+        h.token = token + 1;
+    }
+}
+
+/// The token noted by [`set_token`], if any.
+///
+/// # Safety
+/// As for [`header`].
+pub unsafe fn token(user: *mut c_void) -> Option<u64> {
+    // SAFETY: forwarded.
+    unsafe { header(user) }.and_then(|h| h.token.checked_sub(1))
 }
 
 /// Where a request stands: `UCS_INPROGRESS`, or its final status and receive information.

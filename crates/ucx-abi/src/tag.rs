@@ -19,11 +19,12 @@ use rucx_ucs::{MemInfo, Result};
 
 use crate::datatype::{Dt, Unpack, classify, contig_len, pack_all};
 use crate::endpoint::AbiEp;
-use crate::engine::{Buf, Op};
+use crate::engine::{self, Buf};
 use crate::request;
 use crate::status::{status_of, status_ptr};
 use crate::types::*;
 use crate::worker::{AbiWorker, Callback, Pending};
+use rucx_ucp::Queued;
 
 /// What to make of an operation's result when it ends.
 #[derive(Debug)]
@@ -31,9 +32,9 @@ pub enum Finish {
     Send,
     Recv,
     /// A generic-type receive: unpack what landed in our buffer.
-    RecvUnpack(Unpack),
+    RecvUnpack(Box<Unpack>),
     /// A matched-message receive: copy what landed in our buffer to the caller's.
-    MsgCopy(Dest, TagRecvInfo),
+    MsgCopy(Box<(Dest, TagRecvInfo)>),
 }
 
 /// Where a matched message goes.
@@ -65,9 +66,9 @@ fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
 }
 
 impl Finish {
-    /// The final status and receive information of `op`, which ended.
-    pub fn run(self, op: Op) -> (Status, TagRecvInfo) {
-        let (res, data) = op.take();
+    /// The final status and receive information of an operation that ended with `res`
+    /// (`data`: our buffer, when it had one).
+    pub fn run(self, res: Result<Completion>, data: Option<Vec<u8>>) -> (Status, TagRecvInfo) {
         let (status, info) = result_status(&res);
         match self {
             Finish::Send => (status, TagRecvInfo::default()),
@@ -80,7 +81,8 @@ impl Finish {
                 let n = info.length.min(data.len());
                 (u.unpack(&data[..n]), info)
             }
-            Finish::MsgCopy(dest, probed) => {
+            Finish::MsgCopy(m) => {
+                let (dest, probed) = *m;
                 if status != UCS_OK {
                     return (status, probed);
                 }
@@ -208,8 +210,11 @@ fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
     if len == 0 {
         return None;
     }
+    if c.host_only {
+        return Some(MemInfo::HOST);
+    }
     if c.memtype_cache {
-        return crate::memtype::classify(&c.ctx, addr, len);
+        return crate::memtype::classify(&c.ctx, &w.last_host, addr, len);
     }
     let (t, d) = c.ctx.detect(addr, len).ok()?;
     Some(MemInfo::new(t, d))
@@ -280,28 +285,55 @@ unsafe fn send(
             return std::ptr::null_mut();
         }
     }
-    // SAFETY: the caller's promise: the memory stays valid until the send ends.
-    let mut op = unsafe { Op::send(&w.worker, ep.id, data, tag, sync) };
-    w.touch();
-    if op.poll() && !opts.no_imm {
-        let (res, _) = op.take();
-        return match res {
-            Ok(_) => {
-                complete_provided(&opts);
-                std::ptr::null_mut()
-            }
-            Err(e) => status_ptr(status_of(&e)),
-        };
-    }
+    let mut data = data;
+    let mut ops = w.ops.borrow_mut();
+    let token = ops.vacant();
+    // SAFETY: the caller's promise: the memory stays valid until the send ends; our buffer is
+    // kept with the operation.
+    let posted = unsafe { engine::send(&w.worker, ep.id, &mut data, tag, sync, token) };
+    let (req, ended) = match posted {
+        Queued::Pending(r) => (Some(r), None),
+        Queued::Ended(res) if !opts.no_imm => {
+            return match res {
+                Ok(_) => {
+                    complete_provided(&opts);
+                    std::ptr::null_mut()
+                }
+                Err(e) => status_ptr(status_of(&e)),
+            };
+        }
+        Queued::Ended(res) => (None, Some(res)),
+    };
     // SAFETY: as for `request_for`.
     let user = unsafe { request_for(w, &opts) };
-    w.push(Pending {
-        user,
-        cb: opts.cb,
-        op,
-        fin: Finish::Send,
-    });
+    // SAFETY: a live request, just made.
+    unsafe { request::set_token(user, token) };
+    ops.fill(
+        token,
+        Pending {
+            user,
+            cb: opts.cb,
+            fin: Finish::Send,
+            data: owned_data(data),
+            req,
+            send: true,
+            ended: None,
+        },
+    );
+    drop(ops);
+    if let Some(res) = ended {
+        // Ended while posted, asked to complete through the request: at the next progress.
+        w.ready.borrow_mut().push((token, res));
+    }
     user
+}
+
+/// Our buffer of an operation, kept with it until it ends.
+fn owned_data(b: Buf) -> Option<Vec<u8>> {
+    match b {
+        Buf::Owned(v) => Some(v),
+        Buf::Raw { .. } => None,
+    }
 }
 
 /// Post a tag receive.
@@ -340,41 +372,76 @@ unsafe fn recv(
         Ok(Dt::Generic(g)) => {
             // SAFETY: the caller's promise on the type and buffer.
             let (u, size) = unsafe { Unpack::start(g, buf, count) };
-            (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(u))
+            (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(Box::new(u)))
         }
         Err(s) => return status_ptr(s),
     };
-    // SAFETY: the caller's promise: the memory stays valid until the receive ends.
-    let mut op = unsafe { Op::recv(&w.worker, data, tag, mask) };
-    w.touch();
-    let done = op.poll();
-    if done
-        && !opts.no_imm
-        && opts.req.is_none()
-        && let Some(ri) = opts.recv_info
-    {
-        let (status, info) = fin.run(op);
-        if status != UCS_OK {
-            return status_ptr(status);
+    let mut data = data;
+    let mut ops = w.ops.borrow_mut();
+    let token = ops.vacant();
+    // SAFETY: the caller's promise: the memory stays valid until the receive ends; our buffer
+    // is kept with the operation.
+    let posted = unsafe { engine::recv(&w.worker, &mut data, tag, mask, token) };
+    let (req, ended) = match posted {
+        Queued::Pending(r) => (Some(r), None),
+        Queued::Ended(res) => (None, Some(res)),
+    };
+    if let Some(res) = ended {
+        drop(ops);
+        if !opts.no_imm
+            && opts.req.is_none()
+            && let Some(ri) = opts.recv_info
+        {
+            let (status, info) = fin.run(res, owned_data(data));
+            if status != UCS_OK {
+                return status_ptr(status);
+            }
+            // SAFETY: the caller's receive-information pointer, writable by its promise.
+            unsafe { *ri = info };
+            return std::ptr::null_mut();
         }
-        // SAFETY: the caller's receive-information pointer, writable by its promise.
-        unsafe { *ri = info };
-        return std::ptr::null_mut();
+        // SAFETY: as for `request_for`.
+        let user = unsafe { request_for(w, &opts) };
+        if matches!(opts.cb, Callback::None) {
+            let (status, info) = fin.run(res, owned_data(data));
+            // SAFETY: `user` is a live request.
+            unsafe { request::complete(user, status, info) };
+            return user;
+        }
+        // The callback runs from the next progress.
+        // SAFETY: a live request, just made.
+        unsafe { request::set_token(user, token) };
+        w.ops.borrow_mut().fill(
+            token,
+            Pending {
+                user,
+                cb: opts.cb,
+                fin,
+                data: owned_data(data),
+                req: None,
+                send: false,
+                ended: None,
+            },
+        );
+        w.ready.borrow_mut().push((token, res));
+        return user;
     }
     // SAFETY: as for `request_for`.
     let user = unsafe { request_for(w, &opts) };
-    if done && matches!(opts.cb, Callback::None) {
-        let (status, info) = fin.run(op);
-        // SAFETY: `user` is a live request.
-        unsafe { request::complete(user, status, info) };
-        return user;
-    }
-    w.push(Pending {
-        user,
-        cb: opts.cb,
-        op,
-        fin,
-    });
+    // SAFETY: a live request, just made.
+    unsafe { request::set_token(user, token) };
+    ops.fill(
+        token,
+        Pending {
+            user,
+            cb: opts.cb,
+            fin,
+            data: owned_data(data),
+            req,
+            send: false,
+            ended: None,
+        },
+    );
     user
 }
 
@@ -574,11 +641,12 @@ pub unsafe extern "C" fn ucp_tag_recv_nbx(
     }
 }
 
-/// A message taken out of matching by `ucp_tag_probe_nb(.., remove = 1, ..)`: the receive of
-/// it into our buffer, and what the probe reported.
+/// A message taken out of matching by `ucp_tag_probe_nb(.., remove = 1, ..)`: the token of
+/// the receive of it into our buffer (an entry of the worker's table without a request until
+/// `ucp_tag_msg_recv_nb(x)` gives one), and what the probe reported.
 #[derive(Debug)]
 pub struct Message {
-    op: Op,
+    token: u64,
     info: TagRecvInfo,
 }
 
@@ -603,9 +671,8 @@ pub unsafe extern "C" fn ucp_tag_probe_nb(
     let Some(w) = (unsafe { worker.as_ref() }) else {
         return std::ptr::null_mut();
     };
-    // The probe progresses the worker itself: what it ended is looked at by the next progress.
+    // The probe progresses the worker itself: what it ended is queued for the next progress.
     let found = w.worker.probe(tag, tag_mask);
-    w.touch();
     let Some(c) = found else {
         return std::ptr::null_mut();
     };
@@ -617,10 +684,27 @@ pub unsafe extern "C" fn ucp_tag_probe_nb(
     if remove == 0 {
         return (&raw const FOUND).cast_mut().cast();
     }
-    // SAFETY: our own buffer, owned by the operation.
-    let op = unsafe { Op::recv(&w.worker, Buf::Owned(vec![0u8; c.len]), c.tag, u64::MAX) };
-    w.touch();
-    Box::into_raw(Box::new(Message { op, info: found })).cast()
+    let mut data = Buf::Owned(vec![0u8; c.len]);
+    let mut ops = w.ops.borrow_mut();
+    let token = ops.vacant();
+    // SAFETY: our own buffer, kept with the operation.
+    let (req, ended) = match unsafe { engine::recv(&w.worker, &mut data, c.tag, u64::MAX, token) } {
+        Queued::Pending(r) => (Some(r), None),
+        Queued::Ended(res) => (None, Some(res)),
+    };
+    ops.fill(
+        token,
+        Pending {
+            user: std::ptr::null_mut(),
+            cb: Callback::None,
+            fin: Finish::Recv,
+            data: owned_data(data),
+            req,
+            send: false,
+            ended: ended.map(Box::new),
+        },
+    );
+    Box::into_raw(Box::new(Message { token, info: found })).cast()
 }
 
 /// Receive a message taken by a probe.
@@ -666,12 +750,24 @@ unsafe fn msg_recv(
     let msg = unsafe { Box::from_raw(message.cast::<Message>()) };
     // SAFETY: as for `request_for`.
     let user = unsafe { request_for(w, &opts) };
-    w.push(Pending {
-        user,
-        cb: opts.cb,
-        op: msg.op,
-        fin: Finish::MsgCopy(dest, msg.info),
-    });
+    // SAFETY: a live request, just made.
+    unsafe { request::set_token(user, msg.token) };
+    let mut ops = w.ops.borrow_mut();
+    let Some(p) = ops.get_mut(msg.token) else {
+        drop(ops);
+        // SAFETY: a live request, just made.
+        unsafe { request::complete(user, UCS_ERR_INVALID_PARAM, TagRecvInfo::default()) };
+        return user;
+    };
+    p.user = user;
+    p.cb = opts.cb;
+    p.fin = Finish::MsgCopy(Box::new((dest, msg.info)));
+    let ended = p.ended.take();
+    drop(ops);
+    if let Some(res) = ended {
+        // The message's receive ended before this call: delivered by the next progress.
+        w.ready.borrow_mut().push((msg.token, *res));
+    }
     user
 }
 

@@ -1,18 +1,22 @@
 //! `ucp_worker_h`: a rucx worker, the operations in flight on it and their completion.
 //!
-//! Progress (`ucp_worker_progress`) progresses the rucx worker, then delivers every operation
-//! that ended: its request's header gets the status (and receive information), and the caller's
-//! callback runs unless the request was freed first. Callbacks run only from progress, never
-//! inside the call that posted the operation, and with nothing of the worker borrowed, so a
-//! callback may post, free or cancel.
+//! Every operation in flight is an entry of the worker's table ([`Ops`]), and a queued request
+//! of the rucx worker whose token is the entry's index. Progress (`ucp_worker_progress`)
+//! progresses the rucx worker, then delivers the operations that ended, and only those: the
+//! rucx worker queued their tokens as they ended. A delivered request's header gets the status
+//! (and receive information), and the caller's callback runs unless the request was freed
+//! first. Callbacks run only from progress, never inside the call that posted the operation
+//! (an operation that ended while posted and has a callback waits in [`AbiWorker::ready`] for
+//! the next progress), and with nothing of the worker borrowed, so a callback may post, free or
+//! cancel.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::ffi::{c_uint, c_void};
 
-use rucx_ucp::Worker;
+use rucx_ucp::{Completion, QueuedReq, Worker};
+use rucx_ucs::Result;
 
 use crate::context::{AbiContext, fill_name};
-use crate::engine::Op;
 use crate::request;
 use crate::status::{status_of, status_ptr};
 use crate::tag::Finish;
@@ -23,10 +27,14 @@ use crate::types::*;
 pub struct AbiWorker {
     pub ctx: *const AbiContext,
     pub worker: Worker,
-    pub ops: RefCell<Vec<Pending>>,
-    /// Something may have ended outside progress (a post, a cancel): look at every operation
-    /// at the next progress even if it reports no event.
-    pub dirty: Cell<bool>,
+    pub ops: RefCell<Ops>,
+    /// Operations that ended outside progress (while posted, or a probed message before it
+    /// was received), delivered by the next progress: their tokens and ends.
+    pub ready: RefCell<Vec<(u64, Result<Completion>)>>,
+    /// The list the rucx worker's queued ends are taken into (kept for its memory).
+    pub ended: RefCell<Vec<(u64, Result<Completion>)>>,
+    /// The last host range this worker's posts hit ([`crate::memtype`]).
+    pub last_host: crate::memtype::LastHost,
 }
 
 /// How a request's end is told to its caller.
@@ -39,14 +47,69 @@ pub enum Callback {
     RecvNbx(RecvNbxCb, *mut c_void),
 }
 
-/// An operation in flight: the request it completes, its callback, the rucx operation and
-/// what to make of its result.
+/// An operation in flight: the request it completes, its callback, what to make of its
+/// result, and our buffer when it has one.
 #[derive(Debug)]
 pub struct Pending {
+    /// NULL for a message a probe took out of matching that no receive took yet.
     pub user: *mut c_void,
     pub cb: Callback,
-    pub op: Op,
     pub fin: Finish,
+    /// Our buffer (generic datatypes, probed messages), which rucx fills or sends from.
+    pub data: Option<Vec<u8>>,
+    /// The rucx request, while it runs (for cancel).
+    pub req: Option<QueuedReq>,
+    pub send: bool,
+    /// The end of a probed message's receive that ended before a receive took the message
+    /// (boxed: the table's entries stay small, and this is rare).
+    pub ended: Option<Box<Result<Completion>>>,
+}
+
+/// The operations in flight of a worker, by token: a table of entries and a list of free
+/// ones (tokens are dense and reused: no hashing, no allocation once the table has grown to
+/// the largest number in flight).
+#[derive(Debug, Default)]
+pub struct Ops {
+    slots: Vec<Option<Pending>>,
+    free: Vec<u64>,
+    /// Sends among them (for flush).
+    sends: usize,
+}
+
+impl Ops {
+    /// The token the next [`fill`](Self::fill) takes.
+    pub fn vacant(&self) -> u64 {
+        self.free.last().copied().unwrap_or(self.slots.len() as u64)
+    }
+
+    /// Store `p` under the token [`vacant`](Self::vacant) returned (nothing was stored since).
+    pub fn fill(&mut self, token: u64, p: Pending) {
+        if self.free.last() == Some(&token) {
+            self.free.pop();
+        } else {
+            debug_assert_eq!(token, self.slots.len() as u64, "the vacant token");
+            self.slots.push(None);
+        }
+        self.sends += usize::from(p.send);
+        self.slots[token as usize] = Some(p);
+    }
+
+    pub fn get_mut(&mut self, token: u64) -> Option<&mut Pending> {
+        self.slots.get_mut(token as usize)?.as_mut()
+    }
+
+    pub fn remove(&mut self, token: u64) -> Option<Pending> {
+        let p = self.slots.get_mut(token as usize)?.take()?;
+        self.sends -= usize::from(p.send);
+        self.free.push(token);
+        Some(p)
+    }
+
+    /// Entries in the table.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
 }
 
 impl AbiWorker {
@@ -55,67 +118,83 @@ impl AbiWorker {
         unsafe { &*self.ctx }
     }
 
-    /// Queue an operation in flight.
-    pub fn push(&self, p: Pending) {
-        self.ops.borrow_mut().push(p);
-        self.dirty.set(true);
-    }
-
-    /// A post or cancel may have ended operations (rucx makes progress inside some calls).
-    pub fn touch(&self) {
-        self.dirty.set(true);
-    }
-
     /// Progress once and deliver what ended; the number of events.
     pub fn progress(&self) -> usize {
         let mut n = self.worker.progress();
-        // Operations end only through events of the worker's progress, or inside calls that
-        // set `dirty`: with neither, nothing to look at (polling every operation costs a lock
-        // each, with a window of many in flight).
-        if (n == 0 && !self.dirty.get()) || self.ops.borrow().is_empty() {
-            return n;
+        if !self.ready.borrow().is_empty() {
+            let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
+            for (token, res) in ready.drain(..) {
+                let p = self.ops.borrow_mut().remove(token);
+                if let Some(p) = p {
+                    finish(p, res);
+                    n += 1;
+                }
+            }
+            // Keep the list's memory unless a callback queued more meanwhile.
+            let mut r = self.ready.borrow_mut();
+            if r.is_empty() {
+                *r = ready;
+            }
         }
-        self.dirty.set(false);
-        let ended = self.take_ended();
-        n += ended.len();
-        for p in ended {
-            let (status, info) = p.fin.run(p.op);
-            deliver(p.user, p.cb, status, info);
-        }
-        n
-    }
-
-    /// Remove the operations that ended, in posting order, with their final status.
-    fn take_ended(&self) -> Vec<Pending> {
-        let mut ops = self.ops.borrow_mut();
-        let mut ended = Vec::new();
-        let mut i = 0;
-        while i < ops.len() {
-            let done = ops[i].op.poll();
-            if !done {
-                i += 1;
+        // The ends the rucx worker queued, taken all at once (the lists trade places).
+        let mut ended = {
+            let mut slot = self.ended.borrow_mut();
+            self.worker.take_completed(&mut slot);
+            if slot.is_empty() {
+                return n;
+            }
+            std::mem::take(&mut *slot)
+        };
+        for (token, res) in ended.drain(..) {
+            let mut ops = self.ops.borrow_mut();
+            let Some(p) = ops.get_mut(token) else {
+                continue;
+            };
+            if p.user.is_null() {
+                // A probed message no receive took yet: delivered once one does.
+                p.req = None;
+                p.ended = Some(Box::new(res));
                 continue;
             }
-            ended.push(ops.remove(i));
+            let p = ops.remove(token).expect("looked up");
+            drop(ops);
+            finish(p, res);
+            n += 1;
         }
-        ended
+        // Keep the list's memory (unless a callback's own progress call left one there).
+        let mut slot = self.ended.borrow_mut();
+        if slot.capacity() == 0 {
+            *slot = ended;
+        }
+        n
     }
 
     /// Cancel the receive whose request is `user`, if it has not matched. Its end (canceled)
     /// is delivered by progress.
     pub fn cancel(&self, user: *mut c_void) {
-        let ops = self.ops.borrow();
-        if let Some(p) = ops.iter().find(|p| p.user == user) {
-            p.op.cancel(&self.worker);
+        // SAFETY: the caller's promise (`ucp_request_cancel`): a request of this library.
+        let Some(token) = (unsafe { request::token(user) }) else {
+            return;
+        };
+        let req = match self.ops.borrow_mut().get_mut(token) {
+            Some(p) if p.user == user => p.req,
+            _ => None,
+        };
+        if let Some(r) = req {
+            self.worker.cancel_queued(r);
         }
-        drop(ops);
-        self.touch();
     }
 
     /// True while any send is in flight (for flush).
     pub fn sends_in_flight(&self) -> bool {
-        self.ops.borrow().iter().any(|p| p.op.is_send())
+        self.ops.borrow().sends > 0
     }
+}
+
+/// Deliver the end `res` of operation `p`.
+fn finish(p: Pending, res: Result<Completion>) {
+    let (status, info) = p.fin.run(res, p.data);
+    deliver(p.user, p.cb, status, info);
 }
 
 /// Record a request's end and run its callback (unless it was freed before).
@@ -167,8 +246,10 @@ pub unsafe extern "C" fn ucp_worker_create(
             let w = AbiWorker {
                 ctx: context,
                 worker,
-                ops: RefCell::new(Vec::new()),
-                dirty: Cell::new(false),
+                ops: RefCell::new(Ops::default()),
+                ready: RefCell::new(Vec::new()),
+                ended: RefCell::new(Vec::new()),
+                last_host: Default::default(),
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
@@ -182,7 +263,8 @@ pub unsafe extern "C" fn ucp_worker_create(
 }
 
 /// `void ucp_worker_destroy(ucp_worker_h worker)`: operations still in flight end without
-/// callbacks (their buffers are released by rucx's worker as it closes).
+/// callbacks (rucx's worker ends them as it closes: after that nothing touches their memory,
+/// and our buffers are dropped).
 ///
 /// # Safety
 /// `worker` NULL or live, its endpoints closed or abandoned.
@@ -193,12 +275,10 @@ pub unsafe extern "C" fn ucp_worker_destroy(worker: *mut AbiWorker) {
     }
     // SAFETY: made by `Box::into_raw` in `ucp_worker_create`, destroyed once.
     let w = unsafe { Box::from_raw(worker) };
-    let ops = std::mem::take(&mut *w.ops.borrow_mut());
-    for p in &ops {
-        p.op.cancel(&w.worker);
-    }
+    let AbiWorker { worker, ops, .. } = *w;
+    // The worker's drop cancels what it can and waits for what a peer may still be writing.
+    drop(worker);
     drop(ops);
-    drop(w);
 }
 
 /// `unsigned ucp_worker_progress(ucp_worker_h worker)`.
@@ -375,4 +455,47 @@ pub unsafe extern "C" fn ucp_worker_flush_nbx(
 ) -> *mut c_void {
     // SAFETY: forwarded.
     unsafe { ucp_worker_flush_nb(worker, 0, None) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(send: bool) -> Pending {
+        Pending {
+            user: std::ptr::null_mut(),
+            cb: Callback::None,
+            fin: if send { Finish::Send } else { Finish::Recv },
+            data: None,
+            req: None,
+            send,
+            ended: None,
+        }
+    }
+
+    #[test]
+    fn the_table_reuses_freed_tokens_and_counts_sends() {
+        let mut ops = Ops::default();
+        let mut tokens = Vec::new();
+        for k in 0..4 {
+            let t = ops.vacant();
+            ops.fill(t, op(k % 2 == 0));
+            tokens.push(t);
+        }
+        assert_eq!(tokens, [0, 1, 2, 3]);
+        assert_eq!((ops.len(), ops.sends), (4, 2));
+        assert!(ops.remove(2).is_some_and(|p| p.send));
+        assert!(ops.remove(2).is_none(), "once");
+        assert!(ops.get_mut(2).is_none());
+        assert_eq!((ops.len(), ops.sends), (3, 1));
+        let t = ops.vacant();
+        assert_eq!(t, 2, "a freed token is reused before the table grows");
+        ops.fill(t, op(false));
+        assert_eq!(ops.vacant(), 4);
+        for t in [0, 1, 2, 3] {
+            assert!(ops.remove(t).is_some());
+        }
+        assert_eq!((ops.len(), ops.sends), (0, 0));
+        assert!(ops.get_mut(9).is_none() && ops.remove(9).is_none());
+    }
 }

@@ -522,6 +522,18 @@ impl Context {
         Ok((MemoryType::Host, None))
     }
 
+    /// Whether any domain classifies memory by address (a GPU domain): without one, every
+    /// address is host memory (what [`detect`](Self::detect) answers for any).
+    pub fn detects_memory(&self) -> bool {
+        self.inner.domains.iter().any(|slot| {
+            !slot
+                .md
+                .attr()
+                .types_with(rucx_uct::MemTypeFlags::DETECT)
+                .is_empty()
+        })
+    }
+
     /// Take a domain out of `reg_domains` for the failed memory type and device (a failure
     /// that belongs to the domain there, [`RegScope::Domain`]); one warning per demotion.
     pub fn demote(&self, r: &RegError) {

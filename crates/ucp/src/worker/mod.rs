@@ -52,6 +52,7 @@ pub use events::{POLL_ONLY_TICK, WAIT_TICK};
 pub use lifecycle::CloseMode;
 pub(crate) use liveness::Backoff;
 pub use memmap::{MemMap, RkeyBundle};
+pub use owned::{Queued, QueuedReq};
 use state::{Slot, State, Unexp};
 
 /// Largest payload (source and data) of the eager-short fast path.

@@ -1,38 +1,72 @@
-//! The worker's side of requests on owned buffers ([`crate::owned`]): posting them, handing
-//! their results back from progress, cancel, and what the worker's drop does with those still
-//! outstanding.
+//! The worker's side of requests on owned buffers ([`crate::owned`]) and of queued requests
+//! (below): posting them, handing their results back from progress, cancel, and what the
+//! worker's drop does with those still outstanding.
 //!
-//! An owned request is an ordinary request of the table whose id is also in
-//! [`Registry::slots`]; the places that end a request ([`State::set_result`] and the eager
-//! fast path of a receive) note its id in [`Registry::done`] (a lookup only while owned
-//! requests exist), and [`Worker::reap_owned`], run after each progress call, removes it from
-//! the table and hands the result and the buffer to the handle.
+//! An owned or queued request is an ordinary request of the table whose id is also in
+//! [`Registry::slots`] (a vector indexed like the request table, whose ids are dense); the
+//! places that end a request ([`State::set_result`] and the eager fast path of a receive)
+//! note its id in [`Registry::done`] (one indexed look-up, only while such requests exist),
+//! and [`Worker::reap_owned`], run after each progress call, removes it from the table and
+//! hands the result to its owner: an [`OwnedRequest`]'s handle (with the buffer), or the
+//! worker's completion queue. So what progress does for these requests is proportional to
+//! how many ended, never to how many are outstanding.
+//!
+//! # Queued requests
+//! [`Worker::tag_send_queued`] and [`Worker::tag_recv_queued`] post on memory given by address
+//! ([`RawBuf`]) with a caller's token instead of a handle: no allocation, no lock. Their ends
+//! are queued in the order they happen, with the token, and taken with
+//! [`Worker::take_completed`] (the C ABI's progress delivers exactly those). A request that
+//! ended while being posted is reported by the post itself and never queued. The worker's drop
+//! ends outstanding queued requests as it ends owned ones (see [`crate::owned`]): once it
+//! returned, nothing of rucx touches their memory.
 
 use std::sync::Arc;
 
 use crate::worker::prelude::*;
 
-use rucx_ucs::{OwnedBuf, OwnedBufMut};
+use rucx_ucs::{OwnedBuf, OwnedBufMut, RawBuf};
 
 use crate::owned::{Deferred, Finish, OwnedRequest};
 
-/// Owned requests of a worker.
+/// Who gets the result of an owned request.
+enum Owner {
+    /// The handle side of an [`OwnedRequest`].
+    Handle(Arc<dyn Finish>),
+    /// The worker's completion queue, with the caller's token.
+    Queue(u64),
+}
+
+/// Owned and queued requests of a worker.
 #[derive(Default)]
 pub(crate) struct Registry {
-    /// The handle side of each outstanding owned request, by request id.
-    slots: FxHashMap<u64, Arc<dyn Finish>>,
+    /// The owner of each outstanding request, at the index part of its id (with the whole id,
+    /// which tells a reused index's new request from the old one).
+    slots: Vec<Option<(u64, Owner)>>,
+    /// Entries of `slots` that are `Some`.
+    live: usize,
     /// Ended since the last reap.
     done: Vec<u64>,
     /// Ended with an error while copies of the copy lane (or, canceled, operations of the
     /// transport) still run on the buffer: handed back once those finished.
     draining: Vec<u64>,
+    /// Ends of queued requests not taken yet: token and result.
+    completed: Vec<(u64, Result<Completion>)>,
+}
+
+/// The index part of a request id (see `crate::slab`).
+#[inline(always)]
+fn index(id: u64) -> usize {
+    (id & 0xffff_ffff) as usize
 }
 
 impl Registry {
     /// Request `id` just ended.
     #[inline]
     pub(crate) fn note_done(&mut self, id: u64) {
-        if !self.slots.is_empty() && self.slots.contains_key(&id) {
+        if self.live != 0
+            && let Some(Some((sid, _))) = self.slots.get(index(id))
+            && *sid == id
+        {
             self.done.push(id);
         }
     }
@@ -45,8 +79,56 @@ impl Registry {
 
     /// Owned requests outstanding.
     pub(super) fn len(&self) -> usize {
-        self.slots.len()
+        self.live
     }
+
+    fn insert(&mut self, id: u64, owner: Owner) {
+        let i = index(id);
+        if self.slots.len() <= i {
+            self.slots.resize_with(i + 1, || None);
+        }
+        if self.slots[i].replace((id, owner)).is_none() {
+            self.live += 1;
+        }
+    }
+
+    fn get(&self, id: u64) -> Option<&Owner> {
+        match self.slots.get(index(id)) {
+            Some(Some((sid, o))) if *sid == id => Some(o),
+            _ => None,
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Owner> {
+        let slot = self.slots.get_mut(index(id))?;
+        if !matches!(slot, Some((sid, _)) if *sid == id) {
+            return None;
+        }
+        self.live -= 1;
+        slot.take().map(|(_, o)| o)
+    }
+
+    /// Ids of the outstanding requests.
+    fn ids(&self) -> Vec<u64> {
+        self.slots.iter().flatten().map(|(id, _)| *id).collect()
+    }
+}
+
+/// What posting a queued request gave.
+#[derive(Debug)]
+pub enum Queued {
+    /// It ended while being posted (a small send the transport took, a receive that matched a
+    /// message already here, or a refusal): nothing is queued for it, and the memory is free.
+    Ended(Result<Completion>),
+    /// Outstanding: its end will be queued with the token ([`Worker::take_completed`]).
+    Pending(QueuedReq),
+}
+
+/// An outstanding queued request, to cancel it with ([`Worker::cancel_queued`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueuedReq {
+    id: u64,
+    worker: u64,
 }
 
 impl Worker {
@@ -104,7 +186,7 @@ impl Worker {
             Ok(Posted::Pending(id)) => {
                 req.set_id(id);
                 let mut st = self.st.borrow_mut();
-                st.owned.slots.insert(id, shared);
+                st.owned.insert(id, Owner::Handle(shared));
                 // It may have ended while posted (a receive matching an arrived message).
                 if st.reqs.get(&id).is_some_and(|r| r.result.is_some()) {
                     st.owned.done.push(id);
@@ -115,11 +197,97 @@ impl Worker {
         }
     }
 
+    /// Send the memory of `buf` with `tag` to `ep` (`sync`: ending once a receive of the peer
+    /// matched it, see [`Scope::tag_send_sync`](crate::Scope::tag_send_sync)), its end queued
+    /// with `token` ([`take_completed`](Self::take_completed)) unless it ended while posted
+    /// ([`Queued::Ended`]: sent at once, or refused). The memory is the request's, under
+    /// [`RawBuf::new`]'s contract, until its end was reported (by the post or the queue) or the
+    /// worker was dropped.
+    pub fn tag_send_queued(
+        &self,
+        ep: EpId,
+        buf: RawBuf,
+        tag: Tag,
+        sync: bool,
+        token: u64,
+    ) -> Queued {
+        let posted = self.post_send(ep, SendBuf::of_raw(&buf), tag, sync);
+        self.adopt_queued(posted, token)
+    }
+
+    /// Receive a message whose tag matches `tag` under `mask` into the memory of `buf` (see
+    /// [`Scope::tag_recv`](crate::Scope::tag_recv) for matching and truncation), its end queued
+    /// with `token` unless it matched a message already here and ended while posted
+    /// ([`Queued::Ended`]). The memory is the request's as for
+    /// [`tag_send_queued`](Self::tag_send_queued).
+    pub fn tag_recv_queued(&self, buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
+        let id = self.post_recv(RecvBuf::of_raw(&buf), tag, mask);
+        self.adopt_queued(Ok(Posted::Pending(id)), token)
+    }
+
+    /// Report a just-posted queued request that ended, or register it.
+    fn adopt_queued(&self, posted: Result<Posted>, token: u64) -> Queued {
+        let id = match posted {
+            Err(e) => return Queued::Ended(Err(e)),
+            Ok(Posted::Done(c)) => return Queued::Ended(Ok(c)),
+            Ok(Posted::Pending(id)) => id,
+        };
+        let mut st = self.st.borrow_mut();
+        match st.owned_end(id) {
+            End::Ended(res) => {
+                st.reqs.remove(&id);
+                return Queued::Ended(res);
+            }
+            End::Drain => st.owned.draining.push(id),
+            End::Pending => {}
+        }
+        st.owned.insert(id, Owner::Queue(token));
+        let worker = st.address.uuid;
+        Queued::Pending(QueuedReq { id, worker })
+    }
+
+    /// Move the ends of queued requests not taken yet, in the order they ended (token and
+    /// result), to the end of `into`. Ends are queued by the progress call (or cancel, or the
+    /// worker's drop) that saw them; each is reported once. When `into` is empty the two lists
+    /// trade places (no copy): keep handing in the same emptied vector, and neither side
+    /// allocates once both have grown.
+    #[inline]
+    pub fn take_completed(&self, into: &mut Vec<(u64, Result<Completion>)>) {
+        let mut st = self.st.borrow_mut();
+        let q = &mut st.owned.completed;
+        if q.is_empty() {
+            return;
+        }
+        Self::move_completed(q, into);
+    }
+
+    fn move_completed(
+        q: &mut Vec<(u64, Result<Completion>)>,
+        into: &mut Vec<(u64, Result<Completion>)>,
+    ) {
+        if into.is_empty() {
+            std::mem::swap(q, into);
+        } else {
+            into.append(q);
+        }
+    }
+
+    /// Cancel queued receive `r` if it has not matched a message yet: true when it was
+    /// canceled (its end, [`Error::Canceled`], is queued now). False for another worker's
+    /// request, a send, or one that ended or matched already.
+    pub fn cancel_queued(&self, r: QueuedReq) -> bool {
+        let mine = {
+            let st = self.st.borrow();
+            st.address.uuid == r.worker && matches!(st.owned.get(r.id), Some(Owner::Queue(_)))
+        };
+        mine && self.owned_cancel(r.id)
+    }
+
     /// Cancel owned receive `id` if it has not matched.
     pub(crate) fn owned_cancel(&self, id: u64) -> bool {
         let is_recv = {
             let st = self.st.borrow();
-            st.owned.slots.contains_key(&id)
+            st.owned.get(id).is_some()
                 && matches!(
                     st.reqs.get(&id),
                     Some(Req {
@@ -136,41 +304,46 @@ impl Worker {
         canceled
     }
 
-    /// Hand the results of ended owned requests to their handles; returns how many.
+    /// Hand the results of ended owned requests to their handles, and those of queued ones to
+    /// the completion queue; returns how many were handed back.
     pub(super) fn reap_owned(&self) -> usize {
-        let actions: Vec<Deferred> = {
+        let mut actions: Vec<Deferred> = Vec::new();
+        let mut n = 0;
+        {
             let mut st = self.st.borrow_mut();
             if !st.owned.has_work() {
                 return 0;
             }
+            let st = &mut *st;
             let mut ids = std::mem::take(&mut st.owned.done);
-            ids.append(&mut st.owned.draining);
-            let mut actions = Vec::new();
-            for id in ids {
-                let res = match st.reqs.get(&id) {
-                    Some(r) if r.result.is_none() => continue,
-                    Some(r)
-                        if r.result.as_ref().is_some_and(|x| x.is_err())
-                            && (st.copies_in_flight(id)
-                                || (r.outstanding > 0
-                                    && matches!(r.result, Some(Err(Error::Canceled))))) =>
-                    {
+            if !st.owned.draining.is_empty() {
+                let draining = std::mem::take(&mut st.owned.draining);
+                ids.extend(draining);
+            }
+            for &id in &ids {
+                let res = match st.owned_end(id) {
+                    End::Pending => continue,
+                    End::Drain => {
                         st.owned.draining.push(id);
                         continue;
                     }
-                    Some(r) => r.result.clone().expect("checked"),
-                    None => Err(Error::Internal(format!("owned request {id} is unknown"))),
+                    End::Ended(res) => res,
                 };
                 st.reqs.remove(&id);
-                if let Some(f) = st.owned.slots.remove(&id)
-                    && let Some(a) = f.finish(res)
-                {
-                    actions.push(a);
+                n += 1;
+                match st.owned.remove(id) {
+                    Some(Owner::Handle(f)) => actions.extend(f.finish(res)),
+                    Some(Owner::Queue(token)) => st.owned.completed.push((token, res)),
+                    None => {}
                 }
             }
-            actions
-        };
-        let n = actions.len();
+            // Keep the list's memory for the next reap (nothing was noted meanwhile: the
+            // state stayed borrowed).
+            ids.clear();
+            if st.owned.done.is_empty() {
+                st.owned.done = ids;
+            }
+        }
         for a in actions {
             a();
         }
@@ -186,7 +359,7 @@ impl Worker {
         }
         {
             let st = self.st.get_mut();
-            let ids: Vec<u64> = st.owned.slots.keys().copied().collect();
+            let ids = st.owned.ids();
             for id in ids {
                 let cancel = match st.reqs.get(&id) {
                     Some(Req {
@@ -221,8 +394,9 @@ impl Worker {
             let waiting = st
                 .owned
                 .slots
-                .keys()
-                .any(|id| st.reqs.get(id).is_some_and(|r| r.result.is_none()));
+                .iter()
+                .flatten()
+                .any(|(id, _)| st.reqs.get(id).is_some_and(|r| r.result.is_none()));
             if !waiting {
                 break;
             }
@@ -236,21 +410,60 @@ impl Worker {
         // and operations still running on ended requests included).
         drop(std::mem::take(self.ifaces.get_mut()));
         let st = self.st.get_mut();
-        let slots: Vec<(u64, Arc<dyn Finish>)> = st.owned.slots.drain().collect();
+        let slots: Vec<(u64, Owner)> = st.owned.slots.drain(..).flatten().collect();
+        st.owned.live = 0;
         let mut actions = Vec::new();
-        for (id, f) in slots {
+        for (id, owner) in slots {
             let res = st
                 .reqs
-                .get(&id)
-                .and_then(|r| r.result.clone())
+                .get_mut(&id)
+                .and_then(|r| r.result.take())
                 .unwrap_or(Err(Error::Canceled));
             st.reqs.remove(&id);
-            actions.extend(f.finish(res));
+            match owner {
+                Owner::Handle(f) => actions.extend(f.finish(res)),
+                Owner::Queue(token) => st.owned.completed.push((token, res)),
+            }
         }
         st.owned.done.clear();
         st.owned.draining.clear();
         for a in actions {
             a();
+        }
+    }
+}
+
+/// Where an owned or queued request stands, for handing it back.
+enum End {
+    /// Still running.
+    Pending,
+    /// Ended with an error while operations still run on its memory: handed back later.
+    Drain,
+    /// Ended: its result (taken out of the request, which is then to be removed).
+    Ended(Result<Completion>),
+}
+
+impl State {
+    /// Whether owned request `id` can be handed back, and its result if so.
+    fn owned_end(&mut self, id: u64) -> End {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return End::Ended(Err(Error::Internal(format!(
+                "owned request {id} is unknown"
+            ))));
+        };
+        match &r.result {
+            None => End::Pending,
+            Some(Ok(_)) => End::Ended(r.result.take().expect("matched")),
+            Some(Err(e)) => {
+                let canceled_in_flight = r.outstanding > 0 && matches!(e, Error::Canceled);
+                if canceled_in_flight || self.copies_in_flight(id) {
+                    return End::Drain;
+                }
+                match self.reqs.get_mut(&id).and_then(|r| r.result.take()) {
+                    Some(res) => End::Ended(res),
+                    None => End::Pending,
+                }
+            }
         }
     }
 }
@@ -416,5 +629,164 @@ mod tests {
         is_static_send(&r);
         let moved = std::thread::spawn(move || r).join().unwrap();
         assert!(moved.cancel(&w));
+    }
+
+    /// A `RawBuf` over a vector's bytes (the vector outlives the request in these tests).
+    fn raw(v: &mut [u8]) -> RawBuf {
+        // SAFETY: the tests keep the vector alive and untouched until the request's end was
+        // reported (or the worker dropped).
+        unsafe { RawBuf::new(v.as_mut_ptr() as usize, v.len(), None) }
+    }
+
+    /// Progress until `want` queued ends were taken (at most ten seconds of tries).
+    fn take_ends(w: &Worker, want: usize) -> Vec<(u64, Result<Completion>)> {
+        let mut got = Vec::new();
+        let t = std::time::Instant::now();
+        while got.len() < want && t.elapsed() < Duration::from_secs(10) {
+            w.progress();
+            w.take_completed(&mut got);
+        }
+        got
+    }
+
+    #[test]
+    fn queued_sends_and_receives_report_each_token_once() {
+        let w = self_worker();
+        let ep = w.connect(&w.address()).unwrap();
+        let sizes = [0usize, 8, 300, 9000, 200_000];
+        let mut rbufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xEE; n + 2]).collect();
+        let mut sbufs: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 13 + n) as u8).collect())
+            .collect();
+        let mut ended = Vec::new();
+        for (k, b) in rbufs.iter_mut().enumerate() {
+            match w.tag_recv_queued(raw(b), k as u64, TAG_MASK_FULL, 100 + k as u64) {
+                Queued::Pending(_) => {}
+                Queued::Ended(r) => panic!("receive {k} ended with nothing sent: {r:?}"),
+            }
+        }
+        for (k, b) in sbufs.iter_mut().enumerate() {
+            match w.tag_send_queued(ep, raw(b), k as u64, false, 200 + k as u64) {
+                Queued::Pending(_) => {}
+                Queued::Ended(r) => ended.push((200 + k as u64, r)),
+            }
+        }
+        let left = 2 * sizes.len() - ended.len();
+        ended.extend(take_ends(&w, left));
+        assert_eq!(
+            ended.len(),
+            2 * sizes.len(),
+            "every request ended: {ended:?}"
+        );
+        ended.sort_by_key(|(t, _)| *t);
+        for (k, &n) in sizes.iter().enumerate() {
+            let (t, r) = &ended[k];
+            assert_eq!(*t, 100 + k as u64, "one end per token");
+            let c = r.as_ref().unwrap();
+            assert_eq!((c.len, c.tag, c.sender), (n, k as u64, Some(ep)));
+            assert_eq!(&rbufs[k][..n], &sbufs[k][..], "{n} bytes");
+            assert_eq!(&rbufs[k][n..], &[0xEE; 2], "nothing past the message");
+            let (t, r) = &ended[sizes.len() + k];
+            assert_eq!(*t, 200 + k as u64);
+            assert_eq!(r.as_ref().unwrap().len, n);
+        }
+        let mut more = Vec::new();
+        w.take_completed(&mut more);
+        assert!(more.is_empty(), "each end is reported once: {more:?}");
+        assert_eq!(w.live_requests(), 0);
+        assert_eq!(w.st.borrow().owned_len(), 0);
+    }
+
+    #[test]
+    fn only_the_requests_that_ended_are_queued() {
+        let w = self_worker();
+        let ep = w.connect(&w.address()).unwrap();
+        const N: usize = 500;
+        let mut bufs = vec![[0u8; 8]; N];
+        let handles: Vec<QueuedReq> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(
+                |(k, b)| match w.tag_recv_queued(raw(b), k as u64, TAG_MASK_FULL, k as u64) {
+                    Queued::Pending(h) => h,
+                    Queued::Ended(r) => panic!("{r:?}"),
+                },
+            )
+            .collect();
+        let mut msg = *b"12345678";
+        if let Queued::Ended(r) = w.tag_send_queued(ep, raw(&mut msg), 321, false, 9999) {
+            r.unwrap();
+        }
+        let got = take_ends(&w, 1);
+        let recvs: Vec<u64> = got.iter().map(|(t, _)| *t).filter(|&t| t != 9999).collect();
+        assert_eq!(recvs, vec![321], "the one receive that matched, alone");
+        assert_eq!(&bufs[321], b"12345678");
+        // The others cancel, once each, and their ends are queued by the cancel itself.
+        for (k, h) in handles.iter().enumerate() {
+            assert_eq!(w.cancel_queued(*h), k != 321, "receive {k}");
+            assert!(!w.cancel_queued(*h), "once");
+        }
+        let mut canceled = 0;
+        let mut ends = Vec::new();
+        w.take_completed(&mut ends);
+        for (t, r) in ends {
+            if t == 9999 {
+                continue;
+            }
+            assert!(matches!(r, Err(Error::Canceled)), "{t}: {r:?}");
+            canceled += 1;
+        }
+        assert_eq!(canceled, N - 1);
+        assert!(
+            bufs.iter()
+                .enumerate()
+                .all(|(k, b)| k == 321 || b == &[0u8; 8])
+        );
+        assert_eq!(w.live_requests(), 0);
+    }
+
+    #[test]
+    fn a_receive_of_a_message_already_here_ends_while_posted() {
+        let w = self_worker();
+        let ep = w.connect(&w.address()).unwrap();
+        let mut msg = *b"early";
+        let send = w.tag_send_queued(ep, raw(&mut msg), 4, false, 1);
+        if let Queued::Pending(_) = send {
+            assert_eq!(take_ends(&w, 1).len(), 1);
+        }
+        for _ in 0..100 {
+            w.progress();
+        }
+        let mut b = [0u8; 5];
+        match w.tag_recv_queued(raw(&mut b), 4, TAG_MASK_FULL, 2) {
+            Queued::Ended(r) => assert_eq!(r.unwrap().len, 5),
+            Queued::Pending(_) => panic!("the message was here"),
+        }
+        assert_eq!(&b, b"early");
+        let mut ends = Vec::new();
+        w.take_completed(&mut ends);
+        assert!(ends.is_empty(), "nothing queued for it");
+        assert_eq!(w.live_requests(), 0);
+    }
+
+    #[test]
+    fn queued_requests_are_this_workers_and_end_with_its_drop() {
+        let w = self_worker();
+        let other = self_worker();
+        let ep = w.connect(&w.address()).unwrap();
+        let mut b = [3u8; 16];
+        let Queued::Pending(h) = w.tag_recv_queued(raw(&mut b), 1, TAG_MASK_FULL, 1) else {
+            panic!("nothing was sent")
+        };
+        assert!(!other.cancel_queued(h), "another worker's request");
+        // A rendezvous send to itself that no receive matches, and the receive: the drop ends
+        // both, and nothing touches the memory afterwards.
+        let mut big = vec![4u8; 1 << 20];
+        let send = w.tag_send_queued(ep, raw(&mut big), 99, false, 2);
+        assert!(matches!(send, Queued::Pending(_)), "{send:?}");
+        drop(w);
+        assert_eq!(b, [3u8; 16]);
+        assert!(big.iter().all(|&x| x == 4));
     }
 }

@@ -1,7 +1,8 @@
 /* An OSU-style latency and bandwidth measurement between ranks 0 and 1 (ours, not OSU's):
  * latency: ping-pong with MPI_Send/MPI_Recv, half the round trip, per size;
  * bandwidth: a window of 64 MPI_Isend per iteration acknowledged by a zero-byte message.
- * Usage: osu [iterations-scale] [cuda]; prints one line per size and kind.
+ * Usage: osu [iterations-scale] [cuda]; prints one line per size and kind. With OSU_ONLY=<bytes>
+ * in the environment, only that size is measured (both kinds, where it is one of theirs).
  * Built with -DOSU_CUDA (and the CUDA runtime), `cuda` puts the buffers in GPU memory (rank r on
  * GPU r % count) and rank 0 first prints the copy bounds of the same sizes measured with plain
  * CUDA calls in the same run: one cudaMemcpy from GPU 1 to GPU 0 (or within GPU 0 when there is
@@ -130,6 +131,8 @@ int main(int argc, char **argv)
     static const size_t lsizes[] = {0, 8, 64, 1024, 8192, 65536, 1 << 20};
     static const size_t bsizes[] = {8, 1024, 65536, 1 << 20, 4 << 20};
     int gpu = argc > 2 && strcmp(argv[2], "cuda") == 0;
+    const char *only_env = getenv("OSU_ONLY");
+    long only = only_env != NULL && *only_env != '\0' ? atol(only_env) : -1;
     unsigned char *b = NULL;
     if (gpu) {
 #ifdef OSU_CUDA
@@ -153,6 +156,9 @@ int main(int argc, char **argv)
     }
     for (size_t k = 0; k < sizeof lsizes / sizeof lsizes[0]; k++) {
         size_t n = lsizes[k];
+        if (only >= 0 && (size_t)only != n) {
+            continue;
+        }
         int iters = (n <= 8192 ? 20000 : n <= 65536 ? 2000 : 200) * scale;
         double us = lat(b, n, iters);
         if (rank == 0) {
@@ -161,6 +167,9 @@ int main(int argc, char **argv)
     }
     for (size_t k = 0; k < sizeof bsizes / sizeof bsizes[0]; k++) {
         size_t n = bsizes[k];
+        if (only >= 0 && (size_t)only != n) {
+            continue;
+        }
         int iters = (n <= 1024 ? 500 : n <= 65536 ? 100 : 20) * scale;
         double mbs = bw(b, n, iters);
         if (rank == 0) {
