@@ -52,6 +52,7 @@
 
 mod addr;
 mod iface;
+mod mapped;
 mod md;
 pub mod ring;
 mod sys;

@@ -94,17 +94,44 @@ pub fn set_pin_host(on: bool) {
     PIN_HOST.store(on, Ordering::Relaxed);
 }
 
-/// A host buffer, page-locked with `cuMemHostRegister` under `--pin-host`.
+/// The context host buffers are allocated from (`Context::mem_alloc`), unless `--heap-host`
+/// or `--pin-host`; set once the job has started.
+static HOST_CTX: std::sync::OnceLock<rucx::Context> = std::sync::OnceLock::new();
+
+/// Allocate the host buffers made from now on through `ctx` (ucx_perftest's `ucp_mem_map` with
+/// `UCP_MEM_MAP_ALLOCATE`: shared memory when a transport offers it).
+pub fn set_host_context(ctx: &rucx::Context) {
+    let _ = HOST_CTX.set(ctx.clone());
+}
+
+/// A host buffer: from rucx's allocation (see [`set_host_context`]), or a heap vector,
+/// page-locked with `cuMemHostRegister` under `--pin-host`.
 #[derive(Debug)]
 pub struct HostMem {
     /// First: the registration goes before the memory it covers.
     pin: Option<HostRegistration>,
     v: Vec<u8>,
+    /// The memory instead of `v` when allocated through rucx.
+    alloc: Option<rucx::HostAlloc>,
 }
 
 impl HostMem {
     /// `v`, page-locked when `--pin-host` asks (an empty vector is never registered).
     pub fn new(mut v: Vec<u8>) -> R<HostMem> {
+        if !PIN_HOST.load(Ordering::Relaxed)
+            && !v.is_empty()
+            && let Some(ctx) = HOST_CTX.get()
+        {
+            let mut a = ctx
+                .mem_alloc(v.len())
+                .map_err(|e| format!("allocating {} bytes of host memory: {e}", v.len()))?;
+            a.copy_from_slice(&v);
+            return Ok(HostMem {
+                pin: None,
+                v: Vec::new(),
+                alloc: Some(a),
+            });
+        }
         let pin = if PIN_HOST.load(Ordering::Relaxed) && !v.is_empty() {
             let ctx = rucx_cuda::driver()
                 .and_then(|d| d.any_context())
@@ -118,7 +145,11 @@ impl HostMem {
         } else {
             None
         };
-        Ok(HostMem { pin, v })
+        Ok(HostMem {
+            pin,
+            v,
+            alloc: None,
+        })
     }
 
     /// Whether the buffer is page-locked.
@@ -130,13 +161,19 @@ impl HostMem {
 impl std::ops::Deref for HostMem {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.v
+        match &self.alloc {
+            Some(a) => a,
+            None => &self.v,
+        }
     }
 }
 
 impl std::ops::DerefMut for HostMem {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.v
+        match &mut self.alloc {
+            Some(a) => a,
+            None => &mut self.v,
+        }
     }
 }
 
