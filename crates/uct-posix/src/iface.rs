@@ -1,5 +1,6 @@
 //! The posix interface (owner of a receive ring) and its endpoints (senders into a peer's ring).
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -364,7 +365,7 @@ impl Iface for PosixIface {
             full_msg,
             last_check: Instant::now(),
             peer_check: self.peer_check,
-            seg: None,
+            segs: HashMap::new(),
         }))
     }
 
@@ -448,8 +449,9 @@ pub struct PosixEndpoint {
     full_msg: String,
     last_check: Instant,
     peer_check: Duration,
-    /// The peer segment the last mapped put/get used (descriptor, tag, mapping).
-    seg: Option<(u32, u64, Arc<PeerSegment>)>,
+    /// The peer's segments mapped put/get used, by (descriptor, tag): found without the
+    /// process-wide map's lock.
+    segs: HashMap<(u32, u64), Arc<PeerSegment>>,
 }
 
 impl PosixEndpoint {
@@ -598,11 +600,11 @@ impl PosixEndpoint {
         // peer as often as the sends do, so a dead peer's operations fail as they do with
         // cross-memory attach.
         self.check_peer_bounded()?;
-        let seg = match &self.seg {
-            Some((fd, tag, s)) if *fd == shm.fd && *tag == shm.tag => s.clone(),
-            _ => {
+        let seg = match self.segs.get(&(shm.fd, shm.tag)) {
+            Some(s) => s.clone(),
+            None => {
                 let s = mapped::segment(k, shm)?;
-                self.seg = Some((shm.fd, shm.tag, s.clone()));
+                self.segs.insert((shm.fd, shm.tag), s.clone());
                 s
             }
         };

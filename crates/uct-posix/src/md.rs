@@ -40,6 +40,8 @@ pub struct PosixMd {
     /// Live shared allocations of this domain by start address: a region registered inside
     /// one gets a key that peers map (see [`crate::mapped`]).
     shared: Mutex<BTreeMap<usize, Weak<PosixShared>>>,
+    /// This process's id (packed into every key; `getpid` is a system call).
+    pid: u32,
 }
 
 /// Decide whether cross-memory attach can work from and into this process.
@@ -92,6 +94,7 @@ impl PosixMd {
             backing,
             cma,
             shared: Mutex::new(BTreeMap::new()),
+            pid: sys::my_pid(),
         })
     }
 
@@ -182,7 +185,7 @@ impl MemoryDomain for PosixMd {
         if let Some(sh) = memh.inner::<PosixShared>() {
             let r = memh.region();
             return Ok(RkeyData {
-                pid: sys::my_pid(),
+                pid: self.pid,
                 token: sys::process_token(),
                 base: r.addr as u64,
                 len: r.len as u64,
@@ -203,7 +206,7 @@ impl MemoryDomain for PosixMd {
         }
         let r = memh.region();
         Ok(RkeyData {
-            pid: sys::my_pid(),
+            pid: self.pid,
             token: sys::process_token(),
             base: r.addr as u64,
             len: r.len as u64,
@@ -213,9 +216,12 @@ impl MemoryDomain for PosixMd {
     }
 
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey> {
-        let k = match RkeyData::unpack(packed) {
-            Ok(k) => k,
-            Err(plain) => RkeyData::unpack_shared(packed).map_err(|_| plain)?,
+        // The envelope's name tells the two kinds apart (no failed parse, and its formatted
+        // error, per key of a shared segment).
+        let k = if RkeyData::is_shared_key(packed) {
+            RkeyData::unpack_shared(packed)?
+        } else {
+            RkeyData::unpack(packed)?
         };
         Ok(RemoteKey::new(NAME, k.base, k.len, Arc::new(k)))
     }
@@ -249,7 +255,7 @@ impl MemoryDomain for PosixMd {
         let Some(shm) = k.shm else {
             return Ok(None);
         };
-        if k.pid == sys::my_pid() && k.token == sys::process_token() {
+        if k.pid == self.pid && k.token == sys::process_token() {
             return Ok(Some(k.base as usize));
         }
         let seg = mapped::segment(k, &shm)?;
