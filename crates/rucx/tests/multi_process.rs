@@ -124,6 +124,41 @@ fn ring_all_sizes(job: &Job) {
     println!("rank {rank}: counters {:?}", w.counters());
 }
 
+/// [`ring_all_sizes`] with send and receive buffers from `Context::mem_alloc` (shared memory:
+/// over posix every rendezvous byte moves by a plain copy through a mapping of the peer's
+/// segment, in both halves of a split).
+fn ring_all_sizes_shared(job: &Job) {
+    let (rank, size) = (job.rank(), job.size());
+    let w = job.worker();
+    let next = job.ep((rank + 1) % size);
+    let prev = (rank + size - 1) % size;
+    for (k, &n) in SIZES.iter().enumerate() {
+        let mut send = job.context().mem_alloc(n).unwrap();
+        send.copy_from_slice(&pattern(rank, n, k));
+        let mut recv = job.context().mem_alloc(n).unwrap();
+        if n > 0 {
+            assert_eq!(send.shared_by(), Some("posix"), "rank {rank}: size {n}");
+        }
+        // Twice into the same buffers (the second finds them registered).
+        for round in 0..2 {
+            recv.fill(0xee);
+            let c = w
+                .scope(|s| {
+                    let r = s.tag_recv(&mut recv[..], k as u64, TAG_MASK_FULL);
+                    s.tag_send(next, &send[..], k as u64).wait()?;
+                    r.wait()
+                })
+                .unwrap_or_else(|e| panic!("rank {rank}: size {n}, round {round}: {e}"));
+            assert_eq!(c.len, n);
+            assert!(
+                recv[..] == pattern(prev, n, k)[..],
+                "rank {rank}: size {n}, round {round}: data differs"
+            );
+        }
+    }
+    println!("rank {rank}: counters {:?}", w.counters());
+}
+
 fn ring_test(test: &str, env: &[(&str, &str)]) -> Vec<(bool, String)> {
     let boot = format!("127.0.0.1:{}", free_port());
     let r = run_ranks(
@@ -163,6 +198,29 @@ fn posix_two_processes_every_size() {
         ],
     );
     assert!(r[0].1.contains("rendezvous receive by read"), "{}", r[0].1);
+}
+
+#[test]
+fn posix_two_processes_shared_allocations_every_size() {
+    if in_child() {
+        return ring_all_sizes_shared(&Job::from_env().unwrap());
+    }
+    let test = "posix_two_processes_shared_allocations_every_size";
+    let r = ring_test(test, &[("RUCX_TLS", "posix")]);
+    assert!(
+        r[0].1.contains("read head, remote writes tail"),
+        "{}",
+        r[0].1
+    );
+    for (k, v) in [
+        ("RUCX_RNDV_SCHEME", "put_zcopy"),
+        ("RUCX_RNDV_SPLIT_THRESH", "256K"),
+    ] {
+        ring_test(
+            test,
+            &[("RUCX_TLS", "posix"), ("RUCX_RNDV_THRESH", "32K"), (k, v)],
+        );
+    }
 }
 
 #[test]

@@ -34,7 +34,7 @@ mod worker;
 
 pub use buf::{RecvBuf, SendBuf};
 pub use config::CONFIG;
-pub use context::{Context, Demotion, Refusal, RegGuard};
+pub use context::{Context, Demotion, HostAlloc, Refusal, RegGuard};
 pub use listener::{HANDSHAKE_TIMEOUT, Listener};
 pub use matching::Tag;
 pub use owned::{OwnedHandle, OwnedRequest, Progressing};

@@ -169,6 +169,14 @@ impl RkeyData {
         rkey::pack(NAME, &p)
     }
 
+    /// Whether `blob`'s envelope is that of a shared-segment key ([`pack_shared`](Self::pack_shared)).
+    pub fn is_shared_key(blob: &[u8]) -> bool {
+        let name = SHM_KEY.as_bytes();
+        blob.len() > 4 + name.len()
+            && usize::from(blob[3]) == name.len()
+            && &blob[4..4 + name.len()] == name
+    }
+
     /// Pack a key of a region inside a shared segment (a peer may map it, or use cross-memory
     /// attach like any key).
     pub fn pack_shared(&self, shm: ShmInfo) -> Vec<u8> {
@@ -337,6 +345,22 @@ mod tests {
             let _ = IfaceAddr::unpack(&g);
             let _ = DeviceAddr::unpack(&g);
             let _ = RkeyData::unpack(&g);
+            let _ = RkeyData::unpack_shared(&g);
+            let _ = RkeyData::is_shared_key(&g);
+        }
+
+        /// The envelope test picks the parser: a shared key is recognized whole or cut (the
+        /// shared parser then refuses the cut), a plain key never is.
+        #[test]
+        fn shared_keys_are_told_from_plain_ones(base in 0u64..1 << 40, len in 0u64..1 << 20, cut in any::<usize>()) {
+            let k = RkeyData { pid: 7, token: 3, base: base + 4096, len, shm: None };
+            let shm = ShmInfo { fd: 9, seg_base: base, seg_len: len + 8192, tag: 5 };
+            let b = k.pack_shared(shm);
+            prop_assert!(RkeyData::is_shared_key(&b));
+            prop_assert_eq!(RkeyData::unpack_shared(&b).unwrap().shm, Some(shm));
+            prop_assert!(!RkeyData::is_shared_key(&k.pack()));
+            let c = cut % b.len();
+            prop_assert!(RkeyData::unpack_shared(&b[..c]).is_err());
         }
 
         #[test]

@@ -1,5 +1,6 @@
 //! The posix interface (owner of a receive ring) and its endpoints (senders into a peer's ring).
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,7 +15,8 @@ use rucx_uct::{
     IfaceLimits, Iov, OpStatus, PerfModel, RemoteKey,
 };
 
-use crate::addr::{DeviceAddr, IfaceAddr, RkeyData};
+use crate::addr::{DeviceAddr, IfaceAddr, RkeyData, ShmInfo};
+use crate::mapped::{self, PeerSegment};
 use crate::ring::{Cursor, Geometry, Ring, SegIdentity, StallWatch};
 use crate::sys::{self, CmaDir, ProcWatch, SegmentBacking, WakePipe};
 use crate::{DEVICE, NAME, Settings};
@@ -363,6 +365,7 @@ impl Iface for PosixIface {
             full_msg,
             last_check: Instant::now(),
             peer_check: self.peer_check,
+            segs: HashMap::new(),
         }))
     }
 
@@ -446,6 +449,9 @@ pub struct PosixEndpoint {
     full_msg: String,
     last_check: Instant,
     peer_check: Duration,
+    /// The peer's segments mapped put/get used, by (descriptor, tag): found without the
+    /// process-wide map's lock.
+    segs: HashMap<(u32, u64), Arc<PeerSegment>>,
 }
 
 impl PosixEndpoint {
@@ -544,6 +550,9 @@ impl PosixEndpoint {
         if total == 0 {
             return Ok(());
         }
+        if let Some(shm) = k.shm {
+            return self.mapped_copy(dir, pieces, remote_addr, total, k, &shm);
+        }
         let pid = k.pid;
         // SAFETY: every local piece is either a borrowed slice (put_short) or lies inside a
         // memory handle of host memory (checked by `iov_pieces`), which `mem_reg`'s contract
@@ -574,6 +583,59 @@ impl PosixEndpoint {
                 _ => Error::io(format!("posix: {op} of {total} bytes with pid {pid}"), e),
             }
         })
+    }
+
+    /// Put/get on a region of a peer's shared segment: a plain copy through our mapping of it
+    /// (mapped on first use, then kept; see [`crate::mapped`]).
+    fn mapped_copy(
+        &mut self,
+        dir: CmaDir,
+        pieces: &[(usize, usize)],
+        remote_addr: u64,
+        total: usize,
+        k: &RkeyData,
+        shm: &ShmInfo,
+    ) -> Result<()> {
+        // The copy itself cannot notice a dead owner (our mapping keeps its pages): look at the
+        // peer as often as the sends do, so a dead peer's operations fail as they do with
+        // cross-memory attach.
+        self.check_peer_bounded()?;
+        let seg = match self.segs.get(&(shm.fd, shm.tag)) {
+            Some(s) => s.clone(),
+            None => {
+                let s = mapped::segment(k, shm)?;
+                self.segs.insert((shm.fd, shm.tag), s.clone());
+                s
+            }
+        };
+        let Some(mut remote) = seg.local(remote_addr, total) else {
+            return Err(Error::InvalidRkey {
+                domain: crate::NAME.into(),
+                reason: format!(
+                    "{total} bytes at {remote_addr:#x} are not inside the shared segment of \
+                     process {}",
+                    k.pid
+                ),
+            });
+        };
+        for &(local, len) in pieces {
+            // SAFETY: `local..local + len` is a borrowed slice (put_short) or lies inside a
+            // memory handle of host memory (`iov_pieces`), valid for reads and writes for this
+            // synchronous call; `remote..remote + len` lies inside our mapping of the peer's
+            // segment (`local` above checked the whole transfer against it), which stays mapped
+            // while `seg` lives, and the segment's size is sealed, so no access faults. The two
+            // ranges may only overlap if the caller passed overlapping buffers of one segment to
+            // itself, which `copy` (memmove) tolerates. A peer writing the region meanwhile
+            // races only on plain bytes, as any shared-memory transport does.
+            unsafe {
+                match dir {
+                    CmaDir::Read => std::ptr::copy(remote as *const u8, local as *mut u8, len),
+                    CmaDir::Write => std::ptr::copy(local as *const u8, remote as *mut u8, len),
+                }
+            }
+            remote += len;
+        }
+        Ok(())
     }
 
     fn iov_pieces(&self, iov: &[Iov<'_>]) -> Result<Pieces> {
@@ -714,6 +776,7 @@ impl Endpoint for PosixEndpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rucx_uct::{MemRegion, MemoryDomain};
 
     fn iface(fifo: u32) -> PosixIface {
         let settings = Settings {
@@ -794,5 +857,113 @@ mod tests {
             }
         });
         assert_eq!(got, vec![7u64.to_le_bytes().to_vec()]);
+    }
+
+    fn md() -> crate::PosixMd {
+        crate::PosixMd::open(&rucx_ucs::Config::new(&[crate::CONFIG]).unwrap()).unwrap()
+    }
+
+    /// A region registered inside a shared allocation gets a key peers map: get and put copy
+    /// through the mapping (the same bytes cross-memory attach would move), within bounds.
+    #[test]
+    fn get_and_put_on_a_shared_region_copy_through_the_mapping() {
+        let m = md();
+        if !m.cma_enabled() {
+            return;
+        }
+        let a = m
+            .mem_alloc_shared(65536)
+            .unwrap()
+            .expect("posix shares memory");
+        // SAFETY: the allocation is ours, alive while `a` lives; nothing else touches it now.
+        let shared = unsafe { std::slice::from_raw_parts_mut(a.addr as *mut u8, a.len) };
+        for (i, b) in shared.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        // A registration of part of it (as the registration cache makes) is a shared key.
+        // SAFETY: the region lies inside the live allocation.
+        let sub = unsafe { m.mem_reg(MemRegion::host(a.addr + 4096, 32768)) }.unwrap();
+        let key = m.rkey_unpack(&m.mkey_pack(&sub).unwrap()).unwrap();
+        assert!(key.inner::<RkeyData>().unwrap().shm.is_some());
+        let rx = iface(4);
+        let mut tx = iface(4);
+        let mut ep = tx.create_ep(&params(&rx, 1)).unwrap();
+        let mut local = vec![0u8; 32768];
+        // SAFETY: `local` outlives the handle.
+        let lh = unsafe { m.mem_reg(MemRegion::of_slice(&local)) }.unwrap();
+        let iov = [Iov {
+            addr: local.as_mut_ptr() as usize,
+            len: 32768,
+            memh: &lh,
+        }];
+        let at = (a.addr + 4096) as u64;
+        assert_eq!(ep.get_zcopy(&iov, at, &key, 0).unwrap(), OpStatus::Done);
+        assert_eq!(&local[..], &shared[4096..4096 + 32768]);
+        local.fill(0x5a);
+        assert_eq!(ep.put_zcopy(&iov, at, &key, 0).unwrap(), OpStatus::Done);
+        assert!(shared[4096..4096 + 32768].iter().all(|b| *b == 0x5a));
+        assert_eq!(
+            shared[4095],
+            (4095 % 251) as u8,
+            "nothing written before the region"
+        );
+        assert_eq!(
+            shared[4096 + 32768],
+            ((4096 + 32768) % 251) as u8,
+            "nor after it"
+        );
+        // Past the key's region: refused, nothing moved.
+        assert!(ep.get_zcopy(&iov, at + 1, &key, 0).is_err());
+    }
+
+    /// The owner frees its allocation after the key was used: the mapping keeps the pages, so
+    /// later copies through it neither fault nor read someone else's memory; a key whose
+    /// segment is gone before it was ever mapped is refused with an error.
+    #[test]
+    fn a_freed_shared_allocation_never_faults_a_copy() {
+        let m = md();
+        if !m.cma_enabled() {
+            return;
+        }
+        let rx = iface(4);
+        let mut tx = iface(4);
+        let mut ep = tx.create_ep(&params(&rx, 1)).unwrap();
+        let mut local = vec![0u8; 8192];
+        // SAFETY: `local` outlives the handle.
+        let lh = unsafe { m.mem_reg(MemRegion::of_slice(&local)) }.unwrap();
+        let iov = [Iov {
+            addr: local.as_mut_ptr() as usize,
+            len: 8192,
+            memh: &lh,
+        }];
+        let a = m
+            .mem_alloc_shared(8192)
+            .unwrap()
+            .expect("posix shares memory");
+        // SAFETY: the allocation is ours and alive here.
+        unsafe { std::ptr::write_bytes(a.addr as *mut u8, 0x33, 8192) };
+        let key = m.rkey_unpack(&m.mkey_pack(&a.memh).unwrap()).unwrap();
+        let at = a.addr as u64;
+        ep.get_zcopy(&iov, at, &key, 0).unwrap();
+        drop(a);
+        local.fill(0);
+        ep.get_zcopy(&iov, at, &key, 0).unwrap();
+        assert!(
+            local.iter().all(|b| *b == 0x33),
+            "the mapped pages outlive the owner's"
+        );
+        // Never mapped here before its segment went away: an error, not a fault.
+        let b = m
+            .mem_alloc_shared(8192)
+            .unwrap()
+            .expect("posix shares memory");
+        let key = m.rkey_unpack(&m.mkey_pack(&b.memh).unwrap()).unwrap();
+        let at = b.addr as u64;
+        drop(b);
+        let e = ep.get_zcopy(&iov, at, &key, 0).unwrap_err();
+        assert!(
+            matches!(e, Error::EndpointFailure { .. } | Error::InvalidRkey { .. }),
+            "{e}"
+        );
     }
 }

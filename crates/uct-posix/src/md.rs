@@ -1,8 +1,8 @@
 //! The posix memory domain.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fs::File;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use rucx_ucs::{Config, Error, MemoryType, RegError, RegErrorKind, Result};
 use rucx_uct::{
@@ -12,6 +12,7 @@ use rucx_uct::{
 
 use crate::addr::{RkeyData, ShmInfo};
 use crate::iface::PosixIface;
+use crate::mapped::{self, fd_link_tag};
 use crate::sys::{self, SegmentBacking};
 use crate::{DEVICE, NAME, Settings, probe_backing};
 
@@ -29,17 +30,6 @@ pub struct PosixShared {
     tag: u64,
 }
 
-/// FNV-1a 64 of what `/proc/<pid>/fd/<fd>` points to (the segment's unique name).
-fn fd_link_tag(pid: u32, fd: u32) -> std::io::Result<u64> {
-    let link = std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))?;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in link.as_os_str().as_encoded_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    Ok(h)
-}
-
 /// The posix memory domain.
 #[derive(Debug)]
 pub struct PosixMd {
@@ -47,7 +37,11 @@ pub struct PosixMd {
     backing: SegmentBacking,
     cma: Result<(), String>,
     /// Peers' shared segments mapped here, by (pid, process token, descriptor).
-    peer_maps: Mutex<HashMap<(u32, u64, u32), memmap2::MmapMut>>,
+    /// Live shared allocations of this domain by start address: a region registered inside
+    /// one gets a key that peers map (see [`crate::mapped`]).
+    shared: Mutex<BTreeMap<usize, Weak<PosixShared>>>,
+    /// This process's id (packed into every key; `getpid` is a system call).
+    pid: u32,
 }
 
 /// Decide whether cross-memory attach can work from and into this process.
@@ -99,7 +93,8 @@ impl PosixMd {
             attr,
             backing,
             cma,
-            peer_maps: Mutex::new(HashMap::new()),
+            shared: Mutex::new(BTreeMap::new()),
+            pid: sys::my_pid(),
         })
     }
 
@@ -172,6 +167,11 @@ impl MemoryDomain for PosixMd {
                 "",
             ));
         }
+        if let Some(sh) = self.shared_holding(region.addr, region.len) {
+            // Inside one of our shared allocations: the handle keeps the segment mapped while
+            // it lives, and its key lets peers map the segment (a plain copy, no system call).
+            return Ok(MemHandle::new(region, NAME, sh));
+        }
         Ok(MemHandle::new(region, NAME, Arc::new(PosixMemh)))
     }
 
@@ -185,7 +185,7 @@ impl MemoryDomain for PosixMd {
         if let Some(sh) = memh.inner::<PosixShared>() {
             let r = memh.region();
             return Ok(RkeyData {
-                pid: sys::my_pid(),
+                pid: self.pid,
                 token: sys::process_token(),
                 base: r.addr as u64,
                 len: r.len as u64,
@@ -206,7 +206,7 @@ impl MemoryDomain for PosixMd {
         }
         let r = memh.region();
         Ok(RkeyData {
-            pid: sys::my_pid(),
+            pid: self.pid,
             token: sys::process_token(),
             base: r.addr as u64,
             len: r.len as u64,
@@ -216,9 +216,12 @@ impl MemoryDomain for PosixMd {
     }
 
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey> {
-        let k = match RkeyData::unpack(packed) {
-            Ok(k) => k,
-            Err(plain) => RkeyData::unpack_shared(packed).map_err(|_| plain)?,
+        // The envelope's name tells the two kinds apart (no failed parse, and its formatted
+        // error, per key of a shared segment).
+        let k = if RkeyData::is_shared_key(packed) {
+            RkeyData::unpack_shared(packed)?
+        } else {
+            RkeyData::unpack(packed)?
         };
         Ok(RemoteKey::new(NAME, k.base, k.len, Arc::new(k)))
     }
@@ -235,11 +238,13 @@ impl MemoryDomain for PosixMd {
         let addr = map.as_ptr() as usize;
         let tag = fd_link_tag(sys::my_pid(), sys::raw_fd(&file) as u32)
             .map_err(|e| Error::io("posix: naming a shared segment", e))?;
-        let memh = MemHandle::new(
-            MemRegion::host(addr, len),
-            NAME,
-            Arc::new(PosixShared { map, file, tag }),
-        );
+        let sh = Arc::new(PosixShared { map, file, tag });
+        {
+            let mut live = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            live.retain(|_, w| w.strong_count() > 0);
+            live.insert(addr, Arc::downgrade(&sh));
+        }
+        let memh = MemHandle::new(MemRegion::host(addr, len), NAME, sh);
         Ok(Some(SharedAlloc { addr, len, memh }))
     }
 
@@ -250,59 +255,30 @@ impl MemoryDomain for PosixMd {
         let Some(shm) = k.shm else {
             return Ok(None);
         };
-        if k.pid == sys::my_pid() && k.token == sys::process_token() {
+        if k.pid == self.pid && k.token == sys::process_token() {
             return Ok(Some(k.base as usize));
         }
-        let mut maps = self.peer_maps.lock().unwrap_or_else(|p| p.into_inner());
-        let key = (k.pid, k.token, shm.fd);
-        if let std::collections::hash_map::Entry::Vacant(e) = maps.entry(key) {
-            let file = sys::open_peer_fd(k.pid, shm.fd).map_err(|e| Error::EndpointFailure {
-                peer: format!("posix process {}", k.pid),
+        let seg = mapped::segment(k, &shm)?;
+        seg.local(k.base, k.len as usize)
+            .map(Some)
+            .ok_or_else(|| Error::InvalidRkey {
+                domain: NAME.into(),
                 reason: format!(
-                    "cannot open its shared segment (descriptor {}): {e}",
-                    shm.fd
+                    "region {:#x}+{} is not inside its segment of process {}",
+                    k.base, k.len, k.pid
                 ),
-            })?;
-            // The descriptor must still be the segment the key was made for.
-            if fd_link_tag(k.pid, shm.fd).unwrap_or(0) != shm.tag {
-                return Err(Error::InvalidRkey {
-                    domain: NAME.into(),
-                    reason: format!(
-                        "descriptor {} of process {} is no longer the shared segment of this key",
-                        shm.fd, k.pid
-                    ),
-                });
-            }
-            let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-            if size < shm.seg_len {
-                return Err(Error::InvalidRkey {
-                    domain: NAME.into(),
-                    reason: format!(
-                        "segment of process {} has {size} bytes, the key says {}",
-                        k.pid, shm.seg_len
-                    ),
-                });
-            }
-            // SAFETY: the peer's segment is at least `seg_len` bytes (checked above) and its
-            // size is sealed (memfd) so it cannot shrink under the mapping; we only read and
-            // write it through addresses validated against the key.
-            let map = unsafe {
-                memmap2::MmapOptions::new()
-                    .len(shm.seg_len as usize)
-                    .map_mut(&file)
-            }
-            .map_err(|e| {
-                Error::io(
-                    format!("posix: mapping the segment of process {}", k.pid),
-                    e,
-                )
-            })?;
-            e.insert(map);
-        }
-        let map = &maps[&key];
-        Ok(Some(
-            map.as_ptr() as usize + (k.base - shm.seg_base) as usize,
-        ))
+            })
+    }
+}
+
+impl PosixMd {
+    /// The live shared allocation of this domain that holds `addr..addr + len`, if any.
+    fn shared_holding(&self, addr: usize, len: usize) -> Option<Arc<PosixShared>> {
+        let live = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+        let (_, w) = live.range(..=addr).next_back()?;
+        let sh = w.upgrade()?;
+        let (base, n) = (sh.map.as_ptr() as usize, sh.map.len());
+        (addr >= base && addr.checked_add(len)? <= base + n).then_some(sh)
     }
 }
 

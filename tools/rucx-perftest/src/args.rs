@@ -315,6 +315,11 @@ pub struct Cli {
     /// both sides (--local does).
     #[arg(long)]
     pub pin_host: bool,
+    /// Allocate host buffers from the heap. Without it they come from rucx
+    /// (`Context::mem_alloc`: shared memory that a peer on this host copies with one plain
+    /// copy), as ucx_perftest allocates its buffers through `ucp_mem_map`.
+    #[arg(long)]
+    pub heap_host: bool,
     /// TCP port of the rendezvous (the server listens there).
     #[arg(short = 'p', default_value_t = DEFAULT_PORT)]
     pub port: u16,
@@ -383,6 +388,8 @@ pub struct Options {
     pub bounds: bool,
     /// Page-lock host buffers (`--pin-host`).
     pub pin_host: bool,
+    /// Host buffers from the heap, not from `Context::mem_alloc` (`--heap-host`).
+    pub heap_host: bool,
     /// Run both sides locally.
     pub local: bool,
     /// Output format.
@@ -508,6 +515,7 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         mem: cli.mem,
         bounds: cli.bounds,
         pin_host: cli.pin_host,
+        heap_host: cli.heap_host,
         local: cli.local,
         format,
         sweep: cli.sweep,

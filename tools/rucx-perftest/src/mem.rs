@@ -94,17 +94,44 @@ pub fn set_pin_host(on: bool) {
     PIN_HOST.store(on, Ordering::Relaxed);
 }
 
-/// A host buffer, page-locked with `cuMemHostRegister` under `--pin-host`.
+/// The context host buffers are allocated from (`Context::mem_alloc`), unless `--heap-host`
+/// or `--pin-host`; set once the job has started.
+static HOST_CTX: std::sync::OnceLock<rucx::Context> = std::sync::OnceLock::new();
+
+/// Allocate the host buffers made from now on through `ctx` (ucx_perftest's `ucp_mem_map` with
+/// `UCP_MEM_MAP_ALLOCATE`: shared memory when a transport offers it).
+pub fn set_host_context(ctx: &rucx::Context) {
+    let _ = HOST_CTX.set(ctx.clone());
+}
+
+/// A host buffer: from rucx's allocation (see [`set_host_context`]), or a heap vector,
+/// page-locked with `cuMemHostRegister` under `--pin-host`.
 #[derive(Debug)]
 pub struct HostMem {
     /// First: the registration goes before the memory it covers.
     pin: Option<HostRegistration>,
     v: Vec<u8>,
+    /// The memory instead of `v` when allocated through rucx.
+    alloc: Option<rucx::HostAlloc>,
 }
 
 impl HostMem {
     /// `v`, page-locked when `--pin-host` asks (an empty vector is never registered).
     pub fn new(mut v: Vec<u8>) -> R<HostMem> {
+        if !PIN_HOST.load(Ordering::Relaxed)
+            && !v.is_empty()
+            && let Some(ctx) = HOST_CTX.get()
+        {
+            let mut a = ctx
+                .mem_alloc(v.len())
+                .map_err(|e| format!("allocating {} bytes of host memory: {e}", v.len()))?;
+            a.copy_from_slice(&v);
+            return Ok(HostMem {
+                pin: None,
+                v: Vec::new(),
+                alloc: Some(a),
+            });
+        }
         let pin = if PIN_HOST.load(Ordering::Relaxed) && !v.is_empty() {
             let ctx = rucx_cuda::driver()
                 .and_then(|d| d.any_context())
@@ -118,7 +145,11 @@ impl HostMem {
         } else {
             None
         };
-        Ok(HostMem { pin, v })
+        Ok(HostMem {
+            pin,
+            v,
+            alloc: None,
+        })
     }
 
     /// Whether the buffer is page-locked.
@@ -130,13 +161,19 @@ impl HostMem {
 impl std::ops::Deref for HostMem {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.v
+        match &self.alloc {
+            Some(a) => a,
+            None => &self.v,
+        }
     }
 }
 
 impl std::ops::DerefMut for HostMem {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.v
+        match &mut self.alloc {
+            Some(a) => a,
+            None => &mut self.v,
+        }
     }
 }
 
@@ -263,12 +300,20 @@ impl Buf {
     }
 }
 
-/// `count` receive buffers of `size` bytes: host vectors, or slices of one device allocation
-/// (one allocation, so cuda_ipc maps it once, as a real application's pool would be).
+/// `count` receive buffers of `size` bytes: slices of one host or device allocation (one
+/// allocation, so a peer maps it once, posix or cuda_ipc, as a real application's pool would
+/// be).
 #[derive(Debug)]
 pub enum Ring {
-    /// Host vectors (page-locked under `--pin-host`).
-    Host(Vec<HostMem>),
+    /// One host buffer of `count * size` bytes (page-locked under `--pin-host`).
+    Host {
+        /// The allocation.
+        mem: HostMem,
+        /// Bytes per slot.
+        size: usize,
+        /// Slots.
+        count: usize,
+    },
     /// One device allocation of `count * size` bytes.
     Dev {
         /// The allocation.
@@ -284,11 +329,21 @@ impl Ring {
     /// A ring of `count` touched receive buffers of `size` bytes.
     pub fn new(mt: MemoryType, gpu: Option<&Gpu>, size: usize, count: usize) -> R<Ring> {
         match mt {
-            MemoryType::Host => Ok(Ring::Host(
-                (0..count)
-                    .map(|_| HostMem::new(crate::run::touched(size)))
-                    .collect::<R<_>>()?,
-            )),
+            MemoryType::Host => {
+                let total = size.checked_mul(count).ok_or("receive ring too large")?;
+                let mut v = vec![0xeeu8; total];
+                // Each slot as `run::touched` makes it: last byte 0.
+                for k in 1..=count {
+                    if size > 0 {
+                        v[k * size - 1] = 0;
+                    }
+                }
+                Ok(Ring::Host {
+                    mem: HostMem::new(v)?,
+                    size,
+                    count,
+                })
+            }
             _ => {
                 let total = size.checked_mul(count).ok_or("receive ring too large")?;
                 let mut mem = dev_alloc(gpu, total, "receive ring")?;
@@ -302,8 +357,7 @@ impl Ring {
     /// Number of slots.
     pub fn len(&self) -> usize {
         match self {
-            Ring::Host(v) => v.len(),
-            Ring::Dev { count, .. } => *count,
+            Ring::Host { count, .. } | Ring::Dev { count, .. } => *count,
         }
     }
 
@@ -315,11 +369,16 @@ impl Ring {
     /// The first `n` slots as receive buffers (disjoint ranges).
     pub fn slots(&mut self, n: usize) -> Vec<RecvBuf<'_>> {
         match self {
-            Ring::Host(v) => v
-                .iter_mut()
-                .take(n)
-                .map(|h| RecvBuf::from(&mut h[..]))
-                .collect(),
+            Ring::Host { mem, size, count } => {
+                let n = n.min(*count);
+                if *size == 0 {
+                    return (0..n).map(|_| RecvBuf::from(&mut [][..])).collect();
+                }
+                mem[..*size * n]
+                    .chunks_mut(*size)
+                    .map(RecvBuf::from)
+                    .collect()
+            }
             Ring::Dev { mem, size, count } => {
                 // Disjoint slots split off one mutable borrow of the allocation.
                 let mut rest = mem.slice_mut(..*size * *count);
@@ -340,7 +399,9 @@ impl Ring {
             return Err(format!("no receive slot {k}"));
         }
         match self {
-            Ring::Host(v) => verify_pattern(what, &v[k], 0, v[k].len()),
+            Ring::Host { mem, size, .. } => {
+                verify_pattern(what, &mem[k * *size..(k + 1) * *size], 0, *size)
+            }
             Ring::Dev { mem, size, .. } => verify_dev(what, mem, k * *size, *size),
         }
     }
@@ -348,10 +409,12 @@ impl Ring {
     /// Slot `k`'s contents, copied to the host.
     pub fn read(&self, k: usize) -> R<Vec<u8>> {
         match self {
-            Ring::Host(v) => v
-                .get(k)
-                .map(|h| h.to_vec())
-                .ok_or_else(|| format!("no receive slot {k}")),
+            Ring::Host { mem, size, count } => {
+                if k >= *count {
+                    return Err(format!("no receive slot {k}"));
+                }
+                Ok(mem[k * *size..(k + 1) * *size].to_vec())
+            }
             Ring::Dev { mem, size, count } => {
                 if k >= *count {
                     return Err(format!("no receive slot {k}"));
@@ -681,9 +744,10 @@ mod tests {
         assert_eq!(b.read().unwrap(), crate::run::pattern(300));
         let mut r = Ring::new(MemoryType::Host, None, 5, 2).unwrap();
         assert!(r.verify(1, "r").unwrap_err().contains("byte 0 of 5"));
-        if let Ring::Host(v) = &mut r {
-            v[1].copy_from_slice(&crate::run::pattern(5));
+        if let Ring::Host { mem, .. } = &mut r {
+            mem[5..10].copy_from_slice(&crate::run::pattern(5));
         }
+        assert!(r.read(0).unwrap() == [0xee, 0xee, 0xee, 0xee, 0]);
         assert!(r.verify(1, "r").is_ok() && r.verify(2, "r").is_err());
         let e = verify("tag_bw", &[1, 9, 3], &[1, 2, 3]).unwrap_err();
         assert!(e.contains("at byte 1 of 3"), "{e}");

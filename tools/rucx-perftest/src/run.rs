@@ -136,7 +136,11 @@ pub fn start_job_keyed(opts: &Options, key: Option<&str>) -> R<Job> {
         all_local: false,
         job_id: None,
     };
-    Job::start(cfg, placement).map_err(|e| format!("starting the job at {boot}: {e}"))
+    let job = Job::start(cfg, placement).map_err(|e| format!("starting the job at {boot}: {e}"))?;
+    if !opts.heap_host {
+        mem::set_host_context(job.context());
+    }
+    Ok(job)
 }
 
 /// Wait for a request, progressing the worker; fails when the peer's endpoint failed (so a

@@ -1,6 +1,10 @@
 //! The context: discovered resources, configuration, and the live registration table
 //! (`reg_domains[mem_type]`) that demotion edits.
 
+mod alloc;
+
+pub use alloc::HostAlloc;
+
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -223,6 +227,14 @@ impl Context {
 
     pub(crate) fn domain(&self, i: usize) -> &Arc<dyn MemoryDomain> {
         &self.inner.domains[i].md
+    }
+
+    /// Forget every cached registration overlapping `addr..addr + len` (memory about to be
+    /// released).
+    pub(crate) fn forget_registrations(&self, addr: usize, len: usize) {
+        for d in &self.inner.domains {
+            d.rcache.invalidate(addr, len);
+        }
     }
 
     pub(crate) fn domain_count(&self) -> usize {
