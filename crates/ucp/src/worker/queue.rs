@@ -267,6 +267,14 @@ impl State {
             self.fail(id, e);
             return;
         }
+        if let ReqKind::Rma(RmaState {
+            staged: Some(_), ..
+        }) = &r.kind
+        {
+            // Pipelined fragments: every completion frees or advances a slot.
+            self.on_staged_op(id);
+            return;
+        }
         if r.outstanding > 0 || r.result.is_some() {
             return;
         }
@@ -285,9 +293,6 @@ impl State {
                         }),
                     );
                 }
-            }
-            ReqKind::Rma(rm) if rm.staged.is_some() && rm.posted != usize::MAX => {
-                self.on_staged_done(id);
             }
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;

@@ -370,6 +370,8 @@ pub(crate) struct State {
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
     pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,
     pub(crate) staging: Option<Staging>,
+    /// Pinned windows kept for the next staged puts and gets (`proto/rma.rs`).
+    pub(crate) rma_windows: Vec<crate::proto::rma::RmaWindow>,
     /// The staging being made ahead by a helper thread (`RUCX_RNDV_STAGING_AHEAD`), taken by
     /// the first transfer that needs staging.
     pub(crate) staging_ahead: Option<crate::proto::gpu::staging::StagingAhead>,
