@@ -15,7 +15,7 @@ use crate::plan::RmaStep;
 use crate::worker::prelude::*;
 
 /// Staging fragments a staged put or get keeps in flight.
-const STAGED_FRAGS: usize = 4;
+pub(crate) const STAGED_FRAGS: usize = 4;
 
 /// Pinned windows a worker keeps for its next staged puts and gets.
 const POOLED_WINDOWS: usize = 4;
@@ -50,18 +50,18 @@ struct StagingBuf(Vec<u8>);
 /// ([`State::rma_windows`]) for the next staged request, so a request pays for neither.
 pub(crate) struct RmaWindow {
     /// The window registered with the copy lane's domain.
-    copy_memh: MemHandle,
+    pub(crate) copy_memh: MemHandle,
     /// Its registrations with remote lanes' domains, by domain index.
     lane_memh: Vec<(usize, MemHandle)>,
     /// Bytes.
-    len: usize,
+    pub(crate) len: usize,
     /// Last: the memory the handles describe (dropped after them).
     buf: StagingBuf,
 }
 
 impl RmaWindow {
     /// The start address.
-    fn base(&self) -> usize {
+    pub(crate) fn base(&self) -> usize {
         self.buf.0.as_ptr() as usize
     }
 }
@@ -365,7 +365,12 @@ impl State {
     }
 
     /// A pinned window of `len` bytes registered with copy domain `cmd`.
-    fn new_rma_window(&mut self, cmd: usize, len: usize, put: bool) -> Result<RmaWindow> {
+    pub(crate) fn new_rma_window(
+        &mut self,
+        cmd: usize,
+        len: usize,
+        put: bool,
+    ) -> Result<RmaWindow> {
         let len = len.max(1);
         let mut mem = Vec::new();
         mem.try_reserve_exact(len).map_err(|e| {
@@ -395,7 +400,7 @@ impl State {
 
     /// Give a window back to the worker for the next staged request (or free it when the
     /// worker keeps enough).
-    fn keep_rma_window(&mut self, w: RmaWindow) {
+    pub(crate) fn keep_rma_window(&mut self, w: RmaWindow) {
         if self.rma_windows.len() < POOLED_WINDOWS {
             self.rma_windows.push(w);
         }

@@ -103,6 +103,14 @@ impl State {
                 ..
             }) => self.stream_send(id),
             Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        proto: RecvProto::Landing(_),
+                        ..
+                    }),
+                ..
+            }) => self.pump_landing(id),
+            Some(Req {
                 kind: ReqKind::Recv(_),
                 ..
             }) => self.stream_get(id),
@@ -245,6 +253,13 @@ impl State {
             sg.inflight = r.outstanding;
         }
         if let ReqKind::Recv(RecvState {
+            proto: RecvProto::Landing(l),
+            ..
+        }) = &mut r.kind
+        {
+            l.inflight = r.outstanding;
+        }
+        if let ReqKind::Recv(RecvState {
             proto: RecvProto::Rndv(rv),
             ..
         }) = &r.kind
@@ -265,6 +280,15 @@ impl State {
         }
         if let Err(e) = result {
             self.fail(id, e);
+            return;
+        }
+        if let ReqKind::Recv(RecvState {
+            proto: RecvProto::Landing(_),
+            ..
+        }) = &r.kind
+        {
+            // A GPU stream receive's copies to the GPU: each completion frees a slot.
+            self.on_landing_op(id);
             return;
         }
         if let ReqKind::Rma(RmaState {

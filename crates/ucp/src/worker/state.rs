@@ -219,6 +219,9 @@ pub(crate) enum RecvProto {
     /// fills `bounce`, a host buffer of the receive's size, copied to the GPU buffer (by the
     /// copy lane, registered in `dev_memh`) once full.
     Stream { bounce: Option<Vec<u8>> },
+    /// A full stream receive into GPU memory whose host bytes are being copied on to the GPU
+    /// through pinned staging slots (`proto/memcopy.rs`); completes when every copy finished.
+    Landing(Box<crate::proto::memcopy::Landing>),
     /// A rendezvous: read, written, streamed or split, or (GPU memory) read in staged chunks.
     Rndv(Box<RndvRecv>),
 }
