@@ -18,6 +18,8 @@ use rucx::{Job, Memory, MemoryType, TAG_MASK_FULL};
 
 const ROLE: &str = "RUCX_TEST_RANK_ROLE";
 
+mod ranks;
+
 /// Why GPU tests do not run here, or `None` when they do.
 fn skip_reason() -> Option<String> {
     if std::env::var("RUCX_GPU_TESTS").as_deref() != Ok("1") {
@@ -231,4 +233,103 @@ fn gpu_buffers_every_kind_without_unsafe() {
         return;
     }
     two_ranks("gpu_buffers_every_kind_without_unsafe");
+}
+
+/// Rank 1 sends device buffers; rank 0 receives them into pinned and pageable host memory and
+/// never allocates GPU memory itself. Every rendezvous is read by rank 0 straight out of rank
+/// 1's buffer through cuda_ipc (one device-to-host copy), unless `staged` (rank 1's cuda_ipc
+/// refuses its device memory): then through staging. Every byte is checked.
+fn host_only_receiver(job: &Job, staged: bool) {
+    let rank = job.rank();
+    let w = job.worker();
+    let cuda = rucx::cuda::driver().unwrap();
+    let gpu = cuda.context(rank as u32 % cuda.device_count()).unwrap();
+    let sizes = [100usize, (4 << 20) + 3, (64 << 20) + 5];
+    for (i, &n) in sizes.iter().enumerate() {
+        for pinned in [true, false] {
+            let tag = 100 + 2 * i as u64 + u64::from(pinned);
+            let data = pattern(n, tag as u8);
+            if rank == 1 {
+                let mut send = DeviceBuffer::new(gpu, n).unwrap();
+                send.copy_from_host(0, &data).unwrap();
+                w.scope(|s| s.tag_send(job.ep(0), &send, tag).wait())
+                    .unwrap_or_else(|e| panic!("rank 1: send {n} B: {e}"));
+                continue;
+            }
+            let got = if pinned {
+                let mut b = PinnedHostBuffer::new(gpu, n).unwrap();
+                b.as_mut_slice().fill(0xee);
+                let c = w
+                    .scope(|s| s.tag_recv(&mut b, tag, TAG_MASK_FULL).wait())
+                    .unwrap_or_else(|e| panic!("rank 0: pinned receive of {n} B: {e}"));
+                assert_eq!(c.len, n);
+                b.as_slice().to_vec()
+            } else {
+                let mut b = vec![0xeeu8; n];
+                let c = w
+                    .scope(|s| s.tag_recv(&mut b[..], tag, TAG_MASK_FULL).wait())
+                    .unwrap_or_else(|e| panic!("rank 0: pageable receive of {n} B: {e}"));
+                assert_eq!(c.len, n);
+                b
+            };
+            assert!(got == data, "rank 0: {n} B (pinned {pinned}): data differs");
+        }
+    }
+    let c = w.counters();
+    println!("rank {rank}: counters {c:?}");
+    if rank == 0 {
+        let read = c
+            .get("rendezvous receive by read (GPU zero-copy)")
+            .copied()
+            .unwrap_or(0);
+        let pulled = c
+            .get("rendezvous receive pipelined through host staging")
+            .copied()
+            .unwrap_or(0);
+        // The two larger sizes are rendezvous for sure, into both kinds of host buffer.
+        if staged {
+            assert!(read == 0 && pulled >= 4, "{c:?}");
+        } else {
+            assert!(read >= 4 && pulled == 0, "{c:?}");
+        }
+    }
+}
+
+#[test]
+fn a_host_only_receiver_reads_a_gpu_sender_through_cuda_ipc() {
+    if std::env::var(ROLE).is_ok() {
+        return host_only_receiver(&Job::from_env().unwrap(), false);
+    }
+    if let Some(why) = skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    two_ranks("a_host_only_receiver_reads_a_gpu_sender_through_cuda_ipc");
+}
+
+#[test]
+fn a_host_only_receiver_of_a_sender_without_cuda_ipc_is_staged() {
+    if std::env::var(ROLE).is_ok() {
+        return host_only_receiver(&Job::from_env().unwrap(), true);
+    }
+    if let Some(why) = skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let test = "a_host_only_receiver_of_a_sender_without_cuda_ipc_is_staged";
+    let kids = ranks::spawn_with(test, |rank| {
+        if rank == 1 {
+            vec![(
+                "RUCX_FAULT_INJECT".to_string(),
+                "md=cuda_ipc,mem=cuda,after=0".to_string(),
+            )]
+        } else {
+            Vec::new()
+        }
+    });
+    for (rank, k) in kids.into_iter().enumerate() {
+        let (ok, text) = ranks::finish(k, Duration::from_secs(180));
+        println!("--- rank {rank}:\n{text}");
+        assert!(ok, "rank {rank} failed:\n{text}");
+    }
 }

@@ -14,7 +14,7 @@ use rucx_ucp::plan::{MemKey, Op};
 use rucx_ucp::proto::Proto;
 use rucx_ucp::{AmMessage, Completion};
 use rucx_ucs::{Error, MemoryType, Result};
-use rucx_uct_sim::FabricSpec;
+use rucx_uct_sim::{Delivery, FabricSpec};
 
 /// Host table: copy-in below 64 KiB, rendezvous from there; 256 KiB staging fragments.
 const VARS: &[(&str, &str)] = &[
@@ -497,4 +497,90 @@ fn a_gpu_stream_receive_the_copy_lane_refuses_fails_when_posted() {
     assert!(host.bytes() == data.bytes());
     assert!(gpu.bytes().iter().all(|&b| b == harness::GUARD_BYTE));
     pair.check_warnings();
+}
+
+/// 64 KiB fragments: a 1 MiB stream receive lands in 17 copies through 4 slots.
+const FINE: &[(&str, &str)] = &[("RUCX_ZCOPY_THRESH", "16K"), ("RUCX_RNDV_FRAG_SIZE", "64K")];
+
+/// Large GPU stream receives go to the GPU in fragments through pinned slots, several copies in
+/// flight and completing in any order (random delivery holds and reorders the copy lane's
+/// completions, with push-back): every byte lands, the receives complete in full, and the
+/// worker's pinned windows are reused (one per receive landing at the same time).
+#[test]
+fn gpu_stream_receives_land_through_pipelined_slots() {
+    let vars = FINE;
+    for delivery in [
+        Delivery::InOrder,
+        Delivery::Random {
+            seed: 21,
+            noresource_per_mille: 60,
+        },
+    ] {
+        let pair = Pair::new(FabricSpec::gpu().delivery(delivery), [vars, vars]);
+        let (d0, d1, h) = (Mem::Device(0), Mem::Device(1), Mem::Host);
+        // 1 MiB + 3 is 17 fragments through 4 slots; then receives one after another.
+        stream_case(&pair, 31, &[((1 << 20) + 3, d0)], &[((1 << 20) + 3, d1)]);
+        stream_case(
+            &pair,
+            32,
+            &[(700_000, h), (5, d0)],
+            &[(300_001, d1), (4, h), (400_000, d1)],
+        );
+        let c = pair.w[1].counters();
+        assert_eq!(c.get("stream receive copied to GPU"), Some(&3), "{c:?}");
+        // One window per receive landing at the same time (the last two may overlap).
+        let made = c.get("staged put/get window made").copied().unwrap_or(0);
+        assert!((1..=2).contains(&made), "{c:?}");
+        for w in &pair.w {
+            assert_eq!(w.live_requests(), 0);
+        }
+        pair.check_clean();
+    }
+}
+
+/// A copy to the GPU that fails part way ends that stream receive with the error (no hang);
+/// the stream goes on: the other receives get their bytes, intact and in order.
+#[test]
+fn a_failed_copy_ends_the_gpu_stream_receive_and_the_stream_goes_on() {
+    for after in [2u64, 6, 20] {
+        let pair = Pair::new(FabricSpec::gpu(), [FINE, FINE]);
+        let n = (1 << 20) + 3;
+        let all = pattern(77, 3 * n);
+        let mut data = Buf::new(&pair.fabric, 3 * n, Mem::Host);
+        data.bytes_mut().copy_from_slice(&all);
+        let mut rbufs: Vec<Buf> = (0..3)
+            .map(|_| Buf::new(&pair.fabric, n, Mem::Device(1)))
+            .collect();
+        let _dog = Watchdog::arm(60, format!("failed landing after {after}"));
+        pair.fabric
+            .fail_ops_after(pair.nodes[1], rucx_uct_sim::LaneKind::Copy, after, 1);
+        let results: Vec<Result<Completion>> = pair.w[1].scope(|sr| {
+            let rr: Vec<_> = rbufs
+                .iter_mut()
+                .map(|b| sr.stream_recv(pair.ep[1], b.recv()))
+                .collect();
+            pair.w[0].scope(|ss| {
+                let s = ss.stream_send(pair.ep[0], data.send());
+                pair.drive(|| s.test().is_some() && rr.iter().all(|r| r.test().is_some()))
+                    .unwrap_or_else(|e| panic!("hangs: {e}"));
+                assert_eq!(s.test().unwrap().expect("sent").len, 3 * n);
+            });
+            rr.iter().map(|r| r.test().unwrap()).collect()
+        });
+        let failed: Vec<usize> = (0..3).filter(|&k| results[k].is_err()).collect();
+        assert_eq!(failed.len(), 1, "after {after}: {results:?}");
+        let e = results[failed[0]].as_ref().unwrap_err();
+        assert!(matches!(e, Error::Io { .. }), "{e}");
+        for k in (0..3).filter(|k| *k != failed[0]) {
+            assert_eq!(results[k].as_ref().unwrap().len, n);
+            assert!(
+                rbufs[k].bytes() == &all[k * n..(k + 1) * n],
+                "after {after}: receive {k}'s bytes differ"
+            );
+        }
+        for b in &rbufs {
+            assert_eq!(b.guard_damage(), None);
+        }
+        pair.check_clean();
+    }
 }

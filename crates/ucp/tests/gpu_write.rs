@@ -136,3 +136,105 @@ fn a_remote_write_into_a_smaller_gpu_buffer_is_truncated() {
     assert_eq!(count(&pair, 1, BY_WRITE), 3, "{:?}", pair.w[1].counters());
     pair.check_clean();
 }
+
+const BY_READ: &str = "rendezvous receive by read (GPU zero-copy)";
+const PULLED: &str = "rendezvous receive pipelined through host staging";
+
+/// Send every size device -> host from side 0 to side 1, each byte and the guards checked.
+fn device_to_host(pair: &Pair, seed: u64) {
+    for (i, &n) in SIZES.iter().enumerate() {
+        let id = seed << 32 | i as u64;
+        let send = Buf::filled(&pair.fabric, n, Mem::Device(0), id);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+        let out = pair.transfer(0, &send, &mut recv, 70 + i as u64, false);
+        let (s, r) = out.expect_ok();
+        assert_eq!((s.len, r.len), (n, n));
+        assert!(recv.bytes() == pattern(id, n), "{n} B: data differs");
+        assert_eq!(recv.guard_damage(), None, "{n} B");
+    }
+}
+
+#[test]
+fn a_host_only_receiver_reads_a_gpu_sender_through_its_mapping() {
+    // Side 1 never meets GPU memory: its receives of the GPU sender's rendezvous still read
+    // the sender's buffer through the zero-copy GPU lane (one device-to-host copy into the
+    // receive buffer, where the copy engine is fastest into pinned memory), not through the
+    // sender's staging and a CPU copy.
+    for delivery in [
+        Delivery::InOrder,
+        Delivery::Random {
+            seed: 11,
+            noresource_per_mille: 30,
+        },
+    ] {
+        let pair = Pair::new(FabricSpec::gpu().delivery(delivery), [VARS, VARS]);
+        device_to_host(&pair, 5);
+        let c = pair.w[1].counters();
+        // Every size is a rendezvous for GPU memory here (no bounce below 16K of eager).
+        assert_eq!(count(&pair, 1, BY_READ), SIZES.len() as u64, "{c:?}");
+        assert_eq!(count(&pair, 1, PULLED), 0, "{c:?}");
+        pair.check_clean();
+    }
+}
+
+#[test]
+fn a_gpu_sender_whose_registration_fails_is_staged_to_a_host_only_receiver() {
+    // The sender's GPU lane cannot export its device memory: no key in the request to send, so
+    // the host-only receiver asks it to stage; every byte still arrives.
+    let a: Vec<(&str, &str)> = VARS
+        .iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
+        .collect();
+    let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
+    device_to_host(&pair, 6);
+    let c = pair.w[1].counters();
+    assert_eq!(count(&pair, 1, BY_READ), 0, "{c:?}");
+    assert_eq!(count(&pair, 1, PULLED), SIZES.len() as u64, "{c:?}");
+    pair.check_clean();
+}
+
+#[test]
+fn a_failed_read_of_a_gpu_sender_into_host_memory_loses_no_byte() {
+    // The host-only receiver's reads through the GPU lane fail: the receive falls back
+    // (the sender streams or stages) and every byte arrives, or both sides end with an error:
+    // never a hang, never wrong bytes.
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    pair.fabric.fail_next_ops(pair.nodes[1], LaneKind::Ipc, 2);
+    for (i, &n) in SIZES.iter().enumerate() {
+        let id = 7 << 32 | i as u64;
+        let send = Buf::filled(&pair.fabric, n, Mem::Device(0), id);
+        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
+        let out = pair.transfer(0, &send, &mut recv, 90 + i as u64, false);
+        assert!(out.hang.is_none(), "{}", out.hang.unwrap());
+        match (&out.send, &out.recv) {
+            (Some(Ok(_)), Some(Ok(r))) => {
+                assert_eq!(r.len, n);
+                assert!(recv.bytes() == pattern(id, n), "{n} B: data differs");
+            }
+            other => panic!("{n} B: {other:?}"),
+        }
+        assert_eq!(recv.guard_damage(), None, "{n} B");
+    }
+    pair.check_clean();
+}
+
+#[test]
+fn a_gpu_read_into_a_smaller_host_buffer_is_truncated() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    for (i, &n) in [100_000usize, 1 << 20, (3 << 20) + 5].iter().enumerate() {
+        let id = 60 + i as u64;
+        let send = Buf::filled(&pair.fabric, n, Mem::Device(0), id);
+        let cap = n / 2 + 1;
+        let mut recv = Buf::new(&pair.fabric, cap, Mem::Host);
+        let out = pair.transfer(0, &send, &mut recv, 8, false);
+        assert!(out.hang.is_none(), "{}", out.hang.unwrap());
+        assert!(matches!(out.send, Some(Ok(_))), "{n} B: {:?}", out.send);
+        let r = out.recv.unwrap();
+        assert!(is_truncation(&r, n, cap), "{n} B into {cap}: {r:?}");
+        assert!(recv.bytes() == &pattern(id, n)[..cap]);
+        assert_eq!(recv.guard_damage(), None, "{n} B into {cap}");
+    }
+    assert_eq!(count(&pair, 1, BY_READ), 3, "{:?}", pair.w[1].counters());
+    pair.check_clean();
+}

@@ -9,7 +9,7 @@ mod harness;
 use harness::{Buf, Mem, Pair, Watchdog, pattern};
 use rucx_ucp::plan::Op;
 use rucx_ucs::{Error, MemoryType, RegErrorKind};
-use rucx_uct_sim::{Delivery, FabricSpec, LaneKind};
+use rucx_uct_sim::{Delivery, FabricSpec, HeldWhat, LaneKind};
 
 /// 64 KiB fragments: a staged transfer of a few hundred KiB takes several waves of 4.
 const VARS: &[(&str, &str)] = &[("RUCX_RNDV_FRAG_SIZE", "64K")];
@@ -296,4 +296,144 @@ fn bundles_carry_the_memory_type_and_bad_ones_are_errors() {
     assert!(e.to_string().contains("memory type code 77"), "{e}");
     drop(map);
     pair.check_clean();
+}
+
+const WINDOW_MADE: &str = "staged put/get window made";
+
+/// Remote-lane operations of side 0 in flight (their completions held by the fabric).
+fn remote_ops_held(pair: &Pair) -> Vec<u64> {
+    pair.fabric
+        .held()
+        .into_iter()
+        .filter(|h| {
+            h.to == pair.nodes[0]
+                && h.lane == LaneKind::Shm
+                && matches!(h.what, HeldWhat::Completion { .. })
+        })
+        .map(|h| h.seq)
+        .collect()
+}
+
+/// A staged put is a pipeline, not a sequence of waves: once one fragment's remote write
+/// completes, its slot takes the next fragment (copied out of the GPU and written) while the
+/// other fragments' writes are still in flight.
+#[test]
+fn staged_fragments_overlap_instead_of_waiting_for_a_whole_wave() {
+    let pair = Pair::new(FabricSpec::gpu().delivery(Delivery::Manual), [VARS, VARS]);
+    let len = (1 << 20) + 17;
+    let mut target = Buf::filled(&pair.fabric, len, Mem::Host, 1);
+    let src = Buf::filled(&pair.fabric, len, Mem::Device(0), 2);
+    {
+        let map = pair.w[1].mem_map(target.recv()).unwrap();
+        let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+        pair.w[0].scope(|s| {
+            let r = s.put(pair.ep[0], src.send(), rkey.base(), &rkey);
+            for _ in 0..20 {
+                pair.step();
+            }
+            // Four slots, each with its fragment's write in flight.
+            let held = remote_ops_held(&pair);
+            assert_eq!(held.len(), 4, "{:?}", pair.fabric.held());
+            pair.fabric.release(held[0]).unwrap();
+            for _ in 0..20 {
+                pair.step();
+            }
+            // The freed slot carries the fifth fragment; the other three are still held.
+            let now = remote_ops_held(&pair);
+            assert_eq!(now.len(), 4, "{:?}", pair.fabric.held());
+            assert!(held[1..].iter().all(|s| now.contains(s)), "{now:?}");
+            pair.drive(|| r.test().is_some())
+                .unwrap_or_else(|e| panic!("put hangs: {e}"));
+            assert_eq!(r.wait().unwrap().len, len);
+        });
+    }
+    assert!(
+        target.bytes() == pattern(2, len),
+        "the remote range differs"
+    );
+    assert_eq!(target.guard_damage(), None);
+    assert_eq!(counter(&pair, STAGED_PUT), 1);
+    pair.check_clean();
+}
+
+/// Staged requests reuse the worker's pinned windows: one window for any number of requests one
+/// after another, one per request in flight at once, and none made again afterwards.
+#[test]
+fn staged_requests_reuse_the_workers_windows() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    for (i, &len) in SIZES.iter().enumerate() {
+        put_get(&pair, Mem::Device(0), Mem::Host, len, 200 + i as u64).unwrap();
+    }
+    assert_eq!(counter(&pair, WINDOW_MADE), 1, "{:?}", pair.w[0].counters());
+    // Three puts at once, into three parts of one region.
+    let len = 300_000;
+    let mut target = Buf::filled(&pair.fabric, 3 * len, Mem::Host, 9);
+    let srcs: Vec<Buf> = (0..3)
+        .map(|k| Buf::filled(&pair.fabric, len, Mem::Device(0), 300 + k))
+        .collect();
+    for round in 0..2 {
+        let map = pair.w[1].mem_map(target.recv()).unwrap();
+        let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+        pair.w[0].scope(|s| {
+            let reqs: Vec<_> = srcs
+                .iter()
+                .enumerate()
+                .map(|(k, b)| s.put(pair.ep[0], b.send(), rkey.base() + (k * len) as u64, &rkey))
+                .collect();
+            pair.drive(|| reqs.iter().all(|r| r.test().is_some()))
+                .unwrap_or_else(|e| panic!("puts hang: {e}"));
+            for r in reqs {
+                assert_eq!(r.wait().unwrap().len, len);
+            }
+        });
+        drop(map);
+        for k in 0..3 {
+            assert!(
+                target.bytes()[k * len..(k + 1) * len] == pattern(300 + k as u64, len)[..],
+                "round {round}, part {k} differs"
+            );
+        }
+        assert_eq!(target.guard_damage(), None);
+        assert_eq!(
+            counter(&pair, WINDOW_MADE),
+            3,
+            "round {round}: {:?}",
+            pair.w[0].counters()
+        );
+    }
+    pair.check_clean();
+}
+
+/// A copy that fails part way through a staged put or get ends that request with the error
+/// (no hang); the worker's next staged requests move every byte.
+#[test]
+fn a_copy_failing_part_way_ends_the_staged_request_and_the_next_ones_work() {
+    for put in [true, false] {
+        let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+        let len = (1 << 20) + 17;
+        let mut target = Buf::filled(&pair.fabric, len, Mem::Host, 7);
+        let mut local = Buf::filled(&pair.fabric, len, Mem::Device(0), 8);
+        {
+            let map = pair.w[1].mem_map(target.recv()).unwrap();
+            let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+            pair.fabric
+                .fail_ops_after(pair.nodes[0], LaneKind::Copy, 5, 1);
+            pair.w[0].scope(|s| {
+                let r = if put {
+                    s.put(pair.ep[0], local.send(), rkey.base(), &rkey)
+                } else {
+                    s.get(pair.ep[0], local.recv(), rkey.base(), &rkey)
+                };
+                pair.drive(|| r.test().is_some())
+                    .unwrap_or_else(|e| panic!("staged request hangs: {e}"));
+                let e = r.wait().unwrap_err();
+                assert!(matches!(e, Error::Io { .. }), "put {put}: {e}");
+            });
+        }
+        for (i, &len) in SIZES.iter().enumerate() {
+            put_get(&pair, Mem::Device(0), Mem::Host, len, 400 + i as u64)
+                .unwrap_or_else(|e| panic!("put {put}, {len} B after the failure: {e}"));
+        }
+        pair.check_clean();
+    }
 }

@@ -121,6 +121,20 @@ pub(super) fn select(
     } else {
         None
     };
+    // Reading a peer's GPU buffer into host memory: the peer's key comes from a domain that
+    // exports GPU memory; ours only has to reach host memory. Not in `wanted`: a host-only
+    // job connects it when a GPU sender's first message asks for it.
+    let (a, c) = best(
+        lanes,
+        |l| {
+            l.attr.has(IfaceCaps::GET_ZCOPY)
+                && l.same_domain()
+                && l.md_attr.reg_mem_types().has(MemoryType::Cuda)
+                && l.md_attr.access_mem_types().has(MemoryType::Host)
+        },
+        |l| bw_score(&l.attr),
+    );
+    let gpu_to_host = c.or(a);
     let copy = lanes.iter().position(|l| l.copy);
     Ok((
         Lanes {
@@ -129,6 +143,7 @@ pub(super) fn select(
             gpu,
             copy,
             rma_gpu,
+            gpu_to_host,
         },
         wanted,
     ))

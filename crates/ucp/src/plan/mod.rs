@@ -305,6 +305,13 @@ pub struct Lanes {
     /// Remote memory access to the peer's GPU memory: a lane whose domain exports GPU memory
     /// (cuda_ipc). Chosen once this worker met GPU memory (its own, or a peer's mapped region).
     pub rma_gpu: Option<usize>,
+    /// Reads a peer's GPU buffer into local host memory: a lane with zero-copy get whose domain
+    /// (the peer's too) exports GPU memory and reaches local host memory (cuda_ipc: one
+    /// device-to-host copy out of the mapped sender's buffer, into pinned memory at the copy
+    /// engine's bound). Chosen whether or not this worker met GPU memory: a host-only receiver
+    /// of a GPU sender reads through it. May be a lane not connected yet (the read waits for
+    /// its connection).
+    pub gpu_to_host: Option<usize>,
 }
 
 impl Lanes {

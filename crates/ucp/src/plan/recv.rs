@@ -97,12 +97,15 @@ pub(super) fn plan(
             None => notes.push(no_gpu_lane(input, recv)),
         }
     } else if send.is_gpu() {
-        match lanes.gpu.iter().filter_map(|(_, l)| *l).find(|&l| {
+        // A GPU lane of memory this worker met, else the lane that reads a peer's GPU memory
+        // into host memory (a host-only receiver).
+        let met = lanes.gpu.iter().filter_map(|(_, l)| *l).find(|&l| {
             input.lanes[l]
                 .md_attr
                 .access_mem_types()
                 .has(MemoryType::Host)
-        }) {
+        });
+        match met.or(lanes.gpu_to_host) {
             Some(l) => steps.push(RecvStep::Get { lane: l }),
             None => notes.push(
                 "no zero-copy GPU lane to this peer reads into host memory (cuda_ipc does)".into(),

@@ -4,6 +4,7 @@
 //! is copied on when full) and active messages copied in (a small GPU payload copied out, an
 //! inline payload fetched into GPU memory).
 
+use crate::proto::rma::{RmaWindow, STAGED_FRAGS};
 use crate::worker::prelude::*;
 
 /// Host memory for `len` bytes, or a typed error naming what it was for.
@@ -104,7 +105,9 @@ impl State {
     }
 
     /// GPU stream receives of peer `p` whose host buffer is full: copy each on to its GPU
-    /// buffer and complete it (or fail it with the copy's error).
+    /// buffer through pinned staging slots (several copies in flight, each fragment copied into
+    /// a slot by the CPU while the copy lane moves others to the GPU); each completes once its
+    /// last copy finished (or fails with the first error).
     pub(crate) fn land_gpu_streams(&mut self, p: usize, ids: Vec<u64>) {
         for id in ids {
             let Some(Req {
@@ -119,19 +122,228 @@ impl State {
                 RecvProto::Stream { bounce } => bounce.take(),
                 _ => None,
             };
-            let (Some(host), Some(dm)) = (bounce, rs.dev_memh.take()) else {
+            let Some(host) = bounce else {
                 continue;
             };
-            let (addr, cap) = (rs.addr, rs.cap);
-            let res = self.put_to_gpu(addr, &host[..cap], &dm.1);
-            drop(dm);
+            let cap = rs.cap;
+            let win = match self.rma_windows.pop() {
+                Some(w) => Ok(w),
+                None => match self.copy_md() {
+                    Some(cmd) => {
+                        let len = self.frag.max(1).saturating_mul(STAGED_FRAGS);
+                        self.new_rma_window(cmd, len, false)
+                    }
+                    None => Err(Error::Unsupported {
+                        what: "copying a stream receive into GPU memory".into(),
+                        why: "no copy transport (cuda_copy) is open; add cuda_copy to RUCX_TLS"
+                            .into(),
+                    }),
+                },
+            };
+            let win = match win {
+                Ok(w) => w,
+                Err(e) => {
+                    self.fail(id, e);
+                    continue;
+                }
+            };
+            let frag = self.frag.max(1).min(win.len);
+            let nslots = cap.div_ceil(frag).min(win.len / frag).max(1);
+            if let Some(Req {
+                kind: ReqKind::Recv(rs),
+                ..
+            }) = self.reqs.get_mut(&id)
+            {
+                rs.proto = RecvProto::Landing(Box::new(Landing {
+                    peer: p,
+                    host,
+                    frag,
+                    slots: vec![None; nslots],
+                    next: 0,
+                    done: 0,
+                    inflight: 0,
+                    win: Some(win),
+                }));
+            }
             self.count("stream receive copied to GPU");
-            let res = res.map(|()| Completion {
+            self.peers[p].queue.push_back(Pending::Stream(id));
+        }
+        self.pump(p);
+    }
+
+    /// Copy what fits into free slots and post their copies to the GPU; `Ok(false)`: the copy
+    /// lane pushed back (call again after progress).
+    pub(crate) fn pump_landing(&mut self, id: u64) -> Result<bool> {
+        loop {
+            let Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        proto: RecvProto::Landing(l),
+                        addr,
+                        cap,
+                        dev_memh,
+                        ..
+                    }),
+                ..
+            }) = self.reqs.get_mut(&id)
+            else {
+                return Ok(true);
+            };
+            let (addr, cap) = (*addr, *cap);
+            if l.done >= cap {
+                self.finish_landing(id);
+                return Ok(true);
+            }
+            let Some(k) = l.slots.iter().position(Option::is_none) else {
+                return Ok(true);
+            };
+            if l.next >= cap {
+                return Ok(true);
+            }
+            let (off, n) = (l.next, l.frag.min(cap - l.next));
+            let win = l.win.as_ref().expect("window of a landing receive");
+            let at = win.base() + k * l.frag;
+            // SAFETY: slot `k` of the window (`frag` bytes from `at`, inside the window the
+            // request owns) is free: no copy in flight reads it.
+            unsafe { host_slice_mut(at, n) }.copy_from_slice(&l.host[off..off + n]);
+            let memh = win.copy_memh.clone();
+            let key = dev_memh
+                .as_ref()
+                .map(|d| d.1.clone())
+                .ok_or_else(|| Error::Internal("a GPU stream receive without its key".into()))?;
+            let token = self.next_token;
+            let iov = [Iov {
+                addr: at,
+                len: n,
+                memh: &memh,
+            }];
+            let gpu_at = (addr + off) as u64;
+            let (_, ep) = self.copy.as_mut().ok_or_else(|| Error::Unsupported {
+                what: "copying a stream receive into GPU memory".into(),
+                why: "no copy transport (cuda_copy) is open".into(),
+            })?;
+            match ep.put_zcopy(&iov, gpu_at, &key, token) {
+                Ok(st) => {
+                    self.next_token += 1;
+                    self.account(id, token, st);
+                }
+                Err(e) if e.is_retryable() => return Ok(false),
+                Err(e) => return Err(e),
+            }
+            let in_flight = self.tokens.contains_key(&token);
+            let outstanding = self.reqs.get(&id).map_or(0, |r| r.outstanding);
+            if let Some(l) = self.landing_mut(id) {
+                l.next = off + n;
+                l.inflight = outstanding;
+                if in_flight {
+                    l.slots[k] = Some((token, n));
+                } else {
+                    l.done += n;
+                }
+            }
+        }
+    }
+
+    /// A copy of landing receive `id` completed: free the slots whose copy finished and go on.
+    pub(crate) fn on_landing_op(&mut self, id: u64) {
+        let tokens = &self.tokens;
+        let p = match self.reqs.get_mut(&id) {
+            Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        proto: RecvProto::Landing(l),
+                        ..
+                    }),
+                result: None,
+                ..
+            }) => {
+                for s in l.slots.iter_mut() {
+                    if let Some((t, n)) = *s
+                        && !tokens.contains_key(&t)
+                    {
+                        l.done += n;
+                        *s = None;
+                    }
+                }
+                l.peer
+            }
+            _ => return,
+        };
+        self.peers[p].queue.push_back(Pending::Stream(id));
+        self.pump(p);
+    }
+
+    /// Every byte of landing receive `id` reached the GPU: hand the window back, complete.
+    fn finish_landing(&mut self, id: u64) {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            outstanding: 0,
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return;
+        };
+        let cap = rs.cap;
+        let (win, p) = match &mut rs.proto {
+            RecvProto::Landing(l) => (l.win.take(), l.peer),
+            _ => return,
+        };
+        rs.dev_memh = None;
+        if let Some(w) = win {
+            self.keep_rma_window(w);
+        }
+        self.finish(
+            id,
+            Ok(Completion {
                 len: cap,
                 tag: 0,
                 sender: Some(EpId(p)),
-            });
-            self.finish(id, res);
+            }),
+        );
+    }
+
+    fn landing_mut(&mut self, id: u64) -> Option<&mut Landing> {
+        match self.reqs.get_mut(&id) {
+            Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        proto: RecvProto::Landing(l),
+                        ..
+                    }),
+                ..
+            }) => Some(l),
+            _ => None,
+        }
+    }
+}
+
+/// A full stream receive into GPU memory on its way from its host buffer to the GPU, through
+/// the slots of a pinned window ([`RmaWindow`], from the worker's pool).
+pub(crate) struct Landing {
+    peer: usize,
+    /// The stream's bytes for this receive (the whole receive).
+    host: Vec<u8>,
+    /// Slot size.
+    frag: usize,
+    /// Per slot: the copy in flight (token, bytes).
+    slots: Vec<Option<(u64, usize)>>,
+    /// Next offset to copy.
+    next: usize,
+    /// Bytes on the GPU.
+    done: usize,
+    /// Copies in flight (mirrors the request's count): the window is kept, not freed, if the
+    /// receive ends with copies still running.
+    pub(crate) inflight: usize,
+    /// Last: the window.
+    win: Option<RmaWindow>,
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        if self.inflight > 0 {
+            // Ended (its endpoint failed) with copies still reading the window: never freed.
+            std::mem::forget(self.win.take());
         }
     }
 }

@@ -4,16 +4,21 @@
 //! A put or get takes the first step of the endpoint's plan for its pair of memory types
 //! ([`plan::RmaPlan`]) that works now: zero-copy on a lane that reaches both buffers (host RMA;
 //! cuda_ipc, whose copy engine reads or writes the peer's mapped GPU buffer from local GPU or
-//! host memory), else staged through pinned host memory of the request (the copy lane moves
-//! between the local GPU buffer and the staging, the lane moves the staging to or from the
-//! remote region). A registration that fails on the way (and demotes its domain, one warning)
-//! sends the request on to the next step; with none left it ends with the error.
+//! host memory), else staged through a pinned host window (the copy lane moves between the
+//! local GPU buffer and a fragment of the window, the lane moves the fragment to or from the
+//! remote region; the fragments are pipelined, so the copy of one overlaps the transfer of
+//! another, and the windows are kept by the worker for the next staged request). A
+//! registration that fails on the way (and demotes its domain, one warning) sends the request
+//! on to the next step; with none left it ends with the error.
 
 use crate::plan::RmaStep;
 use crate::worker::prelude::*;
 
-/// Staging fragments a staged put or get keeps in flight per wave.
-const STAGED_FRAGS: usize = 4;
+/// Staging fragments a staged put or get keeps in flight.
+pub(crate) const STAGED_FRAGS: usize = 4;
+
+/// Pinned windows a worker keeps for its next staged puts and gets.
+const POOLED_WINDOWS: usize = 4;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum RmaDir {
@@ -37,50 +42,79 @@ pub(crate) struct RmaState {
     pub(crate) staged: Option<Box<StagedRma>>,
 }
 
-/// Host memory of a staged put or get.
+/// Host memory of a staged window.
 struct StagingBuf(Vec<u8>);
 
-/// The state of a put or get staged through pinned host memory, in waves of up to
-/// [`STAGED_FRAGS`] fragments: a put copies the wave out of the GPU (copy lane), then writes
-/// it (remote lane); a get reads it (remote lane), then copies it into the GPU (copy lane).
+/// Pinned host memory for staged puts and gets: page-locked once through the copy lane's
+/// domain and registered with each remote lane's domain that used it, then kept by the worker
+/// ([`State::rma_windows`]) for the next staged request, so a request pays for neither.
+pub(crate) struct RmaWindow {
+    /// The window registered with the copy lane's domain.
+    pub(crate) copy_memh: MemHandle,
+    /// Its registrations with remote lanes' domains, by domain index.
+    lane_memh: Vec<(usize, MemHandle)>,
+    /// Bytes.
+    pub(crate) len: usize,
+    /// Last: the memory the handles describe (dropped after them).
+    buf: StagingBuf,
+}
+
+impl RmaWindow {
+    /// The start address.
+    pub(crate) fn base(&self) -> usize {
+        self.buf.0.as_ptr() as usize
+    }
+}
+
+/// Where a fragment slot of a staged window stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    /// Unused.
+    Free,
+    /// The fragment's first operation (put: out of the GPU; get: the remote read) is in flight.
+    First { off: usize, n: usize, token: u64 },
+    /// The first operation finished; the second is still to post.
+    Ready { off: usize, n: usize },
+    /// The second operation (put: the remote write; get: into the GPU) is in flight.
+    Second { off: usize, n: usize, token: u64 },
+}
+
+/// The state of a put or get staged through a pinned window of [`STAGED_FRAGS`] fragment
+/// slots, pipelined: each slot moves one fragment through its two operations (put: copy lane
+/// out of the GPU, then the remote write; get: the remote read, then copy lane into the GPU)
+/// and then takes the next fragment, so the copies of some fragments overlap the transfers of
+/// others.
 pub(crate) struct StagedRma {
     /// The local GPU buffer's key on the copy lane.
     gpu_key: RemoteKey,
-    /// The staging window registered with the copy lane's domain and with the remote lane's.
-    copy_memh: MemHandle,
+    /// The window's registration with the remote lane's domain.
     lane_memh: MemHandle,
     /// Fragment size.
     frag: usize,
-    /// Window size (a whole number of fragments, or the transfer when smaller).
-    window: usize,
-    /// The wave: transfer offsets `[wave_start, wave_end)`.
-    wave_start: usize,
-    wave_end: usize,
-    /// 0: the first stage of the wave (put: out of the GPU; get: the remote read), 1: the
-    /// second.
-    phase: u8,
-    /// Bytes of the wave whose operation of this phase was posted.
-    cursor: usize,
-    /// Every operation of the phase is posted; its completions step the request on.
-    waiting: bool,
+    /// Fragment slots of the window.
+    slots: Vec<SlotState>,
+    /// Next transfer offset to stage.
+    next: usize,
+    /// Bytes that went through both operations.
+    done: usize,
     /// Operations in flight (mirrors the request's count): memory still in use when dropped.
     pub(crate) inflight: usize,
-    /// Last: the memory the handles describe (dropped after them).
-    buf: Option<StagingBuf>,
+    /// Last: the window (handed back to the worker once the request completes).
+    win: Option<RmaWindow>,
 }
 
 impl Drop for StagedRma {
     fn drop(&mut self) {
         if self.inflight > 0 {
             // A request that ended with operations still in flight (its endpoint failed):
-            // a transport may still touch the staging, so it is never freed.
+            // a transport may still touch the window, so it is never freed.
             tracing::debug!(
                 "staged put/get ended with {} operations in flight; its {} bytes of staging \
                  are kept",
                 self.inflight,
-                self.window
+                self.win.as_ref().map_or(0, |w| w.len)
             );
-            std::mem::forget(self.buf.take());
+            std::mem::forget(self.win.take());
         }
     }
 }
@@ -262,7 +296,7 @@ impl State {
         Ok(id)
     }
 
-    /// A put or get staged through a pinned host window of the request's own.
+    /// A put or get staged through a pinned host window (one the worker kept, or a new one).
     #[allow(clippy::too_many_arguments)]
     fn rma_staged(
         &mut self,
@@ -282,41 +316,39 @@ impl State {
         self.copy_not_demoted(cmd, MemoryType::Host, None)?;
         let (gpu_guard, gpu_key) = self.copy_key(addr, len, local.mem, local.dev)?;
         let frag = self.frag.max(1);
-        let window = len.min(frag.saturating_mul(STAGED_FRAGS)).max(1);
-        let mut mem = Vec::new();
-        mem.try_reserve_exact(window).map_err(|e| {
-            Error::NoMemory(format!(
-                "{window} bytes of staging for a {} of GPU memory (RUCX_RNDV_FRAG_SIZE x \
-                 {STAGED_FRAGS}): {e}",
-                if put { "put" } else { "get" }
-            ))
-        })?;
-        mem.resize(window, 0);
-        let buf = StagingBuf(mem);
-        let base = buf.0.as_ptr() as usize;
-        let host = MemRegion::host(base, window);
-        // Registered for this request alone; the handles are dropped (with the request)
-        // before the memory, which is kept whenever operations are still in flight then.
-        let copy_memh = self
-            .ctx
-            .register_uncached(cmd, host)?
-            .registration()
-            .clone();
+        let mut win = match self.rma_windows.pop() {
+            Some(w) => w,
+            None => self.new_rma_window(cmd, frag.saturating_mul(STAGED_FRAGS), put)?,
+        };
         let md = self.slots[lane].md;
-        let lane_memh = self.ctx.register_uncached(md, host)?.registration().clone();
+        let lane_memh = match win.lane_memh.iter().find(|(m, _)| *m == md) {
+            Some((_, h)) => h.clone(),
+            None => {
+                let host = MemRegion::host(win.base(), win.len);
+                // Kept with the window: the handle is dropped before the window's memory.
+                match self.ctx.register_uncached(md, host) {
+                    Ok(g) => {
+                        let h = g.registration().clone();
+                        win.lane_memh.push((md, h.clone()));
+                        h
+                    }
+                    Err(e) => {
+                        self.keep_rma_window(win);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let nslots = len.div_ceil(frag).min(win.len / frag).max(1);
         let staged = StagedRma {
             gpu_key,
-            copy_memh,
             lane_memh,
             frag,
-            window,
-            wave_start: 0,
-            wave_end: window.min(len),
-            phase: 0,
-            cursor: 0,
-            waiting: false,
+            slots: vec![SlotState::Free; nslots],
+            next: 0,
+            done: 0,
             inflight: 0,
-            buf: Some(buf),
+            win: Some(win),
         };
         let id = self.new_rma(
             p,
@@ -330,6 +362,48 @@ impl State {
         );
         self.reqs.get_mut(&id).expect("req").guards.push(gpu_guard);
         Ok(id)
+    }
+
+    /// A pinned window of `len` bytes registered with copy domain `cmd`.
+    pub(crate) fn new_rma_window(
+        &mut self,
+        cmd: usize,
+        len: usize,
+        put: bool,
+    ) -> Result<RmaWindow> {
+        let len = len.max(1);
+        let mut mem = Vec::new();
+        mem.try_reserve_exact(len).map_err(|e| {
+            Error::NoMemory(format!(
+                "{len} bytes of staging for a {} of GPU memory (RUCX_RNDV_FRAG_SIZE x \
+                 {STAGED_FRAGS}): {e}",
+                if put { "put" } else { "get" }
+            ))
+        })?;
+        mem.resize(len, 0);
+        let buf = StagingBuf(mem);
+        let host = MemRegion::host(buf.0.as_ptr() as usize, len);
+        // Kept with the window, whose memory is freed after its handles (field order).
+        let copy_memh = self
+            .ctx
+            .register_uncached(cmd, host)?
+            .registration()
+            .clone();
+        self.count("staged put/get window made");
+        Ok(RmaWindow {
+            copy_memh,
+            lane_memh: Vec::new(),
+            len,
+            buf,
+        })
+    }
+
+    /// Give a window back to the worker for the next staged request (or free it when the
+    /// worker keeps enough).
+    pub(crate) fn keep_rma_window(&mut self, w: RmaWindow) {
+        if self.rma_windows.len() < POOLED_WINDOWS {
+            self.rma_windows.push(w);
+        }
     }
 
     pub(crate) fn post_flush(&mut self, p: usize) -> Result<u64> {
@@ -476,19 +550,18 @@ impl State {
 }
 
 impl State {
-    /// Post the operations of a staged put or get, wave after wave; `Ok(false)`: a transport
-    /// pushed back (call again after progress).
+    /// Post what a staged put or get can post now: the second operation of every fragment
+    /// whose first one finished, then the first operation of new fragments into free slots;
+    /// `Ok(false)`: a transport pushed back (call again after progress).
     fn stream_staged(&mut self, id: u64) -> Result<bool> {
         loop {
             let Some(Req {
                 kind: ReqKind::Rma(rm),
-                outstanding,
                 ..
             }) = self.reqs.get_mut(&id)
             else {
                 return Ok(true);
             };
-            let outstanding = *outstanding;
             let (p, lane, addr, remote, len, put) = (
                 rm.peer,
                 rm.lane,
@@ -499,112 +572,161 @@ impl State {
             );
             let key = rm.key.clone().expect("rma key");
             let sg = rm.staged.as_mut().expect("staged");
-            if sg.wave_start >= len {
-                rm.posted = usize::MAX;
-                if outstanding == 0 {
-                    self.finish(
-                        id,
-                        Ok(Completion {
-                            len,
-                            tag: 0,
-                            sender: None,
-                        }),
-                    );
-                }
+            if sg.done >= len {
+                self.finish_staged(id);
                 return Ok(true);
             }
-            let (wave_start, wave_end, frag, phase) =
-                (sg.wave_start, sg.wave_end, sg.frag, sg.phase);
-            let gpu_key = sg.gpu_key.clone();
-            let copy_memh = sg.copy_memh.clone();
-            let lane_memh = sg.lane_memh.clone();
-            let base = copy_memh.region().addr;
-            let mut cursor = sg.cursor;
-            // Put: out of the GPU, then to the peer. Get: from the peer, then into the GPU.
-            let on_copy_lane = put == (phase == 0);
-            while wave_start + cursor < wave_end {
-                let off = wave_start + cursor;
-                let n = frag.min(wave_end - off);
-                let at = base + cursor;
-                let posted = if on_copy_lane {
-                    let iov = [Iov {
-                        addr: at,
-                        len: n,
-                        memh: &copy_memh,
-                    }];
-                    let gpu_at = (addr + off) as u64;
-                    self.post_copy(id, |ep, t| {
-                        if put {
-                            ep.get_zcopy(&iov, gpu_at, &gpu_key, t)
-                        } else {
-                            ep.put_zcopy(&iov, gpu_at, &gpu_key, t)
-                        }
-                    })?
-                } else {
-                    let iov = [Iov {
-                        addr: at,
-                        len: n,
-                        memh: &lane_memh,
-                    }];
-                    let r_at = remote + off as u64;
-                    self.post_counted(id, p, lane, |ep, t| {
-                        if put {
-                            ep.put_zcopy(&iov, r_at, &key, t)
-                        } else {
-                            ep.get_zcopy(&iov, r_at, &key, t)
-                        }
-                    })?
-                };
-                self.mirror_inflight(id);
-                if !posted {
-                    self.with_staged(id, |sg| sg.cursor = cursor);
-                    return Ok(false);
-                }
-                cursor += n;
-            }
-            let Some(r) = self.reqs.get_mut(&id) else {
-                return Ok(true);
-            };
-            let outstanding = r.outstanding;
-            let ReqKind::Rma(RmaState {
-                staged: Some(sg), ..
-            }) = &mut r.kind
+            // One operation per pass: the first slot with something to post.
+            let Some((k, second, off, n)) = sg
+                .slots
+                .iter()
+                .enumerate()
+                .find_map(|(k, s)| match *s {
+                    SlotState::Ready { off, n } => Some((k, true, off, n)),
+                    _ => None,
+                })
+                .or_else(|| {
+                    let k = sg.slots.iter().position(|s| *s == SlotState::Free)?;
+                    (sg.next < len).then(|| (k, false, sg.next, sg.frag.min(len - sg.next)))
+                })
             else {
+                // Everything possible is in flight: completions step the request on.
                 return Ok(true);
             };
-            sg.cursor = cursor;
-            if outstanding > 0 {
-                // The completions of this phase step the request on (`on_staged_done`).
-                sg.waiting = true;
-                return Ok(true);
+            let win = sg.win.as_ref().expect("window of a staged request");
+            let at = win.base() + k * sg.frag;
+            let copy_memh = win.copy_memh.clone();
+            let lane_memh = sg.lane_memh.clone();
+            let gpu_key = sg.gpu_key.clone();
+            // Put: out of the GPU, then to the peer. Get: from the peer, then into the GPU.
+            let on_copy_lane = put != second;
+            let token = self.next_token;
+            let posted = if on_copy_lane {
+                let iov = [Iov {
+                    addr: at,
+                    len: n,
+                    memh: &copy_memh,
+                }];
+                let gpu_at = (addr + off) as u64;
+                self.post_copy(id, |ep, t| {
+                    if put {
+                        ep.get_zcopy(&iov, gpu_at, &gpu_key, t)
+                    } else {
+                        ep.put_zcopy(&iov, gpu_at, &gpu_key, t)
+                    }
+                })?
+            } else {
+                let iov = [Iov {
+                    addr: at,
+                    len: n,
+                    memh: &lane_memh,
+                }];
+                let r_at = remote + off as u64;
+                self.post_counted(id, p, lane, |ep, t| {
+                    if put {
+                        ep.put_zcopy(&iov, r_at, &key, t)
+                    } else {
+                        ep.get_zcopy(&iov, r_at, &key, t)
+                    }
+                })?
+            };
+            self.mirror_inflight(id);
+            if !posted {
+                return Ok(false);
             }
-            sg.advance(len);
+            // Finished at once (no token kept), or in flight until its completion.
+            let in_flight = self.tokens.contains_key(&token);
+            let Some(sg) = self.staged_mut(id) else {
+                return Ok(true);
+            };
+            if !second {
+                sg.next = off + n;
+            }
+            sg.slots[k] = match (second, in_flight) {
+                (false, true) => SlotState::First { off, n, token },
+                (false, false) => SlotState::Ready { off, n },
+                (true, true) => SlotState::Second { off, n, token },
+                (true, false) => {
+                    sg.done += n;
+                    SlotState::Free
+                }
+            };
         }
     }
 
-    /// Every operation of the current phase of staged request `id` completed: step it on.
-    pub(crate) fn on_staged_done(&mut self, id: u64) {
+    /// An operation of staged request `id` completed (successfully): step the slots whose
+    /// operation is no longer in flight on, and post what that allows.
+    pub(crate) fn on_staged_op(&mut self, id: u64) {
+        let tokens = &self.tokens;
         let p = match self.reqs.get_mut(&id) {
             Some(Req {
                 kind:
                     ReqKind::Rma(RmaState {
                         staged: Some(sg),
                         peer,
-                        len,
                         ..
                     }),
                 result: None,
-                outstanding: 0,
                 ..
-            }) if sg.waiting => {
-                sg.waiting = false;
-                sg.advance(*len);
+            }) => {
+                for s in sg.slots.iter_mut() {
+                    match *s {
+                        SlotState::First { off, n, token } if !tokens.contains_key(&token) => {
+                            *s = SlotState::Ready { off, n };
+                        }
+                        SlotState::Second { n, token, .. } if !tokens.contains_key(&token) => {
+                            sg.done += n;
+                            *s = SlotState::Free;
+                        }
+                        _ => {}
+                    }
+                }
                 *peer
             }
             _ => return,
         };
         self.peers[p].queue.push_back(Pending::Stream(id));
         self.pump(p);
+    }
+
+    /// Every byte of staged request `id` went through: hand its window back and complete it.
+    fn finish_staged(&mut self, id: u64) {
+        let Some(Req {
+            kind: ReqKind::Rma(rm),
+            outstanding: 0,
+            result: None,
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return;
+        };
+        rm.posted = usize::MAX;
+        let len = rm.len;
+        let win = rm.staged.as_mut().and_then(|sg| sg.win.take());
+        if let Some(w) = win {
+            self.keep_rma_window(w);
+        }
+        self.finish(
+            id,
+            Ok(Completion {
+                len,
+                tag: 0,
+                sender: None,
+            }),
+        );
+    }
+
+    fn staged_mut(&mut self, id: u64) -> Option<&mut StagedRma> {
+        match self.reqs.get_mut(&id) {
+            Some(Req {
+                kind:
+                    ReqKind::Rma(RmaState {
+                        staged: Some(sg), ..
+                    }),
+                ..
+            }) => Some(sg),
+            _ => None,
+        }
     }
 
     /// Keep a staged request's count of operations in flight equal to its `outstanding`.
@@ -618,18 +740,6 @@ impl State {
         }) = self.reqs.get_mut(&id)
         {
             sg.inflight = *outstanding;
-        }
-    }
-
-    fn with_staged(&mut self, id: u64, f: impl FnOnce(&mut StagedRma)) {
-        if let Some(Req {
-            kind: ReqKind::Rma(RmaState {
-                staged: Some(sg), ..
-            }),
-            ..
-        }) = self.reqs.get_mut(&id)
-        {
-            f(sg);
         }
     }
 
@@ -652,20 +762,6 @@ impl State {
             }
             Err(e) if e.is_retryable() => Ok(false),
             Err(e) => Err(e),
-        }
-    }
-}
-
-impl StagedRma {
-    /// The phase is done: on to the second phase, or to the next wave.
-    fn advance(&mut self, len: usize) {
-        self.cursor = 0;
-        if self.phase == 0 {
-            self.phase = 1;
-        } else {
-            self.phase = 0;
-            self.wave_start = self.wave_end;
-            self.wave_end = (self.wave_start + self.window).min(len);
         }
     }
 }

@@ -291,6 +291,7 @@ impl Worker {
                 closing: false,
                 copy,
                 staging: None,
+                rma_windows: Vec::new(),
                 staging_ahead: None,
                 staging_ahead_wanted,
                 stage_count,

@@ -104,6 +104,14 @@ impl State {
                 ..
             }) => self.stream_send(id),
             Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        proto: RecvProto::Landing(_),
+                        ..
+                    }),
+                ..
+            }) => self.pump_landing(id),
+            Some(Req {
                 kind: ReqKind::Recv(_),
                 ..
             }) => self.stream_get(id),
@@ -227,6 +235,13 @@ impl State {
             sg.inflight = r.outstanding;
         }
         if let ReqKind::Recv(RecvState {
+            proto: RecvProto::Landing(l),
+            ..
+        }) = &mut r.kind
+        {
+            l.inflight = r.outstanding;
+        }
+        if let ReqKind::Recv(RecvState {
             proto: RecvProto::Rndv(rv),
             ..
         }) = &r.kind
@@ -256,13 +271,27 @@ impl State {
             self.fail(id, e);
             return;
         }
+        if let ReqKind::Recv(RecvState {
+            proto: RecvProto::Landing(_),
+            ..
+        }) = &r.kind
+        {
+            // A GPU stream receive's copies to the GPU: each completion frees a slot.
+            self.on_landing_op(id);
+            return;
+        }
+        if let ReqKind::Rma(RmaState {
+            staged: Some(_), ..
+        }) = &r.kind
+        {
+            // Pipelined fragments: every completion frees or advances a slot.
+            self.on_staged_op(id);
+            return;
+        }
         if r.outstanding > 0 || r.result.is_some() {
             return;
         }
         match &r.kind {
-            ReqKind::Rma(rm) if rm.staged.is_some() && rm.posted != usize::MAX => {
-                self.on_staged_done(id);
-            }
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;
                 self.finish(

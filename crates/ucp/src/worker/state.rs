@@ -355,6 +355,9 @@ pub(crate) enum RecvProto {
     /// fills `bounce`, a host buffer of the receive's size, copied to the GPU buffer (by the
     /// copy lane, registered in `dev_memh`) once full.
     Stream { bounce: Option<Vec<u8>> },
+    /// A full stream receive into GPU memory whose host bytes are being copied on to the GPU
+    /// through pinned staging slots (`proto/memcopy.rs`); completes when every copy finished.
+    Landing(Box<crate::proto::memcopy::Landing>),
     /// A rendezvous: read, written, streamed or split, or (GPU memory) read in staged chunks.
     Rndv(Box<RndvRecv>),
 }
@@ -500,6 +503,8 @@ pub(crate) struct State {
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
     pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,
     pub(crate) staging: Option<Staging>,
+    /// Pinned windows kept for the next staged puts and gets (`proto/rma.rs`).
+    pub(crate) rma_windows: Vec<crate::proto::rma::RmaWindow>,
     /// The staging being made ahead by a helper thread (`RUCX_RNDV_STAGING_AHEAD`), taken by
     /// the first transfer that needs staging.
     pub(crate) staging_ahead: Option<crate::proto::gpu::staging::StagingAhead>,

@@ -37,8 +37,11 @@ impl State {
             return Ok(true);
         }
         let mut off = rv.posted;
-        // GPU zero-copy lanes move the whole buffer in one operation; host lanes in fragments.
-        let frag = if matches!(&r.kind, ReqKind::Recv(rs) if rs.mem.is_gpu()) {
+        // GPU zero-copy lanes move the whole buffer in one operation (into GPU memory, or out
+        // of a GPU sender's buffer into host memory through an accelerator lane); host lanes in
+        // fragments.
+        let accel = self.slots[lane].attr.dev_type == rucx_uct::DeviceType::Accelerator;
+        let frag = if accel || matches!(&r.kind, ReqKind::Recv(rs) if rs.mem.is_gpu()) {
             usize::MAX
         } else {
             self.frag
