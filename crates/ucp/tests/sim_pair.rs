@@ -124,6 +124,52 @@ fn staging_made_ahead_on_a_helper_thread_carries_the_pipeline() {
 }
 
 #[test]
+fn staging_offered_ahead_is_mapped_before_the_first_staged_transfer() {
+    let ahead: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "16K"),
+        ("RUCX_RNDV_FRAG_SIZE", "256K"),
+        ("RUCX_RNDV_STAGING_AHEAD", "y"),
+    ];
+    let pair = Pair::new(FabricSpec::gpu().ipc(false), [ahead, ahead]);
+    // A small device message each way: both workers meet GPU memory and make staging ahead.
+    for from in [0, 1] {
+        let sbuf = Buf::filled(&pair.fabric, 64, Mem::Device(from as u32), 7);
+        let mut rbuf = Buf::new(&pair.fabric, 64, Mem::Device(1 - from as u32));
+        pair.transfer(from, &sbuf, &mut rbuf, 5, false).expect_ok();
+    }
+    // Once a staging is ready, it is offered; the peer registers it on a helper thread.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        pair.step();
+        let c: Vec<_> = pair.w.iter().map(|w| w.counters()).collect();
+        if c.iter().all(|c| {
+            c.contains_key("staging offered") && c.contains_key("peer staging registered ahead")
+        }) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no offers: {c:?}");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // The first staged transfer finds the mapping registered (every byte checked).
+    let sbuf = Buf::filled(&pair.fabric, (4 << 20) + 3, Mem::Device(0), 9);
+    let mut rbuf = Buf::new(&pair.fabric, (4 << 20) + 3, Mem::Device(1));
+    pair.transfer(0, &sbuf, &mut rbuf, 6, false).expect_ok();
+    pair.assert_ran(1, "rendezvous receive pipelined through host staging");
+    pair.assert_ran(1, "peer staging mapped ahead");
+    // Host-only peers are offered nothing.
+    let host = Pair::new(FabricSpec::gpu().ipc(false), [ahead, ahead]);
+    exchange_sizes(&host, 0, [Mem::Host, Mem::Host], false);
+    for w in &host.w {
+        assert!(
+            !w.counters().contains_key("staging offered"),
+            "{:?}",
+            w.counters()
+        );
+    }
+    pair.check_clean();
+}
+
+#[test]
 fn gpu_memory_every_combination() {
     for delivery in [
         Delivery::InOrder,

@@ -87,6 +87,12 @@ pub const AM_EAGER_ABORT: AmId = 21;
 /// receiving side.
 pub const AM_USER_RTS: AmId = 22;
 
+/// A sender's GPU staging is ready: src, then its named key (one). A receiver on the same host
+/// that moves GPU memory maps and registers the staging with its copy lane ahead, off the
+/// path of the first staged transfer (registering 64 MiB took 6-9 ms on an H200 host). A
+/// receiver that cannot map it, or has no GPU traffic, ignores it.
+pub const AM_STAGING_OFFER: AmId = 23;
+
 /// Longest reason an abort message carries (longer ones are cut at a character boundary).
 pub const MAX_ABORT_REASON: usize = 1024;
 
@@ -225,6 +231,8 @@ pub enum Msg<'a> {
         header: &'a [u8],
         data: &'a [u8],
     },
+    /// A sender's GPU staging, offered for mapping ahead.
+    StagingOffer { src: u64, key: NamedKey },
     /// Request to send of a user active message (its payload fetched by the handler).
     AmRts {
         src: u64,
@@ -265,6 +273,7 @@ impl Msg<'_> {
             Msg::Disconnect { .. } => AM_DISCONNECT,
             Msg::User { .. } => AM_USER,
             Msg::AmRts { .. } => AM_USER_RTS,
+            Msg::StagingOffer { .. } => AM_STAGING_OFFER,
         }
     }
 
@@ -349,6 +358,10 @@ impl Msg<'_> {
                 frag,
                 len,
             } => put_u64s(out, &[*src, *sreq, *frag, *len]),
+            Msg::StagingOffer { src, key } => {
+                put_u64s(out, &[*src]);
+                put_keys(out, std::slice::from_ref(key));
+            }
             Msg::Ats { src, sreq, ok } => {
                 put_u64s(out, &[*src, *sreq]);
                 out.push(u8::from(*ok));
@@ -733,6 +746,20 @@ pub fn parse(id: AmId, data: &[u8]) -> Result<Msg<'_>> {
                     addr,
                     frag,
                     key,
+                }
+            }
+            AM_STAGING_OFFER => {
+                let src = r.u64()?;
+                let mut k = keys(&mut r)?;
+                r.finish()?;
+                if k.len() != 1 {
+                    return Err(Error::InvalidAddress(
+                        "a staging offer carries exactly one key".into(),
+                    ));
+                }
+                Msg::StagingOffer {
+                    src,
+                    key: k.remove(0),
                 }
             }
             AM_RNDV_FRAG_ACK => {

@@ -231,6 +231,7 @@ fn arb_msg() -> impl Strategy<Value = Msg<'static>> {
                 key
             }
         ),
+        (u(), arb_key()).prop_map(|(src, key)| Msg::StagingOffer { src, key }),
         (u(), u(), u(), u()).prop_map(|(src, sreq, frag, len)| Msg::FragAck {
             src,
             sreq,
@@ -339,7 +340,7 @@ proptest! {
     }
 
     #[test]
-    fn garbage_is_an_error_not_a_panic(id in 0u8..22, g in proptest::collection::vec(any::<u8>(), 0..80)) {
+    fn garbage_is_an_error_not_a_panic(id in 0u8..24, g in proptest::collection::vec(any::<u8>(), 0..80)) {
         let _ = parse(id, &g);
     }
 }

@@ -199,6 +199,10 @@ impl State {
                 let _ = self.src_peer(src)?;
                 self.on_frag_ack(sreq, frag as usize, len as usize);
             }
+            Msg::StagingOffer { src, key } => {
+                let _ = self.src_peer(src)?;
+                self.on_staging_offer(key);
+            }
             Msg::Cancel { src, sreq, step } => {
                 let p = self.src_peer(src)?;
                 self.on_cancel(p, sreq, step);

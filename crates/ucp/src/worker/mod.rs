@@ -295,6 +295,9 @@ impl Worker {
                 stage_count,
                 done_q: VecDeque::new(),
                 mapped: FxHashMap::default(),
+                mapping_ahead: Vec::new(),
+                offers_held: Vec::new(),
+                staging_offered: Default::default(),
                 keepalive: liveness::Keepalive::from_config(cfg),
                 msg_alloc: alloc::MsgAlloc::default(),
                 owned: owned::Registry::default(),
@@ -393,6 +396,10 @@ impl Worker {
             // Same-host peers' processes: a counter per call, the clock once in a while.
             if st.procs.tick() {
                 st.check_procs(Instant::now());
+            }
+            // Staging a helper thread made: taken in (and offered to peers) once ready.
+            if st.staging_ahead.as_ref().is_some_and(|h| h.is_finished()) {
+                st.take_staging_ahead();
             }
             // Peer liveness: a counter per call, the clock once in a while.
             if let Some(ka) = &mut st.keepalive {

@@ -88,6 +88,7 @@ impl State {
         .encode();
         self.peers[p].queue.push_front(Pending::Ctrl { id, bytes });
         self.refresh_plan(p);
+        self.offer_staging(p);
         Ok(())
     }
 
@@ -153,6 +154,7 @@ impl State {
         {
             self.staging_ahead = crate::proto::gpu::staging::StagingMem::ahead(&self.ctx, mi, len);
             self.count("staging ahead started");
+            self.take_held_offers();
         }
     }
 

@@ -381,6 +381,12 @@ pub(crate) struct State {
     pub(crate) done_q: VecDeque<(Tok, Result<()>)>,
     /// Peers' shared staging mapped here, registered with the copy lane, by local base.
     pub(crate) mapped: FxHashMap<usize, MemHandle>,
+    /// Peers' offered staging being registered by helper threads (`proto/gpu/offer.rs`).
+    pub(crate) mapping_ahead: Vec<crate::proto::gpu::offer::MappingAhead>,
+    /// Peers' staging offers received before this worker met GPU memory.
+    pub(crate) offers_held: Vec<crate::wire::NamedKey>,
+    /// Peers this worker's staging was offered to.
+    pub(crate) staging_offered: rustc_hash::FxHashSet<usize>,
     /// The peer timeout (`RUCX_PEER_TIMEOUT`), unless it is inf.
     pub(crate) keepalive: Option<liveness::Keepalive>,
     /// How buffers sized by a message are allocated (fallibly).

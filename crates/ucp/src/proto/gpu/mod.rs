@@ -3,6 +3,7 @@
 //! staging and copy-lane registrations they share, and host-to-GPU remote writes.
 
 mod bounce;
+pub(crate) mod offer;
 mod pipeline_recv;
 mod pipeline_send;
 mod recv;

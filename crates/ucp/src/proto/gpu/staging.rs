@@ -164,10 +164,16 @@ impl StagingMem {
         // Registered for the staging alone (not cached: the memory goes with the worker). `mem`
         // (or the shared allocation) is stored after this handle (fields drop in order), so
         // the memory outlives the registration; it is never resized.
+        let t = std::time::Instant::now();
         let copy_memh = ctx
             .register_uncached(mi, MemRegion::host(base, len))?
             .registration()
             .clone();
+        tracing::debug!(
+            "staging: {len} bytes registered with {} in {:.3} ms",
+            ctx.domain(mi).name(),
+            t.elapsed().as_secs_f64() * 1e3
+        );
         Ok(StagingMem {
             copy_memh,
             base,
@@ -256,6 +262,16 @@ impl State {
 
     /// The pinned staging fragments, made on first use.
     pub(crate) fn ensure_staging(&mut self) -> Result<()> {
+        self.staging_from(true)
+    }
+
+    /// Take in the staging a helper thread made; when it failed, leave the making to the
+    /// first transfer that needs it (never page-locks from the progress loop).
+    pub(crate) fn staging_from_helper(&mut self) -> Result<()> {
+        self.staging_from(false)
+    }
+
+    fn staging_from(&mut self, or_make: bool) -> Result<()> {
         if self.staging.is_some() {
             return Ok(());
         }
@@ -268,7 +284,15 @@ impl State {
         let total = self.frag * count * 2;
         // Made ahead by a helper thread when the worker started (see `StagingMem::ahead`);
         // made here when that was not asked for or failed.
-        let ahead = match self.staging_ahead.take().map(|h| h.join()) {
+        let t = std::time::Instant::now();
+        let ahead = self.staging_ahead.take().map(|h| h.join());
+        if ahead.is_some() {
+            tracing::debug!(
+                "staging: waited {:.3} ms for the helper thread",
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        let ahead = match ahead {
             Some(Ok(Ok(m))) if m.len == total => Some(m),
             Some(Ok(Err(e))) => {
                 tracing::debug!("staging made ahead failed ({e}); making it now");
@@ -287,7 +311,8 @@ impl State {
                 self.count("staging made ahead");
                 m
             }
-            None => StagingMem::make(&self.ctx, mi, total)?,
+            None if or_make => StagingMem::make(&self.ctx, mi, total)?,
+            None => return Ok(()),
         };
         self.staging = Some(Staging {
             copy_memh,
@@ -299,6 +324,8 @@ impl State {
             shared,
             _mem: mem,
         });
+        self.offer_staging_all();
+        self.take_held_offers();
         Ok(())
     }
 
@@ -357,6 +384,13 @@ impl State {
                 return None;
             }
         };
+        if !self.mapping_ahead.is_empty()
+            && !self.mapped.contains_key(&base)
+            && let Some(h) = self.mapping_made_ahead(base)
+        {
+            self.count("peer staging mapped ahead");
+            self.mapped.insert(base, h);
+        }
         let memh = match self.mapped.get(&base) {
             Some(h) => h.clone(),
             None => {
@@ -365,12 +399,18 @@ impl State {
                 // Registered for this mapping alone (not cached): the domain keeps the peer's
                 // segment mapped until it is dropped, which is after this worker (the context
                 // outlives its workers), and the mapping covers the key's whole region.
+                let t = std::time::Instant::now();
                 let h = self
                     .ctx
                     .register_uncached(cmd, MemRegion::host(base, rkey.len() as usize))
                     .map(|g| g.registration().clone());
                 match h {
                     Ok(h) => {
+                        tracing::debug!(
+                            "staging: the peer's {} bytes mapped and registered in {:.3} ms",
+                            rkey.len(),
+                            t.elapsed().as_secs_f64() * 1e3
+                        );
                         self.mapped.insert(base, h.clone());
                         h
                     }
