@@ -64,6 +64,78 @@ pub fn signal_fd(fd: RawFd) {
     let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), std::mem::size_of::<u64>()) };
 }
 
+/// A one-shot timer descriptor (Linux timerfd on `CLOCK_MONOTONIC`, the clock of
+/// [`std::time::Instant`]; non-blocking, close-on-exec): readable from its expiry until it is
+/// drained or set again. A sleeper that needs to wake for timers now and then watches it next
+/// to its other descriptors and sets it once per period, instead of giving every sleep a
+/// timeout (a kernel timer armed and cancelled per sleep).
+#[derive(Debug)]
+pub struct TimerFd {
+    fd: OwnedFd,
+}
+
+impl TimerFd {
+    /// A new timer, not set (never readable until [`set`](Self::set)).
+    pub fn new() -> io::Result<TimerFd> {
+        // SAFETY: plain system call with valid arguments; the result is checked before use.
+        let fd = unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by timerfd_create and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(TimerFd { fd })
+    }
+
+    /// The descriptor to poll.
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Expire once, `after` from now (at least a nanosecond), replacing an earlier setting;
+    /// an expiry not yet drained is forgotten (the descriptor is idle until the new one).
+    pub fn set(&self, after: Duration) -> io::Result<()> {
+        let after = after.max(Duration::from_nanos(1));
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: libc::time_t::try_from(after.as_secs()).unwrap_or(libc::time_t::MAX),
+                tv_nsec: after.subsec_nanos() as libc::c_long,
+            },
+        };
+        // SAFETY: `spec` is a valid itimerspec the kernel copies; the old value is not asked
+        // for (null); the descriptor is ours.
+        let rc =
+            unsafe { libc::timerfd_settime(self.fd.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Consume an expiry: whether the timer had expired (the descriptor is idle afterwards).
+    pub fn drain(&self) -> bool {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a local u64 from a descriptor we own; non-blocking.
+        let n = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut v as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        n == 8
+    }
+}
+
 /// An epoll set (level triggered) whose own descriptor is readable while any descriptor added
 /// to it is: several event sources become one.
 #[derive(Debug)]
@@ -165,6 +237,24 @@ mod tests {
         assert!(e.drain());
         assert!(!e.drain(), "one drain resets the counter");
         assert!(!set.wait(Some(Duration::ZERO)).unwrap());
+    }
+
+    #[test]
+    fn a_timer_is_idle_until_set_readable_after_its_expiry_and_idle_when_drained_or_set_again() {
+        let t = TimerFd::new().unwrap();
+        assert!(!wait_readable(t.fd(), Some(Duration::ZERO)).unwrap());
+        assert!(!t.drain());
+        t.set(Duration::from_millis(5)).unwrap();
+        // Ends the wait without a limit of its own (a failure hangs rather than passes).
+        assert!(wait_readable(t.fd(), None).unwrap());
+        assert!(t.drain());
+        assert!(!wait_readable(t.fd(), Some(Duration::ZERO)).unwrap());
+        // Expired, not drained: setting it again forgets that expiry.
+        t.set(Duration::from_nanos(1)).unwrap();
+        assert!(wait_readable(t.fd(), None).unwrap());
+        t.set(Duration::from_secs(3600)).unwrap();
+        assert!(!wait_readable(t.fd(), Some(Duration::ZERO)).unwrap());
+        assert!(!t.drain());
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 /// Connections that need the interface's attention although their socket may have no event:
 /// an endpoint queued output, failed it or went away. Shared by the interface and every
@@ -109,28 +110,17 @@ impl Epoll {
         self.fd.as_raw_fd()
     }
 
-    /// Whether a watched socket is ready now (nothing is consumed: level triggered).
-    pub(crate) fn any_ready(&self) -> bool {
-        let mut p = libc::pollfd {
-            fd: self.fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one initialized pollfd that lives across the call; timeout 0.
-        let rc = unsafe { libc::poll(&mut p, 1, 0) };
-        rc != 0
-    }
-
-    /// The ready descriptors now, without waiting: `(key, events)`. An error (EINTR) reads as
-    /// nothing ready; the next call asks again.
-    pub(crate) fn wait(&mut self) -> impl Iterator<Item = (u64, u32)> + '_ {
-        // SAFETY: `buf` holds EPOLL_BATCH initialized events and outlives the call; timeout 0.
+    /// The ready descriptors, waiting up to `timeout_ms` milliseconds (0: not at all) for
+    /// one: `(key, events)`. An error (EINTR) reads as nothing ready; the next call asks
+    /// again.
+    pub(crate) fn wait(&mut self, timeout_ms: i32) -> impl Iterator<Item = (u64, u32)> + '_ {
+        // SAFETY: `buf` holds EPOLL_BATCH initialized events and outlives the call.
         let n = unsafe {
             libc::epoll_wait(
                 self.fd.as_raw_fd(),
                 self.buf.as_mut_ptr(),
                 EPOLL_BATCH as i32,
-                0,
+                timeout_ms,
             )
         };
         let n = usize::try_from(n).unwrap_or(0);
@@ -154,7 +144,12 @@ pub(crate) struct Watch {
     keys: Vec<u64>,
     /// Index in `pollfds` by key, for keys below `u32::MAX` (slot indices).
     pos: Vec<usize>,
+    /// The caller's timer (see `watch_timer`), in the epoll set only.
+    timer: Option<RawFd>,
 }
+
+/// Epoll key of the caller's timer; never reported.
+const TIMER_KEY: u64 = u64::MAX - 1;
 
 /// At most this many sockets are polled with `poll(2)`; more go through `epoll_wait`.
 pub(crate) const POLL_MAX: usize = 8;
@@ -195,6 +190,7 @@ impl Watch {
             pollfds: Vec::new(),
             keys: Vec::new(),
             pos: Vec::new(),
+            timer: None,
         })
     }
 
@@ -252,18 +248,12 @@ impl Watch {
         self.epoll.fd()
     }
 
-    /// Whether a watched socket is ready now (an error of the check reads as ready).
-    pub(crate) fn any_ready(&self) -> bool {
-        self.epoll.any_ready()
-    }
-
     /// Report every ready socket now, without waiting: `f(key, epoll events)`. An error
-    /// (EINTR) reads as nothing ready; the next call asks again.
-    pub(crate) fn wait(&mut self, mut f: impl FnMut(u64, u32)) {
-        if self.pollfds.len() > POLL_MAX {
-            for (key, ev) in self.epoll.wait() {
-                f(key, ev);
-            }
+    /// (EINTR) reads as nothing ready; the next call asks again. `epoll` asks epoll whatever
+    /// the number of sockets (a caller that sleeps between messages: see `TcpIface`).
+    pub(crate) fn wait(&mut self, epoll: bool, mut f: impl FnMut(u64, u32)) {
+        if epoll || self.pollfds.len() > POLL_MAX {
+            self.sleep(Some(Duration::ZERO), f);
             return;
         }
         // SAFETY: `pollfds` is an initialized array of `len` pollfd structures that lives
@@ -284,6 +274,36 @@ impl Watch {
             }
         }
     }
+
+    /// Sleep until a watched socket is ready, the timer (`watch_timer`) expired, or
+    /// `timeout` passed (`None`: no limit; rounded up to whole milliseconds), then report the
+    /// ready sockets as [`wait`](Self::wait) does: one `epoll_wait`, whatever the number of
+    /// sockets. Level triggered: a socket that was ready before the call ends it at once. An
+    /// interrupted sleep reports nothing.
+    pub(crate) fn sleep(&mut self, timeout: Option<Duration>, mut f: impl FnMut(u64, u32)) {
+        let ms = timeout.map_or(-1, |t| {
+            i32::try_from(t.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
+        });
+        for (key, ev) in self.epoll.wait(ms) {
+            if key != TIMER_KEY {
+                f(key, ev);
+            }
+        }
+    }
+
+    /// Also end sleeps when `fd` (a timer of the caller's that it keeps open and re-arms)
+    /// becomes readable: watched by epoll alone and edge triggered, so each expiry ends one
+    /// sleep (or is consumed by a check that finds nothing) and is never read here. Watching
+    /// the same descriptor again does nothing; a different one is added next to it (a closed
+    /// descriptor leaves the set by itself).
+    pub(crate) fn watch_timer(&mut self, fd: RawFd) -> io::Result<()> {
+        if self.timer == Some(fd) {
+            return Ok(());
+        }
+        self.epoll.add(fd, IN | libc::EPOLLET as u32, TIMER_KEY)?;
+        self.timer = Some(fd);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -295,8 +315,12 @@ mod tests {
 
     fn ready(w: &mut Watch) -> Vec<(u64, u32)> {
         let mut v = Vec::new();
-        w.wait(|k, e| v.push((k, e)));
+        w.wait(false, |k, e| v.push((k, e)));
+        let mut e = Vec::new();
+        w.wait(true, |k, ev| e.push((k, ev)));
+        e.sort_unstable();
         v.sort_unstable();
+        assert_eq!(v, e, "poll and epoll disagree");
         v
     }
 
@@ -335,5 +359,73 @@ mod tests {
         w.modify(pairs[2].0.as_raw_fd(), IN, 2).unwrap();
         (&pairs[pairs.len() - 1].1).write_all(b"x").unwrap();
         assert_eq!(ready(&mut w), vec![(9, IN), ((pairs.len() - 1) as u64, IN)]);
+    }
+
+    /// A sleep names the sockets that are ready, ends at once when one is ready before it,
+    /// and ends when a socket becomes ready while it sleeps (level triggered: reporting does
+    /// not consume readiness).
+    #[test]
+    fn sleep_reports_what_is_ready_and_wakes_on_input() {
+        let mut w = Watch::new().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        let (c, _d) = UnixStream::pair().unwrap();
+        w.add(a.as_raw_fd(), IN, 1).unwrap();
+        w.add(c.as_raw_fd(), IN, 2).unwrap();
+        let slept = |w: &mut Watch, t: Duration| {
+            let mut v = Vec::new();
+            w.sleep(Some(t), |k, e| v.push((k, e)));
+            v
+        };
+        assert!(slept(&mut w, Duration::ZERO).is_empty());
+        (&b).write_all(b"x").unwrap();
+        assert_eq!(slept(&mut w, Duration::from_secs(60)), vec![(1, IN)]);
+        assert_eq!(slept(&mut w, Duration::from_secs(60)), vec![(1, IN)]);
+        let mut buf = [0u8; 1];
+        std::io::Read::read(&mut &a, &mut buf).unwrap();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            (&b).write_all(b"y").unwrap();
+            b
+        });
+        // Woken by the write, long before the limit (a failure would hang for a minute, not
+        // pass).
+        assert_eq!(slept(&mut w, Duration::from_secs(60)), vec![(1, IN)]);
+        drop(writer.join().unwrap());
+    }
+
+    /// The caller's timer ends a sleep without a limit once per expiry and is never reported;
+    /// checks (epoll) consume an expiry they meet, so it cannot keep a socket-less interface
+    /// looking busy.
+    #[test]
+    fn a_timer_ends_one_sleep_per_expiry_and_is_never_reported() {
+        let mut w = Watch::new().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        w.add(a.as_raw_fd(), IN, 3).unwrap();
+        let t = rucx_ucs::event::TimerFd::new().unwrap();
+        w.watch_timer(t.fd()).unwrap();
+        w.watch_timer(t.fd()).unwrap();
+        t.set(Duration::from_millis(5)).unwrap();
+        let mut got = Vec::new();
+        // No limit: only the timer can end it (a failure hangs rather than passes).
+        w.sleep(None, |k, e| got.push((k, e)));
+        assert!(got.is_empty(), "{got:?}");
+        let readable =
+            |w: &Watch| rucx_ucs::event::wait_readable(w.fd(), Some(Duration::ZERO)).unwrap();
+        // The expiry was consumed: the set is idle although the timer was never drained.
+        assert!(!readable(&w));
+        // An expiry that no sleep met is consumed by the next check, which reports nothing.
+        t.set(Duration::from_millis(1)).unwrap();
+        assert!(rucx_ucs::event::wait_readable(t.fd(), None).unwrap());
+        assert!(readable(&w), "the expiry is pending");
+        w.wait(true, |k, e| got.push((k, e)));
+        assert!(got.is_empty(), "{got:?}");
+        assert!(!readable(&w));
+        // Sockets are reported as before.
+        (&b).write_all(b"x").unwrap();
+        w.wait(true, |k, e| got.push((k, e)));
+        assert_eq!(got, vec![(3, IN)]);
+        got.clear();
+        w.sleep(Some(Duration::ZERO), |k, e| got.push((k, e)));
+        assert_eq!(got, vec![(3, IN)], "level triggered sockets stay ready");
     }
 }

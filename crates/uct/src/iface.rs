@@ -15,7 +15,9 @@
 //! 2. `arm()`: `Ok` means nothing is pending and the descriptor will become readable when
 //!    something arrives or completes; [`Error::Busy`] means events are pending (progress again,
 //!    go to 1);
-//! 3. `poll(2)` the descriptor (several interfaces' descriptors together, e.g. in one epoll);
+//! 3. `poll(2)` the descriptor (several interfaces' descriptors together, e.g. in one epoll;
+//!    a caller that sleeps on one interface alone does 2 and 3 in one
+//!    [`Iface::arm_and_wait`], which an interface may do in one system call);
 //! 4. when it is readable (or the caller's timeout passed), progress: that also consumes the
 //!    notification (the descriptor stops being readable once its events were delivered).
 //!
@@ -25,6 +27,7 @@
 
 use std::fmt;
 use std::os::fd::RawFd;
+use std::time::Duration;
 
 use rucx_ucs::{Config, Error, Result};
 
@@ -193,6 +196,50 @@ pub trait Iface: Send + fmt::Debug {
                 why: "it has no event descriptor; poll it".into(),
             }),
         }
+    }
+
+    /// Arm and sleep: return once this interface has something for
+    /// [`progress`](Self::progress), `timer` is readable, or `timeout` passed (`None`: no
+    /// limit); at once when [`arm`](Self::arm) is busy. For a caller that sleeps on this
+    /// interface alone (the only one with a descriptor); progress it afterwards, as after a
+    /// wake-up of the descriptor (a return without an event is possible).
+    ///
+    /// `timer` is the caller's wake-up for its own timers: a descriptor that becomes readable
+    /// when one is due (a [`TimerFd`](rucx_ucs::event::TimerFd) it sets once per period, so
+    /// sleeps need no timeout of their own). The caller keeps it open while the interface
+    /// lives and passes the same one every time; the interface may keep watching it (edge
+    /// triggered: each expiry wakes one sleep) and never reads it.
+    ///
+    /// The default is `arm` followed by `poll(2)` on the descriptor and `timer`. An interface
+    /// may do both in one system call and keep what the sleep reported for its next progress
+    /// (tcp: one `epoll_wait` over its sockets, level triggered, so a socket ready before the
+    /// sleep ends it at once). [`Error::Unsupported`] for an interface that is not
+    /// [`EventSource::Fd`].
+    fn arm_and_wait(&mut self, timeout: Option<Duration>, timer: Option<RawFd>) -> Result<()> {
+        let EventSource::Fd(fd) = self.event_source() else {
+            return Err(Error::Unsupported {
+                what: format!("sleeping on the {} interface", self.attr().tl_name),
+                why: format!("it has no event descriptor ({:?})", self.event_source()),
+            });
+        };
+        match self.arm() {
+            Ok(()) => {}
+            Err(Error::Busy(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let fds = [fd, timer.unwrap_or(fd)];
+        let n = if timer.is_some() { 2 } else { 1 };
+        rucx_ucs::event::wait_any_readable(&fds[..n], timeout).map_err(|e| {
+            Error::io(
+                format!(
+                    "sleeping on the event descriptor of {}/{}",
+                    self.attr().tl_name,
+                    self.attr().dev_name
+                ),
+                e,
+            )
+        })?;
+        Ok(())
     }
 }
 

@@ -15,7 +15,11 @@
 //! }
 //! ```
 //!
-//! [`Worker::wait`] is steps 2 and 3. The worker's descriptor is an epoll set of its own that
+//! [`Worker::wait`] is steps 2 and 3: with a single interface that has a descriptor (the
+//! others silent) it sleeps on that interface directly
+//! ([`Iface::arm_and_wait`](rucx_uct::Iface::arm_and_wait)), its timers ending the sleep
+//! through a timerfd set once per tick; otherwise as follows. The worker's descriptor is an
+//! epoll set of its own that
 //! holds every interface's descriptor ([`EventSource::Fd`]); interfaces that never have
 //! anything later ([`EventSource::Silent`]) are left out. An interface that cannot signal
 //! ([`EventSource::PollOnly`]: the simulated fabric of the tests, and rc_verbs for now) makes
@@ -41,7 +45,7 @@ use std::os::fd::RawFd;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use rucx_ucs::event::EventSet;
+use rucx_ucs::event::{EventSet, TimerFd};
 use rucx_ucs::{Error, Result};
 use rucx_uct::EventSource;
 
@@ -57,12 +61,32 @@ pub const POLL_ONLY_TICK: Duration = Duration::from_millis(1);
 struct Set {
     set: EventSet,
     poll_only: bool,
+    /// The only interface with a descriptor, when the others are silent: [`Worker::wait`]
+    /// sleeps on it directly ([`Iface::arm_and_wait`](rucx_uct::Iface::arm_and_wait)).
+    single: Option<usize>,
+}
+
+/// The timer that ends the direct sleeps of [`Worker::wait`] when the worker's timers are
+/// due: set once per [`wait_tick`](Worker::wait_tick), not once per sleep (a sleep with a
+/// timeout arms and cancels a kernel timer every time, which a ping-pong that sleeps between
+/// messages pays on every message).
+#[derive(Debug, Default)]
+enum SleepTimer {
+    /// Not needed yet.
+    #[default]
+    Unmade,
+    /// No timerfd: sleeps carry a timeout instead.
+    Failed,
+    /// The timer and when it expires (`None`: not set).
+    Made(TimerFd, Option<Instant>),
 }
 
 /// The worker's event set, made at the first use, and the wakers of awaited requests.
 #[derive(Debug, Default)]
 pub(super) struct Events {
     set: std::cell::OnceCell<std::result::Result<Set, Error>>,
+    /// See [`SleepTimer`].
+    timer: RefCell<SleepTimer>,
     /// Requests polled as futures and not finished then: woken when a progress call (or a
     /// cancel) finishes them.
     wakers: RefCell<Vec<(u64, Waker)>>,
@@ -71,6 +95,34 @@ pub(super) struct Events {
 }
 
 impl Events {
+    /// The sleep timer's descriptor, set to expire within `tick` of `now`: left as it is
+    /// while its expiry lies ahead and no later than that, set again otherwise. `None` when
+    /// there is no timer (sleep with a timeout instead).
+    fn sleep_timer(&self, now: Instant, tick: Duration) -> Option<RawFd> {
+        let mut t = self.timer.borrow_mut();
+        if let SleepTimer::Unmade = *t {
+            *t = match TimerFd::new() {
+                Ok(fd) => SleepTimer::Made(fd, None),
+                Err(e) => {
+                    tracing::debug!("worker: no timerfd ({e}); sleeps carry a timeout");
+                    SleepTimer::Failed
+                }
+            };
+        }
+        let SleepTimer::Made(fd, due) = &mut *t else {
+            return None;
+        };
+        if due.is_none_or(|d| d <= now || d > now + tick) {
+            if let Err(e) = fd.set(tick) {
+                tracing::debug!("worker: setting the sleep timer failed ({e}); using a timeout");
+                *due = None;
+                return None;
+            }
+            *due = Some(now + tick);
+        }
+        Some(fd.fd())
+    }
+
     /// The set over `ifaces`' descriptors.
     fn get(&self, ifaces: &[Box<dyn rucx_uct::Iface>]) -> Result<&Set> {
         self.set
@@ -78,17 +130,21 @@ impl Events {
                 let set = EventSet::new()
                     .map_err(|e| Error::io("worker: creating its event set (epoll)", e))?;
                 let mut poll_only = false;
+                let mut with_fd = Vec::new();
                 for (i, iface) in ifaces.iter().enumerate() {
                     match iface.event_source() {
-                        EventSource::Fd(fd) => set.add(fd, i as u64).map_err(|e| {
-                            Error::io(
-                                format!(
-                                    "worker: adding the event descriptor of {} to its set",
-                                    iface.attr().tl_name
-                                ),
-                                e,
-                            )
-                        })?,
+                        EventSource::Fd(fd) => {
+                            with_fd.push(i);
+                            set.add(fd, i as u64).map_err(|e| {
+                                Error::io(
+                                    format!(
+                                        "worker: adding the event descriptor of {} to its set",
+                                        iface.attr().tl_name
+                                    ),
+                                    e,
+                                )
+                            })?
+                        }
                         EventSource::Silent => {}
                         EventSource::PollOnly => {
                             tracing::debug!(
@@ -101,7 +157,15 @@ impl Events {
                         }
                     }
                 }
-                Ok(Set { set, poll_only })
+                let single = match with_fd[..] {
+                    [i] if !poll_only => Some(i),
+                    _ => None,
+                };
+                Ok(Set {
+                    set,
+                    poll_only,
+                    single,
+                })
             })
             .as_ref()
             .map_err(Clone::clone)
@@ -245,7 +309,32 @@ impl Worker {
     /// ([`wait_tick`](Self::wait_tick) at most). Returns at once when events are pending.
     /// Progress the worker afterwards and look at what you wait for: a return without an event
     /// is possible, as with `ucp_worker_wait`.
+    ///
+    /// With one interface that has a descriptor (the others silent), it sleeps on that
+    /// interface directly ([`Iface::arm_and_wait`](rucx_uct::Iface::arm_and_wait): tcp sleeps
+    /// in the `epoll_wait` that also names its ready sockets); otherwise it arms every
+    /// interface and sleeps on the worker's set.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        let single = {
+            let ifaces = self.ifaces.borrow();
+            self.events.get(&ifaces)?.single
+        };
+        if let Some(i) = single {
+            // `arm` without the interface's part, which `arm_and_wait` does.
+            let now = Instant::now();
+            self.check_peers(now);
+            if self.st.borrow().pending_work().is_some() {
+                return Ok(());
+            }
+            let tick = self.wait_tick();
+            // The timer ends the sleep when the timers are due; without one, the sleep's own
+            // limit does.
+            let (limit, timer) = match self.events.sleep_timer(now, tick) {
+                Some(fd) => (timeout, Some(fd)),
+                None => (Some(timeout.map_or(tick, |t| t.min(tick))), None),
+            };
+            return self.ifaces.borrow_mut()[i].arm_and_wait(limit, timer);
+        }
         match self.arm() {
             Ok(()) => {}
             Err(Error::Busy(_)) => return Ok(()),
@@ -315,6 +404,46 @@ mod tests {
         const fn assert_send<T: Send>() {}
         assert_send::<Worker>();
     };
+
+    fn due(e: &Events) -> Option<Instant> {
+        match &*e.timer.borrow() {
+            SleepTimer::Made(_, due) => *due,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The sleep timer is set once per tick, not per sleep: left alone while its expiry lies
+    /// ahead within the tick, set again once it passed or when the tick shrank below it.
+    #[test]
+    fn the_sleep_timer_is_set_again_only_when_due_or_too_late() {
+        let e = Events::default();
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let fd = e.sleep_timer(t0, s).unwrap();
+        assert_eq!(due(&e), Some(t0 + s));
+        assert_eq!(e.sleep_timer(t0 + s / 2, s), Some(fd));
+        assert_eq!(due(&e), Some(t0 + s), "not set again before it is due");
+        let t1 = t0 + s / 2;
+        e.sleep_timer(t1, s / 10).unwrap();
+        assert_eq!(due(&e), Some(t1 + s / 10), "a shorter tick sets it sooner");
+        let t2 = t1 + s;
+        e.sleep_timer(t2, s).unwrap();
+        assert_eq!(due(&e), Some(t2 + s), "set again once due");
+        // The descriptor is readable at the expiry it was last set to.
+        e.sleep_timer(Instant::now() + s * 10, Duration::from_millis(1))
+            .unwrap();
+        assert!(rucx_ucs::event::wait_readable(fd, None).unwrap());
+    }
+
+    /// A sleep without a limit still ends for the worker's timers (the sleep timer).
+    #[test]
+    fn a_wait_without_a_timeout_ends_for_the_timers() {
+        let w = super::super::tests::self_worker();
+        while w.progress() > 0 {}
+        for _ in 0..2 {
+            w.wait(None).unwrap();
+        }
+    }
 
     #[test]
     fn an_idle_worker_arms_its_descriptor_stays_idle_and_wait_honours_the_timeout() {

@@ -5,7 +5,10 @@
 //! with frames held back, and now and then those with a deadline running. While it has no
 //! connection at all it looks at the listener only every 32nd progress (and at the next one
 //! after an `arm` found it ready), so a worker whose peers are reached through other transports
-//! pays no system call per progress for it.
+//! pays no system call per progress for it. A caller that sleeps on this interface alone
+//! (`arm_and_wait`) sleeps in the `epoll_wait` that names the ready sockets, and the next
+//! progress handles those without asking again; while it keeps sleeping between messages,
+//! progress asks epoll rather than `poll(2)` over every socket.
 //!
 //! Each connection has two halves with different owners: the interface owns the receiving
 //! half (`proto::Receiver`) and reads without a lock; the connection object
@@ -15,9 +18,9 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rucx_ucs::{Error, Result};
 use rucx_uct::{
@@ -56,6 +59,9 @@ const SPECULATE_POLL_EVERY: u32 = 16;
 /// worker that talks to its peers through other transports (shared memory) then pays no
 /// system call on most of its progress calls, and a new connection waits a few calls longer.
 const IDLE_POLL_EVERY: u32 = 32;
+/// A caller that slept in `arm_and_wait` within this many progress calls is taken to sleep
+/// between messages (`readiness_by_epoll`).
+const SLEPT_RECENTLY: u32 = 256;
 
 /// A connection as the interface keeps it.
 pub(crate) type SharedConn = Arc<Mutex<Conn<FdSock>>>;
@@ -138,8 +144,17 @@ pub struct TcpIface {
     poll_next: bool,
     /// Slots to handle in the next progress without an event.
     again: Vec<usize>,
-    /// This progress's work: `(key, epoll events)`.
+    /// This progress's work: `(key, epoll events)`. Between calls it holds what the sleep of
+    /// `arm_and_wait` reported (`woke`).
     work: Vec<(usize, u32)>,
+    /// `arm_and_wait` slept and left the ready sockets in `work` (and `woke_listener`): the
+    /// next progress handles those without asking the kernel again.
+    woke: bool,
+    /// The listener was among the sockets the sleep reported.
+    woke_listener: bool,
+    /// `calls` at the last sleep of `arm_and_wait`: while the caller sleeps between messages,
+    /// progress asks epoll which sockets are ready (see `readiness_by_epoll`).
+    slept_at: Option<u32>,
     kicked: Vec<usize>,
     /// Connection pairs to merge: `(dialed key, accepted key)`, see `find_merges`.
     merges: Vec<(usize, usize)>,
@@ -239,6 +254,9 @@ impl TcpIface {
             poll_next: false,
             again: Vec::new(),
             work: Vec::new(),
+            woke: false,
+            woke_listener: false,
+            slept_at: None,
             kicked: Vec::new(),
             merges: Vec::new(),
             greeted: Vec::new(),
@@ -258,6 +276,7 @@ impl TcpIface {
         if self.slots.len() - self.free.len() != 1
             || self.timed != 0
             || self.poll_next
+            || self.woke
             || self.calls.is_multiple_of(SPECULATE_POLL_EVERY)
         {
             return None;
@@ -265,6 +284,36 @@ impl TcpIface {
         let s = self.slot(self.last_input)?;
         (s.rx.hello && s.interest == IN && s.want == IN && !s.gone && !s.again)
             .then_some(self.last_input)
+    }
+
+    /// Whether this progress asks epoll which sockets are ready rather than `poll(2)` over
+    /// all of them (`Watch::wait`): while the caller sleeps between messages (it slept within
+    /// the last [`SLEPT_RECENTLY`] progress calls). A sleeping caller's check finds nothing
+    /// most of the time, and epoll answers that from its ready list without looking at each
+    /// socket; a spinning caller is better served by `poll` (see `Watch`).
+    fn readiness_by_epoll(&self) -> bool {
+        self.slept_at
+            .is_some_and(|at| self.calls.wrapping_sub(at) < SLEPT_RECENTLY)
+    }
+
+    /// Work that the next progress does without asking the kernel: kicks from endpoints,
+    /// connections with frames held back, sockets a sleep or an `arm` found ready.
+    fn has_pending(&self) -> bool {
+        self.kick.pending() || !self.again.is_empty() || self.woke
+    }
+
+    /// Ask epoll for the ready sockets, waiting up to `timeout` (`None`: no limit), and keep
+    /// them for the next progress (`woke`).
+    fn collect_ready(&mut self, timeout: Option<Duration>) {
+        let (work, listener) = (&mut self.work, &mut self.woke_listener);
+        self.watch.sleep(timeout, |key, ev| {
+            if key == LISTENER_KEY {
+                *listener = true;
+            } else {
+                work.push((key as usize, ev));
+            }
+        });
+        self.woke = !self.work.is_empty() || self.woke_listener;
     }
 
     /// The listening socket address.
@@ -534,6 +583,7 @@ impl Iface for TcpIface {
         self.calls = self.calls.wrapping_add(1);
         if self.slots.len() == self.free.len()
             && !self.poll_next
+            && !self.woke
             && !self.calls.is_multiple_of(IDLE_POLL_EVERY)
         {
             // No connection, so nothing but the listener can have news (no endpoint to kick,
@@ -543,13 +593,19 @@ impl Iface for TcpIface {
         let mut work = std::mem::take(&mut self.work);
         let mut accept = false;
         let speculate = self.speculative();
+        let by_epoll = self.readiness_by_epoll();
         self.poll_next = false;
         match speculate {
+            // The sleep of `arm_and_wait` named the ready sockets (in `work` already).
+            _ if self.woke => {
+                self.woke = false;
+                accept = std::mem::take(&mut self.woke_listener);
+            }
             // One system call per message instead of two: a read that finds nothing costs what
             // the readiness check would have, and one that finds data saves that check on the
             // message's way.
             Some(key) => work.push((key, IN)),
-            None => self.watch.wait(|key, ev| {
+            None => self.watch.wait(by_epoll, |key, ev| {
                 if key == LISTENER_KEY {
                     accept = true;
                 } else {
@@ -661,14 +717,43 @@ impl Iface for TcpIface {
     fn arm(&mut self) -> Result<()> {
         // Level triggered: the epoll descriptor is readable exactly while a socket is ready.
         // What it cannot show is work without a socket event: kicks from endpoints and
-        // connections with frames held back.
-        if self.kick.pending() || !self.again.is_empty() || self.watch.any_ready() {
+        // connections with frames held back. The readiness check is an `epoll_wait` that
+        // keeps what it found for the next progress.
+        if !self.has_pending() {
+            self.collect_ready(Some(Duration::ZERO));
+        }
+        if self.has_pending() {
             self.poll_next = true;
             return Err(Error::Busy(format!(
                 "the tcp interface on {} has sockets or connections to handle",
                 self.dev.name
             )));
         }
+        Ok(())
+    }
+
+    fn arm_and_wait(&mut self, timeout: Option<Duration>, timer: Option<RawFd>) -> Result<()> {
+        // `arm`'s checks, then one `epoll_wait` that sleeps and names the ready sockets at
+        // once: level triggered, a socket ready now ends the sleep at once, so a readiness
+        // check first would only cost a system call per sleep. The next progress handles the
+        // sockets reported here without asking again.
+        if self.has_pending() {
+            self.poll_next = true;
+            return Ok(());
+        }
+        if let Some(t) = timer {
+            self.watch.watch_timer(t).map_err(|e| {
+                Error::io(
+                    format!(
+                        "tcp interface on {}: watching the caller's timer",
+                        self.dev.name
+                    ),
+                    e,
+                )
+            })?;
+        }
+        self.slept_at = Some(self.calls);
+        self.collect_ready(timeout);
         Ok(())
     }
 }

@@ -613,3 +613,91 @@ fn a_lone_connection_is_read_without_readiness_checks_and_the_rest_still_happens
         a.connections() == 0 && b.connections() == 0
     });
 }
+
+/// Progress `i` (with `peer` alongside) until it arms: nothing pending.
+fn quiet(i: &mut TcpIface, peer: &mut TcpIface) {
+    let start = Instant::now();
+    loop {
+        peer.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        i.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        match i.arm() {
+            Ok(()) => return,
+            Err(Error::Busy(_)) => {}
+            Err(e) => panic!("{e}"),
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+    }
+}
+
+#[test]
+fn a_sleep_names_the_ready_sockets_for_the_next_progress_and_a_timer_ends_it() {
+    let (mut a, mut b) = (open(), open());
+    // A new connection while `a` has none (it looks at its listener only now and then): the
+    // sleep reports the listener, and the next progress accepts whatever call it is.
+    let mut ba = b.create_ep(&params(&a, 1)).unwrap();
+    ba.am_short(1, 0, b"wire-up").unwrap();
+    b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+    a.calls = 0;
+    a.arm_and_wait(Some(Duration::from_secs(60)), None).unwrap();
+    assert!(a.woke && a.woke_listener, "the listener was ready");
+    assert!(
+        matches!(a.arm(), Err(Error::Busy(_))),
+        "what the sleep found is pending"
+    );
+    a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+    assert_eq!(a.connections(), 1);
+    deliver(&mut b, &mut a, 1);
+    quiet(&mut a, &mut b);
+
+    // A message sent while `a` sleeps ends the sleep; the next progress reads it without a
+    // readiness check (the sleep's answer is used once).
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        ba.am_short(7, 0, b"wake").unwrap();
+        (b, ba)
+    });
+    let mut woke = false;
+    let start = Instant::now();
+    while !woke {
+        a.arm_and_wait(Some(Duration::from_secs(60)), None).unwrap();
+        woke = a.woke;
+        assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+    }
+    let (key, ev) = a.work[0];
+    assert_eq!((a.work.len(), ev & IN), (1, IN));
+    assert_eq!(a.slot(key).map(|s| s.sock.0), Some(only_slot(&a).sock.0));
+    let mut got = Vec::new();
+    a.progress(&mut |ev| match ev {
+        Event::Am { id: 7, data } => got.push(data.to_vec()),
+        other => panic!("unexpected {other:?}"),
+    });
+    assert_eq!(got.len(), 1);
+    assert!(!a.woke && a.work.is_empty());
+    let (mut b, mut ba) = sender.join().unwrap();
+
+    // Nothing to report: the caller's timer ends a sleep without a limit, once per expiry.
+    quiet(&mut a, &mut b);
+    let timer = rucx_ucs::event::TimerFd::new().unwrap();
+    for _ in 0..2 {
+        timer.set(Duration::from_millis(5)).unwrap();
+        a.arm_and_wait(None, Some(timer.fd())).unwrap();
+        assert!(!a.woke, "the timer is not a socket");
+        a.arm().unwrap();
+    }
+    // A message already waiting ends a sleep at once (level triggered), timer or not.
+    timer.set(Duration::from_secs(3600)).unwrap();
+    ba.am_short(8, 0, b"already there").unwrap();
+    b.progress(&mut |ev| panic!("unexpected {ev:?}"));
+    let start = Instant::now();
+    while !a.woke {
+        a.arm_and_wait(None, Some(timer.fd())).unwrap();
+        assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+    }
+    let mut n = 0;
+    a.progress(&mut |ev| match ev {
+        Event::Am { id: 8, .. } => n += 1,
+        other => panic!("unexpected {other:?}"),
+    });
+    assert_eq!(n, 1);
+    drop(ba);
+}
