@@ -19,9 +19,9 @@ use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::verbs::{
-    Access, Cq, DeviceAttrs, DeviceReport, GidEntry, GidKind, LinkLayer, Mr, Mtu, PortAttrs,
-    PortState, Qp, QpCaps, RcConnect, SendOp, SendWr, Sge, SysfsDevices, Verbs, VerbsDevice,
-    VerbsError, Wc, WcOpcode, WcStatus,
+    Access, CompChannel, Cq, DeviceAttrs, DeviceReport, GidEntry, GidKind, LinkLayer, Mr, Mtu,
+    PortAttrs, PortState, Qp, QpCaps, RcConnect, SendOp, SendWr, Sge, SysfsDevices, Verbs,
+    VerbsDevice, VerbsError, Wc, WcOpcode, WcStatus,
 };
 
 /// A registration failure to inject.
@@ -71,16 +71,94 @@ struct CqInner {
     entries: Mutex<VecDeque<Wc>>,
     cap: usize,
     overruns: Mutex<usize>,
+    /// The channel the CQ was created on.
+    channel: Option<Arc<ChannelInner>>,
+    /// Event bookkeeping (see [`CqEvents`]).
+    ev: Mutex<CqEvents>,
+}
+
+fn plock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl CqInner {
     fn push(&self, wc: Wc) {
-        let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let mut e = plock(&self.entries);
         if e.len() >= self.cap {
-            *self.overruns.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+            *plock(&self.overruns) += 1;
         } else {
             e.push_back(wc);
+            drop(e);
+            // As a NIC: an armed CQ raises one event at its next completion and is disarmed.
+            let mut ev = plock(&self.ev);
+            if ev.armed
+                && let Some(ch) = &self.channel
+            {
+                ev.armed = false;
+                ev.raised += 1;
+                ch.raise();
+            }
         }
+    }
+}
+
+/// What happened to the completion events of the fabric's CQs (summed over them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CqEvents {
+    /// CQs armed now (`req_notify` called, no completion since).
+    pub armed: bool,
+    /// `req_notify` calls.
+    pub notify_calls: usize,
+    /// Events put on channels.
+    pub raised: usize,
+    /// Events acknowledged (`ack_events`).
+    pub acked: usize,
+}
+
+/// A completion channel: its events and a non-blocking eventfd readable while one is pending.
+#[derive(Debug)]
+struct ChannelInner {
+    pending: Mutex<usize>,
+    taken: Mutex<usize>,
+    fd: rucx_ucs::event::EventFd,
+}
+
+impl ChannelInner {
+    fn raise(&self) {
+        // Signalled under the lock that `get_event` drains under, so the descriptor is
+        // readable exactly while an event is pending.
+        let mut p = plock(&self.pending);
+        *p += 1;
+        self.fd.signal();
+    }
+}
+
+#[derive(Debug)]
+struct FakeChannel {
+    inner: Arc<ChannelInner>,
+}
+
+impl CompChannel for FakeChannel {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn fd(&self) -> RawFd {
+        self.inner.fd.fd()
+    }
+
+    fn get_event(&self) -> Result<bool, VerbsError> {
+        let mut p = plock(&self.inner.pending);
+        if *p == 0 {
+            return Ok(false);
+        }
+        *p -= 1;
+        *plock(&self.inner.taken) += 1;
+        if *p == 0 {
+            // Idle once every event was taken, as the kernel's channel file.
+            self.inner.fd.drain();
+        }
+        Ok(true)
     }
 }
 
@@ -98,6 +176,8 @@ struct Fabric {
     faults: Vec<RegFault>,
     cqs: Vec<Arc<CqInner>>,
     reg_calls: usize,
+    /// `ibv_create_comp_channel` fails (a device without completion events).
+    no_channel: bool,
 }
 
 /// The fabric; clone it to share.
@@ -132,6 +212,7 @@ impl FakeFabric {
                 next_qpn: 0x100,
                 faults: Vec::new(),
                 cqs: Vec::new(),
+                no_channel: false,
                 reg_calls: 0,
             })),
         }
@@ -209,6 +290,55 @@ impl FakeFabric {
     /// Registration calls so far (successful or not).
     pub fn reg_calls(&self) -> usize {
         lock(&self.inner).reg_calls
+    }
+
+    /// Make `ibv_create_comp_channel` fail (`ENOSYS`) from now on.
+    pub fn fail_comp_channel(&self) {
+        lock(&self.inner).no_channel = true;
+    }
+
+    /// Event bookkeeping of every CQ, summed (`armed`: any CQ is armed now).
+    pub fn cq_events(&self) -> CqEvents {
+        let f = lock(&self.inner);
+        f.cqs.iter().fold(CqEvents::default(), |a, c| {
+            let e = *plock(&c.ev);
+            CqEvents {
+                armed: a.armed || e.armed,
+                notify_calls: a.notify_calls + e.notify_calls,
+                raised: a.raised + e.raised,
+                acked: a.acked + e.acked,
+            }
+        })
+    }
+
+    /// Events taken from channels (`get_event`) and not acknowledged: must be 0 before a CQ
+    /// is destroyed (libibverbs would wait for them forever).
+    pub fn unacked_events(&self) -> usize {
+        let f = lock(&self.inner);
+        let taken: usize = f
+            .cqs
+            .iter()
+            .filter_map(|c| c.channel.as_ref())
+            .map(|ch| *plock(&ch.taken))
+            .sum();
+        let acked: usize = f.cqs.iter().map(|c| plock(&c.ev).acked).sum();
+        taken - acked
+    }
+
+    /// Complete nothing but raise an event on every armed CQ's channel, as a completion would
+    /// (for tests of the wake-up path alone).
+    pub fn raise_cq_events(&self) {
+        let f = lock(&self.inner);
+        for c in &f.cqs {
+            let mut ev = plock(&c.ev);
+            if ev.armed
+                && let Some(ch) = &c.channel
+            {
+                ev.armed = false;
+                ev.raised += 1;
+                ch.raise();
+            }
+        }
     }
 
     /// Completions lost to full completion queues (must stay 0).
@@ -410,6 +540,22 @@ impl Cq for FakeCq {
         out.extend(e.drain(..n));
         Ok(n)
     }
+
+    fn req_notify(&self) -> Result<(), VerbsError> {
+        if self.inner.channel.is_none() {
+            return Err(VerbsError::new("ibv_req_notify_cq", libc::EINVAL));
+        }
+        // The next completion raises an event; those already queued do not (as the verbs
+        // specification allows), so a caller must poll once more after arming.
+        let mut ev = plock(&self.inner.ev);
+        ev.armed = true;
+        ev.notify_calls += 1;
+        Ok(())
+    }
+
+    fn ack_events(&self, n: u32) {
+        plock(&self.inner.ev).acked += n as usize;
+    }
 }
 
 impl FakeDevice {
@@ -489,9 +635,39 @@ impl VerbsDevice for FakeDevice {
         self.register(CALL, iova, len, access, false)
     }
 
-    fn create_cq(&self, cqe: u32) -> Result<Arc<dyn Cq>, VerbsError> {
+    fn create_comp_channel(&self) -> Result<Arc<dyn CompChannel>, VerbsError> {
+        if lock(&self.inner).no_channel {
+            return Err(VerbsError::new("ibv_create_comp_channel", libc::ENOSYS));
+        }
+        let fd = rucx_ucs::event::EventFd::new()
+            .map_err(|e| VerbsError::from_io("ibv_create_comp_channel", &e))?;
+        Ok(Arc::new(FakeChannel {
+            inner: Arc::new(ChannelInner {
+                pending: Mutex::new(0),
+                taken: Mutex::new(0),
+                fd,
+            }),
+        }))
+    }
+
+    fn create_cq(
+        &self,
+        cqe: u32,
+        channel: Option<&Arc<dyn CompChannel>>,
+    ) -> Result<Arc<dyn Cq>, VerbsError> {
+        let channel = match channel {
+            None => None,
+            Some(ch) => Some(
+                ch.as_any()
+                    .downcast_ref::<FakeChannel>()
+                    .ok_or(VerbsError::new("ibv_create_cq", libc::EINVAL))?
+                    .inner
+                    .clone(),
+            ),
+        };
         let inner = Arc::new(CqInner {
             cap: cqe as usize,
+            channel,
             ..Default::default()
         });
         lock(&self.inner).cqs.push(inner.clone());
@@ -842,7 +1018,11 @@ mod tests {
         // SAFETY: nothing is accessed.
         let bad = unsafe { d.reg_mr(buf.as_ptr() as usize, 64, Access::REMOTE_WRITE) };
         assert_eq!(bad.unwrap_err().errno, libc::EINVAL);
-        let cq = d.create_cq(16).unwrap();
+        let cq = d.create_cq(16, None).unwrap();
+        assert!(
+            cq.req_notify().is_err(),
+            "a CQ without a channel cannot be armed"
+        );
         let caps = QpCaps {
             max_send_wr: 4,
             max_recv_wr: 4,

@@ -13,13 +13,15 @@
 use std::any::Any;
 use std::ffi::CStr;
 use std::fs;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue, GenericCompletionQueue};
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
+};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu as SwMtu};
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -30,9 +32,9 @@ use sideway::ibverbs::queue_pair::{
 };
 
 use crate::verbs::{
-    Access, Cq, DeviceAttrs, DeviceReport, GidEntry, GidKind, LinkLayer, Mr, Mtu, PortAttrs,
-    PortState, Qp, QpCaps, RcConnect, SendOp, SendWr, Sge, SysfsDevices, Verbs, VerbsDevice,
-    VerbsError, Wc, WcOpcode, WcStatus,
+    Access, CompChannel, Cq, DeviceAttrs, DeviceReport, GidEntry, GidKind, LinkLayer, Mr, Mtu,
+    PortAttrs, PortState, Qp, QpCaps, RcConnect, SendOp, SendWr, Sge, SysfsDevices, Verbs,
+    VerbsDevice, VerbsError, Wc, WcOpcode, WcStatus,
 };
 
 /// The file name libibverbs is loaded by.
@@ -377,13 +379,30 @@ impl VerbsDevice for SystemDevice {
         Ok(Box::new(SystemMr(mr)))
     }
 
-    fn create_cq(&self, cqe: u32) -> Result<Arc<dyn Cq>, VerbsError> {
-        let cq = self
+    fn create_comp_channel(&self) -> Result<Arc<dyn CompChannel>, VerbsError> {
+        let ch = self
             .ctx
-            .create_cq_builder()
-            .setup_cqe(cqe)
-            .build()
-            .map_err(|e| verr("ibv_create_cq", &e))?;
+            .create_comp_channel()
+            .map_err(|e| verr("ibv_create_comp_channel", &e))?;
+        ch.set_nonblocking(true)
+            .map_err(|e| VerbsError::from_io("fcntl(O_NONBLOCK) on the completion channel", &e))?;
+        Ok(Arc::new(SystemChannel(ch)))
+    }
+
+    fn create_cq(
+        &self,
+        cqe: u32,
+        channel: Option<&Arc<dyn CompChannel>>,
+    ) -> Result<Arc<dyn Cq>, VerbsError> {
+        let mut b = self.ctx.create_cq_builder();
+        b.setup_cqe(cqe);
+        if let Some(ch) = channel {
+            let Some(sch) = ch.as_any().downcast_ref::<SystemChannel>() else {
+                return Err(VerbsError::new("ibv_create_cq", libc::EINVAL));
+            };
+            b.setup_comp_channel(&sch.0, 0);
+        }
+        let cq = b.build().map_err(|e| verr("ibv_create_cq", &e))?;
         Ok(Arc::new(SystemCq {
             cq,
             buf: Mutex::new(Vec::new()),
@@ -409,6 +428,38 @@ impl VerbsDevice for SystemDevice {
             .build()
             .map_err(|e| verr("ibv_create_qp", &e))?;
         Ok(Box::new(SystemQp { qp }))
+    }
+}
+
+/// A completion channel (its descriptor non-blocking).
+#[derive(Debug)]
+struct SystemChannel(Arc<CompletionChannel>);
+
+impl CompChannel for SystemChannel {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
+    fn get_event(&self) -> Result<bool, VerbsError> {
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the channel pointer is valid while `self.0` lives; `cq` and `ctx` are locals
+        // the call writes. The descriptor is non-blocking, so the call returns at once.
+        let rc = unsafe {
+            rdma_mummy_sys::ibv_get_cq_event(self.0.comp_channel().as_ptr(), &mut cq, &mut ctx)
+        };
+        if rc == 0 {
+            return Ok(true);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EAGAIN) => Ok(false),
+            _ => Err(VerbsError::from_io("ibv_get_cq_event", &e)),
+        }
     }
 }
 
@@ -453,6 +504,24 @@ impl Cq for SystemCq {
             qp_num: w.qp_num,
         }));
         Ok(n)
+    }
+
+    fn req_notify(&self) -> Result<(), VerbsError> {
+        // SAFETY: the CQ pointer is valid while `self.cq` lives; the call only writes the
+        // CQ's doorbell through the provider's ops table.
+        let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+        if rc != 0 {
+            return Err(VerbsError::new("ibv_req_notify_cq", rc.abs()));
+        }
+        Ok(())
+    }
+
+    fn ack_events(&self, n: u32) {
+        if n > 0 {
+            // SAFETY: the CQ pointer is valid while `self.cq` lives; `n` events were taken
+            // from its channel for it and not acknowledged yet (the caller's contract).
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(self.cq.cq().as_ptr(), n) };
+        }
     }
 }
 

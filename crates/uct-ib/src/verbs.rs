@@ -702,8 +702,17 @@ pub trait VerbsDevice: Send + Sync + fmt::Debug {
         access: Access,
     ) -> Result<Box<dyn Mr>, VerbsError>;
 
-    /// Create a completion queue with room for `cqe` entries.
-    fn create_cq(&self, cqe: u32) -> Result<Arc<dyn Cq>, VerbsError>;
+    /// Create a completion channel (`ibv_create_comp_channel`), its descriptor non-blocking.
+    fn create_comp_channel(&self) -> Result<Arc<dyn CompChannel>, VerbsError>;
+
+    /// Create a completion queue with room for `cqe` entries (`ibv_create_cq`), on `channel`
+    /// when given: once armed ([`Cq::req_notify`]), its next completion puts an event on the
+    /// channel.
+    fn create_cq(
+        &self,
+        cqe: u32,
+        channel: Option<&Arc<dyn CompChannel>>,
+    ) -> Result<Arc<dyn Cq>, VerbsError>;
 
     /// Create a reliable-connected QP whose send and receive completions go to `cq`; it is
     /// returned in the RESET state.
@@ -725,6 +734,30 @@ pub trait Cq: Send + Sync + fmt::Debug {
 
     /// Append up to `max` completions to `out`; returns how many.
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<usize, VerbsError>;
+
+    /// Arm the CQ (`ibv_req_notify_cq`, every completion, not only solicited ones): its next
+    /// completion puts one event on its channel. Completions already in the queue may not
+    /// (poll once more after arming). Only for a CQ created on a channel.
+    fn req_notify(&self) -> Result<(), VerbsError>;
+
+    /// Acknowledge `n` events taken from the channel for this CQ (`ibv_ack_cq_events`); every
+    /// event taken must be acknowledged once before the CQ is destroyed.
+    fn ack_events(&self, n: u32);
+}
+
+/// A completion channel: a descriptor that becomes readable when an armed CQ created on it
+/// gets a completion, and stays readable until the events are taken.
+pub trait CompChannel: Send + Sync + fmt::Debug {
+    /// For implementations to recover their own type.
+    fn as_any(&self) -> &dyn Any;
+
+    /// The channel's descriptor (non-blocking), to poll for `POLLIN`.
+    fn fd(&self) -> RawFd;
+
+    /// Take one event (`ibv_get_cq_event`) without blocking: `Ok(false)` when none is
+    /// pending. The event belongs to the one CQ its owner created on this channel, which must
+    /// [acknowledge](Cq::ack_events) it.
+    fn get_event(&self) -> Result<bool, VerbsError>;
 }
 
 /// A reliable-connected queue pair.

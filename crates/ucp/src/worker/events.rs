@@ -22,7 +22,8 @@
 //! epoll set of its own that
 //! holds every interface's descriptor ([`EventSource::Fd`]); interfaces that never have
 //! anything later ([`EventSource::Silent`]) are left out. An interface that cannot signal
-//! ([`EventSource::PollOnly`]: the simulated fabric of the tests, and rc_verbs for now) makes
+//! ([`EventSource::PollOnly`]: the simulated fabric of the tests, rc_verbs on a device without
+//! completion channels) makes
 //! the worker *poll-only*: its sleeps last at most [`POLL_ONLY_TICK`]
 //! ([`Worker::wait_tick`]), so that interface is still looked at a thousand times a second
 //! (a little CPU instead of none).

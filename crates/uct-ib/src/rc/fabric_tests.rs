@@ -9,8 +9,8 @@ use rucx_ucs::{Config, Error};
 use rucx_uct::conformance::{self, Side};
 use rucx_uct::iface::pack_bytes;
 use rucx_uct::{
-    AmId, Availability, Component, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceParams, Iov,
-    MemHandle, MemRegion, MemoryDomain, OpStatus, RemoteKey,
+    AmId, Availability, Component, Endpoint, EpParams, Event, EventSource, Iface, IfaceAttr,
+    IfaceParams, Iov, MemHandle, MemRegion, MemoryDomain, OpStatus, RemoteKey,
 };
 
 use crate::IbComponent;
@@ -531,6 +531,219 @@ mod random_traffic {
     }
 }
 
+/// Progress `i` until it arms (nothing pending).
+fn arm_quiet(i: &mut Box<dyn Iface>, seen: &mut Seen) {
+    for _ in 0..1000 {
+        collect(i, seen);
+        match i.arm() {
+            Ok(()) => return,
+            Err(Error::Busy(_)) => {}
+            Err(e) => panic!("arm: {e}"),
+        }
+    }
+    panic!("arm stayed busy");
+}
+
+fn readable(fd: std::os::fd::RawFd) -> bool {
+    rucx_ucs::event::wait_readable(fd, Some(std::time::Duration::ZERO)).unwrap()
+}
+
+fn fd_of(i: &dyn Iface) -> std::os::fd::RawFd {
+    match i.event_source() {
+        EventSource::Fd(fd) => fd,
+        other => panic!("rc_verbs with a completion channel has a descriptor, not {other:?}"),
+    }
+}
+
+/// The active message `eb.am_short(3, 7, tag)` as `collect` records it.
+fn am7(tag: &[u8]) -> (AmId, Vec<u8>) {
+    let mut v = 7u64.to_le_bytes().to_vec();
+    v.extend_from_slice(tag);
+    (3, v)
+}
+
+/// Armed and quiet, the descriptor is idle; a completion on the armed CQ raises one event and
+/// makes it readable; arming with that event pending takes it, acknowledges it once and is
+/// busy (the descriptor idle again); progress then delivers the message.
+#[test]
+fn a_completion_on_the_armed_cq_makes_the_descriptor_readable_and_arm_busy() {
+    let mut p = pair();
+    let (mut sa, mut sb) = (Seen::default(), Seen::default());
+    settle(&mut p, &mut sa, &mut sb);
+    let fd = fd_of(&*p.a);
+    arm_quiet(&mut p.a, &mut sa);
+    p.a.arm().expect("arming twice with nothing pending");
+    assert!(!readable(fd), "armed and quiet: idle");
+    let ev0 = p.fab.cq_events();
+    assert!(ev0.armed);
+
+    p.eb.am_short(3, 7, b"one").unwrap();
+    assert!(
+        readable(fd),
+        "a completion on the armed CQ wakes the channel"
+    );
+    let ev1 = p.fab.cq_events();
+    assert_eq!(ev1.raised, ev0.raised + 1);
+    assert!(!ev1.armed, "an event disarms the CQ");
+
+    assert!(matches!(p.a.arm(), Err(Error::Busy(_))));
+    assert!(!readable(fd), "the event was taken");
+    let ev2 = p.fab.cq_events();
+    assert_eq!(ev2.acked, ev1.acked + 1, "acknowledged once");
+    assert_eq!(
+        ev2.notify_calls, ev1.notify_calls,
+        "a busy arm does not re-arm the CQ"
+    );
+    assert_eq!(p.fab.unacked_events(), 0);
+    collect(&mut p.a, &mut sa);
+    assert_eq!(sa.ams.last(), Some(&am7(b"one")));
+    // Quiet again: arms, idle.
+    arm_quiet(&mut p.a, &mut sa);
+    assert!(!readable(fd));
+    assert!(sa.errors.is_empty() && sb.errors.is_empty());
+}
+
+/// A completion that lands after the last progress and before the CQ is armed raises no
+/// event (the CQ was not armed). Arming polls once more after arming the CQ: it finds the
+/// completion, keeps it and is busy, and the next progress delivers it. Without that poll the
+/// arm would succeed and the caller would sleep past the message.
+#[test]
+fn a_completion_between_the_last_progress_and_arming_is_not_lost() {
+    let mut p = pair();
+    let (mut sa, mut sb) = (Seen::default(), Seen::default());
+    settle(&mut p, &mut sa, &mut sb);
+    let fd = fd_of(&*p.a);
+    // Progressed to quiet, not armed yet.
+    assert!(!p.fab.cq_events().armed);
+    p.eb.am_short(3, 7, b"between").unwrap();
+    assert!(!readable(fd), "no event for a CQ that is not armed");
+    let ev0 = p.fab.cq_events();
+    assert!(matches!(p.a.arm(), Err(Error::Busy(_))));
+    let ev1 = p.fab.cq_events();
+    assert_eq!(ev1.notify_calls, ev0.notify_calls + 1, "the CQ was armed");
+    assert_eq!(
+        ev1.raised, ev0.raised,
+        "and raised nothing for the queued completion"
+    );
+    // Kept completions are pending work: arming again is busy, without touching the CQ.
+    assert!(matches!(p.a.arm(), Err(Error::Busy(_))));
+    assert_eq!(p.fab.cq_events().notify_calls, ev1.notify_calls);
+    // The next progress hands them out first, in order, then what the queue holds.
+    p.eb.am_short(3, 7, b"after").unwrap();
+    while sa.ams.len() < 2 {
+        assert!(collect(&mut p.a, &mut sa) > 0, "kept completions were lost");
+    }
+    assert_eq!(sa.ams, vec![am7(b"between"), am7(b"after")]);
+    arm_quiet(&mut p.a, &mut sa);
+    assert!(!readable(fd));
+    assert_eq!(p.fab.unacked_events(), 0);
+    assert!(sa.errors.is_empty() && sb.errors.is_empty());
+}
+
+/// Every event put on the channel is taken and acknowledged exactly once, including one
+/// without a completion behind it (which still makes arm busy once), and none is left
+/// unacknowledged (a CQ with unacknowledged events cannot be destroyed).
+#[test]
+fn every_event_is_taken_and_acknowledged_once() {
+    let mut p = pair();
+    let (mut sa, mut sb) = (Seen::default(), Seen::default());
+    settle(&mut p, &mut sa, &mut sb);
+    let fd = fd_of(&*p.a);
+    let start = p.fab.cq_events();
+    for round in 0..20u8 {
+        arm_quiet(&mut p.a, &mut sa);
+        assert!(!readable(fd));
+        if round % 3 == 0 {
+            p.fab.raise_cq_events();
+        } else {
+            p.eb.am_short(3, 7, &[round]).unwrap();
+        }
+        assert!(readable(fd), "round {round}");
+        let before = p.fab.cq_events();
+        assert!(matches!(p.a.arm(), Err(Error::Busy(_))));
+        assert_eq!(p.fab.cq_events().acked, before.acked + 1, "round {round}");
+        assert_eq!(p.fab.unacked_events(), 0);
+        settle(&mut p, &mut sa, &mut sb);
+    }
+    let end = p.fab.cq_events();
+    assert_eq!(end.raised - start.raised, 20);
+    assert_eq!(end.acked, end.raised);
+    assert_eq!(sa.ams.len(), 13);
+    assert!(sa.errors.is_empty() && sb.errors.is_empty());
+}
+
+/// As a worker sleeps on a lone interface (`Worker::wait` calls `arm_and_wait`): a thread
+/// asleep on the rc interface is woken by the completion of a message the peer sends once the
+/// CQ is armed, and its next progress delivers the message.
+#[test]
+fn a_thread_asleep_in_arm_and_wait_is_woken_by_a_completion() {
+    let Pair {
+        fab,
+        mds: _mds,
+        mut a,
+        mut b,
+        ea: _ea,
+        mut eb,
+    } = pair();
+    let (mut sa, mut sb) = (Seen::default(), Seen::default());
+    for _ in 0..100 {
+        collect(&mut a, &mut sa);
+        collect(&mut b, &mut sb);
+    }
+    let fd = fd_of(&*a);
+    let raised = fab.cq_events().raised;
+    let (armed_tx, armed_rx) = std::sync::mpsc::channel();
+    let fab2 = fab.clone();
+    let sleeper = std::thread::spawn(move || {
+        arm_quiet(&mut a, &mut sa);
+        armed_tx.send(()).unwrap();
+        let acked = fab2.cq_events().acked;
+        // A minute: far past any wake-up; a sleep that ends by it fails the test below.
+        a.arm_and_wait(Some(std::time::Duration::from_secs(60)), None)
+            .unwrap();
+        // Woken by the event: it is pending on the channel, or (the message came before
+        // `arm_and_wait` re-armed) its arm took it and did not sleep.
+        let woke_by_event = readable(fd) || fab2.cq_events().acked > acked;
+        for _ in 0..100 {
+            if !sa.ams.is_empty() {
+                break;
+            }
+            collect(&mut a, &mut sa);
+        }
+        (woke_by_event, sa, a)
+    });
+    // Send only once the sleeper armed its CQ, so that only the event can wake it.
+    armed_rx.recv().unwrap();
+    eb.am_short(3, 7, b"wake").unwrap();
+    let (woke_by_event, sa, _a) = sleeper.join().unwrap();
+    assert!(woke_by_event, "the sleep ended without an event");
+    assert_eq!(sa.ams, vec![am7(b"wake")]);
+    assert_eq!(fab.cq_events().raised, raised + 1);
+}
+
+/// A device without completion channels leaves rc_verbs poll-only: no descriptor, arming
+/// refused as unsupported, traffic unaffected.
+#[test]
+fn without_a_completion_channel_the_interface_is_poll_only() {
+    let fab = two_nics();
+    fab.fail_comp_channel();
+    let cfg = config(&[]);
+    let (ma, mb) = (open_md(&fab, "mlx5_0", &cfg), open_md(&fab, "mlx5_1", &cfg));
+    let (mut a, mut b) = (open_iface(&ma, &cfg), open_iface(&mb, &cfg));
+    assert_eq!(a.event_source(), EventSource::PollOnly);
+    assert!(matches!(a.arm(), Err(Error::Unsupported { .. })));
+    let (mut ea, mut eb) = (ep(&mut a, 1), ep(&mut b, 2));
+    wire(&*a, &mut *ea, &*b, &mut *eb);
+    eb.am_short(3, 0, b"polled").unwrap();
+    let mut sa = Seen::default();
+    for _ in 0..100 {
+        collect(&mut a, &mut sa);
+        collect(&mut b, &mut Seen::default());
+    }
+    assert_eq!(sa.ams.len(), 1);
+    assert_eq!(fab.cq_events().notify_calls, 0);
+}
+
 /// Runs `rucx_uct::conformance` (written for connect-to-interface transports) over `rc_verbs`:
 /// the interface address is an in-process id, and the second of two endpoints created between
 /// the same pair of interfaces wires both.
@@ -631,6 +844,12 @@ pub(super) mod conformance_adapter {
         fn progress(&mut self, sink: &mut dyn FnMut(Event<'_>)) -> usize {
             self.inner.progress(sink)
         }
+        fn event_source(&self) -> EventSource {
+            self.inner.event_source()
+        }
+        fn arm(&mut self) -> rucx_ucs::Result<()> {
+            self.inner.arm()
+        }
     }
 
     impl Endpoint for WiredEp {
@@ -726,8 +945,16 @@ pub(super) mod conformance_adapter {
         let report = conformance::run_in_process(a, b).unwrap();
         report.print();
         assert!(report.passed.len() > 20, "{report:?}");
-        only_arm_skipped(&report.skipped);
+        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+        assert!(
+            report
+                .passed
+                .iter()
+                .any(|p| p.starts_with("armed: the peer's message woke")),
+            "{report:?}"
+        );
         assert_eq!(fab.cq_overruns(), 0);
+        assert_eq!(fab.unacked_events(), 0);
     }
 
     #[test]
@@ -738,16 +965,8 @@ pub(super) mod conformance_adapter {
         let a = side(&fab, "mlx5_0", 1, &board, &cfg);
         let report = conformance::run_loopback(a).unwrap();
         report.print();
-        only_arm_skipped(&report.skipped);
-    }
-
-    /// rc_verbs gives no event source yet (no completion channel: a worker with it sleeps in
-    /// short ticks), so the arm/wait checks are the only ones it may skip.
-    fn only_arm_skipped(skipped: &[String]) {
-        assert!(
-            skipped.iter().all(|s| s.starts_with("arm/wait")),
-            "{skipped:?}"
-        );
+        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+        assert_eq!(fab.unacked_events(), 0);
     }
 }
 

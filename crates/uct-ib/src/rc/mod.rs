@@ -32,7 +32,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use rucx_ucs::{Error, Result};
 use rucx_uct::iface::{AM_ID_MAX, check_packed};
 use rucx_uct::{
-    AmId, Endpoint, EpParams, Event, Iface, IfaceAttr, Iov, MemHandle, OpStatus, RemoteKey,
+    AmId, Endpoint, EpParams, Event, EventSource, Iface, IfaceAttr, Iov, MemHandle, OpStatus,
+    RemoteKey,
 };
 
 use crate::attr::{MAX_IOV, path_mtu, rc_iface_attr, rx_slots, select_gid};
@@ -40,8 +41,8 @@ use crate::config::{IbConfig, RcConfig};
 use crate::md::{IbMemh, IbRkey};
 use crate::probe::port_name;
 use crate::verbs::{
-    Access, Cq, DeviceAttrs, Grh, LinkLayer, Mr, PortAttrs, Qp, QpCaps, RcConnect, SendOp, SendWr,
-    Sge, VerbsDevice, VerbsError, Wc, WcStatus,
+    Access, CompChannel, Cq, DeviceAttrs, Grh, LinkLayer, Mr, PortAttrs, Qp, QpCaps, RcConnect,
+    SendOp, SendWr, Sge, VerbsDevice, VerbsError, Wc, WcStatus,
 };
 use addr::{DeviceAddr, EpAddr, MAX_24};
 use flow::{Credits, SendSlots};
@@ -255,6 +256,8 @@ struct RcCore {
     live: usize,
     max_eps: usize,
     wc: Vec<Wc>,
+    /// Completions `arm` polled (after arming the CQ): handled first by the next progress.
+    stash: Vec<Wc>,
 }
 
 fn device_err(dev: &str, e: &VerbsError) -> Error {
@@ -593,6 +596,20 @@ pub struct RcIface {
     shared: Arc<Shared>,
     attr: IfaceAttr,
     local: DeviceAddr,
+    /// The completion channel the CQ was created on (`None`: none could be made; the
+    /// interface is then poll-only).
+    channel: Option<Arc<dyn CompChannel>>,
+}
+
+/// Whether this is the first time (in this process) that `device` gave no completion
+/// channel: the warning is given once per device, not once per interface opened on it.
+fn first_poll_only_warning(device: &str) -> bool {
+    static WARNED: Mutex<std::collections::BTreeSet<String>> =
+        Mutex::new(std::collections::BTreeSet::new());
+    WARNED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(device.to_string())
 }
 
 impl RcIface {
@@ -612,8 +629,24 @@ impl RcIface {
             gid: gid.gid,
             mtu: port.active_mtu,
         };
+        // Wake-ups: the CQ on a completion channel whose descriptor is the event source. A
+        // device that cannot make one leaves the interface poll-only (a sleeping worker looks
+        // at it every millisecond), which costs CPU but loses nothing.
+        let channel = match dev.create_comp_channel() {
+            Ok(ch) => Some(ch),
+            Err(e) => {
+                if first_poll_only_warning(&dev_attrs.name) {
+                    tracing::warn!(
+                        "{}: no completion channel ({e}); rc_verbs interfaces on it cannot \
+                         wake a sleeping worker and are polled instead (warned once per device)",
+                        dev_attrs.name
+                    );
+                }
+                None
+            }
+        };
         let cq = dev
-            .create_cq(cfg.cq_len.min(dev_attrs.max_cqe.max(64)))
+            .create_cq(cfg.cq_len.min(dev_attrs.max_cqe.max(64)), channel.as_ref())
             .map_err(|e| device_err(&dev_name, &e))?;
         let attr = rc_iface_attr(dev_attrs, port, &cfg);
         let core = RcCore {
@@ -635,6 +668,7 @@ impl RcIface {
             epochs: Vec::new(),
             live: 0,
             wc: Vec::with_capacity(POLL_BATCH),
+            stash: Vec::new(),
         };
         Ok(RcIface {
             shared: Arc::new(Shared {
@@ -642,6 +676,7 @@ impl RcIface {
             }),
             attr,
             local,
+            channel,
         })
     }
 }
@@ -770,6 +805,8 @@ impl Iface for RcIface {
             let mut core = self.shared.lock();
             let mut wcs = std::mem::take(&mut core.wc);
             wcs.clear();
+            // What `arm` polled first, in order, then the queue.
+            wcs.append(&mut core.stash);
             match core.cq.poll(&mut wcs, POLL_BATCH) {
                 Ok(_) => {}
                 Err(e) => {
@@ -823,6 +860,60 @@ impl Iface for RcIface {
         }
         self.shared.lock().send_grants();
         n
+    }
+
+    fn event_source(&self) -> EventSource {
+        match &self.channel {
+            Some(ch) => EventSource::Fd(ch.fd()),
+            None => EventSource::PollOnly,
+        }
+    }
+
+    fn arm(&mut self) -> Result<()> {
+        // As `uct_rc_iface_event_arm`: take the channel's events (each acknowledged once),
+        // busy if there were any; then arm the CQ for its next completion. A completion that
+        // landed after the last progress polled the CQ and before it was armed raises no
+        // event, so the CQ is polled once more after arming: what it finds is kept for the
+        // next progress, and the arm is busy.
+        let Some(ch) = &self.channel else {
+            return Err(Error::Unsupported {
+                what: format!("arming the rc_verbs interface on {}", self.attr.dev_name),
+                why: "its device gave no completion channel; poll it".into(),
+            });
+        };
+        let mut core = self.shared.lock();
+        let mut events = 0u32;
+        let taken = loop {
+            match ch.get_event() {
+                Ok(true) => events += 1,
+                Ok(false) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        core.cq.ack_events(events);
+        if let Err(e) = taken {
+            return Err(device_err(&core.dev_name, &e));
+        }
+        if events > 0 || !core.stash.is_empty() {
+            return Err(Error::Busy(format!(
+                "the rc_verbs interface on {} has completions to handle",
+                core.dev_name
+            )));
+        }
+        core.cq
+            .req_notify()
+            .map_err(|e| device_err(&core.dev_name, &e))?;
+        let mut stash = std::mem::take(&mut core.stash);
+        let polled = core.cq.poll(&mut stash, POLL_BATCH);
+        core.stash = stash;
+        match polled {
+            Ok(0) => Ok(()),
+            // A failed poll is busy too: the next progress meets the failure and reports it.
+            Ok(_) | Err(_) => Err(Error::Busy(format!(
+                "the rc_verbs interface on {} got completions while arming",
+                core.dev_name
+            ))),
+        }
     }
 }
 
@@ -1326,6 +1417,15 @@ mod tests {
         assert!(!seq_reached(4, 5));
         assert!(seq_reached(1, SEQ_MASK));
         assert!(!seq_reached(SEQ_MASK, 1));
+    }
+
+    #[test]
+    fn poll_only_warning_once_per_device() {
+        // Names no other test uses (the set is process-wide).
+        assert!(first_poll_only_warning("warn_once_dev_a"));
+        assert!(!first_poll_only_warning("warn_once_dev_a"));
+        assert!(first_poll_only_warning("warn_once_dev_b"));
+        assert!(!first_poll_only_warning("warn_once_dev_b"));
     }
 
     #[test]
