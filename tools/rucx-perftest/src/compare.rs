@@ -49,6 +49,11 @@ pub struct CompareCli {
     /// Outstanding window of the bandwidth test, for both tools (-O).
     #[arg(long, default_value_t = 16)]
     pub window: usize,
+    /// Wait mode of both tools (`-E`): poll (progress flat out) or sleep (sleep on the
+    /// worker's event descriptor when progress finds nothing). The goals judged are issue
+    /// 17's in poll mode and issue 13's in sleep mode.
+    #[arg(short = 'E', long = "wait", default_value = "poll", value_parser = ["poll", "sleep"])]
+    pub wait: String,
     /// ucx_perftest to run (default: from PATH, installing Debian's ucx-utils when missing).
     #[arg(long)]
     pub ucx_perftest: Option<PathBuf>,
@@ -114,6 +119,8 @@ pub struct Case {
     pub iters: usize,
     /// Warm-up iterations.
     pub warmup: usize,
+    /// Both tools run in wait mode (`-E sleep`) instead of polling.
+    pub sleep: bool,
 }
 
 impl Case {
@@ -151,7 +158,7 @@ pub enum Against {
     Floor,
 }
 
-/// A goal of issue 17.
+/// A goal of issue 17 (polling) or issue 13 (wait mode).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Goal {
     /// Transport.
@@ -193,9 +200,16 @@ pub const GOALS: [Goal; 7] = [
     goal("tcp", "tag_lat", 8, Against::Ucx, 1.0),
 ];
 
+/// The goals of issue 13 in wait mode (`-E sleep`): at most UCX's latency in the same mode.
+pub const SLEEP_GOALS: [Goal; 2] = [
+    goal("shm", "tag_lat", 8, Against::Ucx, 1.0),
+    goal("tcp", "tag_lat", 8, Against::Ucx, 1.0),
+];
+
 /// The goals of a case (none, one or several).
 pub fn goals_for(c: &Case) -> Vec<Goal> {
-    GOALS
+    let goals: &[Goal] = if c.sleep { &SLEEP_GOALS } else { &GOALS };
+    goals
         .iter()
         .copied()
         .filter(|g| g.transport == c.transport && g.test == c.test && g.size == c.size)
@@ -369,6 +383,9 @@ fn run_rucx(self_cmd: &[OsString], t: &Transport, c: &Case, window: usize) -> R<
         "-O",
         &window.to_string(),
     ]);
+    if c.sleep {
+        cmd.args(["-E", "sleep"]);
+    }
     cmd.envs(t.rucx_env.iter().copied());
     let (ok, so, se) = run_limited(cmd, Duration::from_secs(300))?;
     if !ok {
@@ -412,6 +429,9 @@ fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
         ];
         if !c.is_lat() {
             params.extend(["-O".into(), window.to_string()]);
+        }
+        if c.sleep {
+            params.extend(["-E".into(), "sleep".into()]);
         }
         let mut server = Command::new(ucx)
             .args(&params)
@@ -826,8 +846,9 @@ pub fn render(rows: &[Row]) -> String {
          the floors measured at the start of each repetition (shm latency: a cache line between \
          two processes plus one memcpy of the message; shm bandwidth: single-core memcpy of the \
          size; tcp: a plain loopback ping-pong of the size, or stream of 1 MiB writes); /floor: \
-         median of the per-repetition ratios rucx/floor; goals (issue 17) are judged on the \
-         paired ratios; (noisy): a tool's runs spread by more than 1.5x.\n",
+         median of the per-repetition ratios rucx/floor; goals (issue 17; issue 13 with -E \
+         sleep) are judged on the paired ratios; (noisy): a tool's runs spread by more than \
+         1.5x.\n",
     );
     s
 }
@@ -971,6 +992,7 @@ fn panels(rows: &[Row]) -> Vec<Panel> {
 /// The cases of a comparison.
 pub fn cases(cli: &CompareCli) -> R<Vec<(Transport, Case)>> {
     let scale = if cli.quick { 5 } else { 1 };
+    let sleep = cli.wait == "sleep";
     let mut v = Vec::new();
     for t in &cli.transports {
         let t = transport(t)?;
@@ -984,6 +1006,7 @@ pub fn cases(cli: &CompareCli) -> R<Vec<(Transport, Case)>> {
                     size,
                     iters,
                     warmup: iters / 10,
+                    sleep,
                 },
             ));
         }
@@ -997,6 +1020,7 @@ pub fn cases(cli: &CompareCli) -> R<Vec<(Transport, Case)>> {
                     size,
                     iters,
                     warmup: (iters / 10).max(10),
+                    sleep,
                 },
             ));
         }
@@ -1033,6 +1057,7 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
         ("load_before", load()),
         ("repetitions", reps.to_string()),
         ("window", cli.window.to_string()),
+        ("wait", cli.wait.clone()),
     ];
     println!(
         "bench-compare: rucx-perftest vs ucx_perftest, this machine, one sitting; {reps} repetitions alternating the tools; medians"
@@ -1046,6 +1071,15 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
     println!(
         "  latency: tag_lat one-way (half round trip), 50th percentile; bandwidth: tag_bw overall, -O {} for both; MB = 2^20 bytes",
         cli.window
+    );
+    println!(
+        "  wait mode: -E {} for both{}",
+        cli.wait,
+        if cli.wait == "sleep" {
+            " (goals: issue 13's)"
+        } else {
+            " (goals: issue 17's)"
+        }
     );
     let mut rows: Vec<Row> = cases
         .iter()
@@ -1192,6 +1226,7 @@ mod tests {
             size: 8,
             iters: 1,
             warmup: 0,
+            sleep: false,
         };
         let g = goals_for(&c);
         assert_eq!(g.len(), 2);
@@ -1216,6 +1251,23 @@ mod tests {
             .is_empty()
         );
         assert!(transport("ib").is_err());
+        // Wait mode: issue 13's goal (8 B latency at most UCX's) instead of issue 17's.
+        let sleep = |transport, size| Case {
+            transport,
+            test: "tag_lat",
+            size,
+            iters: 1,
+            warmup: 0,
+            sleep: true,
+        };
+        for tl in ["shm", "tcp"] {
+            let g = goals_for(&sleep(tl, 8));
+            assert_eq!(g.len(), 1, "{tl}");
+            assert_eq!(g[0].against, Against::Ucx);
+            assert_eq!(judge(&g[0], true, 1.0), ("ucx <= 1x".to_string(), true));
+            assert!(!judge(&g[0], true, 1.01).1);
+            assert!(goals_for(&sleep(tl, 256)).is_empty(), "{tl}");
+        }
         // A row judged on both ratios: rucx 0.3 us, ucx 0.5 us, floor 0.25 us.
         let s = |l: f64| Sample {
             lat_p50: l,
@@ -1229,6 +1281,7 @@ mod tests {
                 size: 8,
                 iters: 1,
                 warmup: 0,
+                sleep: false,
             },
             rucx: vec![s(0.3)],
             ucx: vec![s(0.5)],
@@ -1274,6 +1327,7 @@ mod tests {
                     size: 8,
                     iters: 1,
                     warmup: 0,
+                    sleep: false,
                 },
                 rucx: vec![s(0.5, 1.0), s(0.6, 1.0), s(0.7, 1.0)],
                 ucx: vec![s(0.6, 1.0), s(0.7, 1.0), s(0.8, 1.0)],
@@ -1286,6 +1340,7 @@ mod tests {
                     size: 1 << 20,
                     iters: 1,
                     warmup: 0,
+                    sleep: false,
                 },
                 rucx: vec![s(1.0, 3000.0)],
                 ucx: vec![s(1.0, 1500.0)],
@@ -1331,6 +1386,7 @@ mod tests {
             size,
             iters: 1,
             warmup: 0,
+            sleep: false,
         };
         let rows = vec![
             Row {
