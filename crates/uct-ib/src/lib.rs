@@ -8,7 +8,8 @@
 //!   peer-memory module as decided per GPU ([`gpudirect`], `RUCX_IB_GPU_DIRECT_RDMA`); driver
 //!   failures become typed registration errors ([`regerr`]) the planner demotes on.
 //! - Transport `rc_verbs` ([`rc`]): reliable-connected QPs wired endpoint to endpoint, active
-//!   messages over send/receive with credit flow control, put/get zero-copy as RDMA write/read.
+//!   messages over send/receive with credit flow control, put/get zero-copy as RDMA write/read;
+//!   a sleeping caller is woken through a completion channel (its descriptor is the event source).
 //!
 //! Every verbs call goes through the [`verbs::Verbs`] traits: the real implementation is
 //! [`sys::SystemVerbs`]; the `fake` module (feature `fake-fabric`, always in this crate's tests)

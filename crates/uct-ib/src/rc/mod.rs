@@ -12,6 +12,12 @@
 //! - Every work request is signaled; [`Iface::progress`] polls the completion queue, frees
 //!   buffers and send slots, completes tokens and flushes, and turns error completions into one
 //!   [`Event::EpError`] per endpoint plus failed completions for its pending tokens.
+//! - Sleeping: the CQ is created on a completion channel whose descriptor is the interface's
+//!   [`EventSource::Fd`]. [`Iface::arm`] takes the channel's events and acknowledges them in one
+//!   call (busy if there were any), arms the CQ and polls it once more, since a completion that
+//!   arrived before the CQ was armed raises no event; what that poll finds is kept and handed
+//!   out first by the next progress (the arm is busy). A device without completion channels
+//!   leaves the interface [`EventSource::PollOnly`], with one warning per device.
 //!
 //! All state of an interface and its endpoints sits behind one mutex that is never held while
 //! the progress sink or a bcopy pack callback runs.
