@@ -341,6 +341,14 @@ impl FakeFabric {
         }
     }
 
+    /// Make every CQ fail its polls from now on, as one that overran (`EOVERFLOW`).
+    pub fn overrun_cqs(&self) {
+        let f = lock(&self.inner);
+        for c in &f.cqs {
+            *plock(&c.overruns) += 1;
+        }
+    }
+
     /// Completions lost to full completion queues (must stay 0).
     pub fn cq_overruns(&self) -> usize {
         let f = lock(&self.inner);

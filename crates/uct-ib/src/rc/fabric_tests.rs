@@ -672,6 +672,28 @@ fn every_event_is_taken_and_acknowledged_once() {
     assert!(sa.errors.is_empty() && sb.errors.is_empty());
 }
 
+/// A CQ that fails while `arm` polls it after arming: the arm is busy (not an error of its
+/// own, and not a sleep that would never end), and the next progress meets the failure and
+/// fails the endpoint once.
+#[test]
+fn a_cq_failure_while_arming_is_busy_and_the_next_progress_reports_it() {
+    let mut p = pair();
+    let (mut sa, mut sb) = (Seen::default(), Seen::default());
+    settle(&mut p, &mut sa, &mut sb);
+    p.fab.overrun_cqs();
+    assert!(matches!(p.a.arm(), Err(Error::Busy(_))));
+    collect(&mut p.a, &mut sa);
+    assert_eq!(sa.errors.len(), 1, "{:?}", sa.errors);
+    assert_eq!(sa.errors[0].0, 1);
+    assert!(
+        sa.errors[0].1.contains("completion queue failed"),
+        "{:?}",
+        sa.errors
+    );
+    collect(&mut p.a, &mut sa);
+    assert_eq!(sa.errors.len(), 1, "reported once");
+}
+
 /// As a worker sleeps on a lone interface (`Worker::wait` calls `arm_and_wait`): a thread
 /// asleep on the rc interface is woken by the completion of a message the peer sends once the
 /// CQ is armed, and its next progress delivers the message.
