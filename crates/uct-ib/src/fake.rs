@@ -89,15 +89,20 @@ impl CqInner {
         } else {
             e.push_back(wc);
             drop(e);
-            // As a NIC: an armed CQ raises one event at its next completion and is disarmed.
-            let mut ev = plock(&self.ev);
-            if ev.armed
-                && let Some(ch) = &self.channel
-            {
-                ev.armed = false;
-                ev.raised += 1;
-                ch.raise();
-            }
+            // As a NIC: an armed CQ raises one event at its next completion.
+            self.raise_if_armed();
+        }
+    }
+
+    /// An armed CQ puts one event on its channel and is disarmed.
+    fn raise_if_armed(&self) {
+        let mut ev = plock(&self.ev);
+        if ev.armed
+            && let Some(ch) = &self.channel
+        {
+            ev.armed = false;
+            ev.raised += 1;
+            ch.raise();
         }
     }
 }
@@ -330,14 +335,7 @@ impl FakeFabric {
     pub fn raise_cq_events(&self) {
         let f = lock(&self.inner);
         for c in &f.cqs {
-            let mut ev = plock(&c.ev);
-            if ev.armed
-                && let Some(ch) = &c.channel
-            {
-                ev.armed = false;
-                ev.raised += 1;
-                ch.raise();
-            }
+            c.raise_if_armed();
         }
     }
 

@@ -555,6 +555,15 @@ fn fd_of(i: &dyn Iface) -> std::os::fd::RawFd {
     }
 }
 
+/// A settled pair, what it delivered, and side a's event descriptor.
+fn quiet_pair() -> (Pair, Seen, Seen, std::os::fd::RawFd) {
+    let mut p = pair();
+    let (mut sa, mut sb) = (Seen::default(), Seen::default());
+    settle(&mut p, &mut sa, &mut sb);
+    let fd = fd_of(&*p.a);
+    (p, sa, sb, fd)
+}
+
 /// The active message `eb.am_short(3, 7, tag)` as `collect` records it.
 fn am7(tag: &[u8]) -> (AmId, Vec<u8>) {
     let mut v = 7u64.to_le_bytes().to_vec();
@@ -567,10 +576,7 @@ fn am7(tag: &[u8]) -> (AmId, Vec<u8>) {
 /// busy (the descriptor idle again); progress then delivers the message.
 #[test]
 fn a_completion_on_the_armed_cq_makes_the_descriptor_readable_and_arm_busy() {
-    let mut p = pair();
-    let (mut sa, mut sb) = (Seen::default(), Seen::default());
-    settle(&mut p, &mut sa, &mut sb);
-    let fd = fd_of(&*p.a);
+    let (mut p, mut sa, sb, fd) = quiet_pair();
     arm_quiet(&mut p.a, &mut sa);
     p.a.arm().expect("arming twice with nothing pending");
     assert!(!readable(fd), "armed and quiet: idle");
@@ -609,10 +615,7 @@ fn a_completion_on_the_armed_cq_makes_the_descriptor_readable_and_arm_busy() {
 /// arm would succeed and the caller would sleep past the message.
 #[test]
 fn a_completion_between_the_last_progress_and_arming_is_not_lost() {
-    let mut p = pair();
-    let (mut sa, mut sb) = (Seen::default(), Seen::default());
-    settle(&mut p, &mut sa, &mut sb);
-    let fd = fd_of(&*p.a);
+    let (mut p, mut sa, sb, fd) = quiet_pair();
     // Progressed to quiet, not armed yet.
     assert!(!p.fab.cq_events().armed);
     p.eb.am_short(3, 7, b"between").unwrap();
@@ -645,10 +648,7 @@ fn a_completion_between_the_last_progress_and_arming_is_not_lost() {
 /// unacknowledged (a CQ with unacknowledged events cannot be destroyed).
 #[test]
 fn every_event_is_taken_and_acknowledged_once() {
-    let mut p = pair();
-    let (mut sa, mut sb) = (Seen::default(), Seen::default());
-    settle(&mut p, &mut sa, &mut sb);
-    let fd = fd_of(&*p.a);
+    let (mut p, mut sa, mut sb, fd) = quiet_pair();
     let start = p.fab.cq_events();
     for round in 0..20u8 {
         arm_quiet(&mut p.a, &mut sa);
