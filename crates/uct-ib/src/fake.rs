@@ -110,7 +110,7 @@ impl CqInner {
 /// What happened to the completion events of the fabric's CQs (summed over them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CqEvents {
-    /// CQs armed now (`req_notify` called, no completion since).
+    /// Whether a CQ is armed now (`req_notify` called, no event raised since).
     pub armed: bool,
     /// `req_notify` calls.
     pub notify_calls: usize,

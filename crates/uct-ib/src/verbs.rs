@@ -736,8 +736,8 @@ pub trait Cq: Send + Sync + fmt::Debug {
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<usize, VerbsError>;
 
     /// Arm the CQ (`ibv_req_notify_cq`, every completion, not only solicited ones): its next
-    /// completion puts one event on its channel. Completions already in the queue may not
-    /// (poll once more after arming). Only for a CQ created on a channel.
+    /// completion puts one event on its channel. Completions already in the queue may raise
+    /// none (poll once more after arming). Only for a CQ created on a channel.
     fn req_notify(&self) -> Result<(), VerbsError>;
 
     /// Acknowledge `n` events taken from the channel for this CQ (`ibv_ack_cq_events`); every

@@ -876,7 +876,7 @@ impl Iface for RcIface {
     }
 
     fn arm(&mut self) -> Result<()> {
-        // As `uct_rc_iface_event_arm`: take the channel's events (each acknowledged once),
+        // As UCX's ib interfaces arm: take the channel's events (acknowledged in one call),
         // busy if there were any; then arm the CQ for its next completion. A completion that
         // landed after the last progress polled the CQ and before it was armed raises no
         // event, so the CQ is polled once more after arming: what it finds is kept for the
