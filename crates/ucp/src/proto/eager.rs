@@ -257,7 +257,7 @@ impl State {
     /// A whole eager message matched a posted receive: copy it and finish the receive with one
     /// lookup of the request (the common small-message path).
     pub(crate) fn deliver_whole(&mut self, rid: u64, src: usize, tag: Tag, data: &[u8]) {
-        let gpu = match self.reqs.get_mut(&rid) {
+        let res = match self.reqs.get_mut(&rid) {
             Some(Req {
                 kind: ReqKind::Recv(rs),
                 result,
@@ -267,7 +267,7 @@ impl State {
                 rs.tag = tag;
                 rs.total = data.len();
                 if rs.mem.is_gpu() {
-                    true
+                    None
                 } else {
                     let n = data.len().min(rs.cap);
                     // SAFETY: the receive buffer was lent mutably to the scope, which keeps it
@@ -275,7 +275,7 @@ impl State {
                     let dst = unsafe { host_slice_mut(rs.addr, n) };
                     dst.copy_from_slice(&data[..n]);
                     rs.received = data.len();
-                    *result = Some(if data.len() > rs.cap {
+                    Some(if data.len() > rs.cap {
                         Err(Error::Truncated {
                             incoming: data.len(),
                             capacity: rs.cap,
@@ -286,17 +286,17 @@ impl State {
                             tag,
                             sender: Some(EpId(src)),
                         })
-                    });
-                    false
+                    })
                 }
             }
             _ => return,
         };
-        if gpu {
-            self.recv_data(rid, 0, data);
-            self.recv_complete(rid);
-        } else {
-            self.owned.note_done(rid);
+        match res {
+            None => {
+                self.recv_data(rid, 0, data);
+                self.recv_complete(rid);
+            }
+            Some(res) => self.end_in_place(rid, res),
         }
     }
 }

@@ -444,6 +444,31 @@ enum End {
 }
 
 impl State {
+    /// Receive `rid` ended whole, in place, with `res` (an eager message copied into host
+    /// memory: nothing else runs on its memory). A queued request's end goes to the completion
+    /// queue at once, and the request leaves the table (no reap), when no earlier end waits
+    /// for a reap, which keeps the ends in the order they happened; any other request keeps
+    /// its result for its owner or scope, noted for the reap as usual.
+    pub(crate) fn end_in_place(&mut self, rid: u64, res: Result<Completion>) {
+        let reg = &mut self.owned;
+        let i = index(rid);
+        if reg.live != 0
+            && reg.done.is_empty()
+            && reg.draining.is_empty()
+            && matches!(reg.slots.get(i), Some(Some((sid, Owner::Queue(_)))) if *sid == rid)
+            && let Some(Some((_, Owner::Queue(token)))) = reg.slots.get_mut(i).map(Option::take)
+        {
+            reg.live -= 1;
+            reg.completed.push((token, res));
+            self.reqs.remove(&rid);
+            return;
+        }
+        if let Some(r) = self.reqs.get_mut(&rid) {
+            r.result = Some(res);
+        }
+        self.owned.note_done(rid);
+    }
+
     /// Whether owned request `id` can be handed back, and its result if so.
     fn owned_end(&mut self, id: u64) -> End {
         let Some(r) = self.reqs.get_mut(&id) else {
