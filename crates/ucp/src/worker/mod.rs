@@ -534,6 +534,7 @@ impl Worker {
 
     /// Re-plan endpoint `p` if its plan is stale, connecting lanes a new plan wants (when the
     /// interfaces are free to borrow; otherwise the next progress does it).
+    #[inline]
     pub(crate) fn ensure_plan(&self, st: &mut State, p: usize) {
         st.refresh_plan(p);
         if !st.peers[p].needs_lanes {

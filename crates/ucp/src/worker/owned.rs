@@ -82,6 +82,7 @@ impl Registry {
         self.live
     }
 
+    #[inline]
     fn insert(&mut self, id: u64, owner: Owner) {
         let i = index(id);
         if self.slots.len() <= i {
@@ -222,6 +223,15 @@ impl Worker {
     /// [`tag_send_queued`](Self::tag_send_queued).
     pub fn tag_recv_queued(&self, buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
         let id = self.post_recv(RecvBuf::of_raw(&buf), tag, mask);
+        {
+            // Waiting for its message (a pre-posted receive, the common case): registered.
+            let mut st = self.st.borrow_mut();
+            if st.reqs.get(&id).is_some_and(|r| r.result.is_none()) {
+                st.owned.insert(id, Owner::Queue(token));
+                let worker = st.address.uuid;
+                return Queued::Pending(QueuedReq { id, worker });
+            }
+        }
         self.adopt_queued(Ok(Posted::Pending(id)), token)
     }
 
