@@ -78,7 +78,14 @@ impl Pool {
     }
 
     /// A request from the pool: its caller area (after `request_init` on first use).
+    #[cfg(test)]
     pub fn alloc(&self) -> *mut c_void {
+        self.alloc_for(None)
+    }
+
+    /// A request from the pool for the operation of `token` (noted for `ucp_request_cancel`),
+    /// if any: its caller area (after `request_init` on first use).
+    pub fn alloc_for(&self, token: Option<u64>) -> *mut c_void {
         let block = match self.free.borrow_mut().pop() {
             Some(b) => b,
             None => {
@@ -107,7 +114,7 @@ impl Pool {
                 _pad: 0,
                 info: TagRecvInfo::default(),
                 pool: self,
-                token: 0,
+                token: token_word(token),
                 _spare: [0; 2],
             })
         };
@@ -143,7 +150,19 @@ impl Drop for Pool {
 ///
 /// # Safety
 /// `user` points `HEADER_SIZE` bytes past the start of writable memory of at least that size.
+#[inline]
 pub unsafe fn init_provided(user: *mut c_void) -> bool {
+    // SAFETY: forwarded.
+    unsafe { init_provided_for(user, None) }
+}
+
+/// [`init_provided`] for the operation of `token`, noted for `ucp_request_cancel` as
+/// [`set_token`] notes it.
+///
+/// # Safety
+/// As for [`init_provided`].
+#[inline]
+pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>) -> bool {
     if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
         return false;
     }
@@ -159,7 +178,7 @@ pub unsafe fn init_provided(user: *mut c_void) -> bool {
                 _pad: 0,
                 info: TagRecvInfo::default(),
                 pool: std::ptr::null(),
-                token: 0,
+                token: token_word(token),
                 _spare: [0; 2],
             })
     };
@@ -178,6 +197,12 @@ unsafe fn header<'a>(user: *mut c_void) -> Option<&'a mut Header> {
     // SAFETY: the caller's promise; the magic tells ours from anything else.
     let h = unsafe { &mut *user.cast::<u8>().sub(HEADER_SIZE).cast::<Header>() };
     (h.magic == MAGIC).then_some(h)
+}
+
+/// The header's token word: the token plus one, 0 for none.
+#[inline]
+fn token_word(token: Option<u64>) -> u64 {
+    token.map_or(0, |t| t + 1)
 }
 
 /// Note the token of the operation request `user` completes (for `ucp_request_cancel`).

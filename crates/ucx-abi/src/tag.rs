@@ -185,15 +185,15 @@ impl Opts {
 ///
 /// # Safety
 /// A provided request has `HEADER_SIZE` writable bytes before it.
-unsafe fn request_for(w: &AbiWorker, opts: &Opts) -> *mut c_void {
+unsafe fn request_for(w: &AbiWorker, opts: &Opts, token: Option<u64>) -> *mut c_void {
     match opts.req {
         Some(r) => {
             // SAFETY: checked by `check_provided` before the operation was posted; room for a
             // header before it is the caller's promise.
-            unsafe { request::init_provided(r) };
+            unsafe { request::init_provided_for(r, token) };
             r
         }
-        None => w.context().pool.alloc(),
+        None => w.context().pool.alloc_for(token),
     }
 }
 
@@ -305,9 +305,7 @@ unsafe fn send(
         Queued::Ended(res) => (None, Some(res)),
     };
     // SAFETY: as for `request_for`.
-    let user = unsafe { request_for(w, &opts) };
-    // SAFETY: a live request, just made.
-    unsafe { request::set_token(user, token) };
+    let user = unsafe { request_for(w, &opts, Some(token)) };
     ops.fill(
         token,
         Pending {
@@ -401,7 +399,7 @@ unsafe fn recv(
             return std::ptr::null_mut();
         }
         // SAFETY: as for `request_for`.
-        let user = unsafe { request_for(w, &opts) };
+        let user = unsafe { request_for(w, &opts, None) };
         if matches!(opts.cb, Callback::None) {
             let (status, info) = fin.run(res, owned_data(data));
             // SAFETY: `user` is a live request.
@@ -427,9 +425,7 @@ unsafe fn recv(
         return user;
     }
     // SAFETY: as for `request_for`.
-    let user = unsafe { request_for(w, &opts) };
-    // SAFETY: a live request, just made.
-    unsafe { request::set_token(user, token) };
+    let user = unsafe { request_for(w, &opts, Some(token)) };
     ops.fill(
         token,
         Pending {
@@ -749,9 +745,7 @@ unsafe fn msg_recv(
     // SAFETY: made by `Box::into_raw` in `ucp_tag_probe_nb`, received once.
     let msg = unsafe { Box::from_raw(message.cast::<Message>()) };
     // SAFETY: as for `request_for`.
-    let user = unsafe { request_for(w, &opts) };
-    // SAFETY: a live request, just made.
-    unsafe { request::set_token(user, msg.token) };
+    let user = unsafe { request_for(w, &opts, Some(msg.token)) };
     let mut ops = w.ops.borrow_mut();
     let Some(p) = ops.get_mut(msg.token) else {
         drop(ops);
