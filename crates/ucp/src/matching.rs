@@ -14,6 +14,17 @@ pub fn tag_matches(msg_tag: Tag, recv_tag: Tag, mask: Tag) -> bool {
     (msg_tag & mask) == (recv_tag & mask)
 }
 
+/// Remove the entry at `pos` of `q`: the front (the usual match, in order) without the general
+/// removal's shifting.
+#[inline]
+fn take_at<T>(q: &mut VecDeque<T>, pos: usize) -> Option<T> {
+    if pos == 0 {
+        q.pop_front()
+    } else {
+        q.remove(pos)
+    }
+}
+
 #[derive(Debug)]
 struct Expected<E> {
     tag: Tag,
@@ -57,7 +68,7 @@ impl<E, U> TagMatcher<E, U> {
             .iter()
             .position(|u| tag_matches(u.tag, tag, mask))
         {
-            let u = self.unexpected.remove(pos).expect("position is in range");
+            let u = take_at(&mut self.unexpected, pos).expect("position is in range");
             return Some((u.tag, u.item, item));
         }
         self.expected.push_back(Expected { tag, mask, item });
@@ -72,7 +83,7 @@ impl<E, U> TagMatcher<E, U> {
             .iter()
             .position(|e| tag_matches(tag, e.tag, e.mask))
         {
-            let e = self.expected.remove(pos).expect("position is in range");
+            let e = take_at(&mut self.expected, pos).expect("position is in range");
             return Some((e.item, item));
         }
         self.unexpected.push_back(Unexpected { tag, item });
@@ -89,7 +100,7 @@ impl<E, U> TagMatcher<E, U> {
             .iter()
             .position(|e| tag_matches(tag, e.tag, e.mask))
         {
-            return self.expected.remove(pos).map(|e| e.item);
+            return take_at(&mut self.expected, pos).map(|e| e.item);
         }
         self.unexpected.push_back(Unexpected { tag, item: make() });
         None
@@ -109,13 +120,13 @@ impl<E, U> TagMatcher<E, U> {
             .unexpected
             .iter()
             .position(|u| tag_matches(u.tag, tag, mask))?;
-        self.unexpected.remove(pos).map(|u| (u.tag, u.item))
+        take_at(&mut self.unexpected, pos).map(|u| (u.tag, u.item))
     }
 
     /// Remove the first posted receive for which `pred` holds (cancellation).
     pub fn cancel_expected(&mut self, mut pred: impl FnMut(&E) -> bool) -> Option<E> {
         let pos = self.expected.iter().position(|e| pred(&e.item))?;
-        self.expected.remove(pos).map(|e| e.item)
+        take_at(&mut self.expected, pos).map(|e| e.item)
     }
 
     /// Remove every unexpected message for which `pred` holds (e.g. from a failed peer).
