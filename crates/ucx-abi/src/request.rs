@@ -145,24 +145,35 @@ impl Drop for Pool {
     }
 }
 
-/// Prepare the caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`): the header before
+/// Prepare the caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`) for the operation of
+/// `token`, if any (noted for `ucp_request_cancel` as [`set_token`] notes it): the header before
 /// `user` is written fresh. Returns false for a pointer that cannot be one.
 ///
 /// # Safety
 /// `user` points `HEADER_SIZE` bytes past the start of writable memory of at least that size.
 #[inline]
-pub unsafe fn init_provided(user: *mut c_void) -> bool {
+pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>) -> bool {
     // SAFETY: forwarded.
-    unsafe { init_provided_for(user, None) }
+    unsafe { write_provided(user, token, 0, UCS_INPROGRESS) }
 }
 
-/// [`init_provided`] for the operation of `token`, noted for `ucp_request_cancel` as
-/// [`set_token`] notes it.
+/// The caller's own request memory, prepared as a request that already ended with `UCS_OK`
+/// (a send that ended in place): what [`init_provided_for`] and [`complete`] write, in one go.
 ///
 /// # Safety
-/// As for [`init_provided`].
+/// As for [`init_provided_for`].
 #[inline]
-pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>) -> bool {
+pub unsafe fn init_provided_done(user: *mut c_void) -> bool {
+    // SAFETY: forwarded.
+    unsafe { write_provided(user, None, COMPLETED, UCS_OK) }
+}
+
+/// Write a fresh header before `user`, the caller's request memory.
+///
+/// # Safety
+/// As for [`init_provided_for`].
+#[inline]
+unsafe fn write_provided(user: *mut c_void, token: Option<u64>, flags: u32, status: Status) -> bool {
     if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
         return false;
     }
@@ -173,8 +184,8 @@ pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>) -> bool {
             .cast::<Header>()
             .write(Header {
                 magic: MAGIC,
-                flags: 0,
-                status: i32::from(UCS_INPROGRESS),
+                flags,
+                status: i32::from(status),
                 _pad: 0,
                 info: TagRecvInfo::default(),
                 pool: std::ptr::null(),
@@ -356,10 +367,18 @@ mod tests {
         let user = unsafe { mem.as_mut_ptr().add(HEADER_SIZE / 8) }.cast::<c_void>();
         // SAFETY: as above.
         unsafe {
-            assert!(init_provided(user));
+            assert!(init_provided_for(user, None));
             assert_eq!(state(user).unwrap().0, UCS_INPROGRESS);
             assert!(complete(user, UCS_OK, TagRecvInfo::default()));
             assert_eq!(state(user).unwrap().0, UCS_OK);
+            // Prepared as ended in place: complete at once, and freeing it frees nothing.
+            assert!(init_provided_done(user));
+            assert_eq!(state(user), Ok((UCS_OK, TagRecvInfo::default())));
+            assert_eq!(token(user), None);
+            assert!(free(user));
+            assert!(init_provided_for(user, Some(5)));
+            assert_eq!(state(user).unwrap().0, UCS_INPROGRESS);
+            assert_eq!(token(user), Some(5));
             assert_eq!(state(std::ptr::null_mut()), Err(UCS_ERR_INVALID_PARAM));
             assert_eq!(
                 state(crate::status::status_ptr(UCS_ERR_NO_MEMORY)),

@@ -224,10 +224,7 @@ fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
 fn complete_provided(opts: &Opts) {
     if let Some(r) = opts.req {
         // SAFETY: checked pointer with a header's room before it (caller's promise).
-        unsafe {
-            request::init_provided(r);
-            request::complete(r, UCS_OK, TagRecvInfo::default());
-        }
+        unsafe { request::init_provided_done(r) };
     }
 }
 
