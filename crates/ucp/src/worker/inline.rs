@@ -15,10 +15,15 @@ impl Worker {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
         self.ensure_plan(&mut st, ep.0);
-        let table = st.peers[ep.0]
-            .plan
-            .table(Op::Tag, MemKey::new(MemoryType::Host, None));
-        if table.lookup(data.len()).map(|r| r.proto) != Some(Proto::EagerShort) {
+        let plan = &st.peers[ep.0].plan;
+        let short = match plan.short_tag_host {
+            Some((from, to)) => (from..=to).contains(&data.len()),
+            None => {
+                let host = MemKey::new(MemoryType::Host, None);
+                plan.select(Op::Tag, host, data.len()) == Some(Proto::EagerShort)
+            }
+        };
+        if !short {
             return Ok(false);
         }
         if !st.try_eager_short(ep.0, data.as_ptr() as usize, data.len(), tag)? {
