@@ -24,13 +24,11 @@ impl State {
         }
         // SAFETY: the caller's buffer is borrowed for the call (and the scope).
         let data = unsafe { host_slice(addr, len) };
-        // The source and the data, contiguous (a reused buffer: nothing to zero or allocate).
-        let small = &mut self.short_buf;
-        small.clear();
-        small.extend_from_slice(&self.address.uuid.to_le_bytes());
-        small.extend_from_slice(data);
+        // The source, then the data (joined by the transport, or in a reused buffer: nothing
+        // to zero or allocate).
+        let src = self.address.uuid;
         let ep = peer.eps.get_mut(&peer.am).expect("am lane");
-        match ep.am_short(wire::AM_EAGER_SHORT, tag, small) {
+        match ep.am_short_word(wire::AM_EAGER_SHORT, tag, src, data, &mut self.short_buf) {
             Ok(()) => Ok(true),
             Err(e) if e.is_retryable() => Ok(false),
             Err(e) => Err(e),
