@@ -51,6 +51,7 @@ fn info_of(c: &Completion) -> TagRecvInfo {
     }
 }
 
+#[inline]
 fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
     match res {
         Ok(c) => (UCS_OK, info_of(c)),
@@ -68,6 +69,7 @@ fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
 impl Finish {
     /// The final status and receive information of an operation that ended with `res`
     /// (`data`: our buffer, when it had one).
+    #[inline(always)]
     pub fn run(self, res: Result<Completion>, data: Option<Vec<u8>>) -> (Status, TagRecvInfo) {
         let (status, info) = result_status(&res);
         match self {
@@ -233,6 +235,7 @@ fn complete_provided(opts: &Opts) {
 /// # Safety
 /// `ep` NULL or live; `buf`/`count` describe memory of the datatype that stays valid until
 /// the send ends.
+#[inline(always)]
 unsafe fn send(
     ep: *const AbiEp,
     buf: *const c_void,
@@ -336,6 +339,7 @@ fn owned_data(b: Buf) -> Option<Vec<u8>> {
 /// # Safety
 /// `worker` NULL or live; `buf`/`count` describe writable memory of the datatype that stays
 /// valid until the receive ends.
+#[inline(always)]
 unsafe fn recv(
     worker: *const AbiWorker,
     buf: *mut c_void,

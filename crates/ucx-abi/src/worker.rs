@@ -83,7 +83,7 @@ impl Ops {
     }
 
     /// Store `p` under the token [`vacant`](Self::vacant) returned (nothing was stored since).
-    #[inline]
+    #[inline(always)]
     pub fn fill(&mut self, token: u64, p: Pending) {
         if self.free.last() == Some(&token) {
             self.free.pop();
@@ -100,7 +100,7 @@ impl Ops {
         self.slots.get_mut(token as usize)?.as_mut()
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn remove(&mut self, token: u64) -> Option<Pending> {
         let p = self.slots.get_mut(token as usize)?.take()?;
         self.sends -= usize::from(p.send);
@@ -195,14 +195,14 @@ impl AbiWorker {
 }
 
 /// Deliver the end `res` of operation `p`.
-#[inline]
+#[inline(always)]
 fn finish(p: Pending, res: Result<Completion>) {
     let (status, info) = p.fin.run(res, p.data);
     deliver(p.user, p.cb, status, info);
 }
 
 /// Record a request's end and run its callback (unless it was freed before).
-#[inline]
+#[inline(always)]
 pub fn deliver(user: *mut c_void, cb: Callback, status: Status, mut info: TagRecvInfo) {
     // SAFETY: `user` is a live request of this library (made when the operation was posted).
     if !unsafe { request::complete(user, status, info) } {
