@@ -329,6 +329,7 @@ impl Ring {
     /// `fill` returns the message length and id, or an error; on error (or a panic in `fill`)
     /// the cell is published as empty so the ring keeps flowing. Returns `Ok(None)` when the
     /// ring is full or, for a moment, contended (nothing was written).
+    #[inline]
     pub fn send<F>(&self, fill: F) -> Result<Option<usize>>
     where
         F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,

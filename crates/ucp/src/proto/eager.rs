@@ -8,6 +8,7 @@ use crate::worker::prelude::*;
 impl State {
     /// Send a small host message with one `am_short` if the AM lane is idle. `Ok(false)`: not
     /// sent (queue busy, lane not connected, or the transport pushed back).
+    #[inline]
     pub(crate) fn try_eager_short(
         &mut self,
         p: usize,
@@ -209,6 +210,7 @@ impl State {
     }
 
     /// A whole tagged message in one packet (eager short or single-fragment copy-in).
+    #[inline]
     pub(crate) fn on_eager_one(
         &mut self,
         src: u64,
@@ -254,6 +256,7 @@ impl State {
 
     /// A whole eager message matched a posted receive: copy it and finish the receive with one
     /// lookup of the request (the common small-message path).
+    #[inline]
     pub(crate) fn deliver_whole(&mut self, rid: u64, src: usize, tag: Tag, data: &[u8]) {
         let res = match self.reqs.get_mut(&rid) {
             Some(Req {

@@ -11,6 +11,7 @@ impl Worker {
     /// (the size or the plan wants another protocol, messages wait before it, or the
     /// transport pushed back): post it as a request then, which keeps the endpoint's order.
     /// An error is the endpoint's (failed, closing) or the transport's.
+    #[inline]
     pub fn tag_send_inline(&self, ep: EpId, data: &[u8], tag: Tag) -> Result<bool> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;

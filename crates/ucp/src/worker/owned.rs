@@ -221,6 +221,7 @@ impl Worker {
     /// with `token` unless it matched a message already here and ended while posted
     /// ([`Queued::Ended`]). The memory is the request's as for
     /// [`tag_send_queued`](Self::tag_send_queued).
+    #[inline]
     pub fn tag_recv_queued(&self, buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
         let id = self.post_recv(RecvBuf::of_raw(&buf), tag, mask);
         {
@@ -459,6 +460,7 @@ impl State {
     /// queue at once, and the request leaves the table (no reap), when no earlier end waits
     /// for a reap, which keeps the ends in the order they happened; any other request keeps
     /// its result for its owner or scope, noted for the reap as usual.
+    #[inline]
     pub(crate) fn end_in_place(&mut self, rid: u64, res: Result<Completion>) {
         let reg = &mut self.owned;
         let i = index(rid);
