@@ -418,11 +418,7 @@ impl Ring {
     /// while the consumer polls, the store is off the ping-pong's critical path.
     #[inline]
     pub fn receive<F: FnMut(AmId, &[u8])>(&self, cur: &mut Cursor, max: usize, f: &mut F) -> usize {
-        // An idle ring (the common answer of a poll): one load of the cell at the tail.
-        if cur.freed == cur.tail
-            && self.u64_at(self.cell_off(cur.tail) + C_SEQ).load(Ordering::Acquire)
-                != cur.tail.wrapping_add(1)
-        {
+        if self.is_idle(cur) {
             return 0;
         }
         self.give_back(cur);
@@ -463,6 +459,16 @@ impl Ring {
             cur.tail = cur.tail.wrapping_add(1);
         }
         n
+    }
+
+    /// Consumer: true when [`receive`](Self::receive) would do nothing now (no message ready
+    /// at the tail, no delivered cell to free): the common answer of a poll, from one load of
+    /// the cell at the tail.
+    #[inline]
+    pub fn is_idle(&self, cur: &Cursor) -> bool {
+        cur.freed == cur.tail
+            && self.u64_at(self.cell_off(cur.tail) + C_SEQ).load(Ordering::Acquire)
+                != cur.tail.wrapping_add(1)
     }
 
     /// Consumer: free every cell delivered so far for the producers' next lap. [`Ring::receive`]

@@ -122,8 +122,19 @@ impl AbiWorker {
     }
 
     /// Progress once and deliver what ended; the number of events.
+    #[inline(always)]
     pub fn progress(&self) -> usize {
-        let mut n = self.worker.progress();
+        let n = self.worker.progress();
+        if self.ready.borrow().is_empty() && !self.worker.has_completed() {
+            return n;
+        }
+        n + self.deliver_ended()
+    }
+
+    /// Deliver what ended (outside progress, or queued by the rucx worker); how many.
+    #[inline(never)]
+    fn deliver_ended(&self) -> usize {
+        let mut n = 0;
         if !self.ready.borrow().is_empty() {
             let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
             for (token, res) in ready.drain(..) {

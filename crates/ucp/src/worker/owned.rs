@@ -257,6 +257,12 @@ impl Worker {
         Queued::Pending(QueuedReq { id, worker })
     }
 
+    /// Whether ends of queued requests wait to be taken ([`take_completed`](Self::take_completed)).
+    #[inline]
+    pub fn has_completed(&self) -> bool {
+        !self.st.borrow().owned.completed.is_empty()
+    }
+
     /// Move the ends of queued requests not taken yet, in the order they ended (token and
     /// result), to the end of `into`. Ends are queued by the progress call (or cancel, or the
     /// worker's drop) that saw them; each is reported once. When `into` is empty the two lists
