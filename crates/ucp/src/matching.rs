@@ -62,7 +62,13 @@ impl<E, U> TagMatcher<E, U> {
 
     /// Post a receive: returns the first unexpected message it matches (removed from the
     /// queue) with the receive's item, or queues the receive and returns `None`.
+    #[inline]
     pub fn post_recv(&mut self, tag: Tag, mask: Tag, item: E) -> Option<(Tag, U, E)> {
+        // Nothing waiting (a pre-posted receive, the usual case): queued without a search.
+        if self.unexpected.is_empty() {
+            self.expected.push_back(Expected { tag, mask, item });
+            return None;
+        }
         if let Some(pos) = self
             .unexpected
             .iter()
@@ -95,6 +101,15 @@ impl<E, U> TagMatcher<E, U> {
     /// receive's item, or queues `make()` and returns `None`.
     #[inline]
     pub fn arrive_with(&mut self, tag: Tag, make: impl FnOnce() -> U) -> Option<E> {
+        // The oldest receive matches (messages in the order their receives were posted, the
+        // usual case): taken without a search.
+        if self
+            .expected
+            .front()
+            .is_some_and(|e| tag_matches(tag, e.tag, e.mask))
+        {
+            return self.expected.pop_front().map(|e| e.item);
+        }
         if let Some(pos) = self
             .expected
             .iter()
