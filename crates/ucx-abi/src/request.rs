@@ -201,6 +201,7 @@ unsafe fn write_provided(user: *mut c_void, token: Option<u64>, flags: u32, stat
 /// # Safety
 /// `user` is a pointer this library returned (or was handed as request memory), or anything
 /// whose preceding `HEADER_SIZE` bytes are readable.
+#[inline]
 unsafe fn header<'a>(user: *mut c_void) -> Option<&'a mut Header> {
     if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
         return None;
@@ -240,6 +241,7 @@ pub unsafe fn token(user: *mut c_void) -> Option<u64> {
 ///
 /// # Safety
 /// As for [`header`].
+#[inline]
 pub unsafe fn state(user: *mut c_void) -> Result<(Status, TagRecvInfo), Status> {
     // SAFETY: forwarded.
     let h = unsafe { header(user) }.ok_or(UCS_ERR_INVALID_PARAM)?;
@@ -254,6 +256,7 @@ pub unsafe fn state(user: *mut c_void) -> Result<(Status, TagRecvInfo), Status> 
 ///
 /// # Safety
 /// `user` is a live request of this library.
+#[inline]
 pub unsafe fn complete(user: *mut c_void, status: Status, info: TagRecvInfo) -> bool {
     // SAFETY: forwarded.
     let Some(h) = (unsafe { header(user) }) else {

@@ -207,6 +207,7 @@ fn check_provided(opts: &Opts) -> bool {
 /// The memory type of a caller's buffer, through the host-range cache ([`crate::memtype`])
 /// where it is on; `None` for an empty buffer or when classification failed (the post then
 /// reports the error).
+#[inline]
 fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
     let c = w.context();
     if len == 0 {
