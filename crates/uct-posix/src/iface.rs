@@ -908,11 +908,16 @@ mod tests {
             .unwrap();
         ep.am_short_word(5, 7, 9, &[], &mut scratch).unwrap();
         let too_long = vec![0; lim.am_max_short - 8 + 1];
-        let e = ep.am_short_word(5, 0, 0, &too_long, &mut scratch).unwrap_err();
+        let e = ep
+            .am_short_word(5, 0, 0, &too_long, &mut scratch)
+            .unwrap_err();
         assert!(!e.is_retryable(), "{e}");
         ep.am_short_word(5, 0, 0, &too_long[1..], &mut scratch)
             .unwrap();
-        assert!(scratch.is_empty(), "written in place, not joined in the scratch buffer");
+        assert!(
+            scratch.is_empty(),
+            "written in place, not joined in the scratch buffer"
+        );
         let mut got = Vec::new();
         rx.progress(&mut |ev| {
             if let Event::Am { id, data } = ev {

@@ -467,7 +467,9 @@ impl Ring {
     #[inline]
     pub fn is_idle(&self, cur: &Cursor) -> bool {
         cur.freed == cur.tail
-            && self.u64_at(self.cell_off(cur.tail) + C_SEQ).load(Ordering::Acquire)
+            && self
+                .u64_at(self.cell_off(cur.tail) + C_SEQ)
+                .load(Ordering::Acquire)
                 != cur.tail.wrapping_add(1)
     }
 

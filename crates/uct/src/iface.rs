@@ -400,7 +400,8 @@ mod tests {
     fn a_word_and_bytes_are_joined_in_the_scratch_buffer_by_default() {
         let mut ep = Minimal::default();
         let mut scratch = vec![0xEE; 3];
-        ep.am_short_word(2, 10, 0x0102, b"xyz", &mut scratch).unwrap();
+        ep.am_short_word(2, 10, 0x0102, b"xyz", &mut scratch)
+            .unwrap();
         ep.am_short_word(2, 11, 3, &[], &mut scratch).unwrap();
         let mut first = 0x0102u64.to_le_bytes().to_vec();
         first.extend_from_slice(b"xyz");

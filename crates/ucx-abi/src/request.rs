@@ -173,7 +173,12 @@ pub unsafe fn init_provided_done(user: *mut c_void) -> bool {
 /// # Safety
 /// As for [`init_provided_for`].
 #[inline]
-unsafe fn write_provided(user: *mut c_void, token: Option<u64>, flags: u32, status: Status) -> bool {
+unsafe fn write_provided(
+    user: *mut c_void,
+    token: Option<u64>,
+    flags: u32,
+    status: Status,
+) -> bool {
     if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
         return false;
     }
