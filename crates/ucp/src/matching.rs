@@ -14,6 +14,17 @@ pub fn tag_matches(msg_tag: Tag, recv_tag: Tag, mask: Tag) -> bool {
     (msg_tag & mask) == (recv_tag & mask)
 }
 
+/// Remove the entry at `pos` of `q`: the front (the usual match, in order) without the general
+/// removal's shifting.
+#[inline]
+fn take_at<T>(q: &mut VecDeque<T>, pos: usize) -> Option<T> {
+    if pos == 0 {
+        q.pop_front()
+    } else {
+        q.remove(pos)
+    }
+}
+
 #[derive(Debug)]
 struct Expected<E> {
     tag: Tag,
@@ -51,13 +62,19 @@ impl<E, U> TagMatcher<E, U> {
 
     /// Post a receive: returns the first unexpected message it matches (removed from the
     /// queue) with the receive's item, or queues the receive and returns `None`.
+    #[inline]
     pub fn post_recv(&mut self, tag: Tag, mask: Tag, item: E) -> Option<(Tag, U, E)> {
+        // Nothing waiting (a pre-posted receive, the usual case): queued without a search.
+        if self.unexpected.is_empty() {
+            self.expected.push_back(Expected { tag, mask, item });
+            return None;
+        }
         if let Some(pos) = self
             .unexpected
             .iter()
             .position(|u| tag_matches(u.tag, tag, mask))
         {
-            let u = self.unexpected.remove(pos).expect("position is in range");
+            let u = take_at(&mut self.unexpected, pos).expect("position is in range");
             return Some((u.tag, u.item, item));
         }
         self.expected.push_back(Expected { tag, mask, item });
@@ -72,7 +89,7 @@ impl<E, U> TagMatcher<E, U> {
             .iter()
             .position(|e| tag_matches(tag, e.tag, e.mask))
         {
-            let e = self.expected.remove(pos).expect("position is in range");
+            let e = take_at(&mut self.expected, pos).expect("position is in range");
             return Some((e.item, item));
         }
         self.unexpected.push_back(Unexpected { tag, item });
@@ -84,12 +101,21 @@ impl<E, U> TagMatcher<E, U> {
     /// receive's item, or queues `make()` and returns `None`.
     #[inline]
     pub fn arrive_with(&mut self, tag: Tag, make: impl FnOnce() -> U) -> Option<E> {
+        // The oldest receive matches (messages in the order their receives were posted, the
+        // usual case): taken without a search.
+        if self
+            .expected
+            .front()
+            .is_some_and(|e| tag_matches(tag, e.tag, e.mask))
+        {
+            return self.expected.pop_front().map(|e| e.item);
+        }
         if let Some(pos) = self
             .expected
             .iter()
             .position(|e| tag_matches(tag, e.tag, e.mask))
         {
-            return self.expected.remove(pos).map(|e| e.item);
+            return take_at(&mut self.expected, pos).map(|e| e.item);
         }
         self.unexpected.push_back(Unexpected { tag, item: make() });
         None
@@ -109,13 +135,13 @@ impl<E, U> TagMatcher<E, U> {
             .unexpected
             .iter()
             .position(|u| tag_matches(u.tag, tag, mask))?;
-        self.unexpected.remove(pos).map(|u| (u.tag, u.item))
+        take_at(&mut self.unexpected, pos).map(|u| (u.tag, u.item))
     }
 
     /// Remove the first posted receive for which `pred` holds (cancellation).
     pub fn cancel_expected(&mut self, mut pred: impl FnMut(&E) -> bool) -> Option<E> {
         let pos = self.expected.iter().position(|e| pred(&e.item))?;
-        self.expected.remove(pos).map(|e| e.item)
+        take_at(&mut self.expected, pos).map(|e| e.item)
     }
 
     /// Remove every unexpected message for which `pred` holds (e.g. from a failed peer).

@@ -329,6 +329,7 @@ impl Ring {
     /// `fill` returns the message length and id, or an error; on error (or a panic in `fill`)
     /// the cell is published as empty so the ring keeps flowing. Returns `Ok(None)` when the
     /// ring is full or, for a moment, contended (nothing was written).
+    #[inline]
     pub fn send<F>(&self, fill: F) -> Result<Option<usize>>
     where
         F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,
@@ -415,7 +416,11 @@ impl Ring {
     /// store still waiting for that line would hold up the consumer's next atomic instruction,
     /// typically the claim of its answer in the peer's ring. Freed at the start of the next call,
     /// while the consumer polls, the store is off the ping-pong's critical path.
-    pub fn receive(&self, cur: &mut Cursor, max: usize, f: &mut dyn FnMut(AmId, &[u8])) -> usize {
+    #[inline]
+    pub fn receive<F: FnMut(AmId, &[u8])>(&self, cur: &mut Cursor, max: usize, f: &mut F) -> usize {
+        if self.is_idle(cur) {
+            return 0;
+        }
         self.give_back(cur);
         let mut n = 0;
         while n < max {
@@ -454,6 +459,18 @@ impl Ring {
             cur.tail = cur.tail.wrapping_add(1);
         }
         n
+    }
+
+    /// Consumer: true when [`receive`](Self::receive) would do nothing now (no message ready
+    /// at the tail, no delivered cell to free): the common answer of a poll, from one load of
+    /// the cell at the tail.
+    #[inline]
+    pub fn is_idle(&self, cur: &Cursor) -> bool {
+        cur.freed == cur.tail
+            && self
+                .u64_at(self.cell_off(cur.tail) + C_SEQ)
+                .load(Ordering::Acquire)
+                != cur.tail.wrapping_add(1)
     }
 
     /// Consumer: free every cell delivered so far for the producers' next lap. [`Ring::receive`]

@@ -251,6 +251,25 @@ pub trait Endpoint: Send + fmt::Debug {
     /// little-endian bytes followed by the payload.
     fn am_short(&mut self, id: AmId, header: u64, payload: &[u8]) -> Result<()>;
 
+    /// [`am_short`](Self::am_short) of a payload that starts with a second 8-byte word
+    /// (a protocol's own header, e.g. the sender's id) followed by `rest` (the caller's bytes),
+    /// received as one payload. The default joins them in `scratch` (the caller's reused
+    /// buffer: nothing allocated once it has grown); a transport that writes messages in place
+    /// writes both straight there.
+    fn am_short_word(
+        &mut self,
+        id: AmId,
+        header: u64,
+        word: u64,
+        rest: &[u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        scratch.clear();
+        scratch.extend_from_slice(&word.to_le_bytes());
+        scratch.extend_from_slice(rest);
+        self.am_short(id, header, scratch)
+    }
+
     /// Active message packed by `pack` into a transport buffer of `am_max_bcopy` bytes; `pack`
     /// returns how many bytes it wrote. Returns that length.
     fn am_bcopy(&mut self, id: AmId, pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize>;
@@ -348,12 +367,13 @@ pub fn check_packed(written: usize, capacity: usize, tl: &str) -> Result<usize> 
 mod tests {
     use super::*;
 
-    /// An endpoint that implements only the required methods.
-    #[derive(Debug)]
-    struct Minimal;
+    /// An endpoint that implements only the required methods (and keeps its short messages).
+    #[derive(Debug, Default)]
+    struct Minimal(Vec<(AmId, u64, Vec<u8>)>);
 
     impl Endpoint for Minimal {
-        fn am_short(&mut self, _: AmId, _: u64, _: &[u8]) -> Result<()> {
+        fn am_short(&mut self, id: AmId, header: u64, payload: &[u8]) -> Result<()> {
+            self.0.push((id, header, payload.to_vec()));
             Ok(())
         }
         fn am_bcopy(&mut self, _: AmId, _: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
@@ -377,8 +397,23 @@ mod tests {
     }
 
     #[test]
+    fn a_word_and_bytes_are_joined_in_the_scratch_buffer_by_default() {
+        let mut ep = Minimal::default();
+        let mut scratch = vec![0xEE; 3];
+        ep.am_short_word(2, 10, 0x0102, b"xyz", &mut scratch)
+            .unwrap();
+        ep.am_short_word(2, 11, 3, &[], &mut scratch).unwrap();
+        let mut first = 0x0102u64.to_le_bytes().to_vec();
+        first.extend_from_slice(b"xyz");
+        assert_eq!(
+            ep.0,
+            vec![(2, 10, first), (2, 11, 3u64.to_le_bytes().to_vec())]
+        );
+    }
+
+    #[test]
     fn connect_to_ep_is_unsupported_by_default() {
-        let mut ep = Minimal;
+        let mut ep = Minimal::default();
         assert!(matches!(ep.ep_address(), Err(Error::Unsupported { .. })));
         let e = ep.connect_to_ep(&[1, 2], &[3]).unwrap_err();
         assert!(e.to_string().contains("connect_to_ep"), "{e}");

@@ -25,6 +25,7 @@ pub enum Dt {
 }
 
 /// Decode a `ucp_datatype_t`.
+#[inline]
 pub fn classify(dt: u64) -> Result<Dt, Status> {
     match dt & UCP_DATATYPE_CLASS_MASK {
         UCP_DATATYPE_CONTIG => Ok(Dt::Contig((dt >> UCP_DATATYPE_SHIFT) as usize)),
@@ -36,6 +37,7 @@ pub fn classify(dt: u64) -> Result<Dt, Status> {
 }
 
 /// Bytes of `count` contiguous elements of `elem` bytes.
+#[inline]
 pub fn contig_len(elem: usize, count: usize) -> Result<usize, Status> {
     elem.checked_mul(count)
         .filter(|n| *n <= isize::MAX as usize)

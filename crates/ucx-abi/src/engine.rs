@@ -29,6 +29,7 @@ impl Buf {
     /// contract with its caller); an `Owned` one is kept, unmoved and untouched, by the ABI
     /// until then (its bytes live in the vector's heap allocation, which moving the vector
     /// does not move).
+    #[inline(always)]
     unsafe fn raw(&mut self) -> RawBuf {
         match self {
             // SAFETY: the caller's promise, which is `RawBuf::new`'s contract; `info` is the
@@ -47,6 +48,7 @@ impl Buf {
 ///
 /// # Safety
 /// As for [`Buf::raw`].
+#[inline(always)]
 pub unsafe fn send(
     w: &Worker,
     ep: EpId,
@@ -64,6 +66,7 @@ pub unsafe fn send(
 ///
 /// # Safety
 /// As for [`Buf::raw`].
+#[inline(always)]
 pub unsafe fn recv(w: &Worker, buf: &mut Buf, tag: u64, mask: u64, token: u64) -> Queued {
     // SAFETY: forwarded.
     let raw = unsafe { buf.raw() };

@@ -78,7 +78,14 @@ impl Pool {
     }
 
     /// A request from the pool: its caller area (after `request_init` on first use).
+    #[cfg(test)]
     pub fn alloc(&self) -> *mut c_void {
+        self.alloc_for(None)
+    }
+
+    /// A request from the pool for the operation of `token` (noted for `ucp_request_cancel`),
+    /// if any: its caller area (after `request_init` on first use).
+    pub fn alloc_for(&self, token: Option<u64>) -> *mut c_void {
         let block = match self.free.borrow_mut().pop() {
             Some(b) => b,
             None => {
@@ -107,7 +114,7 @@ impl Pool {
                 _pad: 0,
                 info: TagRecvInfo::default(),
                 pool: self,
-                token: 0,
+                token: token_word(token),
                 _spare: [0; 2],
             })
         };
@@ -138,12 +145,40 @@ impl Drop for Pool {
     }
 }
 
-/// Prepare the caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`): the header before
+/// Prepare the caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`) for the operation of
+/// `token`, if any (noted for `ucp_request_cancel` as [`set_token`] notes it): the header before
 /// `user` is written fresh. Returns false for a pointer that cannot be one.
 ///
 /// # Safety
 /// `user` points `HEADER_SIZE` bytes past the start of writable memory of at least that size.
-pub unsafe fn init_provided(user: *mut c_void) -> bool {
+#[inline]
+pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>) -> bool {
+    // SAFETY: forwarded.
+    unsafe { write_provided(user, token, 0, UCS_INPROGRESS) }
+}
+
+/// The caller's own request memory, prepared as a request that already ended with `UCS_OK`
+/// (a send that ended in place): what [`init_provided_for`] and [`complete`] write, in one go.
+///
+/// # Safety
+/// As for [`init_provided_for`].
+#[inline]
+pub unsafe fn init_provided_done(user: *mut c_void) -> bool {
+    // SAFETY: forwarded.
+    unsafe { write_provided(user, None, COMPLETED, UCS_OK) }
+}
+
+/// Write a fresh header before `user`, the caller's request memory.
+///
+/// # Safety
+/// As for [`init_provided_for`].
+#[inline]
+unsafe fn write_provided(
+    user: *mut c_void,
+    token: Option<u64>,
+    flags: u32,
+    status: Status,
+) -> bool {
     if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
         return false;
     }
@@ -154,12 +189,12 @@ pub unsafe fn init_provided(user: *mut c_void) -> bool {
             .cast::<Header>()
             .write(Header {
                 magic: MAGIC,
-                flags: 0,
-                status: i32::from(UCS_INPROGRESS),
+                flags,
+                status: i32::from(status),
                 _pad: 0,
                 info: TagRecvInfo::default(),
                 pool: std::ptr::null(),
-                token: 0,
+                token: token_word(token),
                 _spare: [0; 2],
             })
     };
@@ -171,6 +206,7 @@ pub unsafe fn init_provided(user: *mut c_void) -> bool {
 /// # Safety
 /// `user` is a pointer this library returned (or was handed as request memory), or anything
 /// whose preceding `HEADER_SIZE` bytes are readable.
+#[inline]
 unsafe fn header<'a>(user: *mut c_void) -> Option<&'a mut Header> {
     if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
         return None;
@@ -178,6 +214,12 @@ unsafe fn header<'a>(user: *mut c_void) -> Option<&'a mut Header> {
     // SAFETY: the caller's promise; the magic tells ours from anything else.
     let h = unsafe { &mut *user.cast::<u8>().sub(HEADER_SIZE).cast::<Header>() };
     (h.magic == MAGIC).then_some(h)
+}
+
+/// The header's token word: the token plus one, 0 for none.
+#[inline]
+fn token_word(token: Option<u64>) -> u64 {
+    token.map_or(0, |t| t + 1)
 }
 
 /// Note the token of the operation request `user` completes (for `ucp_request_cancel`).
@@ -204,6 +246,7 @@ pub unsafe fn token(user: *mut c_void) -> Option<u64> {
 ///
 /// # Safety
 /// As for [`header`].
+#[inline]
 pub unsafe fn state(user: *mut c_void) -> Result<(Status, TagRecvInfo), Status> {
     // SAFETY: forwarded.
     let h = unsafe { header(user) }.ok_or(UCS_ERR_INVALID_PARAM)?;
@@ -218,6 +261,7 @@ pub unsafe fn state(user: *mut c_void) -> Result<(Status, TagRecvInfo), Status> 
 ///
 /// # Safety
 /// `user` is a live request of this library.
+#[inline]
 pub unsafe fn complete(user: *mut c_void, status: Status, info: TagRecvInfo) -> bool {
     // SAFETY: forwarded.
     let Some(h) = (unsafe { header(user) }) else {
@@ -331,10 +375,18 @@ mod tests {
         let user = unsafe { mem.as_mut_ptr().add(HEADER_SIZE / 8) }.cast::<c_void>();
         // SAFETY: as above.
         unsafe {
-            assert!(init_provided(user));
+            assert!(init_provided_for(user, None));
             assert_eq!(state(user).unwrap().0, UCS_INPROGRESS);
             assert!(complete(user, UCS_OK, TagRecvInfo::default()));
             assert_eq!(state(user).unwrap().0, UCS_OK);
+            // Prepared as ended in place: complete at once, and freeing it frees nothing.
+            assert!(init_provided_done(user));
+            assert_eq!(state(user), Ok((UCS_OK, TagRecvInfo::default())));
+            assert_eq!(token(user), None);
+            assert!(free(user));
+            assert!(init_provided_for(user, Some(5)));
+            assert_eq!(state(user).unwrap().0, UCS_INPROGRESS);
+            assert_eq!(token(user), Some(5));
             assert_eq!(state(std::ptr::null_mut()), Err(UCS_ERR_INVALID_PARAM));
             assert_eq!(
                 state(crate::status::status_ptr(UCS_ERR_NO_MEMORY)),

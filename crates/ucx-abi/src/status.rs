@@ -81,6 +81,7 @@ pub fn ptr_is_err(p: *const c_void) -> bool {
 }
 
 /// True for a pointer that is a request (neither NULL nor an error status).
+#[inline]
 pub fn ptr_is_ptr(p: *const c_void) -> bool {
     (p as usize).wrapping_sub(1) < (UCS_ERR_LAST as isize as usize).wrapping_sub(1)
 }

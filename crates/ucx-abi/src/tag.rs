@@ -51,6 +51,7 @@ fn info_of(c: &Completion) -> TagRecvInfo {
     }
 }
 
+#[inline]
 fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
     match res {
         Ok(c) => (UCS_OK, info_of(c)),
@@ -68,6 +69,7 @@ fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
 impl Finish {
     /// The final status and receive information of an operation that ended with `res`
     /// (`data`: our buffer, when it had one).
+    #[inline(always)]
     pub fn run(self, res: Result<Completion>, data: Option<Vec<u8>>) -> (Status, TagRecvInfo) {
         let (status, info) = result_status(&res);
         match self {
@@ -185,15 +187,15 @@ impl Opts {
 ///
 /// # Safety
 /// A provided request has `HEADER_SIZE` writable bytes before it.
-unsafe fn request_for(w: &AbiWorker, opts: &Opts) -> *mut c_void {
+unsafe fn request_for(w: &AbiWorker, opts: &Opts, token: Option<u64>) -> *mut c_void {
     match opts.req {
         Some(r) => {
             // SAFETY: checked by `check_provided` before the operation was posted; room for a
             // header before it is the caller's promise.
-            unsafe { request::init_provided(r) };
+            unsafe { request::init_provided_for(r, token) };
             r
         }
-        None => w.context().pool.alloc(),
+        None => w.context().pool.alloc_for(token),
     }
 }
 
@@ -205,6 +207,7 @@ fn check_provided(opts: &Opts) -> bool {
 /// The memory type of a caller's buffer, through the host-range cache ([`crate::memtype`])
 /// where it is on; `None` for an empty buffer or when classification failed (the post then
 /// reports the error).
+#[inline]
 fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
     let c = w.context();
     if len == 0 {
@@ -224,10 +227,7 @@ fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
 fn complete_provided(opts: &Opts) {
     if let Some(r) = opts.req {
         // SAFETY: checked pointer with a header's room before it (caller's promise).
-        unsafe {
-            request::init_provided(r);
-            request::complete(r, UCS_OK, TagRecvInfo::default());
-        }
+        unsafe { request::init_provided_done(r) };
     }
 }
 
@@ -236,6 +236,7 @@ fn complete_provided(opts: &Opts) {
 /// # Safety
 /// `ep` NULL or live; `buf`/`count` describe memory of the datatype that stays valid until
 /// the send ends.
+#[inline(always)]
 unsafe fn send(
     ep: *const AbiEp,
     buf: *const c_void,
@@ -305,9 +306,7 @@ unsafe fn send(
         Queued::Ended(res) => (None, Some(res)),
     };
     // SAFETY: as for `request_for`.
-    let user = unsafe { request_for(w, &opts) };
-    // SAFETY: a live request, just made.
-    unsafe { request::set_token(user, token) };
+    let user = unsafe { request_for(w, &opts, Some(token)) };
     ops.fill(
         token,
         Pending {
@@ -341,6 +340,7 @@ fn owned_data(b: Buf) -> Option<Vec<u8>> {
 /// # Safety
 /// `worker` NULL or live; `buf`/`count` describe writable memory of the datatype that stays
 /// valid until the receive ends.
+#[inline(always)]
 unsafe fn recv(
     worker: *const AbiWorker,
     buf: *mut c_void,
@@ -401,7 +401,7 @@ unsafe fn recv(
             return std::ptr::null_mut();
         }
         // SAFETY: as for `request_for`.
-        let user = unsafe { request_for(w, &opts) };
+        let user = unsafe { request_for(w, &opts, None) };
         if matches!(opts.cb, Callback::None) {
             let (status, info) = fin.run(res, owned_data(data));
             // SAFETY: `user` is a live request.
@@ -427,9 +427,7 @@ unsafe fn recv(
         return user;
     }
     // SAFETY: as for `request_for`.
-    let user = unsafe { request_for(w, &opts) };
-    // SAFETY: a live request, just made.
-    unsafe { request::set_token(user, token) };
+    let user = unsafe { request_for(w, &opts, Some(token)) };
     ops.fill(
         token,
         Pending {
@@ -749,9 +747,7 @@ unsafe fn msg_recv(
     // SAFETY: made by `Box::into_raw` in `ucp_tag_probe_nb`, received once.
     let msg = unsafe { Box::from_raw(message.cast::<Message>()) };
     // SAFETY: as for `request_for`.
-    let user = unsafe { request_for(w, &opts) };
-    // SAFETY: a live request, just made.
-    unsafe { request::set_token(user, msg.token) };
+    let user = unsafe { request_for(w, &opts, Some(msg.token)) };
     let mut ops = w.ops.borrow_mut();
     let Some(p) = ops.get_mut(msg.token) else {
         drop(ops);

@@ -83,6 +83,7 @@ impl Ops {
     }
 
     /// Store `p` under the token [`vacant`](Self::vacant) returned (nothing was stored since).
+    #[inline(always)]
     pub fn fill(&mut self, token: u64, p: Pending) {
         if self.free.last() == Some(&token) {
             self.free.pop();
@@ -94,10 +95,12 @@ impl Ops {
         self.slots[token as usize] = Some(p);
     }
 
+    #[inline]
     pub fn get_mut(&mut self, token: u64) -> Option<&mut Pending> {
         self.slots.get_mut(token as usize)?.as_mut()
     }
 
+    #[inline(always)]
     pub fn remove(&mut self, token: u64) -> Option<Pending> {
         let p = self.slots.get_mut(token as usize)?.take()?;
         self.sends -= usize::from(p.send);
@@ -119,8 +122,19 @@ impl AbiWorker {
     }
 
     /// Progress once and deliver what ended; the number of events.
+    #[inline(always)]
     pub fn progress(&self) -> usize {
-        let mut n = self.worker.progress();
+        let n = self.worker.progress();
+        if self.ready.borrow().is_empty() && !self.worker.has_completed() {
+            return n;
+        }
+        n + self.deliver_ended()
+    }
+
+    /// Deliver what ended (outside progress, or queued by the rucx worker); how many.
+    #[inline(never)]
+    fn deliver_ended(&self) -> usize {
+        let mut n = 0;
         if !self.ready.borrow().is_empty() {
             let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
             for (token, res) in ready.drain(..) {
@@ -192,12 +206,14 @@ impl AbiWorker {
 }
 
 /// Deliver the end `res` of operation `p`.
+#[inline(always)]
 fn finish(p: Pending, res: Result<Completion>) {
     let (status, info) = p.fin.run(res, p.data);
     deliver(p.user, p.cb, status, info);
 }
 
 /// Record a request's end and run its callback (unless it was freed before).
+#[inline(always)]
 pub fn deliver(user: *mut c_void, cb: Callback, status: Status, mut info: TagRecvInfo) {
     // SAFETY: `user` is a live request of this library (made when the operation was posted).
     if !unsafe { request::complete(user, status, info) } {

@@ -345,6 +345,10 @@ pub struct EpPlan {
     pub wanted: Vec<usize>,
     /// Below this size a rendezvous read is not split with the sender's writes.
     pub split_thresh: usize,
+    /// The sizes (`from..=to`) a tag send of host memory takes eager-short by, when one row of
+    /// its table says so (what [`select`](Self::select) answers, without the look-ups: the
+    /// in-place send asks it for every small message).
+    pub short_tag_host: Option<(usize, usize)>,
 }
 
 impl EpPlan {
@@ -466,7 +470,7 @@ pub fn plan(input: PlanInput<'_>) -> Result<EpPlan, Unreachable> {
             notes: vec!["this memory was not planned for (no domain detects it)".into()],
         })
         .collect();
-    Ok(EpPlan {
+    let mut plan = EpPlan {
         peer: input.peer.to_string(),
         lane_names: input.lanes.iter().map(|l| l.name()).collect(),
         lanes,
@@ -480,7 +484,15 @@ pub fn plan(input: PlanInput<'_>) -> Result<EpPlan, Unreachable> {
         } else {
             usize::MAX
         },
-    })
+        short_tag_host: None,
+    };
+    let host = plan.table(Op::Tag, MemKey::new(MemoryType::Host, None));
+    let mut short = host.rows.iter().filter(|r| r.proto == Proto::EagerShort);
+    plan.short_tag_host = match (short.next(), short.next()) {
+        (Some(r), None) => Some((r.from, r.to)),
+        _ => None,
+    };
+    Ok(plan)
 }
 
 /// Planning helpers shared by the sub-modules.

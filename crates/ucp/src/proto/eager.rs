@@ -8,6 +8,7 @@ use crate::worker::prelude::*;
 impl State {
     /// Send a small host message with one `am_short` if the AM lane is idle. `Ok(false)`: not
     /// sent (queue busy, lane not connected, or the transport pushed back).
+    #[inline]
     pub(crate) fn try_eager_short(
         &mut self,
         p: usize,
@@ -24,13 +25,11 @@ impl State {
         }
         // SAFETY: the caller's buffer is borrowed for the call (and the scope).
         let data = unsafe { host_slice(addr, len) };
-        // The source and the data, contiguous (a reused buffer: nothing to zero or allocate).
-        let small = &mut self.short_buf;
-        small.clear();
-        small.extend_from_slice(&self.address.uuid.to_le_bytes());
-        small.extend_from_slice(data);
+        // The source, then the data (joined by the transport, or in a reused buffer: nothing
+        // to zero or allocate).
+        let src = self.address.uuid;
         let ep = peer.eps.get_mut(&peer.am).expect("am lane");
-        match ep.am_short(wire::AM_EAGER_SHORT, tag, small) {
+        match ep.am_short_word(wire::AM_EAGER_SHORT, tag, src, data, &mut self.short_buf) {
             Ok(()) => Ok(true),
             Err(e) if e.is_retryable() => Ok(false),
             Err(e) => Err(e),
@@ -211,6 +210,7 @@ impl State {
     }
 
     /// A whole tagged message in one packet (eager short or single-fragment copy-in).
+    #[inline]
     pub(crate) fn on_eager_one(
         &mut self,
         src: u64,
@@ -256,8 +256,9 @@ impl State {
 
     /// A whole eager message matched a posted receive: copy it and finish the receive with one
     /// lookup of the request (the common small-message path).
+    #[inline]
     pub(crate) fn deliver_whole(&mut self, rid: u64, src: usize, tag: Tag, data: &[u8]) {
-        let gpu = match self.reqs.get_mut(&rid) {
+        let res = match self.reqs.get_mut(&rid) {
             Some(Req {
                 kind: ReqKind::Recv(rs),
                 result,
@@ -267,7 +268,7 @@ impl State {
                 rs.tag = tag;
                 rs.total = data.len();
                 if rs.mem.is_gpu() {
-                    true
+                    None
                 } else {
                     let n = data.len().min(rs.cap);
                     // SAFETY: the receive buffer was lent mutably to the scope, which keeps it
@@ -275,7 +276,7 @@ impl State {
                     let dst = unsafe { host_slice_mut(rs.addr, n) };
                     dst.copy_from_slice(&data[..n]);
                     rs.received = data.len();
-                    *result = Some(if data.len() > rs.cap {
+                    Some(if data.len() > rs.cap {
                         Err(Error::Truncated {
                             incoming: data.len(),
                             capacity: rs.cap,
@@ -286,17 +287,17 @@ impl State {
                             tag,
                             sender: Some(EpId(src)),
                         })
-                    });
-                    false
+                    })
                 }
             }
             _ => return,
         };
-        if gpu {
-            self.recv_data(rid, 0, data);
-            self.recv_complete(rid);
-        } else {
-            self.owned.note_done(rid);
+        match res {
+            None => {
+                self.recv_data(rid, 0, data);
+                self.recv_complete(rid);
+            }
+            Some(res) => self.end_in_place(rid, res),
         }
     }
 }

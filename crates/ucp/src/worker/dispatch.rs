@@ -4,6 +4,7 @@
 use crate::worker::prelude::*;
 
 impl State {
+    #[inline]
     pub(crate) fn src_peer(&self, src: u64) -> Result<usize> {
         // Messages come in runs from one peer: remember the last one (uuids are never 0).
         let (last, p) = self.last_src.get();

@@ -11,14 +11,20 @@ impl Worker {
     /// (the size or the plan wants another protocol, messages wait before it, or the
     /// transport pushed back): post it as a request then, which keeps the endpoint's order.
     /// An error is the endpoint's (failed, closing) or the transport's.
+    #[inline]
     pub fn tag_send_inline(&self, ep: EpId, data: &[u8], tag: Tag) -> Result<bool> {
         let mut st = self.st.borrow_mut();
         st.check_peer(ep.0)?;
         self.ensure_plan(&mut st, ep.0);
-        let table = st.peers[ep.0]
-            .plan
-            .table(Op::Tag, MemKey::new(MemoryType::Host, None));
-        if table.lookup(data.len()).map(|r| r.proto) != Some(Proto::EagerShort) {
+        let plan = &st.peers[ep.0].plan;
+        let short = match plan.short_tag_host {
+            Some((from, to)) => (from..=to).contains(&data.len()),
+            None => {
+                let host = MemKey::new(MemoryType::Host, None);
+                plan.select(Op::Tag, host, data.len()) == Some(Proto::EagerShort)
+            }
+        };
+        if !short {
             return Ok(false);
         }
         if !st.try_eager_short(ep.0, data.as_ptr() as usize, data.len(), tag)? {

@@ -82,6 +82,7 @@ impl Registry {
         self.live
     }
 
+    #[inline]
     fn insert(&mut self, id: u64, owner: Owner) {
         let i = index(id);
         if self.slots.len() <= i {
@@ -220,8 +221,18 @@ impl Worker {
     /// with `token` unless it matched a message already here and ended while posted
     /// ([`Queued::Ended`]). The memory is the request's as for
     /// [`tag_send_queued`](Self::tag_send_queued).
+    #[inline]
     pub fn tag_recv_queued(&self, buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
         let id = self.post_recv(RecvBuf::of_raw(&buf), tag, mask);
+        {
+            // Waiting for its message (a pre-posted receive, the common case): registered.
+            let mut st = self.st.borrow_mut();
+            if st.reqs.get(&id).is_some_and(|r| r.result.is_none()) {
+                st.owned.insert(id, Owner::Queue(token));
+                let worker = st.address.uuid;
+                return Queued::Pending(QueuedReq { id, worker });
+            }
+        }
         self.adopt_queued(Ok(Posted::Pending(id)), token)
     }
 
@@ -244,6 +255,12 @@ impl Worker {
         st.owned.insert(id, Owner::Queue(token));
         let worker = st.address.uuid;
         Queued::Pending(QueuedReq { id, worker })
+    }
+
+    /// Whether ends of queued requests wait to be taken ([`take_completed`](Self::take_completed)).
+    #[inline]
+    pub fn has_completed(&self) -> bool {
+        !self.st.borrow().owned.completed.is_empty()
     }
 
     /// Move the ends of queued requests not taken yet, in the order they ended (token and
@@ -444,6 +461,32 @@ enum End {
 }
 
 impl State {
+    /// Receive `rid` ended whole, in place, with `res` (an eager message copied into host
+    /// memory: nothing else runs on its memory). A queued request's end goes to the completion
+    /// queue at once, and the request leaves the table (no reap), when no earlier end waits
+    /// for a reap, which keeps the ends in the order they happened; any other request keeps
+    /// its result for its owner or scope, noted for the reap as usual.
+    #[inline]
+    pub(crate) fn end_in_place(&mut self, rid: u64, res: Result<Completion>) {
+        let reg = &mut self.owned;
+        let i = index(rid);
+        if reg.live != 0
+            && reg.done.is_empty()
+            && reg.draining.is_empty()
+            && matches!(reg.slots.get(i), Some(Some((sid, Owner::Queue(_)))) if *sid == rid)
+            && let Some(Some((_, Owner::Queue(token)))) = reg.slots.get_mut(i).map(Option::take)
+        {
+            reg.live -= 1;
+            reg.completed.push((token, res));
+            self.reqs.remove(&rid);
+            return;
+        }
+        if let Some(r) = self.reqs.get_mut(&rid) {
+            r.result = Some(res);
+        }
+        self.owned.note_done(rid);
+    }
+
     /// Whether owned request `id` can be handed back, and its result if so.
     fn owned_end(&mut self, id: u64) -> End {
         let Some(r) = self.reqs.get_mut(&id) else {

@@ -42,6 +42,24 @@ impl State {
     /// Find the peer's reachable interfaces, plan the endpoint (a deterministic function of
     /// both addresses, the transports' attributes and the registration view) and create the uct
     /// endpoints of the lanes the plan uses.
+    /// Progress's work for a peer that is not settled: connect it (failing it when that
+    /// fails), connect the lanes its plan wants, send what waits in its queue.
+    #[inline(never)]
+    pub(crate) fn settle_peer(&mut self, p: usize, ifaces: &mut [Box<dyn Iface>]) {
+        if !self.peers[p].connected
+            && self.peers[p].failed.is_none()
+            && let Err(e) = self.connect_peer(p, ifaces)
+        {
+            self.fail_peer(p, &e.to_string());
+        }
+        if self.peers[p].needs_lanes {
+            self.connect_wanted(p, ifaces);
+        }
+        if !self.peers[p].queue.is_empty() {
+            self.pump(p);
+        }
+    }
+
     pub(crate) fn connect_peer(&mut self, p: usize, ifaces: &mut [Box<dyn Iface>]) -> Result<()> {
         if self.peers[p].connected {
             return Ok(());

@@ -64,6 +64,7 @@ impl Worker {
         Ok(Posted::Pending(id))
     }
 
+    #[inline]
     pub(crate) fn post_recv(&self, buf: RecvBuf<'_>, tag: Tag, mask: Tag) -> u64 {
         let mut st = self.st.borrow_mut();
         let (addr, cap) = (buf.addr, buf.len);

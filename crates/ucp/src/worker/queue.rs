@@ -198,6 +198,17 @@ impl State {
     }
 
     /// A completion arrived (or an operation finished at once).
+    /// Handle the pipeline steps that finished at once; how many.
+    #[inline(never)]
+    pub(crate) fn run_done_q(&mut self) -> usize {
+        let mut n = 0;
+        while let Some((tok, res)) = self.done_q.pop_front() {
+            self.on_tok(tok, res);
+            n += 1;
+        }
+        n
+    }
+
     pub(crate) fn on_tok(&mut self, tok: Tok, result: Result<()>) {
         match tok.what {
             TokWhat::Plain => self.on_completion(tok.req, result),

@@ -740,7 +740,19 @@ impl State {
         self.release_chunks(id);
     }
 
+    #[inline]
     pub(crate) fn check_peer(&self, p: usize) -> Result<()> {
+        match self.peers.get(p) {
+            Some(peer) if peer.closed.is_none() && peer.failed.is_none() && peer.connected => {
+                Ok(())
+            }
+            _ => self.peer_unusable(p),
+        }
+    }
+
+    /// Why endpoint `p` cannot take operations ([`check_peer`](Self::check_peer)'s errors).
+    #[cold]
+    fn peer_unusable(&self, p: usize) -> Result<()> {
         let peer = self
             .peers
             .get(p)
@@ -771,12 +783,24 @@ impl State {
         peer.next_msg
     }
 
+    #[inline]
     pub(crate) fn count(&mut self, what: &'static str) {
-        match self
+        // The same literal is (almost always) the same pointer: compared first, without
+        // reading any text; equal text under another pointer is found next.
+        if let Some((_, n)) = self
             .counters
             .iter_mut()
-            .find(|(k, _)| std::ptr::eq(*k, what) || *k == what)
+            .find(|(k, _)| std::ptr::eq(*k, what))
         {
+            *n += 1;
+            return;
+        }
+        self.count_slow(what);
+    }
+
+    #[cold]
+    fn count_slow(&mut self, what: &'static str) {
+        match self.counters.iter_mut().find(|(k, _)| *k == what) {
             Some((_, n)) => *n += 1,
             None => self.counters.push((what, 1)),
         }
