@@ -399,10 +399,9 @@ fn peak_rss(out: &str, side: &str) -> u64 {
 /// four in flight, costs each side the message plus at most 96 MiB (perftest's ring of
 /// receive buffers holds one slot of a message this large; the library holds no copy of a
 /// rendezvous payload). Before, the receiver held a slot per outstanding message plus two
-/// copies for checking (4.7 GB for 256 MiB at -O 16; OOM-killed at 2 GiB). Heap buffers
-/// (`--heap-host`, which the client hands to the server): a buffer from `Context::mem_alloc`
-/// is a shared segment that the peer maps to copy from it, and the peer's mapped pages count
-/// in its resident memory too (the same pages, counted in both processes).
+/// copies for checking (4.7 GB for 256 MiB at -O 16; OOM-killed at 2 GiB). Buffers from the
+/// heap (`--heap-host`), as an application's own: with shared allocations (the default) each
+/// side also maps the peer's buffer, and the peak RSS counts those shared pages twice over.
 #[test]
 fn peak_memory_is_bounded_by_the_message() {
     const GIB: u64 = 1 << 30;
