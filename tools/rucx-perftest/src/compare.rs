@@ -70,7 +70,8 @@ pub struct CompareCli {
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Shared-memory cases of at least this size run a second time with heap buffers
-    /// (rucx-perftest --heap-host; ucx_perftest with UCX_ALLOC_PRIO=heap over posix and cma):
+    /// (rucx-perftest --heap-host; ucx_perftest with UCX_ALLOC_PRIO=heap over posix and cma,
+    /// its buffers filled by glibc's MALLOC_PERTURB_):
     /// an application's own malloc'd buffers, next to the library's shared allocation.
     #[arg(long, default_value = "64K", value_parser = crate::args::parse_size)]
     pub heap_from: usize,
@@ -102,7 +103,16 @@ pub fn transport(name: &str) -> R<Transport> {
             ucx_env: vec![("UCX_TLS", "posix")],
             // Heap buffers: UCX allocates them with malloc, and reaches the peer's heap by
             // its cma transport (rucx's posix transport does cross-memory attach itself).
-            ucx_heap_env: vec![("UCX_TLS", "posix,cma"), ("UCX_ALLOC_PRIO", "heap")],
+            // ucx_perftest never writes its host buffers: fresh heap pages read as the shared
+            // zero page, one 4 KiB page that stays in the first-level cache, and a 1 MiB
+            // transfer ran at 35 GB/s, above a single core's memcpy (19-22 GB/s once the
+            // pages hold data). glibc's MALLOC_PERTURB_ fills every allocation, so both
+            // tools move bytes that are really there (rucx-perftest writes a pattern).
+            ucx_heap_env: vec![
+                ("UCX_TLS", "posix,cma"),
+                ("UCX_ALLOC_PRIO", "heap"),
+                ("MALLOC_PERTURB_", "165"),
+            ],
         }),
         "tcp" => Ok(Transport {
             name: "tcp",
@@ -868,7 +878,8 @@ pub fn render(rows: &[Row]) -> String {
         "bufs: alloc = each tool's own allocation (rucx Context::mem_alloc, ucx_perftest \
          ucp_mem_map with UCP_MEM_MAP_ALLOCATE: shared memory over posix), heap = heap buffers \
          on both sides (rucx-perftest --heap-host; ucx_perftest with UCX_ALLOC_PRIO=heap over \
-         posix,cma), as an application's own buffers are.\n",
+         posix,cma and MALLOC_PERTURB_, which fills its never-written buffers), as an \
+         application's own buffers are.\n",
     );
     s.push_str(
         "rucx, ucx: medians of the runs; ratio: rucx/ucx of the medians; paired: median of the \
@@ -1375,7 +1386,11 @@ mod tests {
         let (t, heap) = &v[5];
         assert_eq!(
             ucx_env(t, heap),
-            [("UCX_TLS", "posix,cma"), ("UCX_ALLOC_PRIO", "heap")]
+            [
+                ("UCX_TLS", "posix,cma"),
+                ("UCX_ALLOC_PRIO", "heap"),
+                ("MALLOC_PERTURB_", "165")
+            ]
         );
         assert_eq!(ucx_env(t, &v[4].1), [("UCX_TLS", "posix")]);
         let mut no = cli.clone();

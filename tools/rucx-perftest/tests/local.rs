@@ -487,7 +487,7 @@ fn bench_compare_runs_end_to_end_with_floors() {
         format!(
             "#!/bin/sh\n# a stand-in: the client prints one result line (and its environment), \
              the server nothing\n\
-             case \"$1\" in 127.0.0.1) echo \"$UCX_TLS $UCX_ALLOC_PRIO\" >> {}; \
+             case \"$1\" in 127.0.0.1) echo \"$UCX_TLS $UCX_ALLOC_PRIO $MALLOC_PERTURB_\" >> {}; \
              echo '2000,0.500,0.600,0.700,100.0,1000.0,10,10';; esac\n",
             dir.join("env.log").display()
         ),
@@ -527,7 +527,7 @@ fn bench_compare_runs_end_to_end_with_floors() {
     assert_eq!(rows[2]["buffers"], "heap");
     assert!(out.contains("64K heap"), "{out}");
     let env = std::fs::read_to_string(dir.join("env.log")).unwrap();
-    assert_eq!(env, "posix \nposix \nposix,cma heap\n", "{env}");
+    assert_eq!(env, "posix  \nposix  \nposix,cma heap 165\n", "{env}");
     for r in rows {
         assert!(r["floor"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["floor_ratio"].as_f64().unwrap() > 0.0, "{r}");
