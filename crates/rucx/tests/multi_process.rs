@@ -251,6 +251,90 @@ fn tcp_two_processes_every_size() {
     );
 }
 
+/// Established tcp connections of this process whose other end is this process too (both of
+/// its sockets counted): the loopback connections of an endpoint to itself. Read from
+/// `/proc/self/net/tcp`, limited to this process's own socket inodes.
+fn sockets_connected_to_self() -> usize {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let t = std::fs::read_link(e.path()).ok()?;
+            let t = t.to_string_lossy();
+            Some(t.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    // Columns: sl local_address rem_address st ... inode (the tenth).
+    let ours: Vec<(String, String)> = std::fs::read_to_string("/proc/self/net/tcp")
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let c: Vec<&str> = l.split_whitespace().collect();
+            (c.len() > 9 && c[3] == "01" && inodes.contains(c[9]))
+                .then(|| (c[1].to_string(), c[2].to_string()))
+        })
+        .collect();
+    ours.iter()
+        .filter(|(_, remote)| ours.iter().any(|(local, _)| local == remote))
+        .count()
+}
+
+/// The endpoint of a rank to itself is made when first asked for: over tcp alone (no self
+/// transport, so it is a loopback connection) a job that never sends to itself has no such
+/// connection, whose sockets every progress call would look at (and which turned off the
+/// tcp interface's one-connection read without a readiness check). Asked for, it appears (a
+/// loopback connection, both ends in this process), carries messages to this rank and back, is the
+/// same endpoint at every call, and `rank_of` names it.
+#[test]
+fn tcp_endpoint_to_self_made_when_first_asked_for() {
+    if in_child() {
+        let job = Job::from_env().unwrap();
+        let (rank, w) = (job.rank(), job.worker());
+        let peer = job.ep(1 - rank);
+        // Traffic with the peer first: its connection is up, nothing to this rank itself.
+        let (mut b, hi) = ([0u8; 8], [rank as u8; 8]);
+        w.scope(|s| {
+            let r = s.tag_recv(&mut b, 1, TAG_MASK_FULL);
+            s.tag_send(peer, &hi, 1).wait()?;
+            r.wait()
+        })
+        .unwrap();
+        let before = sockets_connected_to_self();
+        assert_eq!(
+            before, 0,
+            "rank {rank}: a connection to itself before it was asked for"
+        );
+        let me = job.ep(rank);
+        assert_eq!(job.ep(rank), me, "rank {rank}: one endpoint to itself");
+        assert_eq!(job.try_ep(rank).unwrap(), me);
+        assert_eq!(job.rank_of(me), Some(rank));
+        assert_eq!(job.rank_of(peer), Some(1 - rank));
+        assert!(matches!(job.try_ep(2), Err(Error::InvalidParam(_))));
+        let msg = pattern(rank, 5000, 3);
+        let mut got = vec![0u8; msg.len()];
+        let c = w
+            .scope(|s| {
+                let r = s.tag_recv(&mut got, 2, TAG_MASK_FULL);
+                s.tag_send(me, &msg, 2).wait()?;
+                r.wait()
+            })
+            .unwrap();
+        assert_eq!(
+            (c.len, c.sender.and_then(|e| job.rank_of(e))),
+            (5000, Some(rank))
+        );
+        assert!(got == msg, "rank {rank}: data to itself differs");
+        // Both ends of the loopback connection.
+        assert_eq!(sockets_connected_to_self(), 2, "rank {rank}");
+        return;
+    }
+    ring_test(
+        "tcp_endpoint_to_self_made_when_first_asked_for",
+        &[("RUCX_TLS", "tcp"), ("RUCX_TCP_IFACES", "lo")],
+    );
+}
+
 #[test]
 fn receiver_registration_failures_are_survived() {
     if in_child() {

@@ -194,6 +194,27 @@ fn client(opts: &Options, self_cmd: &[OsString]) -> R<()> {
     }
 }
 
+/// Where the host buffers of both sides come from, as the header says it.
+fn host_buffers(job: &Job, opts: &Options) -> String {
+    if opts.pin_host {
+        return "heap, page-locked (--pin-host)".into();
+    }
+    if opts.heap_host {
+        return "heap (--heap-host)".into();
+    }
+    // Ask the context what a buffer would be (one page, freed at once).
+    match job.context().mem_alloc(4096) {
+        Ok(a) => match a.shared_by() {
+            Some(d) => format!(
+                "Context::mem_alloc: shared memory of domain {d} (peers on this host copy \
+                 with one plain copy through a mapping; --heap-host for heap buffers)"
+            ),
+            None => "Context::mem_alloc: heap (no domain shares host memory)".into(),
+        },
+        Err(e) => format!("Context::mem_alloc failed ({e})"),
+    }
+}
+
 fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
     let mut m = vec![
         ("Transports", job.worker().transports().join(", ")),
@@ -221,6 +242,9 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
         rucx::MemoryType::Host if gpu.is_some() => host.to_string(),
         m => m.to_string(),
     };
+    if opts.mem.0 == rucx::MemoryType::Host || opts.mem.1 == rucx::MemoryType::Host {
+        m.push(("Host buffers", host_buffers(job, opts)));
+    }
     m.push(("Send memory", name(opts.mem.0)));
     m.push(("Recv memory", name(opts.mem.1)));
     if let Some(g) = gpu {

@@ -74,6 +74,15 @@ pub struct CompareCli {
     /// Also draw the medians as a plot here (PNG when the name ends in .png, else SVG).
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Shared-memory cases of at least this size run a second time with heap buffers
+    /// (rucx-perftest --heap-host; ucx_perftest with UCX_ALLOC_PRIO=heap over posix and cma,
+    /// its buffers filled by glibc's MALLOC_PERTURB_):
+    /// an application's own malloc'd buffers, next to the library's shared allocation.
+    #[arg(long, default_value = "64K", value_parser = crate::args::parse_size)]
+    pub heap_from: usize,
+    /// No heap-buffer rows.
+    #[arg(long)]
+    pub no_heap: bool,
 }
 
 /// A transport as both tools name it.
@@ -85,6 +94,9 @@ pub struct Transport {
     pub rucx_env: Vec<(&'static str, &'static str)>,
     /// Environment of ucx_perftest.
     pub ucx_env: Vec<(&'static str, &'static str)>,
+    /// What ucx_perftest's environment adds (and overrides) for heap buffers; empty where
+    /// the transport has no heap-buffer cases.
+    pub ucx_heap_env: Vec<(&'static str, &'static str)>,
 }
 
 /// The transport called `name`.
@@ -94,11 +106,24 @@ pub fn transport(name: &str) -> R<Transport> {
             name: "shm",
             rucx_env: vec![("RUCX_TLS", "posix")],
             ucx_env: vec![("UCX_TLS", "posix")],
+            // Heap buffers: UCX allocates them with malloc, and reaches the peer's heap by
+            // its cma transport (rucx's posix transport does cross-memory attach itself).
+            // ucx_perftest never writes its host buffers: fresh heap pages read as the shared
+            // zero page, one 4 KiB page that stays in the first-level cache, and a 1 MiB
+            // transfer ran at 35 GB/s, above a single core's memcpy (19-22 GB/s once the
+            // pages hold data). glibc's MALLOC_PERTURB_ fills every allocation, so both
+            // tools move bytes that are really there (rucx-perftest writes a pattern).
+            ucx_heap_env: vec![
+                ("UCX_TLS", "posix,cma"),
+                ("UCX_ALLOC_PRIO", "heap"),
+                ("MALLOC_PERTURB_", "165"),
+            ],
         }),
         "tcp" => Ok(Transport {
             name: "tcp",
             rucx_env: vec![("RUCX_TLS", "tcp"), ("RUCX_TCP_IFACES", "lo")],
             ucx_env: vec![("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
+            ucx_heap_env: Vec::new(),
         }),
         other => Err(format!(
             "--transports: unknown transport {other:?}; accepted: shm, tcp"
@@ -121,12 +146,21 @@ pub struct Case {
     pub warmup: usize,
     /// Both tools run in wait mode (`-E sleep`) instead of polling.
     pub sleep: bool,
+    /// Heap buffers on both sides (else each tool's own allocation: rucx's
+    /// `Context::mem_alloc`, ucx_perftest's `ucp_mem_map` with `UCP_MEM_MAP_ALLOCATE`,
+    /// shared memory over posix for both).
+    pub heap: bool,
 }
 
 impl Case {
     /// True for the latency test.
     pub fn is_lat(&self) -> bool {
         self.test == "tag_lat"
+    }
+
+    /// The buffers' column: `heap` or `alloc`.
+    pub fn buffers(&self) -> &'static str {
+        if self.heap { "heap" } else { "alloc" }
     }
 }
 
@@ -386,6 +420,9 @@ fn run_rucx(self_cmd: &[OsString], t: &Transport, c: &Case, window: usize) -> R<
     if c.sleep {
         cmd.args(["-E", "sleep"]);
     }
+    if c.heap {
+        cmd.arg("--heap-host");
+    }
     cmd.envs(t.rucx_env.iter().copied());
     let (ok, so, se) = run_limited(cmd, Duration::from_secs(300))?;
     if !ok {
@@ -402,6 +439,7 @@ fn run_rucx(self_cmd: &[OsString], t: &Transport, c: &Case, window: usize) -> R<
 
 fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
     let mut last = String::new();
+    let env = ucx_env(t, c);
     let lib_env: Vec<(String, OsString)> = ucx_lib_dir(ucx)
         .map(|d| {
             let mut v = OsString::from(d.as_os_str());
@@ -435,7 +473,7 @@ fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
         }
         let mut server = Command::new(ucx)
             .args(&params)
-            .envs(t.ucx_env.iter().copied())
+            .envs(env.iter().copied())
             .envs(lib_env.iter().cloned())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -448,7 +486,7 @@ fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
             .arg("127.0.0.1")
             .args(&params)
             .args(["-v", "-f"])
-            .envs(t.ucx_env.iter().copied())
+            .envs(env.iter().copied())
             .envs(lib_env.iter().cloned());
         let res = run_limited(client, Duration::from_secs(300));
         let srv_done = Instant::now();
@@ -477,6 +515,19 @@ fn run_ucx(ucx: &Path, t: &Transport, c: &Case, window: usize) -> R<Sample> {
         t.name,
         tail(&last, 20)
     ))
+}
+
+/// ucx_perftest's environment for a case: the transport's, with the heap variables over it
+/// for heap buffers (a later entry of the same name wins).
+pub fn ucx_env(t: &Transport, c: &Case) -> Vec<(&'static str, &'static str)> {
+    let mut env = t.ucx_env.clone();
+    if c.heap {
+        for &(k, v) in &t.ucx_heap_env {
+            env.retain(|&(k0, _)| k0 != k);
+            env.push((k, v));
+        }
+    }
+    env
 }
 
 /// Measure the floors with `rucx-perftest --floors --json` (this program again).
@@ -758,10 +809,11 @@ pub fn render(rows: &[Row]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7}  {:<7} goal",
+        "{:<4} {:<7} {:>4} {:<5}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7}  {:<7} goal",
         "tl",
         "test",
         "size",
+        "bufs",
         "figure",
         "rucx",
         "ucx",
@@ -804,10 +856,11 @@ pub fn render(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<4} {:<7} {:>4}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7}  {:<7} {}",
+            "{:<4} {:<7} {:>4} {:<5}  {:<20} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7}  {:<7} {}",
             r.case.transport,
             r.case.test,
             plot::size_label(r.case.size as f64),
+            r.case.buffers(),
             if lat {
                 "latency 50%ile (us)"
             } else {
@@ -827,7 +880,8 @@ pub fn render(rows: &[Row]) -> String {
             let (oa, ob) = r.overall_lat();
             let _ = writeln!(
                 s,
-                "{:<4} {:<7} {:>4}  {:<20} {:>9.3} {:>9.3} {:>6.2}x",
+                "{:<4} {:<7} {:>4} {:<5}  {:<20} {:>9.3} {:>9.3} {:>6.2}x",
+                "",
                 "",
                 "",
                 "",
@@ -840,6 +894,13 @@ pub fn render(rows: &[Row]) -> String {
     }
     // No trailing blanks where a case has no goal.
     let mut s: String = s.lines().map(|l| format!("{}\n", l.trim_end())).collect();
+    s.push_str(
+        "bufs: alloc = each tool's own allocation (rucx Context::mem_alloc, ucx_perftest \
+         ucp_mem_map with UCP_MEM_MAP_ALLOCATE: shared memory over posix), heap = heap buffers \
+         on both sides (rucx-perftest --heap-host; ucx_perftest with UCX_ALLOC_PRIO=heap over \
+         posix,cma and MALLOC_PERTURB_, which fills its never-written buffers), as an \
+         application's own buffers are.\n",
+    );
     s.push_str(
         "rucx, ucx: medians of the runs; ratio: rucx/ucx of the medians; paired: median of the \
          per-repetition ratios (the verdict); best: best run against best run; floor: median of \
@@ -872,10 +933,11 @@ pub fn render_raw(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             s,
-            "{} {} {}: rucx [{}]  ucx [{}]",
+            "{} {} {} {}: rucx [{}]  ucx [{}]",
             r.case.transport,
             r.case.test,
             plot::size_label(r.case.size as f64),
+            r.case.buffers(),
             fmt(&r.rucx),
             fmt(&r.ucx)
         );
@@ -889,6 +951,7 @@ struct JsonRow<'a> {
     transport: &'a str,
     test: &'a str,
     size: usize,
+    buffers: &'a str,
     figure: &'a str,
     rucx: Num,
     ucx: Num,
@@ -917,6 +980,7 @@ fn json(rows: &[Row], header: &[(&str, String)]) -> String {
                 transport: r.case.transport,
                 test: r.case.test,
                 size: r.case.size,
+                buffers: r.case.buffers(),
                 figure: if lat {
                     "latency_p50_us"
                 } else {
@@ -959,20 +1023,32 @@ fn panels(rows: &[Row]) -> Vec<Panel> {
         (false, "tag_bw: bandwidth, overall", "MB/s (log scale)"),
     ] {
         let mut series = Vec::new();
-        let mut tls: Vec<&str> = rows.iter().map(|r| r.case.transport).collect();
+        let mut tls: Vec<(&str, bool)> = rows
+            .iter()
+            .map(|r| (r.case.transport, r.case.heap))
+            .collect();
+        tls.sort_unstable();
         tls.dedup();
-        for (ti, t) in tls.into_iter().enumerate() {
+        for (ti, (t, heap)) in tls.into_iter().enumerate() {
             for (k, tool) in ["rucx", "ucx"].iter().enumerate() {
                 let pts: Vec<(f64, f64)> = rows
                     .iter()
-                    .filter(|r| r.case.transport == t && r.case.is_lat() == lat)
+                    .filter(|r| r.case.transport == t && r.case.heap == heap)
+                    .filter(|r| r.case.is_lat() == lat)
                     .map(|r| {
                         let (a, b) = r.medians();
                         (r.case.size as f64, if k == 0 { a } else { b })
                     })
                     .collect();
+                if pts.is_empty() {
+                    continue;
+                }
                 series.push(Series {
-                    name: format!("{tool} {t}"),
+                    name: if heap {
+                        format!("{tool} {t} heap")
+                    } else {
+                        format!("{tool} {t}")
+                    },
                     color: plot::PALETTE[ti % plot::PALETTE.len()].into(),
                     points: pts,
                     dashed: k == 1,
@@ -1007,6 +1083,7 @@ pub fn cases(cli: &CompareCli) -> R<Vec<(Transport, Case)>> {
                     iters,
                     warmup: iters / 10,
                     sleep,
+                    heap: false,
                 },
             ));
         }
@@ -1021,9 +1098,28 @@ pub fn cases(cli: &CompareCli) -> R<Vec<(Transport, Case)>> {
                     iters,
                     warmup: (iters / 10).max(10),
                     sleep,
+                    heap: false,
                 },
             ));
         }
+    }
+    if !cli.no_heap {
+        // Each heap case right after its twin, so both run close in time.
+        v = v
+            .into_iter()
+            .flat_map(|(t, c)| {
+                let heap = (!t.ucx_heap_env.is_empty() && c.size >= cli.heap_from).then(|| {
+                    (
+                        t.clone(),
+                        Case {
+                            heap: true,
+                            ..c.clone()
+                        },
+                    )
+                });
+                std::iter::once((t, c)).chain(heap)
+            })
+            .collect();
     }
     Ok(v)
 }
@@ -1122,11 +1218,12 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
                 }
             }
             eprintln!(
-                "[bench-compare] rep {}/{reps}: {} {} {} B: rucx {:.3} ucx {:.3} ({:.0} s)",
+                "[bench-compare] rep {}/{reps}: {} {} {} B {}: rucx {:.3} ucx {:.3} ({:.0} s)",
                 rep + 1,
                 c.transport,
                 c.test,
                 c.size,
+                c.buffers(),
                 rows[i].rucx.last().map_or(f64::NAN, |s| s.key(c.is_lat())),
                 rows[i].ucx.last().map_or(f64::NAN, |s| s.key(c.is_lat())),
                 started.elapsed().as_secs_f64()
@@ -1227,6 +1324,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             sleep: false,
+            heap: false,
         };
         let g = goals_for(&c);
         assert_eq!(g.len(), 2);
@@ -1282,6 +1380,7 @@ mod tests {
                 iters: 1,
                 warmup: 0,
                 sleep: false,
+                heap: false,
             },
             rucx: vec![s(0.3)],
             ucx: vec![s(0.5)],
@@ -1295,6 +1394,67 @@ mod tests {
         r.floors.clear();
         assert!(!verdict(&r).unwrap().1);
         assert!(r.floor().is_nan() && r.floor_ratio().is_nan());
+    }
+
+    /// Shared-memory cases from `--heap-from` on get a heap twin right after them (tcp none),
+    /// which both tools run with heap buffers; `--no-heap` leaves them out.
+    #[test]
+    fn heap_twins_of_shm_cases() {
+        let cli = CompareCli::try_parse_from([
+            "rucx-bench-compare",
+            "--lat-sizes",
+            "8,64K",
+            "--bw-sizes",
+            "4K,1M",
+        ])
+        .unwrap();
+        let v = cases(&cli).unwrap();
+        let names: Vec<String> = v
+            .iter()
+            .map(|(_, c)| format!("{} {} {} {}", c.transport, c.test, c.size, c.buffers()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "shm tag_lat 8 alloc",
+                "shm tag_lat 65536 alloc",
+                "shm tag_lat 65536 heap",
+                "shm tag_bw 4096 alloc",
+                "shm tag_bw 1048576 alloc",
+                "shm tag_bw 1048576 heap",
+                "tcp tag_lat 8 alloc",
+                "tcp tag_lat 65536 alloc",
+                "tcp tag_bw 4096 alloc",
+                "tcp tag_bw 1048576 alloc",
+            ]
+        );
+        // The twin is the same measurement but for its buffers.
+        assert_eq!(
+            Case {
+                heap: false,
+                ..v[2].1.clone()
+            },
+            v[1].1
+        );
+        let (t, heap) = &v[5];
+        assert_eq!(
+            ucx_env(t, heap),
+            [
+                ("UCX_TLS", "posix,cma"),
+                ("UCX_ALLOC_PRIO", "heap"),
+                ("MALLOC_PERTURB_", "165")
+            ]
+        );
+        assert_eq!(ucx_env(t, &v[4].1), [("UCX_TLS", "posix")]);
+        let mut no = cli.clone();
+        no.no_heap = true;
+        assert!(cases(&no).unwrap().iter().all(|(_, c)| !c.heap));
+        let mut from = cli;
+        from.heap_from = 1;
+        assert_eq!(
+            cases(&from).unwrap().iter().filter(|(_, c)| c.heap).count(),
+            4
+        );
     }
 
     #[test]
@@ -1328,6 +1488,7 @@ mod tests {
                     iters: 1,
                     warmup: 0,
                     sleep: false,
+                    heap: false,
                 },
                 rucx: vec![s(0.5, 1.0), s(0.6, 1.0), s(0.7, 1.0)],
                 ucx: vec![s(0.6, 1.0), s(0.7, 1.0), s(0.8, 1.0)],
@@ -1341,6 +1502,7 @@ mod tests {
                     iters: 1,
                     warmup: 0,
                     sleep: false,
+                    heap: false,
                 },
                 rucx: vec![s(1.0, 3000.0)],
                 ucx: vec![s(1.0, 1500.0)],
@@ -1387,6 +1549,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             sleep: false,
+            heap: false,
         };
         let rows = vec![
             Row {
@@ -1400,6 +1563,15 @@ mod tests {
                 rucx: vec![s(1.0, 3000.0)],
                 ucx: vec![s(1.0, 1500.0)],
                 floors: vec![],
+            },
+            Row {
+                case: Case {
+                    heap: true,
+                    ..case("shm", "tag_bw", 1 << 20)
+                },
+                rucx: vec![s(1.0, 2000.0)],
+                ucx: vec![s(1.0, 2500.0)],
+                floors: vec![6000.0],
             },
             Row {
                 case: case("tcp", "tag_bw", 4096),

@@ -94,8 +94,18 @@ pub fn set_pin_host(on: bool) {
     PIN_HOST.store(on, Ordering::Relaxed);
 }
 
-/// The context host buffers are allocated from (`Context::mem_alloc`), unless `--heap-host`
-/// or `--pin-host`; set once the job has started.
+/// Host buffers of the spec being run come from the heap (`--heap-host`; both sides set it
+/// from the spec, so the server allocates as the client asked).
+static HEAP_HOST: AtomicBool = AtomicBool::new(false);
+
+/// Allocate the host buffers made from now on from the heap (`true`) or through the job's
+/// context (`false`, see [`set_host_context`]).
+pub fn set_heap_host(on: bool) {
+    HEAP_HOST.store(on, Ordering::Relaxed);
+}
+
+/// The context host buffers are allocated from (`Context::mem_alloc`), unless the spec asks
+/// for the heap (`--heap-host`) or `--pin-host`; set once the job has started.
 static HOST_CTX: std::sync::OnceLock<rucx::Context> = std::sync::OnceLock::new();
 
 /// Allocate the host buffers made from now on through `ctx` (ucx_perftest's `ucp_mem_map` with
@@ -127,7 +137,10 @@ impl HostMem {
 
     /// Whether `len` bytes come from rucx's allocation.
     fn from_rucx(len: usize) -> bool {
-        !PIN_HOST.load(Ordering::Relaxed) && len > 0 && HOST_CTX.get().is_some()
+        !PIN_HOST.load(Ordering::Relaxed)
+            && !HEAP_HOST.load(Ordering::Relaxed)
+            && len > 0
+            && HOST_CTX.get().is_some()
     }
 
     /// `len` bytes written by `fill` where they stay: the buffer is the only copy (a message

@@ -55,13 +55,16 @@ pub struct Spec {
     pub mem: (MemoryType, MemoryType),
     /// How both sides wait between messages.
     pub wait: WaitMode,
+    /// Host buffers from the heap on both sides (`--heap-host`), not from
+    /// `Context::mem_alloc`.
+    pub heap_host: bool,
 }
 
 impl Spec {
     /// The control message that announces this spec.
     pub fn encode(&self) -> String {
         format!(
-            "run {} {} {} {} {} {} {} {}",
+            "run {} {} {} {} {} {} {} {} {}",
             self.test.name(),
             self.size,
             self.iters,
@@ -69,7 +72,8 @@ impl Spec {
             self.window,
             self.mem.0,
             self.mem.1,
-            self.wait.name()
+            self.wait.name(),
+            if self.heap_host { "heap" } else { "alloc" }
         )
     }
 
@@ -78,7 +82,7 @@ impl Spec {
         let w: Vec<&str> = s.split_whitespace().collect();
         match w.as_slice() {
             ["quit"] => Ok(None),
-            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 3 => {
+            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 4 => {
                 let num = |x: &str| {
                     x.parse::<usize>()
                         .map_err(|_| format!("bad control message {s:?}"))
@@ -95,6 +99,11 @@ impl Spec {
                     window: num(window)?.max(1),
                     mem: (mt(rest[0])?, mt(rest[1])?),
                     wait: rest[2].parse()?,
+                    heap_host: match rest[3] {
+                        "heap" => true,
+                        "alloc" => false,
+                        _ => return Err(format!("bad host allocation in control message {s:?}")),
+                    },
                 }))
             }
             _ => Err(format!(
@@ -137,9 +146,7 @@ pub fn start_job_keyed(opts: &Options, key: Option<&str>) -> R<Job> {
         job_id: None,
     };
     let job = Job::start(cfg, placement).map_err(|e| format!("starting the job at {boot}: {e}"))?;
-    if !opts.heap_host {
-        mem::set_host_context(job.context());
-    }
+    mem::set_host_context(job.context());
     Ok(job)
 }
 
@@ -743,6 +750,7 @@ fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) ->
 pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
     let w = job.worker();
     set_wait_mode(spec.wait);
+    mem::set_heap_host(spec.heap_host);
     let ep = job.ep(0);
     // The client's buffers (GPU ones on GPU 1 % count), set up before anything is timed.
     let gpu = mem::gpu_for(spec.mem, 1)?;
@@ -978,6 +986,7 @@ pub fn serve(job: &Job) -> R<()> {
             return Ok(());
         };
         set_wait_mode(spec.wait);
+        mem::set_heap_host(spec.heap_host);
         let res = match spec.test {
             TestKind::TagLat | TestKind::TagSyncLat | TestKind::StreamLat => {
                 tag_lat_server(w, ep, &spec)
@@ -1004,6 +1013,7 @@ pub fn spec_for(opts: &Options, test: TestKind, size: usize) -> Spec {
         window: if test.is_pingpong() { 1 } else { opts.window },
         mem: opts.mem,
         wait: opts.wait,
+        heap_host: opts.heap_host,
     }
 }
 
@@ -1050,14 +1060,23 @@ mod tests {
             window: 16,
             mem: (MemoryType::Host, MemoryType::Host),
             wait: WaitMode::Poll,
+            heap_host: false,
         };
         assert_eq!(Spec::decode(&s.encode()).unwrap(), Some(s));
+        // The server allocates as the client asks (`--heap-host` reaches both sides).
+        let heap = Spec {
+            heap_host: true,
+            ..s
+        };
+        assert_eq!(Spec::decode(&heap.encode()).unwrap(), Some(heap));
+        assert!(heap.encode().ends_with(" heap") && s.encode().ends_with(" alloc"));
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host poll pool").is_err());
         let sleep = Spec {
             wait: WaitMode::Sleep,
             ..s
         };
         assert_eq!(Spec::decode(&sleep.encode()).unwrap(), Some(sleep));
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host host nap").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host nap alloc").is_err());
         for mem in [
             (MemoryType::Cuda, MemoryType::Cuda),
             (MemoryType::Host, MemoryType::Cuda),
@@ -1067,10 +1086,10 @@ mod tests {
             assert_eq!(Spec::decode(&g.encode()).unwrap(), Some(g));
         }
         assert_eq!(Spec::decode("quit").unwrap(), None);
-        assert!(Spec::decode("run tag_bw x 1 1 1 host host poll").is_err());
-        assert!(Spec::decode("run nope 1 1 1 1 host host poll").is_err());
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm poll").is_err());
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host host").is_err());
+        assert!(Spec::decode("run tag_bw x 1 1 1 host host poll alloc").is_err());
+        assert!(Spec::decode("run nope 1 1 1 1 host host poll alloc").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm poll alloc").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host poll").is_err());
         assert!(Spec::decode("hello").unwrap_err().contains("versions"));
     }
 

@@ -484,8 +484,13 @@ fn bench_compare_runs_end_to_end_with_floors() {
     let fake = dir.join("ucx_perftest");
     std::fs::write(
         &fake,
-        "#!/bin/sh\n# a stand-in: the client prints one result line, the server nothing\n\
-         case \"$1\" in 127.0.0.1) echo '2000,0.500,0.600,0.700,100.0,1000.0,10,10';; esac\n",
+        format!(
+            "#!/bin/sh\n# a stand-in: the client prints one result line (and its environment), \
+             the server nothing\n\
+             case \"$1\" in 127.0.0.1) echo \"$UCX_TLS $UCX_ALLOC_PRIO $MALLOC_PERTURB_\" >> {}; \
+             echo '2000,0.500,0.600,0.700,100.0,1000.0,10,10';; esac\n",
+            dir.join("env.log").display()
+        ),
     )
     .unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -516,7 +521,13 @@ fn bench_compare_runs_end_to_end_with_floors() {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2, "{v}");
+    // 8 B, 64 KiB, and 64 KiB again with heap buffers on both sides.
+    assert_eq!(rows.len(), 3, "{v}");
+    assert_eq!(rows[1]["buffers"], "alloc");
+    assert_eq!(rows[2]["buffers"], "heap");
+    assert!(out.contains("64K heap"), "{out}");
+    let env = std::fs::read_to_string(dir.join("env.log")).unwrap();
+    assert_eq!(env, "posix  \nposix  \nposix,cma heap 165\n", "{env}");
     for r in rows {
         assert!(r["floor"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["floor_ratio"].as_f64().unwrap() > 0.0, "{r}");
@@ -524,6 +535,7 @@ fn bench_compare_runs_end_to_end_with_floors() {
     }
     assert_eq!(rows[0]["ucx"], 0.5);
     assert_eq!(rows[1]["ucx"], 1000);
+    assert_eq!(rows[2]["ucx"], 1000);
     assert!(v["floors"].as_str().unwrap().contains("memcpy 64K"), "{v}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -310,12 +310,30 @@ pub struct Job {
     placement: Placement,
     ctx: Context,
     worker: Worker,
-    eps: Vec<EpId>,
+    /// Endpoints to the other ranks by rank (`None` at this rank's own place: see `self_ep`).
+    eps: Vec<Option<EpId>>,
+    /// The endpoint to this rank itself, made when first asked for: over a transport without
+    /// a loopback of its own (`RUCX_TLS=tcp`: a loopback connection, two more sockets that
+    /// every progress call looks at) a job that never sends to itself pays nothing for it.
+    self_ep: std::cell::OnceCell<EpId>,
+    /// This worker's address, for `self_ep`.
+    self_addr: Vec<u8>,
     conns: Vec<TcpStream>,
     timeout: Duration,
     /// A barrier that timed out part-way: which ranks' arrivals rank 0 has seen, and whether
     /// this rank announced its own, so the next attempt neither waits for nor sends them again.
     barrier_state: std::cell::RefCell<(Vec<bool>, bool)>,
+}
+
+/// Connect `worker` to the worker at `addr`, rank `rank` of the job.
+fn connect_rank(worker: &Worker, addr: &[u8], rank: usize) -> Result<EpId> {
+    worker.connect(addr).map_err(|e| match e {
+        Error::Unsupported { what, why } => Error::Unsupported {
+            what: format!("{what} (rank {rank})"),
+            why,
+        },
+        other => other,
+    })
 }
 
 impl Job {
@@ -340,20 +358,20 @@ impl Job {
         };
         let mut eps = Vec::with_capacity(p.size);
         for (r, a) in table.iter().enumerate() {
-            let ep = worker.connect(a).map_err(|e| match e {
-                Error::Unsupported { what, why } => Error::Unsupported {
-                    what: format!("{what} (rank {r})"),
-                    why,
-                },
-                other => other,
-            })?;
-            eps.push(ep);
+            if r == p.rank {
+                eps.push(None);
+                continue;
+            }
+            eps.push(Some(connect_rank(&worker, a, r)?));
         }
+        let self_addr = worker.address();
         let job = Job {
             placement: p,
             ctx,
             worker,
             eps,
+            self_ep: std::cell::OnceCell::new(),
+            self_addr,
             conns,
             timeout,
             barrier_state: std::cell::RefCell::new((Vec::new(), false)),
@@ -388,16 +406,46 @@ impl Job {
         &self.ctx
     }
 
-    /// Endpoint to `rank` (to itself for this rank).
+    /// Endpoint to `rank` (to itself for this rank: made at the first call, see
+    /// [`try_ep`](Self::try_ep)).
+    ///
+    /// # Panics
+    /// When `rank` is not below [`size`](Self::size), or this rank's endpoint to itself is
+    /// asked for the first time and cannot be made (no transport reaches this process itself);
+    /// [`try_ep`](Self::try_ep) returns that error instead.
     pub fn ep(&self, rank: usize) -> EpId {
-        self.eps[rank]
+        self.try_ep(rank)
+            .unwrap_or_else(|e| panic!("endpoint of rank {} to rank {rank}: {e}", self.rank()))
+    }
+
+    /// Endpoint to `rank`. The endpoints to the other ranks are made by [`start`](Self::start);
+    /// the one to this rank itself when first asked for (a job whose ranks never send to
+    /// themselves has none), which fails when no transport reaches this process itself.
+    pub fn try_ep(&self, rank: usize) -> Result<EpId> {
+        match self.eps.get(rank) {
+            Some(Some(ep)) => Ok(*ep),
+            Some(None) => {
+                if let Some(ep) = self.self_ep.get() {
+                    return Ok(*ep);
+                }
+                let ep = connect_rank(&self.worker, &self.self_addr, rank)?;
+                Ok(*self.self_ep.get_or_init(|| ep))
+            }
+            None => Err(Error::InvalidParam(format!(
+                "rank {rank} of a job of {} ranks",
+                self.eps.len()
+            ))),
+        }
     }
 
     /// The rank behind an endpoint of this job's worker (e.g. a receive's
     /// [`Completion::sender`](rucx_ucp::Completion::sender)); `None` for an endpoint that is not
     /// one of the job's (a peer connected otherwise).
     pub fn rank_of(&self, ep: EpId) -> Option<usize> {
-        self.eps.iter().position(|e| *e == ep)
+        // The only `None` is this rank's own place.
+        self.eps
+            .iter()
+            .position(|e| e.or_else(|| self.self_ep.get().copied()) == Some(ep))
     }
 
     /// Wait until every rank reached the barrier, progressing the worker meanwhile; fails with
@@ -478,9 +526,8 @@ impl Drop for Job {
         // Unless a peer failed (died, or stopped answering within RUCX_PEER_TIMEOUT): it would
         // never reach the barrier, and a frozen one would hold it for the whole bootstrap
         // timeout. The others see this rank's connection close and leave the barrier too.
-        let me = self.placement.rank;
-        if let Some(r) =
-            (0..self.eps.len()).find(|&r| r != me && self.worker.ep_error(self.eps[r]).is_some())
+        if let Some(r) = (0..self.eps.len())
+            .find(|&r| self.eps[r].is_some_and(|ep| self.worker.ep_error(ep).is_some()))
         {
             tracing::debug!("final barrier skipped: the endpoint to rank {r} failed");
             return;
