@@ -15,6 +15,8 @@ pub(crate) struct Staging {
     pub(crate) free_recv: FreeFrags,
     /// Receives that found every receive slot in use: posted again when one comes back.
     pub(crate) slot_waiters: Vec<u64>,
+    /// Staged sends that found every send fragment in use: posted again when one comes back.
+    pub(crate) send_waiters: Vec<u64>,
     pub(crate) base: usize,
     /// Shared-memory staging (peers on this host map it), and the domain that made it.
     pub(crate) shared: Option<(usize, rucx_uct::SharedAlloc)>,
@@ -31,12 +33,7 @@ impl Staging {
     /// free already (a confused or hostile acknowledgement) are ignored: a fragment is never
     /// handed out twice.
     pub(crate) fn release_send(&mut self, first: usize, len: usize) {
-        let k = len
-            .div_ceil(self.frag.max(1))
-            .clamp(1, self.free_send.is_free.len().max(1));
-        for f in first..first.saturating_add(k) {
-            self.free_send.push(f);
-        }
+        self.free_send.release_run(first, len, self.frag);
     }
 }
 
@@ -90,6 +87,18 @@ impl FreeFrags {
             k += 1;
         }
         Some((first, k))
+    }
+
+    /// Give back the run of fragments of `frag` bytes each that starts at `first` and holds
+    /// `len` bytes (one fragment at least, never more than this direction has). Ids outside
+    /// this direction or free already are ignored ([`Self::push`]).
+    pub(crate) fn release_run(&mut self, first: usize, len: usize, frag: usize) {
+        let k = len
+            .div_ceil(frag.max(1))
+            .clamp(1, self.is_free.len().max(1));
+        for f in first..first.saturating_add(k) {
+            self.push(f);
+        }
     }
 
     /// Free fragments now.
@@ -322,6 +331,7 @@ impl State {
             free_send: FreeFrags::new(0, count),
             free_recv: FreeFrags::new(count, count),
             slot_waiters: Vec::new(),
+            send_waiters: Vec::new(),
             base,
             shared,
             _mem: mem,
