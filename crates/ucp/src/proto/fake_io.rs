@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rucx_uct::{AmId, Endpoint, Iov, MemHandle, MemRegion, OpStatus, RemoteKey};
 
 use super::gpu::stage_io::{LaneState, On, StageIo};
-use super::gpu::staging::FreeFrags;
+use super::gpu::staging::{FreeFrags, SendFrags};
 use super::io::{ProtoIo, SendIo};
 use super::rndv::{RndvPick, SendHead};
 use crate::context::RegGuard;
@@ -190,8 +190,8 @@ pub(crate) struct FakeIo {
     /// The key a host-to-GPU remote write offer yields (none: not offered).
     pub(crate) write_key: Option<NamedKey>,
     /// Send staging fragments (none unless a test makes them: [`FakeIo::with_send_frags`]),
-    /// numbered from [`SEND_LO`], and how many there are.
-    pub(crate) send_frags: Option<(FreeFrags, usize)>,
+    /// numbered from [`SEND_LO`].
+    pub(crate) send_frags: Option<SendFrags>,
     /// Domains the send staging was registered with (each once, as the worker caches it).
     pub(crate) staging_regs: Vec<usize>,
 }
@@ -216,14 +216,14 @@ impl FakeIo {
     /// A fake with `n` send staging fragments of [`SLOT`] bytes.
     pub(crate) fn with_send_frags(n: usize) -> FakeIo {
         FakeIo {
-            send_frags: Some((FreeFrags::new(SEND_LO, n), n)),
+            send_frags: Some(SendFrags::new(SEND_LO, n, SLOT)),
             ..FakeIo::default()
         }
     }
 
     /// Free send staging fragments now.
     pub(crate) fn free_send(&self) -> usize {
-        self.send_frags.as_ref().map_or(0, |(f, _)| f.len())
+        self.send_frags.as_ref().map_or(0, |f| f.len())
     }
 
     /// Free receive staging slots now.
@@ -551,16 +551,22 @@ impl StageIo for FakeIo {
         self.register_md(md, region)
     }
 
-    fn take_send_run(&mut self, max: usize) -> Option<(usize, usize)> {
-        self.send_frags.as_mut()?.0.take_run(max)
+    fn take_send_run(&mut self, req: u64, max: usize) -> Option<(usize, usize)> {
+        self.send_frags.as_mut()?.take_run(req, max)
     }
 
-    fn release_send(&mut self, first: usize, len: usize) {
-        let (frags, _) = self
-            .send_frags
+    fn announce_send(&mut self, req: u64, p: usize, first: usize, len: usize) {
+        self.send_frags
             .as_mut()
-            .expect("a fake with send staging fragments");
-        frags.release_run(first, len, SLOT);
+            .expect("a fake with send staging fragments")
+            .announced(req, p, first, len);
+    }
+
+    fn release_send(&mut self, req: u64, first: usize, len: usize) {
+        self.send_frags
+            .as_mut()
+            .expect("a fake with send staging fragments")
+            .release(req, first, len);
     }
 
     fn staging_key(&mut self, md: usize) -> Result<NamedKey> {

@@ -110,7 +110,7 @@ impl RndvSend {
                 1
             };
             let want = (len - off).div_ceil(frag).min(max_run);
-            let Some((f, k)) = io.take_send_run(want) else {
+            let Some((f, k)) = io.take_send_run(req, want) else {
                 // Resumed when a fragment comes back.
                 return Ok(Posting::NoSlot);
             };
@@ -125,7 +125,7 @@ impl RndvSend {
             let memh = match io.copy_staging() {
                 Ok(m) => m,
                 Err(e) => {
-                    io.release_send(f, n);
+                    io.release_send(req, f, n);
                     return Err(e);
                 }
             };
@@ -144,11 +144,11 @@ impl RndvSend {
             match io.post_step(req, On::Copy, what, |ep, t| ep.get_zcopy(&iov, src, key, t)) {
                 Ok(true) => st.next_off = off + n,
                 Ok(false) => {
-                    io.release_send(f, n);
+                    io.release_send(req, f, n);
                     return Ok(Posting::Later);
                 }
                 Err(e) => {
-                    io.release_send(f, n);
+                    io.release_send(req, f, n);
                     return Err(e);
                 }
             }
@@ -173,7 +173,7 @@ impl RndvSend {
         res: Result<()>,
     ) -> SendNext {
         let Some(st) = self.stage.as_deref() else {
-            io.release_send(frag, len);
+            io.release_send(req, frag, len);
             return SendNext::Wait;
         };
         let key = res
@@ -187,10 +187,11 @@ impl RndvSend {
         let key = match key {
             Ok(k) => k,
             Err(e) => {
-                io.release_send(frag, len);
+                io.release_send(req, frag, len);
                 return SendNext::Fail(e);
             }
         };
+        io.announce_send(req, head.peer, frag, len);
         // One announcement per fragment of the run (each read and acknowledged on its own,
         // whatever the receiver's fragment size).
         let fsz = st.frag.max(1);
@@ -218,17 +219,18 @@ impl RndvSend {
         SendNext::Wait
     }
 
-    /// The receiver read `len` bytes of our staged fragments from `frag` on (or gave them back
-    /// unread): they are free again; the send completes once the whole message (`total`
+    /// The receiver read `len` bytes of send `req`'s staged fragments from `frag` on (or gave
+    /// them back unread): they are free again; the send completes once the whole message (`total`
     /// bytes) was acknowledged, else its next copies may go.
     pub(crate) fn on_frag_ack(
         &mut self,
         io: &mut impl StageIo,
+        req: u64,
         frag: usize,
         len: usize,
         total: usize,
     ) -> SendNext {
-        io.release_send(frag, len);
+        io.release_send(req, frag, len);
         let Some(st) = &mut self.stage else {
             return SendNext::Wait;
         };

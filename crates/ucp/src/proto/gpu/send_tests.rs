@@ -165,7 +165,7 @@ fn a_pull_stages_the_message_in_runs_and_announces_each_fragment() {
         "the staging registered with the lane's domain"
     );
     for (i, &(f, _, len)) in ann.iter().enumerate() {
-        let next = rv.on_frag_ack(&mut io, f, len, h.len);
+        let next = rv.on_frag_ack(&mut io, SREQ, f, len, h.len);
         if i + 1 < ann.len() {
             assert_eq!(next, SendNext::Post);
         } else {
@@ -241,7 +241,7 @@ fn fragments_exhausted_and_refilled() {
         }
         for (f, _, len) in take_announced(&mut io) {
             acks += 1;
-            match rv.on_frag_ack(&mut io, f, len, h.len) {
+            match rv.on_frag_ack(&mut io, SREQ, f, len, h.len) {
                 SendNext::Post => {}
                 SendNext::Complete => done = true,
                 n => panic!("{n:?}"),
@@ -330,7 +330,7 @@ fn failures_mid_pipeline_end_the_send_and_give_every_fragment_back() {
         );
         // The worker ended the send: the other copies come back unannounced.
         for &(f, _, len) in &copies[1..] {
-            io.release_send(f, len);
+            io.release_send(SREQ, f, len);
         }
         assert_eq!(io.free_send(), 8, "{case}");
         rv.abort(&mut io, &h, SREQ, "failed");
@@ -357,7 +357,7 @@ fn an_abort_mid_pipeline_lets_every_fragment_come_back() {
     let ann = take_announced(&mut io);
     assert_eq!(ann.len(), 4);
     assert_eq!(
-        rv.on_frag_ack(&mut io, ann[0].0, ann[0].2, h.len),
+        rv.on_frag_ack(&mut io, SREQ, ann[0].0, ann[0].2, h.len),
         SendNext::Post
     );
     assert_eq!(rv.post_staging(&mut io, SREQ, &h).unwrap(), Posting::NoSlot);
@@ -366,13 +366,58 @@ fn an_abort_mid_pipeline_lets_every_fragment_come_back() {
     // ABORT: the send ends (its state is gone); what comes later is the worker's.
     drop(rv);
     for &(f, _, len) in &in_flight {
-        io.release_send(f, len);
+        io.release_send(SREQ, f, len);
     }
     for &(f, _, len) in &ann[1..] {
-        io.release_send(f, len);
+        io.release_send(SREQ, f, len);
     }
     assert_eq!(io.free_send(), 4);
     assert!(io.ctrls.is_empty(), "nothing announced after the abort");
+}
+
+/// The peer fails mid-pipeline (the worker ends the send): the fragments announced to it
+/// come back at once (it will never acknowledge them), not the one still being copied into,
+/// which comes back when its copy completes; an acknowledgement from the dead peer that
+/// arrives late frees nothing another send now uses.
+#[test]
+fn the_peer_failing_gives_back_what_it_held() {
+    let mut io = FakeIo::with_send_frags(4);
+    let h = head(8 * SLOT);
+    let mut rv = pulled(&mut io, &h, &choice(usize::MAX));
+    rv.post_staging(&mut io, SREQ, &h).unwrap();
+    let [(f, off, len)] = take_copies(&mut io)[..] else {
+        panic!("one run")
+    };
+    rv.on_staged(&mut io, SREQ, &h, f, off, len, Ok(()));
+    let ann = take_announced(&mut io);
+    rv.on_frag_ack(&mut io, SREQ, ann[0].0, ann[0].2, h.len);
+    rv.post_staging(&mut io, SREQ, &h).unwrap();
+    let in_flight = take_copies(&mut io);
+    assert_eq!(io.free_send(), 0);
+    // The peer fails: the send ends; the worker takes back what the peer held.
+    drop(rv);
+    let frags = io.send_frags.as_mut().expect("send fragments");
+    assert_eq!(frags.release_peer(PEER), 3);
+    assert_eq!(io.free_send(), 3);
+    // Another send takes them; the dead peer's late acknowledgement frees none of them.
+    let other = 0x99;
+    let frags = io.send_frags.as_mut().expect("send fragments");
+    let (g, k) = frags.take_run(other, 3).expect("free fragments");
+    assert_eq!(k, 3);
+    for &(f, _, len) in &ann[1..] {
+        io.release_send(SREQ, f, len);
+    }
+    assert_eq!(io.free_send(), 0, "nothing of the other send freed");
+    for &(f, _, len) in &in_flight {
+        io.release_send(SREQ, f, len);
+    }
+    assert_eq!(
+        io.free_send(),
+        1,
+        "the copy in flight came back when it completed"
+    );
+    io.release_send(other, g, 3 * SLOT);
+    assert_eq!(io.free_send(), 4);
 }
 
 /// A model of the worker around one staged send: it posts when asked, hands copies'
@@ -455,7 +500,7 @@ impl Sim {
                 self.end(next);
             }
             None => {
-                self.io.release_send(f, len);
+                self.io.release_send(SREQ, f, len);
                 self.free(f, len);
             }
         }
@@ -474,10 +519,10 @@ impl Sim {
             match self.rv.as_mut() {
                 Some(rv) => {
                     self.acked += n;
-                    let next = rv.on_frag_ack(&mut self.io, g, n, self.h.len);
+                    let next = rv.on_frag_ack(&mut self.io, SREQ, g, n, self.h.len);
                     self.end(next);
                 }
-                None => self.io.release_send(g, n),
+                None => self.io.release_send(SREQ, g, n),
             }
             self.busy.remove(&g);
         }
@@ -494,7 +539,8 @@ proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1000))]
 
     /// Whatever the order copies complete and fragments are acknowledged in, the push-backs,
-    /// the fragments available, the lane's read size, a failing copy or an abort: every byte
+    /// the fragments available, the lane's read size, a failing copy, an abort or the peer
+    /// failing: every byte
     /// is staged once and none past the buffer, no fragment is handed out while in use, the
     /// send ends exactly once (complete only after every byte was acknowledged, unless it
     /// failed or was aborted), and every fragment is free again at the end.
@@ -506,6 +552,7 @@ proptest::proptest! {
         actions in proptest::collection::vec((0u8..5, 0u8..16), 0..150),
         fail_at in proptest::option::weighted(0.3, 1usize..8),
         abort_at in proptest::option::weighted(0.2, 0usize..150),
+        peer_fails in proptest::bool::ANY,
     ) {
         let mut io = FakeIo::with_send_frags(frags);
         let h = head(len);
@@ -520,6 +567,16 @@ proptest::proptest! {
             if abort_at == Some(k) && s.rv.is_some() {
                 s.rv = None;
                 aborted = true;
+                if peer_fails {
+                    // What the peer held comes back now; it acknowledges nothing more.
+                    let frags = s.io.send_frags.as_mut().expect("send fragments");
+                    let back = frags.release_peer(PEER);
+                    let held: usize = s.held.iter().map(|h| Sim::frags_of(h.2)).sum();
+                    proptest::prop_assert_eq!(back, held);
+                    for (f, _, len) in std::mem::take(&mut s.held) {
+                        s.free(f, len);
+                    }
+                }
             }
             match a {
                 0 | 1 => s.post()?,

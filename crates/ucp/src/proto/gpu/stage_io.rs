@@ -96,13 +96,18 @@ pub(crate) trait StageIo: ProtoIo {
     /// outlive a host buffer that is freed).
     fn register_uncached(&mut self, md: usize, region: MemRegion) -> Result<RegGuard>;
 
-    /// Take a run of up to `max` consecutive free send staging fragments (one at least when
-    /// any is free): the first and how many. `None`: all are in use (they come back with
-    /// [`Self::release_send`]).
-    fn take_send_run(&mut self, max: usize) -> Option<(usize, usize)>;
+    /// Lend staged send `req` a run of up to `max` consecutive free send staging fragments
+    /// (one at least when any is free): the first and how many. `None`: all are in use (they
+    /// come back with [`Self::release_send`]).
+    fn take_send_run(&mut self, req: u64, max: usize) -> Option<(usize, usize)>;
 
-    /// Give back the send staging fragments of the run from `first` holding `len` bytes.
-    fn release_send(&mut self, first: usize, len: usize);
+    /// The run of send `req` from `first` holding `len` bytes was announced to peer `p` (if
+    /// the peer fails, it comes back without its acknowledgement).
+    fn announce_send(&mut self, req: u64, p: usize, first: usize, len: usize);
+
+    /// Send `req` gives back its run from `first` holding `len` bytes (fragments it does not
+    /// hold stay as they are).
+    fn release_send(&mut self, req: u64, first: usize, len: usize);
 
     /// The staging registered with domain `md` (on first use, through the one register path,
     /// which demotes and warns), its key packed for a peer.
@@ -284,13 +289,19 @@ impl StageIo for State {
         self.ctx.register_uncached(md, region)
     }
 
-    fn take_send_run(&mut self, max: usize) -> Option<(usize, usize)> {
-        self.staging.as_mut()?.free_send.take_run(max)
+    fn take_send_run(&mut self, req: u64, max: usize) -> Option<(usize, usize)> {
+        self.staging.as_mut()?.free_send.take_run(req, max)
     }
 
-    fn release_send(&mut self, first: usize, len: usize) {
+    fn announce_send(&mut self, req: u64, p: usize, first: usize, len: usize) {
         if let Some(stg) = self.staging.as_mut() {
-            stg.release_send(first, len);
+            stg.free_send.announced(req, p, first, len);
+        }
+    }
+
+    fn release_send(&mut self, req: u64, first: usize, len: usize) {
+        if let Some(stg) = self.staging.as_mut() {
+            stg.free_send.release(req, first, len);
         }
     }
 
@@ -591,7 +602,7 @@ impl State {
                 });
                 self.pump(p);
             }
-            None => StageIo::release_send(self, frag, len),
+            None => StageIo::release_send(self, id, frag, len),
         }
         self.wake_send_waiters(false);
     }
@@ -602,8 +613,9 @@ impl State {
     pub(crate) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
         match self.live_staged_send(sreq) {
             Some(p) => {
-                let next = self
-                    .with_rndv_send(sreq, |rv, head, st| rv.on_frag_ack(st, frag, len, head.len));
+                let next = self.with_rndv_send(sreq, |rv, head, st| {
+                    rv.on_frag_ack(st, sreq, frag, len, head.len)
+                });
                 if let Some(next) = next {
                     let post = next == SendNext::Post;
                     self.send_next(sreq, next);
@@ -612,9 +624,21 @@ impl State {
                     }
                 }
             }
-            None => StageIo::release_send(self, frag, len),
+            None => StageIo::release_send(self, sreq, frag, len),
         }
         self.wake_send_waiters(true);
+    }
+
+    /// Peer `p` is gone: the send staging fragments announced to it come back (it will never
+    /// acknowledge them), and the sends waiting for one may go on.
+    pub(crate) fn release_staged_to(&mut self, p: usize) {
+        let Some(stg) = self.staging.as_mut() else {
+            return;
+        };
+        if stg.free_send.release_peer(p) > 0 {
+            self.count("staging fragments taken back from a failed peer");
+            self.wake_send_waiters(false);
+        }
     }
 
     /// Staged sends that found every send fragment in use may go on once one is free: queued
