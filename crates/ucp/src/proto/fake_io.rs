@@ -194,6 +194,8 @@ pub(crate) struct FakeIo {
     pub(crate) send_frags: Option<SendFrags>,
     /// Domains the send staging was registered with (each once, as the worker caches it).
     pub(crate) staging_regs: Vec<usize>,
+    /// Multi-fragment message ids handed out.
+    pub(crate) msgs: u64,
 }
 
 /// Bytes of one fake staging slot, and where the slots lie.
@@ -371,6 +373,11 @@ impl ProtoIo for FakeIo {
 
     fn outstanding(&self, req: u64) -> usize {
         self.in_flight.iter().filter(|(r, _)| *r == req).count()
+    }
+
+    fn next_msg(&mut self, _p: usize) -> u64 {
+        self.msgs += 1;
+        self.msgs
     }
 }
 

@@ -58,6 +58,9 @@ pub(crate) trait ProtoIo {
 
     /// Operations of request `req` posted with [`Self::post`] and still in progress.
     fn outstanding(&self, req: u64) -> usize;
+
+    /// A new id for a multi-fragment message to peer `p`.
+    fn next_msg(&mut self, p: usize) -> u64;
 }
 
 /// What the send side of a rendezvous asks of the worker besides [`ProtoIo`]: the plan's

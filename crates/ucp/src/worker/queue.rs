@@ -362,6 +362,10 @@ impl ProtoIo for State {
     fn outstanding(&self, req: u64) -> usize {
         self.reqs.get(&req).map_or(0, |r| r.outstanding)
     }
+
+    fn next_msg(&mut self, p: usize) -> u64 {
+        State::next_msg(self, p)
+    }
 }
 
 /// What the send side of a rendezvous asks of the worker: the plan's choice, the send's
