@@ -48,20 +48,13 @@ impl State {
                         // Finished otherwise (endpoint failure): nothing more to send.
                         _ => continue,
                     };
-                    let src = self.address.uuid.to_le_bytes();
                     // SAFETY: the stream send's buffer is lent to its scope until the request
                     // finishes, which is after its last piece (the `Finish` behind it).
                     let data = unsafe { host_slice(addr + off, len) };
                     let am = self.peers[p].am;
-                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane connected");
-                    let res = ep.am_bcopy(wire::AM_STREAM_DATA, &mut |buf: &mut [u8]| {
-                        buf[..8].copy_from_slice(&src);
-                        buf[8..8 + len].copy_from_slice(data);
-                        8 + len
-                    });
-                    match res {
-                        Ok(_) => {}
-                        Err(e) if e.is_retryable() => {
+                    match proto::stream::post_piece(self, id, p, am, data) {
+                        Ok(true) => {}
+                        Ok(false) => {
                             self.peers[p]
                                 .queue
                                 .push_front(Pending::StreamPiece { id, off, len });
