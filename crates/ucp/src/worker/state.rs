@@ -380,15 +380,6 @@ impl RecvState {
         }
     }
 
-    /// Mutable [`Self::rndv`].
-    #[inline]
-    pub(crate) fn rndv_mut(&mut self) -> Option<&mut RndvRecv> {
-        match &mut self.proto {
-            RecvProto::Rndv(rv) => Some(rv),
-            _ => None,
-        }
-    }
-
     /// Bytes this receive waits for: the rendezvous' (capacity-limited) size, else the
     /// message's.
     #[inline]

@@ -54,8 +54,8 @@ impl RndvSend {
     /// The receiver of send `req` (`head`) asked us to stage (PULL) for its receive `rreq`:
     /// register the buffer with the copy lane's domain (through the one register path, which
     /// demotes and warns), make sure the staging exists, drop the registration made for the
-    /// request to send, and post the first copies. When that fails the send ends, and the
-    /// receiver, which waits for fragments, is told.
+    /// request to send; the copies are then to be posted. When that fails the send ends, and
+    /// the receiver, which waits for fragments, is told.
     pub(crate) fn on_pull(
         &mut self,
         io: &mut (impl SendIo + StageIo),

@@ -89,7 +89,7 @@ impl RndvRecv {
 impl State {
     /// Post the reads of a rendezvous receive (or the chunks of a staged one).
     pub(crate) fn stream_get(&mut self, rid: u64) -> Result<bool> {
-        let lane = match self.reqs.get(&rid) {
+        let (lane, gpu) = match self.reqs.get(&rid) {
             Some(Req {
                 kind: ReqKind::Recv(rs),
                 ..
@@ -103,7 +103,6 @@ impl State {
             },
             _ => return Ok(true),
         };
-        let (lane, gpu) = lane;
         // GPU zero-copy lanes move the whole buffer in one operation (into GPU memory, or out
         // of a GPU sender's buffer into host memory through an accelerator lane); host lanes in
         // fragments.
