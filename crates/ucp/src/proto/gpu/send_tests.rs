@@ -51,6 +51,9 @@ fn frag_addr(f: usize) -> usize {
     SLOT_BASE + f * SLOT
 }
 
+/// A staging copy or an announcement: (first fragment, offset, length).
+type Staged = (usize, usize, usize);
+
 /// A send of `h` that announced itself with a registration for the receiver's reads, then
 /// was asked to stage: the pipeline is ready, that registration dropped, the buffer registered
 /// with the copy lane.
@@ -341,28 +344,37 @@ fn failures_mid_pipeline_end_the_send_and_give_every_fragment_back() {
     }
 }
 
-/// The receiver gives up mid-pipeline (ABORT; the worker ends the send), or the peer fails:
-/// the copy still in flight comes back unannounced, and the fragments the receiver held come
-/// back with its acknowledgements (it hands back what it did not read), after the send ended.
+/// Four fragments for a message of eight, mid-pipeline: the first run copied and announced,
+/// one fragment acknowledged and its next copy in flight; the others held by the receiver.
+/// Returns the send, the announcements and the copy in flight.
+fn mid_pipeline(io: &mut FakeIo) -> (RndvSend, Vec<Staged>, Vec<Staged>) {
+    let h = head(8 * SLOT);
+    let mut rv = pulled(io, &h, &choice(usize::MAX));
+    rv.post_staging(io, SREQ, &h).unwrap();
+    let [(f, off, len)] = take_copies(io)[..] else {
+        panic!("one run")
+    };
+    rv.on_staged(io, SREQ, &h, f, off, len, Ok(()));
+    let ann = take_announced(io);
+    assert_eq!(ann.len(), 4);
+    assert_eq!(
+        rv.on_frag_ack(io, SREQ, ann[0].0, ann[0].2, h.len),
+        SendNext::Post
+    );
+    assert_eq!(rv.post_staging(io, SREQ, &h).unwrap(), Posting::NoSlot);
+    let in_flight = take_copies(io);
+    assert_eq!(in_flight.len(), 1);
+    assert_eq!(io.free_send(), 0);
+    (rv, ann, in_flight)
+}
+
+/// The receiver gives up mid-pipeline (ABORT; the worker ends the send): the copy still in
+/// flight comes back unannounced, and the fragments the receiver held come back with its
+/// acknowledgements (it hands back what it did not read), after the send ended.
 #[test]
 fn an_abort_mid_pipeline_lets_every_fragment_come_back() {
     let mut io = FakeIo::with_send_frags(4);
-    let h = head(8 * SLOT);
-    let mut rv = pulled(&mut io, &h, &choice(usize::MAX));
-    rv.post_staging(&mut io, SREQ, &h).unwrap();
-    let [(f, off, len)] = take_copies(&mut io)[..] else {
-        panic!("one run")
-    };
-    rv.on_staged(&mut io, SREQ, &h, f, off, len, Ok(()));
-    let ann = take_announced(&mut io);
-    assert_eq!(ann.len(), 4);
-    assert_eq!(
-        rv.on_frag_ack(&mut io, SREQ, ann[0].0, ann[0].2, h.len),
-        SendNext::Post
-    );
-    assert_eq!(rv.post_staging(&mut io, SREQ, &h).unwrap(), Posting::NoSlot);
-    let in_flight = take_copies(&mut io);
-    assert_eq!(in_flight.len(), 1);
+    let (rv, ann, in_flight) = mid_pipeline(&mut io);
     // ABORT: the send ends (its state is gone); what comes later is the worker's.
     drop(rv);
     for &(f, _, len) in &in_flight {
@@ -382,18 +394,7 @@ fn an_abort_mid_pipeline_lets_every_fragment_come_back() {
 #[test]
 fn the_peer_failing_gives_back_what_it_held() {
     let mut io = FakeIo::with_send_frags(4);
-    let h = head(8 * SLOT);
-    let mut rv = pulled(&mut io, &h, &choice(usize::MAX));
-    rv.post_staging(&mut io, SREQ, &h).unwrap();
-    let [(f, off, len)] = take_copies(&mut io)[..] else {
-        panic!("one run")
-    };
-    rv.on_staged(&mut io, SREQ, &h, f, off, len, Ok(()));
-    let ann = take_announced(&mut io);
-    rv.on_frag_ack(&mut io, SREQ, ann[0].0, ann[0].2, h.len);
-    rv.post_staging(&mut io, SREQ, &h).unwrap();
-    let in_flight = take_copies(&mut io);
-    assert_eq!(io.free_send(), 0);
+    let (rv, ann, in_flight) = mid_pipeline(&mut io);
     // The peer fails: the send ends; the worker takes back what the peer held.
     drop(rv);
     let frags = io.send_frags.as_mut().expect("send fragments");
