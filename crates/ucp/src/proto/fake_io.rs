@@ -569,11 +569,11 @@ impl StageIo for FakeIo {
             .announced(req, p, first, len);
     }
 
-    fn release_send(&mut self, req: u64, first: usize, len: usize) {
+    fn release_send(&mut self, req: u64, first: usize, len: usize) -> usize {
         self.send_frags
             .as_mut()
             .expect("a fake with send staging fragments")
-            .release(req, first, len);
+            .release(req, first, len)
     }
 
     fn staging_key(&mut self, md: usize) -> Result<NamedKey> {

@@ -221,7 +221,8 @@ impl RndvSend {
 
     /// The receiver read `len` bytes of send `req`'s staged fragments from `frag` on (or gave
     /// them back unread): they are free again; the send completes once the whole message (`total`
-    /// bytes) was acknowledged, else its next copies may go.
+    /// bytes) was acknowledged, else its next copies may go. An acknowledgement of fragments
+    /// the send does not hold (a second one, or a confused one) counts for nothing.
     pub(crate) fn on_frag_ack(
         &mut self,
         io: &mut impl StageIo,
@@ -230,10 +231,14 @@ impl RndvSend {
         len: usize,
         total: usize,
     ) -> SendNext {
-        io.release_send(req, frag, len);
+        let back = io.release_send(req, frag, len);
         let Some(st) = &mut self.stage else {
             return SendNext::Wait;
         };
+        if back == 0 {
+            // Not fragments of ours (acknowledged twice, or confused): counts for nothing.
+            return SendNext::Wait;
+        }
         st.acked += len;
         if st.acked >= total {
             SendNext::Complete

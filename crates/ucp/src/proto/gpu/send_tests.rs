@@ -167,7 +167,18 @@ fn a_pull_stages_the_message_in_runs_and_announces_each_fragment() {
         [RMA],
         "the staging registered with the lane's domain"
     );
-    for (i, &(f, _, len)) in ann.iter().enumerate() {
+    // A second acknowledgement of a fragment counts for nothing (the send would otherwise
+    // complete before the receiver read everything).
+    let (f0, _, len0) = ann[0];
+    assert_eq!(
+        rv.on_frag_ack(&mut io, SREQ, f0, len0, h.len),
+        SendNext::Post
+    );
+    assert_eq!(
+        rv.on_frag_ack(&mut io, SREQ, f0, len0, h.len),
+        SendNext::Wait
+    );
+    for (i, &(f, _, len)) in ann.iter().enumerate().skip(1) {
         let next = rv.on_frag_ack(&mut io, SREQ, f, len, h.len);
         if i + 1 < ann.len() {
             assert_eq!(next, SendNext::Post);
@@ -523,7 +534,9 @@ impl Sim {
                     let next = rv.on_frag_ack(&mut self.io, SREQ, g, n, self.h.len);
                     self.end(next);
                 }
-                None => self.io.release_send(SREQ, g, n),
+                None => {
+                    self.io.release_send(SREQ, g, n);
+                }
             }
             self.busy.remove(&g);
         }

@@ -106,8 +106,8 @@ pub(crate) trait StageIo: ProtoIo {
     fn announce_send(&mut self, req: u64, p: usize, first: usize, len: usize);
 
     /// Send `req` gives back its run from `first` holding `len` bytes (fragments it does not
-    /// hold stay as they are).
-    fn release_send(&mut self, req: u64, first: usize, len: usize);
+    /// hold stay as they are): how many came back.
+    fn release_send(&mut self, req: u64, first: usize, len: usize) -> usize;
 
     /// The staging registered with domain `md` (on first use, through the one register path,
     /// which demotes and warns), its key packed for a peer.
@@ -299,10 +299,10 @@ impl StageIo for State {
         }
     }
 
-    fn release_send(&mut self, req: u64, first: usize, len: usize) {
-        if let Some(stg) = self.staging.as_mut() {
-            stg.free_send.release(req, first, len);
-        }
+    fn release_send(&mut self, req: u64, first: usize, len: usize) -> usize {
+        self.staging
+            .as_mut()
+            .map_or(0, |stg| stg.free_send.release(req, first, len))
     }
 
     fn staging_key(&mut self, md: usize) -> Result<NamedKey> {
@@ -602,7 +602,9 @@ impl State {
                 });
                 self.pump(p);
             }
-            None => StageIo::release_send(self, id, frag, len),
+            None => {
+                StageIo::release_send(self, id, frag, len);
+            }
         }
         self.wake_send_waiters(false);
     }
@@ -624,7 +626,9 @@ impl State {
                     }
                 }
             }
-            None => StageIo::release_send(self, sreq, frag, len),
+            None => {
+                StageIo::release_send(self, sreq, frag, len);
+            }
         }
         self.wake_send_waiters(true);
     }
