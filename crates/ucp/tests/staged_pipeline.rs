@@ -818,3 +818,67 @@ fn the_reported_sequence_ends_on_both_sides_with_the_fault_on_either_or_both() {
         assert!(failed > 0, "{what}: the fault was never met: {s:?} {r:?}");
     }
 }
+
+// ----- fragments held by a peer that goes away -----
+
+/// A receiver that stops reading (its copies to the GPU are always pushed back) holds the
+/// sender's staging fragments, announced and never acknowledged; both sides then give up on
+/// each other (`scope_timeout` fails the endpoints). The sender takes the fragments the peer
+/// held back at once: its next staged transfer (to itself) still finds fragments. Before, they
+/// were lost for good, and that transfer waited forever for one.
+#[test]
+fn fragments_held_by_a_failed_peer_come_back() {
+    let env = || {
+        vec![
+            ("RUCX_TLS", "posix,self,cuda_copy"),
+            ("RUCX_RNDV_FRAG_SIZE", "16K"),
+            ("RUCX_RNDV_FRAG_COUNT", "2"),
+        ]
+    };
+    let stuck = Arc::new(CopyCtl::default());
+    stuck.push_back_every.store(1, Ordering::SeqCst);
+    let n = 256 << 10;
+    let give_up = Duration::from_millis(300);
+    let (a, b) = pair(
+        env(),
+        env(),
+        Arc::default(),
+        stuck,
+        move |w, ep| {
+            let src = DevBuf::new(&pattern(n, 3));
+            let first = w.scope_timeout(give_up, |sc| {
+                let s = sc.tag_send(ep, src.send(), 1);
+                let t = std::time::Instant::now();
+                while t.elapsed() < give_up {
+                    w.progress();
+                }
+                s.test().is_some()
+            });
+            let me = w.connect(&w.address()).unwrap();
+            let (s, r, got) = self_exchange(w, me, n, n, 9);
+            (first, s, r, got == pattern(n, 9), w.counters())
+        },
+        move |w, _| {
+            let mut dst = DevBuf::zeroed(n);
+            w.scope_timeout(give_up, |sc| {
+                let _r = sc.tag_recv(dst.recv(), 1, TAG_MASK_FULL);
+                let t = std::time::Instant::now();
+                while t.elapsed() < give_up {
+                    w.progress();
+                }
+            })
+        },
+    );
+    let (first, s, r, intact, counters) = a;
+    assert!(
+        matches!(first, Err(Error::Timeout { .. })),
+        "the send to the stuck peer ends with the timeout: {first:?}"
+    );
+    assert!(b.is_err(), "{b:?}");
+    assert!(
+        counters.contains_key("staging fragments taken back from a failed peer"),
+        "{counters:?}"
+    );
+    assert_eq!((s.unwrap(), r.unwrap()), (n, n));
+    assert!(intact, "the transfer to itself arrived intact");
+}

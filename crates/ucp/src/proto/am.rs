@@ -436,74 +436,222 @@ impl State {
     }
 }
 
+/// Queue user active message `id` (`header`, `data`) to peer `p`, copied in: one message when
+/// it fits the active-message lane's `max_bcopy`, else the multi-fragment eager form (the
+/// payload prefixed with the header, cut to what each fragment's header leaves room for),
+/// reassembled by the receiver. A header longer than 64 KiB is refused.
+pub(crate) fn send_copied(
+    io: &mut impl ProtoIo,
+    p: usize,
+    id: u16,
+    header: &[u8],
+    data: &[u8],
+    max_bcopy: usize,
+) -> Result<()> {
+    if header.len() > u16::MAX as usize {
+        return Err(Error::InvalidParam(
+            "active message header longer than 64 KiB".into(),
+        ));
+    }
+    let src = io.uuid();
+    if 12 + header.len() + data.len() <= max_bcopy {
+        io.ctrl(
+            p,
+            &Msg::User {
+                src,
+                id,
+                header,
+                data,
+            },
+        );
+        return Ok(());
+    }
+    if max_bcopy <= proto::FIRST_OVERHEAD.max(proto::MIDDLE_OVERHEAD) {
+        return Err(Error::Internal(format!(
+            "am_bcopy of {max_bcopy} bytes leaves no room for an active message's fragments"
+        )));
+    }
+    // Large: the prefixed payload [header lv][data] goes as a multi-fragment message.
+    let mut payload = Vec::with_capacity(2 + header.len() + data.len());
+    rucx_uct::rkey::put_lv(&mut payload, header);
+    payload.extend_from_slice(data);
+    let msg_id = io.next_msg(p);
+    let total = payload.len();
+    let mut off = 0;
+    loop {
+        let room = max_bcopy
+            - if off == 0 {
+                proto::FIRST_OVERHEAD
+            } else {
+                proto::MIDDLE_OVERHEAD
+            };
+        let n = room.min(total - off);
+        let data = &payload[off..off + n];
+        let m = if off == 0 {
+            Msg::EagerFirst {
+                src,
+                kind: MsgKind::Am,
+                tag: u64::from(id),
+                msg_id,
+                total: total as u64,
+                data,
+            }
+        } else {
+            Msg::EagerMiddle {
+                src,
+                msg_id,
+                offset: off as u64,
+                data,
+            }
+        };
+        io.ctrl(p, &m);
+        off += n;
+        if off >= total {
+            return Ok(());
+        }
+    }
+}
+
 impl State {
     /// Send a user active message to `ep`, copied in before this returns.
     pub(crate) fn am_send(&mut self, ep: EpId, id: u16, header: &[u8], data: &[u8]) -> Result<()> {
-        let st = self;
-        st.check_peer(ep.0)?;
-        st.refresh_plan(ep.0);
-        if header.len() > u16::MAX as usize {
-            return Err(Error::InvalidParam(
-                "active message header longer than 64 KiB".into(),
-            ));
+        self.check_peer(ep.0)?;
+        self.refresh_plan(ep.0);
+        let am = self.peers[ep.0].am;
+        let max_bcopy = self.slots[am].attr.limits.am_max_bcopy;
+        send_copied(self, ep.0, id, header, data, max_bcopy)?;
+        self.pump(ep.0);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::fake_io::{FAKE_UUID, FakeIo};
+
+    const PEER: usize = 3;
+
+    /// Every message queued to the peer, reassembled: one copied-in message's (id, header,
+    /// data), or a multi-fragment one's; each checked to fit `max_bcopy`.
+    fn received(io: &FakeIo, max_bcopy: usize) -> (u16, Vec<u8>, Vec<u8>, usize) {
+        for (_, _, bytes) in &io.ctrls {
+            assert!(
+                bytes.len() <= max_bcopy,
+                "{} bytes > {max_bcopy}",
+                bytes.len()
+            );
         }
-        let src = st.address.uuid;
-        let am = st.peers[ep.0].am;
-        let one = 12 + header.len() + data.len();
-        if one <= st.slots[am].attr.limits.am_max_bcopy {
-            st.send_msg(
-                ep.0,
-                &Msg::User {
+        let msgs = io.ctrl_msgs(PEER);
+        match msgs.as_slice() {
+            [
+                Msg::User {
                     src,
                     id,
                     header,
                     data,
                 },
-            );
-            st.pump(ep.0);
-            return Ok(());
-        }
-        // Large: the prefixed payload [header lv][data] goes as a multi-fragment message.
-        let mut payload = Vec::with_capacity(2 + header.len() + data.len());
-        rucx_uct::rkey::put_lv(&mut payload, header);
-        payload.extend_from_slice(data);
-        let msg_id = st.next_msg(ep.0);
-        let total = payload.len();
-        let mut off = 0;
-        let bcopy = st.slots[am].attr.limits.am_max_bcopy;
-        while off < total || off == 0 {
-            let room = bcopy
-                - if off == 0 {
-                    proto::FIRST_OVERHEAD
-                } else {
-                    proto::MIDDLE_OVERHEAD
-                };
-            let n = room.min(total - off);
-            let data = &payload[off..off + n];
-            let m = if off == 0 {
-                Msg::EagerFirst {
+            ] => {
+                assert_eq!(*src, FAKE_UUID);
+                (*id, header.to_vec(), data.to_vec(), 1)
+            }
+            [first, rest @ ..] => {
+                let Msg::EagerFirst {
                     src,
                     kind: MsgKind::Am,
-                    tag: u64::from(id),
+                    tag,
                     msg_id,
-                    total: total as u64,
+                    total,
                     data,
+                } = first
+                else {
+                    panic!("{first:?}")
+                };
+                assert_eq!(*src, FAKE_UUID);
+                let mut payload = data.to_vec();
+                for m in rest {
+                    let Msg::EagerMiddle {
+                        msg_id: mid,
+                        offset,
+                        data,
+                        ..
+                    } = m
+                    else {
+                        panic!("{m:?}")
+                    };
+                    assert_eq!(mid, msg_id);
+                    assert_eq!(*offset as usize, payload.len(), "in order, no gap");
+                    assert!(!data.is_empty());
+                    payload.extend_from_slice(data);
                 }
-            } else {
-                Msg::EagerMiddle {
-                    src,
-                    msg_id,
-                    offset: off as u64,
-                    data,
-                }
-            };
-            st.send_msg(ep.0, &m);
-            off += n;
-            if total == 0 {
-                break;
+                assert_eq!(payload.len() as u64, *total);
+                let mut r = rucx_uct::rkey::Reader::new(&payload, "active message");
+                let header = r.lv().expect("the header's length").to_vec();
+                let data = payload[2 + header.len()..].to_vec();
+                (*tag as u16, header, data, msgs.len())
             }
+            [] => panic!("nothing sent"),
         }
-        st.pump(ep.0);
-        Ok(())
+    }
+
+    fn bytes(n: usize, seed: u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    /// A message that fits the lane goes as one; one byte more goes in fragments, each within
+    /// the lane's size, and arrives whole.
+    #[test]
+    fn one_message_when_it_fits_else_fragments() {
+        let (h, max) = (bytes(20, 1), 256);
+        let fits = bytes(max - 12 - h.len(), 2);
+        let mut io = FakeIo::default();
+        send_copied(&mut io, PEER, 7, &h, &fits, max).unwrap();
+        assert_eq!(received(&io, max), (7, h.clone(), fits, 1));
+
+        let over = bytes(max - 12 - h.len() + 1, 3);
+        let mut io = FakeIo::default();
+        send_copied(&mut io, PEER, 7, &h, &over, max).unwrap();
+        let (id, hh, d, n) = received(&io, max);
+        assert_eq!((id, hh, d), (7, h, over));
+        assert!(n >= 2);
+    }
+
+    /// A header longer than 64 KiB is refused, and a lane too small for any fragment is an
+    /// error rather than a loop; nothing is queued.
+    #[test]
+    fn refusals_queue_nothing() {
+        let mut io = FakeIo::default();
+        let big = vec![0u8; 70_000];
+        assert!(matches!(
+            send_copied(&mut io, PEER, 1, &big, b"x", 1 << 20),
+            Err(Error::InvalidParam(_))
+        ));
+        assert!(matches!(
+            send_copied(&mut io, PEER, 1, b"h", &[0u8; 100], proto::FIRST_OVERHEAD),
+            Err(Error::Internal(_))
+        ));
+        assert!(io.ctrls.is_empty());
+    }
+
+    proptest::proptest! {
+        /// Whatever the header, payload and lane size: the message arrives whole, every piece
+        /// fits the lane, and a multi-fragment one has its own id.
+        #[test]
+        fn copied_in_messages_arrive_whole(
+            hlen in 0usize..600,
+            dlen in 0usize..5000,
+            max in (proto::FIRST_OVERHEAD + 1)..2048,
+            id in proptest::num::u16::ANY,
+        ) {
+            let (h, d) = (bytes(hlen, 5), bytes(dlen, 9));
+            let mut io = FakeIo::default();
+            send_copied(&mut io, PEER, id, &h, &d, max).unwrap();
+            let (gid, gh, gd, n) = received(&io, max);
+            proptest::prop_assert_eq!((gid, gh, gd), (id, h, d));
+            proptest::prop_assert_eq!(n == 1, 12 + hlen + dlen <= max);
+            proptest::prop_assert_eq!(io.msgs, u64::from(n > 1));
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rucx_uct::{AmId, Endpoint, Iov, MemHandle, MemRegion, OpStatus, RemoteKey};
 
 use super::gpu::stage_io::{LaneState, On, StageIo};
-use super::gpu::staging::FreeFrags;
+use super::gpu::staging::{FreeFrags, SendFrags};
 use super::io::{ProtoIo, SendIo};
 use super::rndv::{RndvPick, SendHead};
 use crate::context::RegGuard;
@@ -43,6 +43,18 @@ pub(crate) enum Op {
 #[derive(Debug, Default)]
 pub(crate) struct FakeEp {
     pub(crate) ops: Vec<Op>,
+    /// Reads and writes complete at once (as on shared memory), not in progress.
+    pub(crate) done_at_once: bool,
+}
+
+impl FakeEp {
+    fn status(&self) -> OpStatus {
+        if self.done_at_once {
+            OpStatus::Done
+        } else {
+            OpStatus::InProgress
+        }
+    }
 }
 
 fn iov_of(iov: &[Iov<'_>]) -> Vec<(usize, usize)> {
@@ -103,7 +115,7 @@ impl Endpoint for FakeEp {
             remote,
             token,
         });
-        Ok(OpStatus::InProgress)
+        Ok(self.status())
     }
 
     fn get_zcopy(
@@ -119,7 +131,7 @@ impl Endpoint for FakeEp {
             remote,
             token,
         });
-        Ok(OpStatus::InProgress)
+        Ok(self.status())
     }
 
     fn flush(&mut self, _: u64) -> Result<OpStatus> {
@@ -166,8 +178,9 @@ pub(crate) struct FakeIo {
     pub(crate) staging_fails: bool,
     /// Peers' staging fragments are mapped here (shared memory).
     pub(crate) maps: bool,
-    /// Lanes being connected; lanes absent.
+    /// Lanes being connected; lanes neither connected nor reachable.
     pub(crate) connecting: Vec<usize>,
+    pub(crate) absent: Vec<usize>,
     /// Domains no lane reads with.
     pub(crate) no_read_lane: Vec<usize>,
     /// CPU copies out of staging, by (slot, destination, length).
@@ -176,11 +189,22 @@ pub(crate) struct FakeIo {
     pub(crate) kept: Vec<(u64, bool)>,
     /// The key a host-to-GPU remote write offer yields (none: not offered).
     pub(crate) write_key: Option<NamedKey>,
+    /// Send staging fragments (none unless a test makes them: [`FakeIo::with_send_frags`]),
+    /// numbered from [`SEND_LO`].
+    pub(crate) send_frags: Option<SendFrags>,
+    /// Domains the send staging was registered with (each once, as the worker caches it).
+    pub(crate) staging_regs: Vec<usize>,
+    /// Multi-fragment message ids handed out.
+    pub(crate) msgs: u64,
 }
 
 /// Bytes of one fake staging slot, and where the slots lie.
 pub(crate) const SLOT: usize = 4096;
 pub(crate) const SLOT_BASE: usize = 0x5000_0000;
+/// The first send staging fragment's id (the receive slots are numbered from 0).
+pub(crate) const SEND_LO: usize = 64;
+/// The copy lane's domain in the fake.
+pub(crate) const COPY_MD: usize = 99;
 
 impl FakeIo {
     /// A fake with `n` receive staging slots.
@@ -189,6 +213,19 @@ impl FakeIo {
             slots: Some(FreeFrags::new(0, n)),
             ..FakeIo::default()
         }
+    }
+
+    /// A fake with `n` send staging fragments of [`SLOT`] bytes.
+    pub(crate) fn with_send_frags(n: usize) -> FakeIo {
+        FakeIo {
+            send_frags: Some(SendFrags::new(SEND_LO, n, SLOT)),
+            ..FakeIo::default()
+        }
+    }
+
+    /// Free send staging fragments now.
+    pub(crate) fn free_send(&self) -> usize {
+        self.send_frags.as_ref().map_or(0, |f| f.len())
     }
 
     /// Free receive staging slots now.
@@ -329,6 +366,19 @@ impl ProtoIo for FakeIo {
     fn lane_md(&self, lane: usize) -> usize {
         lane
     }
+
+    fn keep_regs(&mut self, req: u64, md: Option<usize>) {
+        self.regs.retain(|(r, l, _)| *r != req || Some(*l) == md);
+    }
+
+    fn outstanding(&self, req: u64) -> usize {
+        self.in_flight.iter().filter(|(r, _)| *r == req).count()
+    }
+
+    fn next_msg(&mut self, _p: usize) -> u64 {
+        self.msgs += 1;
+        self.msgs
+    }
 }
 
 impl SendIo for FakeIo {
@@ -366,10 +416,6 @@ impl SendIo for FakeIo {
             .rev()
             .find(|(r, l, _)| *r == req && *l == md)
             .map(|(_, _, region)| MemHandle::new(*region, &format!("fake{md}"), Arc::new(())))
-    }
-
-    fn keep_regs(&mut self, req: u64, md: Option<usize>) {
-        self.regs.retain(|(r, l, _)| *r != req || Some(*l) == md);
     }
 
     fn register_write_source(&mut self, req: u64, lane: usize) -> Result<()> {
@@ -411,6 +457,8 @@ impl StageIo for FakeIo {
     fn lane_state(&mut self, _p: usize, lane: usize) -> LaneState {
         if self.connecting.contains(&lane) {
             LaneState::Connecting
+        } else if self.absent.contains(&lane) {
+            LaneState::Absent
         } else {
             LaneState::Ready
         }
@@ -497,7 +545,7 @@ impl StageIo for FakeIo {
                 region.len
             )));
         }
-        self.regs.push((req, 99, region));
+        self.regs.push((req, COPY_MD, region));
         Ok(RemoteKey::new(
             "fake99",
             region.addr as u64,
@@ -508,6 +556,61 @@ impl StageIo for FakeIo {
 
     fn register_uncached(&mut self, md: usize, region: MemRegion) -> Result<RegGuard> {
         self.register_md(md, region)
+    }
+
+    fn take_send_run(&mut self, req: u64, max: usize) -> Option<(usize, usize)> {
+        self.send_frags.as_mut()?.take_run(req, max)
+    }
+
+    fn announce_send(&mut self, req: u64, p: usize, first: usize, len: usize) {
+        self.send_frags
+            .as_mut()
+            .expect("a fake with send staging fragments")
+            .announced(req, p, first, len);
+    }
+
+    fn release_send(&mut self, req: u64, first: usize, len: usize) -> usize {
+        self.send_frags
+            .as_mut()
+            .expect("a fake with send staging fragments")
+            .release(req, first, len)
+    }
+
+    fn staging_key(&mut self, md: usize) -> Result<NamedKey> {
+        if self.staging_fails {
+            return Err(Error::NoMemory(format!(
+                "injected: registering the staging with fake{md}"
+            )));
+        }
+        if !self.staging_regs.contains(&md) {
+            if count_down(&mut self.fail_reg_after) {
+                return Err(Error::NoMemory(format!(
+                    "injected: registering the staging with fake{md}"
+                )));
+            }
+            self.staging_regs.push(md);
+        }
+        Ok(NamedKey {
+            md: format!("fake{md}"),
+            key: vec![md as u8],
+        })
+    }
+
+    fn send_copy_key(&mut self, region: MemRegion) -> Result<(RegGuard, RemoteKey)> {
+        if self.demoted.contains(&COPY_MD) {
+            return Err(Error::Unsupported {
+                what: format!("copying {} memory with fake{COPY_MD}", region.mem_type),
+                why: "injected: the copy domain is demoted".into(),
+            });
+        }
+        let g = self.register_md(COPY_MD, region)?;
+        let key = RemoteKey::new(
+            &format!("fake{COPY_MD}"),
+            region.addr as u64,
+            region.len as u64,
+            Arc::new(()),
+        );
+        Ok((g, key))
     }
 
     fn gpu_write_key(

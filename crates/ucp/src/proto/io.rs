@@ -52,6 +52,15 @@ pub(crate) trait ProtoIo {
 
     /// The domain of `lane`.
     fn lane_md(&self, lane: usize) -> usize;
+
+    /// Keep only request `req`'s registrations with domain `md` (none: drop them all).
+    fn keep_regs(&mut self, req: u64, md: Option<usize>);
+
+    /// Operations of request `req` posted with [`Self::post`] and still in progress.
+    fn outstanding(&self, req: u64) -> usize;
+
+    /// A new id for a multi-fragment message to peer `p`.
+    fn next_msg(&mut self, p: usize) -> u64;
 }
 
 /// What the send side of a rendezvous asks of the worker besides [`ProtoIo`]: the plan's
@@ -69,9 +78,6 @@ pub(crate) trait SendIo: ProtoIo {
 
     /// Request `req`'s registration with domain `md`, if it holds one.
     fn reg(&self, req: u64, md: usize) -> Option<MemHandle>;
-
-    /// Keep only request `req`'s registrations with domain `md` (none: drop them all).
-    fn keep_regs(&mut self, req: u64, md: Option<usize>);
 
     /// Register send `req`'s buffer as the source of writes on `lane` (with the lane's domain,
     /// or, where the domain reaches that memory without registering it, described for this

@@ -2,10 +2,56 @@
 //! receives in the order they were posted (UCX's `WAITALL`: a receive completes when full).
 //!
 //! A state machine behind a narrow I/O trait ([`StreamRecvs`]: the receive buffers), so it is
-//! tested without a transport or a worker. The sender's side is the worker's queue of pieces
-//! (`AM_STREAM_DATA`), packed straight from the caller's buffer.
+//! tested without a transport or a worker. The sender's side: a send is cut into pieces
+//! ([`pieces`]) queued behind the peer's other messages, each posted in order by the worker's
+//! queue as one copied-in `AM_STREAM_DATA` message packed straight from the caller's buffer
+//! ([`post_piece`], over [`ProtoIo`]).
 
 use std::collections::VecDeque;
+
+use rucx_ucs::Result;
+use rucx_uct::OpStatus;
+
+use crate::proto::io::ProtoIo;
+use crate::wire;
+
+/// Bytes of a piece's header: the sender's id.
+const PIECE_HEADER: usize = 8;
+
+/// The pieces a stream send of `len` bytes goes in, as (offset, length): as many bytes each as
+/// the active-message lane copies in at once (`max_bcopy`, less the header), in order, covering
+/// `0..len` once (none for an empty send).
+pub(crate) fn pieces(len: usize, max_bcopy: usize) -> impl Iterator<Item = (usize, usize)> {
+    let piece = max_bcopy.saturating_sub(PIECE_HEADER).max(1);
+    (0..len.div_ceil(piece)).map(move |i| {
+        let off = i * piece;
+        (off, piece.min(len - off))
+    })
+}
+
+/// Post `data` (a piece of stream send `req`) to peer `p` on its active-message lane `lane`:
+/// one `AM_STREAM_DATA` message, copied in. `Ok(false)`: the transport pushed back (post it
+/// again after progress, before anything queued behind it).
+pub(crate) fn post_piece(
+    io: &mut impl ProtoIo,
+    req: u64,
+    p: usize,
+    lane: usize,
+    data: &[u8],
+) -> Result<bool> {
+    let src = io.uuid().to_le_bytes();
+    io.post(req, p, lane, |ep, _| {
+        ep.am_bcopy(wire::AM_STREAM_DATA, &mut |buf: &mut [u8]| {
+            let need = PIECE_HEADER + data.len();
+            if let Some(dst) = buf.get_mut(..need) {
+                dst[..PIECE_HEADER].copy_from_slice(&src);
+                dst[PIECE_HEADER..].copy_from_slice(data);
+            }
+            need
+        })
+        .map(|_| OpStatus::Done)
+    })
+}
 
 /// The receives a stream fills, as the worker keeps them.
 pub(crate) trait StreamRecvs {
@@ -133,6 +179,43 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::proto::fake_io::{FAKE_UUID, FakeIo, Op as FakeOp};
+    use crate::wire::Msg;
+
+    proptest! {
+        /// A send's pieces cover it once, in order, each within what the lane copies in.
+        #[test]
+        fn pieces_cover_the_send_once(len in 0usize..20_000, max in 0usize..3000) {
+            let mut at = 0;
+            for (off, n) in pieces(len, max) {
+                prop_assert_eq!(off, at);
+                prop_assert!(n >= 1 && n <= max.saturating_sub(PIECE_HEADER).max(1));
+                at += n;
+            }
+            prop_assert_eq!(at, len);
+        }
+    }
+
+    /// A piece goes as one stream message of the wire's layout, from our id; a push-back
+    /// posts nothing and says so.
+    #[test]
+    fn a_piece_is_one_stream_message() {
+        let mut io = FakeIo::default();
+        assert!(post_piece(&mut io, 5, 3, 1, b"bytes of the stream").unwrap());
+        match &io.ep.ops[..] {
+            [FakeOp::Bcopy { id, bytes }] => match crate::wire::parse(*id, bytes).unwrap() {
+                Msg::StreamData { src, data } => {
+                    assert_eq!((src, data), (FAKE_UUID, &b"bytes of the stream"[..]))
+                }
+                m => panic!("{m:?}"),
+            },
+            ops => panic!("{ops:?}"),
+        }
+        assert!(io.in_flight.is_empty(), "copied in: done at once");
+        io.push_back_after = Some(0);
+        assert!(!post_piece(&mut io, 5, 3, 1, b"more").unwrap());
+        assert_eq!(io.ep.ops.len(), 1);
+    }
 
     /// Receives as plain buffers.
     #[derive(Default)]

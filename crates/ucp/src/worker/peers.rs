@@ -309,6 +309,8 @@ impl State {
         for id in ids {
             self.finish(id, Err(err.clone()));
         }
+        // The staging fragments it was reading will not be acknowledged.
+        self.release_staged_to(p);
         // Partial unexpected messages from it can never complete.
         self.matcher.drop_unexpected(|u| match u {
             Unexp::Eager {

@@ -146,20 +146,12 @@ impl Worker {
             st.stream_host.insert(id, h);
         }
         let am = st.peers[p].am;
-        let piece = st.slots[am]
-            .attr
-            .limits
-            .am_max_bcopy
-            .saturating_sub(8)
-            .max(1);
         let len = buf.len;
-        let mut off = 0;
-        while off < len {
-            let n = piece.min(len - off);
+        let max_bcopy = st.slots[am].attr.limits.am_max_bcopy;
+        for (off, n) in proto::stream::pieces(len, max_bcopy) {
             st.peers[p]
                 .queue
                 .push_back(Pending::StreamPiece { id, off, len: n });
-            off += n;
         }
         st.peers[p].queue.push_back(Pending::Finish { id, len });
         st.pump(p);

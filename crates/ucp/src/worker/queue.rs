@@ -48,20 +48,13 @@ impl State {
                         // Finished otherwise (endpoint failure): nothing more to send.
                         _ => continue,
                     };
-                    let src = self.address.uuid.to_le_bytes();
                     // SAFETY: the stream send's buffer is lent to its scope until the request
                     // finishes, which is after its last piece (the `Finish` behind it).
                     let data = unsafe { host_slice(addr + off, len) };
                     let am = self.peers[p].am;
-                    let ep = self.peers[p].eps.get_mut(&am).expect("am lane connected");
-                    let res = ep.am_bcopy(wire::AM_STREAM_DATA, &mut |buf: &mut [u8]| {
-                        buf[..8].copy_from_slice(&src);
-                        buf[8..8 + len].copy_from_slice(data);
-                        8 + len
-                    });
-                    match res {
-                        Ok(_) => {}
-                        Err(e) if e.is_retryable() => {
+                    match proto::stream::post_piece(self, id, p, am, data) {
+                        Ok(true) => {}
+                        Ok(false) => {
                             self.peers[p]
                                 .queue
                                 .push_front(Pending::StreamPiece { id, off, len });
@@ -216,21 +209,8 @@ impl State {
             what @ (TokWhat::PullGet { .. } | TokWhat::H2D { .. } | TokWhat::DirectH2D { .. }) => {
                 self.on_recv_step(tok.req, what, result)
             }
-            what @ TokWhat::StageD2H { frag, len, .. } => match result {
-                Ok(()) => {
-                    if let Err(e) = self.on_pipeline(tok.req, what) {
-                        self.fail(tok.req, e);
-                    }
-                }
-                Err(e) => {
-                    // Give the staging fragments back whatever happened.
-                    if let Some(stg) = self.staging.as_mut() {
-                        stg.release_send(frag, len);
-                    }
-                    self.wake_staged_sends(tok.req, false);
-                    self.fail(tok.req, e);
-                }
-            },
+            // A staged send's copy to staging: its state machine announces the fragments.
+            what @ TokWhat::StageD2H { .. } => self.on_stage_copy(tok.req, what, result),
         }
     }
 
@@ -262,12 +242,6 @@ impl State {
             // A read of a rendezvous receive: its state machine says what comes next (a failed
             // read falls back to streaming: not one byte lost).
             let outstanding = r.outstanding;
-            if result.is_err() && rv.via_get {
-                r.guards.clear();
-                if let ReqKind::Recv(rs) = &mut r.kind {
-                    rs.received = 0;
-                }
-            }
             self.rndv_recv_step(id, |rv, io| rv.on_read(io, id, outstanding, result));
             return;
         }
@@ -378,6 +352,24 @@ impl ProtoIo for State {
     fn lane_md(&self, lane: usize) -> usize {
         self.slots[lane].md
     }
+
+    fn keep_regs(&mut self, req: u64, md: Option<usize>) {
+        let name = md.map(|m| self.ctx.domain(m).name().to_string());
+        if let Some(r) = self.reqs.get_mut(&req) {
+            match name {
+                Some(n) => r.guards.retain(|g| g.registration().domain() == n),
+                None => r.guards.clear(),
+            }
+        }
+    }
+
+    fn outstanding(&self, req: u64) -> usize {
+        self.reqs.get(&req).map_or(0, |r| r.outstanding)
+    }
+
+    fn next_msg(&mut self, p: usize) -> u64 {
+        State::next_msg(self, p)
+    }
 }
 
 /// What the send side of a rendezvous asks of the worker: the plan's choice, the send's
@@ -423,16 +415,6 @@ impl SendIo for State {
 
     fn reg(&self, req: u64, md: usize) -> Option<MemHandle> {
         self.reg_guard(req, md).map(|g| g.registration().clone())
-    }
-
-    fn keep_regs(&mut self, req: u64, md: Option<usize>) {
-        let name = md.map(|m| self.ctx.domain(m).name().to_string());
-        if let Some(r) = self.reqs.get_mut(&req) {
-            match name {
-                Some(n) => r.guards.retain(|g| g.registration().domain() == n),
-                None => r.guards.clear(),
-            }
-        }
     }
 
     fn register_write_source(&mut self, req: u64, lane: usize) -> Result<()> {

@@ -14,7 +14,7 @@ use crate::matching::{Tag, TagMatcher};
 use crate::plan::{EpPlan, MemKey, Op, PlanConfig};
 use crate::proto::Proto;
 use crate::proto::eager_multi::EagerFrags;
-use crate::proto::gpu::{StageSend, StagedRecv, Staging};
+use crate::proto::gpu::{StageSend, Staging};
 use crate::proto::rma::RmaState;
 use crate::proto::rndv::{RndvRecv, RndvSend, SendHead};
 use crate::proto::stream::{StreamRecvs, StreamRx};
@@ -292,25 +292,10 @@ impl SendState {
         }
     }
 
-    /// Mutable [`Self::rndv`].
-    #[inline]
-    pub(crate) fn rndv_mut(&mut self) -> Option<&mut RndvSend> {
-        match &mut self.state {
-            SendProto::Rndv(rv) => Some(rv),
-            _ => None,
-        }
-    }
-
     /// The staged pipeline of a GPU rendezvous send, once the receiver asked for it.
     #[inline]
     pub(crate) fn stage(&self) -> Option<&StageSend> {
         self.rndv().and_then(|rv| rv.stage.as_deref())
-    }
-
-    /// Mutable [`Self::stage`].
-    #[inline]
-    pub(crate) fn stage_mut(&mut self) -> Option<&mut StageSend> {
-        self.rndv_mut().and_then(|rv| rv.stage.as_deref_mut())
     }
 
     /// The common part, copied (what a protocol's state machine reads of its request).
@@ -393,21 +378,6 @@ impl RecvState {
             RecvProto::Rndv(rv) => Some(rv),
             _ => None,
         }
-    }
-
-    /// Mutable [`Self::rndv`].
-    #[inline]
-    pub(crate) fn rndv_mut(&mut self) -> Option<&mut RndvRecv> {
-        match &mut self.proto {
-            RecvProto::Rndv(rv) => Some(rv),
-            _ => None,
-        }
-    }
-
-    /// The staged (chunked) part of a GPU rendezvous receive.
-    #[inline]
-    pub(crate) fn staged(&self) -> Option<&StagedRecv> {
-        self.rndv().map(|rv| &rv.staged)
     }
 
     /// Bytes this receive waits for: the rendezvous' (capacity-limited) size, else the

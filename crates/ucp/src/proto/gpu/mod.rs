@@ -1,8 +1,9 @@
 //! GPU memory: the bounce eager protocol for small messages, the staged pipeline through pinned
 //! host fragments (sender and receiver sides), the receiver's choice of GPU path, and the
-//! staging and copy-lane registrations they share, and host-to-GPU remote writes. The receive
-//! side (`pipeline_recv.rs`, `recv.rs`) is a state machine over [`stage_io::StageIo`]; the
-//! worker runs its steps (`stage_io.rs`).
+//! staging and copy-lane registrations they share, and host-to-GPU remote writes. Both sides of
+//! the pipeline (`pipeline_send.rs`, `pipeline_recv.rs`) and the receiver's path choice
+//! (`recv.rs`) are state machines over [`stage_io::StageIo`]; the worker runs their steps
+//! (`stage_io.rs`).
 
 mod bounce;
 pub(crate) mod offer;
@@ -11,13 +12,15 @@ mod pipeline_send;
 mod recv;
 #[cfg(test)]
 mod recv_tests;
+#[cfg(test)]
+mod send_tests;
 pub(crate) mod stage_io;
 pub(crate) mod staging;
 mod write;
 
 pub(crate) use bounce::Bounced;
 pub(crate) use pipeline_recv::{Chunk, FragMsg, PendingCopy, Posting, StagedNext};
-pub(crate) use pipeline_send::StageSend;
+pub(crate) use pipeline_send::{PullChoice, StageSend};
 pub(crate) use recv::GpuRecvChoice;
 pub(crate) use stage_io::StageIo;
 pub(crate) use staging::Staging;

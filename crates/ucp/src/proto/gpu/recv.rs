@@ -11,7 +11,7 @@ use rucx_uct::MemRegion;
 use super::stage_io::StageIo;
 use super::{Chunk, StagedNext};
 use crate::plan::RecvStep;
-use crate::proto::rndv::RndvRecv;
+use crate::proto::rndv::{Reads, RndvRecv};
 use crate::wire::{Msg, NamedKey};
 
 /// A lane one of the plan's steps names, as the receive needs it.
@@ -147,9 +147,16 @@ impl RndvRecv {
                 io.count("rendezvous receive by read (GPU zero-copy)");
                 // First: the read's local handle (a host buffer may hold another domain's
                 // registration already, e.g. the one that typed it).
+                let memh = g.registration().clone();
                 io.keep(rid, g, true);
                 self.via_get = true;
-                self.get = Some((lane, c.saddr, rkey, r.addr));
+                self.get = Some(Reads {
+                    lane,
+                    remote: c.saddr,
+                    rkey,
+                    local: r.addr,
+                    memh,
+                });
                 true
             }
             Err(e) => {

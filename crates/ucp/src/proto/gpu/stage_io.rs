@@ -74,7 +74,7 @@ pub(crate) trait StageIo: ProtoIo {
     /// comes back with [`Self::release_slot`]).
     fn take_slot(&mut self) -> Option<(usize, usize)>;
 
-    /// The address of receive staging slot `f`.
+    /// The address of staging fragment `f` (a receive slot, or a send fragment).
     fn slot_addr(&self, f: usize) -> usize;
 
     /// Give receive staging slot `f` back.
@@ -95,6 +95,28 @@ pub(crate) trait StageIo: ProtoIo {
     /// Register `region` with domain `md` for one request alone (never cached: nothing may
     /// outlive a host buffer that is freed).
     fn register_uncached(&mut self, md: usize, region: MemRegion) -> Result<RegGuard>;
+
+    /// Lend staged send `req` a run of up to `max` consecutive free send staging fragments
+    /// (one at least when any is free): the first and how many. `None`: all are in use (they
+    /// come back with [`Self::release_send`]).
+    fn take_send_run(&mut self, req: u64, max: usize) -> Option<(usize, usize)>;
+
+    /// The run of send `req` from `first` holding `len` bytes was announced to peer `p` (if
+    /// the peer fails, it comes back without its acknowledgement).
+    fn announce_send(&mut self, req: u64, p: usize, first: usize, len: usize);
+
+    /// Send `req` gives back its run from `first` holding `len` bytes (fragments it does not
+    /// hold stay as they are): how many came back.
+    fn release_send(&mut self, req: u64, first: usize, len: usize) -> usize;
+
+    /// The staging registered with domain `md` (on first use, through the one register path,
+    /// which demotes and warns), its key packed for a peer.
+    fn staging_key(&mut self, md: usize) -> Result<NamedKey>;
+
+    /// Register GPU send buffer `region` with the copy lane's domain (for this send alone)
+    /// and make sure the staging exists: the registration, and the key the copy lane reads the
+    /// buffer with.
+    fn send_copy_key(&mut self, region: MemRegion) -> Result<(RegGuard, RemoteKey)>;
 
     /// Host-to-GPU remote write (`write.rs`): when the host sender of peer `p` offered it for
     /// `lane`'s domain, register receive `req`'s GPU buffer there (kept with the request): the
@@ -265,6 +287,32 @@ impl StageIo for State {
 
     fn register_uncached(&mut self, md: usize, region: MemRegion) -> Result<RegGuard> {
         self.ctx.register_uncached(md, region)
+    }
+
+    fn take_send_run(&mut self, req: u64, max: usize) -> Option<(usize, usize)> {
+        self.staging.as_mut()?.free_send.take_run(req, max)
+    }
+
+    fn announce_send(&mut self, req: u64, p: usize, first: usize, len: usize) {
+        if let Some(stg) = self.staging.as_mut() {
+            stg.free_send.announced(req, p, first, len);
+        }
+    }
+
+    fn release_send(&mut self, req: u64, first: usize, len: usize) -> usize {
+        self.staging
+            .as_mut()
+            .map_or(0, |stg| stg.free_send.release(req, first, len))
+    }
+
+    fn staging_key(&mut self, md: usize) -> Result<NamedKey> {
+        self.staging_reg(md).map(|(_, key)| key)
+    }
+
+    fn send_copy_key(&mut self, region: MemRegion) -> Result<(RegGuard, RemoteKey)> {
+        let k = self.copy_key(region.addr, region.len, region.mem_type, region.device)?;
+        self.ensure_staging()?;
+        Ok(k)
     }
 
     fn gpu_write_key(
@@ -477,79 +525,144 @@ impl State {
         self.pump(p);
     }
 
-    /// A sender's staging copy finished (or failed): announce the fragments to the receiver.
-    pub(crate) fn on_pipeline(&mut self, id: u64, what: TokWhat) -> Result<()> {
-        let TokWhat::StageD2H { frag, off, len } = what else {
-            return Ok(());
-        };
-        // A fragment is staged: announce it to the receiver.
-        let staged = match self.reqs.get(&id) {
+    /// The live staged send `sreq` and its peer.
+    fn live_staged_send(&self, sreq: u64) -> Option<usize> {
+        match self.reqs.get(&sreq) {
             Some(Req {
                 kind: ReqKind::Send(s),
                 result: None,
                 ..
-            }) => s.stage().map(|st| (s.peer, st.rreq, st.lane)),
+            }) if s.stage().is_some() => Some(s.peer),
             _ => None,
-        };
-        let (p, rreq, lane) = match staged {
-            Some(x) => x,
-            // Ended meanwhile (aborted): the fragments are not announced.
-            _ => {
-                if let Some(stg) = self.staging.as_mut() {
-                    stg.release_send(frag, len);
-                }
-                self.wake_staged_sends(id, false);
-                return Ok(());
-            }
-        };
-        let key = match lane
-            .ok_or_else(|| Error::Unsupported {
-                what: "the staged pipeline".into(),
-                why: "no transport with remote memory access reaches the receiver".into(),
-            })
-            .and_then(|lane| self.staging_reg(self.slots[lane].md))
-        {
-            Ok((_, key)) => key,
-            Err(e) => {
-                if let Some(stg) = self.staging.as_mut() {
-                    stg.release_send(frag, len);
-                }
-                self.wake_staged_sends(id, false);
-                return Err(e);
-            }
-        };
-        // One announcement per fragment of the run (each read and acknowledged on its own,
-        // whatever the receiver's fragment size).
-        let stg = self.staging.as_ref().expect("staging");
-        let fsz = stg.frag;
-        let pieces: Vec<(usize, usize, usize)> = (0..len.div_ceil(fsz).max(1))
-            .map(|i| {
-                let n = if len <= fsz {
-                    len
-                } else {
-                    fsz.min(len - i * fsz)
-                };
-                (frag + i, i * fsz, n)
-            })
-            .collect();
-        for (f, at, n) in pieces {
-            let addr = self.staging.as_ref().expect("staging").addr(f);
-            self.ctrl(
-                p,
-                &Msg::Frag {
-                    src: self.address.uuid,
-                    rreq,
-                    sreq: id,
-                    offset: (off + at) as u64,
-                    len: n as u64,
-                    addr: addr as u64,
-                    frag: f as u64,
-                    key: key.clone(),
-                },
-            );
         }
+    }
+
+    /// The receiver asked us to stage send `sreq` (PULL) for its receive `rreq`: the send's
+    /// state machine takes it ([`RndvSend::on_pull`]) with the plan's RMA lane to the peer.
+    /// A send that is not waiting for it has the receiver told.
+    pub(crate) fn on_pull(&mut self, p: usize, sreq: u64, rreq: u64) {
+        match self.reqs.get(&sreq) {
+            Some(Req {
+                kind: ReqKind::Send(s),
+                result: None,
+                ..
+            }) if s.peer == p && s.rndv().is_some() => {}
+            _ => {
+                self.answer_for_gone_send(p, sreq, rreq);
+                return;
+            }
+        }
+        let lane = self.peers[p].rma;
+        let c = PullChoice {
+            lane,
+            max_get: lane.map_or(usize::MAX, |l| {
+                self.slots[l].attr.limits.get_max_zcopy.max(1)
+            }),
+            frag: self.frag,
+        };
+        self.rndv_send_step(sreq, |rv, head, st| rv.on_pull(st, sreq, head, rreq, &c));
         self.pump(p);
-        Ok(())
+    }
+
+    /// Post the staging copies of send `id` (from its peer's queue). `Ok(false)`: pushed back,
+    /// post again after progress; a send that found every fragment in use waits for one.
+    pub(crate) fn stream_stage(&mut self, id: u64) -> Result<bool> {
+        let posting = self
+            .with_rndv_send(id, |rv, head, st| rv.post_staging(st, id, head))
+            .unwrap_or(Ok(Posting::Done));
+        match posting {
+            Ok(Posting::Done) => Ok(true),
+            Ok(Posting::Later) => Ok(false),
+            Ok(Posting::NoSlot) => {
+                if let Some(stg) = self.staging.as_mut()
+                    && !stg.send_waiters.contains(&id)
+                {
+                    stg.send_waiters.push(id);
+                }
+                Ok(true)
+            }
+            Err(e) => {
+                self.wake_send_waiters(false);
+                Err(e)
+            }
+        }
+    }
+
+    /// A staging copy of send `id` completed with `res` ([`TokWhat::StageD2H`]): the send's
+    /// state machine announces its fragments, or, when the send ended meanwhile (aborted),
+    /// they go back unannounced.
+    pub(crate) fn on_stage_copy(&mut self, id: u64, what: TokWhat, res: Result<()>) {
+        let TokWhat::StageD2H { frag, off, len } = what else {
+            return;
+        };
+        match self.live_staged_send(id) {
+            Some(p) => {
+                self.rndv_send_step(id, |rv, head, st| {
+                    rv.on_staged(st, id, head, frag, off, len, res)
+                });
+                self.pump(p);
+            }
+            None => {
+                StageIo::release_send(self, id, frag, len);
+            }
+        }
+        self.wake_send_waiters(false);
+    }
+
+    /// The receiver read (or gave back) our staged fragments from `frag` on, `len` bytes, of
+    /// send `sreq`: they are free again whether or not the send still runs (an aborted send's
+    /// fragments still come back); a live send goes on or completes.
+    pub(crate) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
+        match self.live_staged_send(sreq) {
+            Some(p) => {
+                let next = self.with_rndv_send(sreq, |rv, head, st| {
+                    rv.on_frag_ack(st, sreq, frag, len, head.len)
+                });
+                if let Some(next) = next {
+                    let post = next == SendNext::Post;
+                    self.send_next(sreq, next);
+                    if post {
+                        self.pump(p);
+                    }
+                }
+            }
+            None => {
+                StageIo::release_send(self, sreq, frag, len);
+            }
+        }
+        self.wake_send_waiters(true);
+    }
+
+    /// Peer `p` is gone: the send staging fragments announced to it come back (it will never
+    /// acknowledge them), and the sends waiting for one may go on.
+    pub(crate) fn release_staged_to(&mut self, p: usize) {
+        let Some(stg) = self.staging.as_mut() else {
+            return;
+        };
+        if stg.free_send.release_peer(p) > 0 {
+            self.count("staging fragments taken back from a failed peer");
+            self.wake_send_waiters(false);
+        }
+    }
+
+    /// Staged sends that found every send fragment in use may go on once one is free: queued
+    /// on their peers, which the progress loop pumps, or pumped at once when `pump`.
+    pub(crate) fn wake_send_waiters(&mut self, pump: bool) {
+        let Some(stg) = self.staging.as_mut() else {
+            return;
+        };
+        if stg.send_waiters.is_empty() || stg.free_send.len() == 0 {
+            return;
+        }
+        let waiters = std::mem::take(&mut stg.send_waiters);
+        for id in waiters {
+            if let Some(p) = self.live_staged_send(id) {
+                self.queue_stream(p, id);
+                if pump {
+                    self.pump(p);
+                }
+            }
+        }
     }
 }
 

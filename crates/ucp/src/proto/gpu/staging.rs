@@ -11,10 +11,12 @@ pub(crate) struct Staging {
     pub(crate) copy_memh: MemHandle,
     pub(crate) rma: FxHashMap<usize, (RegGuard, NamedKey)>,
     pub(crate) frag: usize,
-    pub(crate) free_send: FreeFrags,
+    pub(crate) free_send: SendFrags,
     pub(crate) free_recv: FreeFrags,
     /// Receives that found every receive slot in use: posted again when one comes back.
     pub(crate) slot_waiters: Vec<u64>,
+    /// Staged sends that found every send fragment in use: posted again when one comes back.
+    pub(crate) send_waiters: Vec<u64>,
     pub(crate) base: usize,
     /// Shared-memory staging (peers on this host map it), and the domain that made it.
     pub(crate) shared: Option<(usize, rucx_uct::SharedAlloc)>,
@@ -25,18 +27,125 @@ impl Staging {
     pub(crate) fn addr(&self, f: usize) -> usize {
         self.base + f * self.frag
     }
+}
 
-    /// Give back the send fragments of a run that starts at `first` and holds `len` bytes (one
-    /// fragment at least; a run is what one staging copy filled). Ids outside the send half or
-    /// free already (a confused or hostile acknowledgement) are ignored: a fragment is never
-    /// handed out twice.
-    pub(crate) fn release_send(&mut self, first: usize, len: usize) {
-        let k = len
-            .div_ceil(self.frag.max(1))
-            .clamp(1, self.free_send.is_free.len().max(1));
-        for f in first..first.saturating_add(k) {
-            self.free_send.push(f);
+/// Who holds a send staging fragment lent to a staged send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Lent {
+    /// The send request.
+    sreq: u64,
+    /// The peer it was announced to (`None`: being copied into).
+    peer: Option<usize>,
+}
+
+/// The send half of the staging: free fragments, and which staged send holds each one lent to
+/// the pipeline, and whether it was announced to a peer. A fragment comes back only from the
+/// send that holds it (a stale or hostile acknowledgement frees nothing another send uses);
+/// when a peer fails, the fragments announced to it come back (it will never acknowledge
+/// them), those still being copied into when their copy completes. Fragments the worker uses
+/// outside the pipeline (bounce copies) are taken and given back with `pop` and `push`.
+pub(crate) struct SendFrags {
+    free: FreeFrags,
+    lent: Vec<Option<Lent>>,
+    lo: usize,
+    frag: usize,
+}
+
+impl SendFrags {
+    /// Fragments `lo..lo + count` of `frag` bytes, all free.
+    pub(crate) fn new(lo: usize, count: usize, frag: usize) -> SendFrags {
+        SendFrags {
+            free: FreeFrags::new(lo, count),
+            lent: vec![None; count],
+            lo,
+            frag: frag.max(1),
         }
+    }
+
+    /// Take the oldest free fragment (not lent to a staged send).
+    pub(crate) fn pop(&mut self) -> Option<usize> {
+        self.free.pop()
+    }
+
+    /// Give back fragment `f` taken with [`Self::pop`].
+    pub(crate) fn push(&mut self, f: usize) {
+        self.free.push(f)
+    }
+
+    /// Free fragments now.
+    pub(crate) fn len(&self) -> usize {
+        self.free.len()
+    }
+
+    fn slot(&mut self, f: usize) -> Option<&mut Option<Lent>> {
+        f.checked_sub(self.lo).and_then(|i| self.lent.get_mut(i))
+    }
+
+    /// The fragments of a run from `first` holding `len` bytes (one at least, never more than
+    /// the half has).
+    fn run(&self, first: usize, len: usize) -> std::ops::Range<usize> {
+        let k = len.div_ceil(self.frag).clamp(1, self.lent.len().max(1));
+        first..first.saturating_add(k)
+    }
+
+    /// Lend staged send `sreq` a run of up to `max` consecutive free fragments (one at least
+    /// when any is free): the first and how many.
+    pub(crate) fn take_run(&mut self, sreq: u64, max: usize) -> Option<(usize, usize)> {
+        let (f, k) = self.free.take_run(max)?;
+        for g in f..f + k {
+            if let Some(l) = self.slot(g) {
+                *l = Some(Lent { sreq, peer: None });
+            }
+        }
+        Some((f, k))
+    }
+
+    /// The run from `first` holding `len` bytes, copied for send `sreq`, was announced to
+    /// peer `p`.
+    pub(crate) fn announced(&mut self, sreq: u64, p: usize, first: usize, len: usize) {
+        for g in self.run(first, len) {
+            if let Some(Some(l)) = self.slot(g)
+                && l.sreq == sreq
+            {
+                l.peer = Some(p);
+            }
+        }
+    }
+
+    /// Send `sreq` gives back the run from `first` holding `len` bytes (a copy that failed or
+    /// outlived its send, or fragments the receiver acknowledged). Fragments it does not hold
+    /// are left alone. Returns how many came back.
+    pub(crate) fn release(&mut self, sreq: u64, first: usize, len: usize) -> usize {
+        let mut n = 0;
+        for g in self.run(first, len) {
+            match self.slot(g) {
+                Some(l) if l.is_some_and(|l| l.sreq == sreq) => {
+                    *l = None;
+                    self.free.push(g);
+                    n += 1;
+                }
+                _ => tracing::debug!(
+                    "staging fragment {g} given back by request {sreq:#x}, which does not hold                      it; ignored"
+                ),
+            }
+        }
+        n
+    }
+
+    /// Peer `p` is gone: the fragments announced to it come back (it will never acknowledge
+    /// them). Returns how many.
+    pub(crate) fn release_peer(&mut self, p: usize) -> usize {
+        let mut back = Vec::new();
+        for (i, l) in self.lent.iter_mut().enumerate() {
+            if l.is_some_and(|l| l.peer == Some(p)) {
+                *l = None;
+                back.push(self.lo + i);
+            }
+        }
+        for &g in &back {
+            self.free.push(g);
+        }
+        back.len()
     }
 }
 
@@ -319,9 +428,10 @@ impl State {
             copy_memh,
             rma: FxHashMap::default(),
             frag: self.frag,
-            free_send: FreeFrags::new(0, count),
+            free_send: SendFrags::new(0, count, self.frag),
             free_recv: FreeFrags::new(count, count),
             slot_waiters: Vec::new(),
+            send_waiters: Vec::new(),
             base,
             shared,
             _mem: mem,
@@ -452,6 +562,33 @@ mod tests {
         assert_eq!(f.len(), 1);
         assert_eq!(f.pop(), Some(12));
         assert_eq!(f.pop(), None);
+    }
+
+    /// A run comes back only from the send it was lent to; a failed peer gives back what was
+    /// announced to it, not what is still being copied into.
+    #[test]
+    fn send_fragments_come_back_from_their_holder_only() {
+        use super::SendFrags;
+        let mut s = SendFrags::new(0, 6, 100);
+        assert_eq!(s.take_run(7, 3), Some((0, 3)));
+        assert_eq!(s.take_run(8, 3), Some((3, 3)));
+        assert_eq!(s.release(8, 0, 300), 0, "not send 8's");
+        assert_eq!(s.len(), 0);
+        s.announced(7, 1, 0, 200);
+        s.announced(8, 2, 3, 300);
+        // Peer 1 fails: fragments 0 and 1 come back; 2 is still being copied into.
+        assert_eq!(s.release_peer(1), 2);
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            s.release(7, 0, 100),
+            0,
+            "a late acknowledgement frees nothing"
+        );
+        assert_eq!(s.release(7, 2, 100), 1, "the copy completed");
+        assert_eq!(s.release(8, 3, 300), 3);
+        assert_eq!(s.release(8, 3, 300), 0, "twice");
+        assert_eq!(s.len(), 6);
+        assert_eq!(s.release_peer(2), 0);
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod put;
 mod send;
 mod split;
 
+pub(crate) use get::Reads;
 pub(crate) use send::{RndvPick, RndvSend, SendHead, SendNext, register_send};
 
 pub(crate) struct RndvRecv {
@@ -18,15 +19,15 @@ pub(crate) struct RndvRecv {
     /// Bytes wanted (capacity-limited).
     pub(crate) want: usize,
     pub(crate) via_get: bool,
-    /// The reads to post: lane, remote address, remote key, local address.
-    pub(crate) get: Option<(usize, u64, RemoteKey, usize)>,
+    /// The reads to post.
+    pub(crate) get: Option<Reads>,
     /// Bytes of reads posted.
     pub(crate) posted: usize,
     /// Reads cover `0..get_end` (`want` unless split with the sender's writes).
     pub(crate) get_end: usize,
     /// Split rendezvous: the sender writes `get_end..want`; set until its finish message.
     pub(crate) fin_pending: bool,
-    /// The reads are complete (split rendezvous waiting for the finish message).
+    /// The reads are complete and acknowledged (a split then waits for the finish message).
     pub(crate) gets_done: bool,
     /// Bytes of a split's tail the sender streamed (it could not write them).
     pub(crate) tail_got: usize,
@@ -67,7 +68,8 @@ pub(crate) enum RecvNext {
 impl RndvRecv {
     /// One read of this receive (request `rid`) completed with `res`, `outstanding` still in
     /// flight. A failed read asks the sender to stream the whole message instead (no byte is
-    /// lost); the last read done acknowledges the reads to the sender.
+    /// lost), and once it did, another read of the ones given up failing changes nothing (the
+    /// stream brings every byte); the last read done acknowledges the reads to the sender.
     pub(crate) fn on_read(
         &mut self,
         io: &mut impl ProtoIo,
@@ -80,6 +82,10 @@ impl RndvRecv {
             Err(e) if self.via_get => {
                 tracing::warn!("rendezvous read failed ({e}); asking the sender to stream instead");
                 self.restart_as_stream(io, rid)
+            }
+            Err(e) if self.posted > 0 => {
+                tracing::debug!("a read given up for the stream failed ({e}); ignored");
+                RecvNext::Wait
             }
             Err(e) => RecvNext::Fail(e),
             Ok(())
@@ -105,18 +111,19 @@ impl RndvRecv {
                 ok: true,
             },
         );
+        self.gets_done = true;
         if self.fin_pending {
-            self.gets_done = true;
             return RecvNext::Wait;
         }
         RecvNext::Complete
     }
 
-    /// The reads could not go on: ask the sender to stream the whole message through active
-    /// messages (an RTR without a key; the caller drops the registrations). A split whose
+    /// The reads could not go on: drop the receive's registrations and ask the sender to
+    /// stream the whole message through active messages (an RTR without a key). A split whose
     /// sender writes the tail fails instead: streaming the whole message could race with those
     /// writes.
     pub(crate) fn restart_as_stream(&mut self, io: &mut impl ProtoIo, rid: u64) -> RecvNext {
+        io.keep_regs(rid, None);
         if self.fin_pending || self.gets_done {
             return RecvNext::Fail(Error::Internal(
                 "the read half of a split rendezvous failed; the message is lost".into(),
@@ -181,7 +188,13 @@ impl RndvRecv {
                             None
                         };
                         self.via_get = true;
-                        self.get = Some((*lane, c.saddr, rkey, c.raddr));
+                        self.get = Some(Reads {
+                            lane: *lane,
+                            remote: c.saddr,
+                            rkey,
+                            local: c.raddr,
+                            memh: g.registration().clone(),
+                        });
                         match split_key {
                             Some(key) => {
                                 self.get_end = split_at;
@@ -491,7 +504,13 @@ mod tests {
     fn reading(posted: usize) -> RndvRecv {
         let mut rv = RndvRecv::new(PEER, SREQ, 1000);
         rv.via_get = true;
-        rv.get = Some((0, 0x1000, key(), 0x2000));
+        rv.get = Some(Reads {
+            lane: 0,
+            remote: 0x1000,
+            rkey: key(),
+            local: 0x2000,
+            memh: MemHandle::new(MemRegion::host(0x2000, 1000), "fake0", Arc::new(())),
+        });
         rv.posted = posted;
         rv
     }
@@ -512,7 +531,8 @@ mod tests {
     }
 
     /// A read that fails (not the endpoint) asks the sender to stream the whole message:
-    /// an RTR without a key for the bytes wanted, the reads given up.
+    /// an RTR without a key for the bytes wanted, the reads given up (another of them failing
+    /// then asks nothing more and does not end the receive).
     #[test]
     fn a_failed_read_asks_the_sender_to_stream() {
         let mut io = FakeIo::default();
@@ -537,8 +557,10 @@ mod tests {
             m => panic!("{m:?}"),
         }
         assert_eq!(io.counted, ["rendezvous receive streamed"]);
-        // Completions of the reads still in flight do nothing more.
-        assert_eq!(rv.on_read(&mut io, RREQ, 1, Ok(())), RecvNext::Wait);
+        // Completions of the reads still in flight do nothing more, failed or not.
+        let e = Error::io("reading", std::io::Error::from_raw_os_error(5));
+        assert_eq!(rv.on_read(&mut io, RREQ, 1, Err(e)), RecvNext::Wait);
+        assert_eq!(rv.on_read(&mut io, RREQ, 0, Ok(())), RecvNext::Wait);
         assert_eq!(io.ctrls.len(), 1);
     }
 
@@ -739,8 +761,8 @@ mod tests {
         let started = rv.start_host(&mut io, RREQ, &choice(false, b"k", true));
         assert!(started.guard.is_some() && started.reads);
         assert!(rv.via_get && !rv.fin_pending);
-        let (lane, saddr, _, laddr) = rv.get.clone().unwrap();
-        assert_eq!((lane, saddr, laddr), (7, 0x10_0000, 0x20_0000));
+        let r = rv.get.clone().unwrap();
+        assert_eq!((r.lane, r.remote, r.local), (7, 0x10_0000, 0x20_0000));
         assert!(io.ctrls.is_empty());
         assert_eq!(io.counted, ["rendezvous receive by read"]);
         assert_eq!(io.regs.len(), 1);

@@ -350,29 +350,6 @@ impl RndvSend {
         }
     }
 
-    /// The receiver asked us to stage (GPU memory through host fragments): the pipeline `st`
-    /// is ready, its fragments are to be posted.
-    pub(crate) fn staged(&mut self, st: StageSend) -> SendNext {
-        self.rreq = Some(st.rreq);
-        self.stage = Some(Box::new(st));
-        self.wait = SendWait::Posting;
-        SendNext::Post
-    }
-
-    /// The receiver read `len` bytes of a staged fragment: done once the whole `total` was
-    /// read, else the next fragments may be staged.
-    pub(crate) fn on_frag_ack(&mut self, len: usize, total: usize) -> SendNext {
-        let Some(st) = &mut self.stage else {
-            return SendNext::Wait;
-        };
-        st.acked += len;
-        if st.acked >= total {
-            SendNext::Complete
-        } else {
-            SendNext::Post
-        }
-    }
-
     /// One of the two halves of a split send is done; true when the send may finish (always
     /// for a send that is not split).
     pub(crate) fn split_step(&mut self) -> bool {

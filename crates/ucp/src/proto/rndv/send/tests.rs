@@ -2,8 +2,6 @@
 //! re-selection after a registration failure, the receiver's answers (stream, write, split),
 //! push-back, completions, acknowledgements and what a failure tells the receiver.
 
-use std::sync::Arc;
-
 use super::*;
 use crate::proto::eager_multi::AmFrags;
 use crate::proto::fake_io::{BAD_KEY, FAKE_UUID, FakeIo, Op as FakeOp};
@@ -514,25 +512,4 @@ fn a_refused_acknowledgement_aborts_the_send() {
     let mut rv = RndvSend::default();
     assert!(matches!(rv.on_ats(false), SendNext::Aborted(_)));
     assert_eq!(rv.on_ats(true), SendNext::Complete);
-}
-
-/// A staged send goes on after each acknowledged fragment and completes once every byte was
-/// read; its abort names the staged receive.
-#[test]
-fn a_staged_send_completes_once_every_fragment_was_read() {
-    let mut rv = RndvSend::default();
-    let memh = MemHandle::new(MemRegion::host(0x1000, 100), "fake9", Arc::new(()));
-    let st = StageSend {
-        rreq: 0x99,
-        lane: Some(RMA),
-        next_off: 0,
-        acked: 0,
-        _dev_memh: RegGuard::Direct(memh),
-        dev_key: RemoteKey::new("fake9", 0x1000, 100, Arc::new(())),
-    };
-    assert_eq!(rv.staged(st), SendNext::Post);
-    assert_eq!(rv.wait, SendWait::Posting);
-    assert_eq!(rv.peer_rreq(), 0x99);
-    assert_eq!(rv.on_frag_ack(60, 100), SendNext::Post);
-    assert_eq!(rv.on_frag_ack(40, 100), SendNext::Complete);
 }
