@@ -291,7 +291,7 @@ impl Worker {
                 closing: false,
                 copy,
                 staging: None,
-                rma_windows: Vec::new(),
+                rma_windows: Default::default(),
                 staging_ahead: None,
                 staging_ahead_wanted,
                 stage_count,
@@ -390,6 +390,10 @@ impl Worker {
             while let Some((tok, res)) = st.done_q.pop_front() {
                 st.on_tok(tok, res);
                 n += 1;
+            }
+            // Staged requests waiting for a pinned window, when one is free.
+            if st.rma_windows.has_waiters() {
+                n += st.wake_window_waiters();
             }
             // Active-message payloads dropped unfetched: release their senders.
             if st.am_releases.pending() {

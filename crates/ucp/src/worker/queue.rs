@@ -241,6 +241,12 @@ impl State {
         {
             l.inflight = r.outstanding;
         }
+        if r.outstanding == 0 && r.result.is_some() {
+            // The last operation of a request that ended early (a failure): its pinned window
+            // goes back to the worker.
+            self.reclaim_window(id);
+            return;
+        }
         if let ReqKind::Recv(RecvState {
             proto: RecvProto::Rndv(rv),
             ..

@@ -503,8 +503,8 @@ pub(crate) struct State {
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
     pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,
     pub(crate) staging: Option<Staging>,
-    /// Pinned windows kept for the next staged puts and gets (`proto/rma.rs`).
-    pub(crate) rma_windows: Vec<crate::proto::rma::RmaWindow>,
+    /// Pinned windows of staged puts and gets and GPU stream receives (`proto/rma.rs`).
+    pub(crate) rma_windows: crate::proto::rma::Windows,
     /// The staging being made ahead by a helper thread (`RUCX_RNDV_STAGING_AHEAD`), taken by
     /// the first transfer that needs staging.
     pub(crate) staging_ahead: Option<crate::proto::gpu::staging::StagingAhead>,
@@ -666,6 +666,10 @@ impl State {
                 self.am_rts.remove(&id);
             }
             self.owned.note_done(id);
+            if failed {
+                // Nothing in flight: a staged request's pinned window goes back now.
+                self.reclaim_window(id);
+            }
             return failed;
         }
         false
