@@ -604,3 +604,64 @@ fn a_staged_request_failing_while_others_wait_hands_its_window_on() {
         pair.check_clean();
     }
 }
+
+/// A staged put or get whose remote region is the peer's shared memory (`Context::mem_alloc`
+/// on this host) needs no window: the copy lane copies straight between the GPU buffer and the
+/// peer's region mapped here, one copy per request; every byte arrives, nothing around the range
+/// moves, and a region of the heap still goes through a window.
+#[test]
+fn staged_requests_into_a_peers_shared_memory_copy_through_its_mapping() {
+    const MAPPED: &str = "staged put/get copied straight to or from the peer's mapped memory";
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    for (i, &len) in SIZES.iter().enumerate().filter(|(_, l)| **l > 0) {
+        let id = 900 + i as u64;
+        let mut region = pair.ctx[1].mem_alloc(len + 2 * PAD).unwrap();
+        assert!(region.shared_by().is_some(), "the sim shares host memory");
+        region.copy_from_slice(&pattern(id + 1_000_000, len + 2 * PAD));
+        let before = region.to_vec();
+        let src = Buf::filled(&pair.fabric, len, Mem::Device(0), id);
+        let mut back = Buf::new(&pair.fabric, len, Mem::Device(0));
+        {
+            let map = pair.w[1].mem_map(&mut region[..]).unwrap();
+            let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+            let at = rkey.base() + PAD as u64;
+            pair.w[0].scope(|s| {
+                let r = s.put(pair.ep[0], src.send(), at, &rkey);
+                pair.drive(|| r.test().is_some())
+                    .unwrap_or_else(|e| panic!("put hangs: {e}"));
+                assert_eq!(r.wait().unwrap().len, len);
+                let r = s.get(pair.ep[0], back.recv(), at, &rkey);
+                pair.drive(|| r.test().is_some())
+                    .unwrap_or_else(|e| panic!("get hangs: {e}"));
+                assert_eq!(r.wait().unwrap().len, len);
+            });
+        }
+        assert!(
+            region[PAD..PAD + len] == pattern(id, len)[..],
+            "{len} B put"
+        );
+        assert_eq!(
+            &region[..PAD],
+            &before[..PAD],
+            "{len} B: bytes before moved"
+        );
+        assert_eq!(
+            &region[PAD + len..],
+            &before[PAD + len..],
+            "{len} B: bytes after"
+        );
+        assert!(back.bytes() == pattern(id, len), "{len} B get");
+        for b in [&src, &back] {
+            assert_eq!(b.guard_damage(), None, "{b:?}");
+        }
+    }
+    let n = SIZES.iter().filter(|l| **l > 0).count() as u64;
+    assert_eq!(counter(&pair, MAPPED), 2 * n, "{:?}", pair.w[0].counters());
+    assert_eq!(counter(&pair, STAGED_PUT), n);
+    assert_eq!(counter(&pair, WINDOW_MADE), 0, "{:?}", pair.w[0].counters());
+    // A region of the heap cannot be mapped: it is staged through a window.
+    put_get(&pair, Mem::Device(0), Mem::Host, 300_000, 999).unwrap();
+    assert_eq!(counter(&pair, MAPPED), 2 * n);
+    assert_eq!(counter(&pair, WINDOW_MADE), 1);
+    pair.check_clean();
+}

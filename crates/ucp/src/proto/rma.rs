@@ -44,6 +44,22 @@ pub(crate) struct RmaState {
     pub(crate) flush_lanes: Vec<usize>,
     /// A put or get staged through pinned host memory (`None`: zero-copy).
     pub(crate) staged: Option<Box<StagedRma>>,
+    /// A put or get of the staged step whose remote region this process maps (the peer's
+    /// shared memory on this host): one copy by the copy lane between the GPU buffer and the
+    /// mapping, no window.
+    pub(crate) mapped: Option<Box<MappedRma>>,
+}
+
+/// A staged put or get copied straight between the local GPU buffer and the peer's region
+/// mapped into this process ([`MemoryDomain::rkey_ptr`](rucx_uct::MemoryDomain::rkey_ptr),
+/// registered with the copy lane once per mapping).
+pub(crate) struct MappedRma {
+    /// The local GPU buffer's key on the copy lane.
+    gpu_key: RemoteKey,
+    /// The remote range's address in this process.
+    at: usize,
+    /// The mapping's registration with the copy lane's domain.
+    memh: MemHandle,
 }
 
 /// Host memory of a staged window.
@@ -312,6 +328,7 @@ impl State {
             posted: 0,
             flush_lanes: Vec::new(),
             staged,
+            mapped: None,
         }))
     }
 
@@ -366,6 +383,19 @@ impl State {
         })?;
         self.copy_not_demoted(cmd, MemoryType::Host, None)?;
         let (gpu_guard, gpu_key) = self.copy_key(addr, len, local.mem, local.dev)?;
+        let md = self.slots[lane].md;
+        if let Some((at, memh)) = self.map_fragment(md, &key, remote) {
+            // The peer's region is mapped here (its shared memory on this host): the copy
+            // lane moves the bytes straight between it and the GPU buffer, in one copy.
+            let id = self.new_rma(p, put, len, lane, addr, remote, Some(key), None);
+            let r = self.reqs.get_mut(&id).expect("req");
+            r.guards.push(gpu_guard);
+            if let ReqKind::Rma(rm) = &mut r.kind {
+                rm.mapped = Some(Box::new(MappedRma { gpu_key, at, memh }));
+            }
+            self.count("staged put/get copied straight to or from the peer's mapped memory");
+            return Ok(id);
+        }
         let frag = self.frag.max(1);
         // A window now if one is free (or may be made; a failure to make or register it ends
         // this step here, so the plan's next step is tried), else the request waits for one,
@@ -375,7 +405,6 @@ impl State {
         } else {
             self.take_rma_window(cmd, put)?
         };
-        let md = self.slots[lane].md;
         let lane_memh = match win.as_mut() {
             Some(w) => match self.window_lane_memh(w, md) {
                 Ok(h) => Some(h),
@@ -554,6 +583,7 @@ impl State {
             posted: 0,
             flush_lanes: lanes,
             staged: None,
+            mapped: None,
         }));
         self.peers[p].queue.push_back(Pending::Stream(id));
         self.pump(p);
@@ -567,6 +597,9 @@ impl State {
         };
         if rm.staged.is_some() {
             return self.stream_staged(id);
+        }
+        if rm.mapped.is_some() {
+            return self.stream_mapped(id);
         }
         let (p, dir, len, lane, addr, remote, posted) = (
             rm.peer, rm.dir, rm.len, rm.lane, rm.addr, rm.remote, rm.posted,
@@ -685,6 +718,57 @@ impl State {
 }
 
 impl State {
+    /// Post the one copy of a put or get through the peer's mapped region (see
+    /// [`MappedRma`]); it completes with that copy.
+    fn stream_mapped(&mut self, id: u64) -> Result<bool> {
+        let Some(Req {
+            kind: ReqKind::Rma(rm),
+            ..
+        }) = self.reqs.get(&id)
+        else {
+            return Ok(true);
+        };
+        if rm.posted == usize::MAX {
+            return Ok(true);
+        }
+        let (len, addr, put) = (rm.len, rm.addr, rm.dir == RmaDir::Put);
+        let m = rm.mapped.as_ref().expect("mapped request");
+        let (at, memh, gpu_key) = (m.at, m.memh.clone(), m.gpu_key.clone());
+        let iov = [Iov {
+            addr: at,
+            len,
+            memh: &memh,
+        }];
+        // Put: out of the GPU into the mapping; get: out of the mapping into the GPU.
+        let posted = self.post_copy(id, |ep, t| {
+            if put {
+                ep.get_zcopy(&iov, addr as u64, &gpu_key, t)
+            } else {
+                ep.put_zcopy(&iov, addr as u64, &gpu_key, t)
+            }
+        })?;
+        if !posted {
+            return Ok(false);
+        }
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Ok(true);
+        };
+        if let ReqKind::Rma(rm) = &mut r.kind {
+            rm.posted = usize::MAX;
+        }
+        if r.outstanding == 0 {
+            self.finish(
+                id,
+                Ok(Completion {
+                    len,
+                    tag: 0,
+                    sender: None,
+                }),
+            );
+        }
+        Ok(true)
+    }
+
     /// Post what a staged put or get can post now: the second operation of every fragment
     /// whose first one finished, then the first operation of new fragments into free slots;
     /// `Ok(false)`: a transport pushed back (call again after progress).

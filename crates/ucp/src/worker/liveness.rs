@@ -340,6 +340,7 @@ mod tests {
             posted: 0,
             flush_lanes: Vec::new(),
             staged: None,
+            mapped: None,
         }))
     }
 

@@ -646,6 +646,7 @@ mod tests {
                     posted: 0,
                     flush_lanes: Vec::new(),
                     staged: None,
+                    mapped: None,
                 }));
                 st.finish(id, Err(e.clone()));
                 id

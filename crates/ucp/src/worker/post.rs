@@ -83,6 +83,7 @@ impl Worker {
                         posted: 0,
                         flush_lanes: Vec::new(),
                         staged: None,
+                        mapped: None,
                     }));
                     st.finish(id, Err(e));
                     return id;
