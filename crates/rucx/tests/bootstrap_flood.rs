@@ -19,6 +19,15 @@ const ROLE: &str = "RUCX_TEST_FLOOD_ROLE";
 /// Generous bound on a real rank joining under attack (it takes well under a second here).
 const JOIN_BOUND: Duration = Duration::from_secs(20);
 
+/// The tests of this file run one at a time: a port [`free_port`] found free is bound by rank 0
+/// only after its process starts, and a parallel test's processes (their transports listen on
+/// ephemeral ports) could take it in between; the fuzz would then land on their listener.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -259,6 +268,7 @@ fn child_rank() {
 
 #[test]
 fn a_keyed_job_forms_through_fuzz_and_a_500_connection_flood() {
+    let _one_at_a_time = serial();
     let key = rucx::bootstrap::generate_key().unwrap();
     let port = free_port();
     let at = SocketAddr::from(([127, 0, 0, 1], port));
@@ -308,6 +318,7 @@ fn a_keyed_job_forms_through_fuzz_and_a_500_connection_flood() {
 
 #[test]
 fn an_unkeyed_job_survives_the_original_packet_and_forged_ranks() {
+    let _one_at_a_time = serial();
     let port = free_port();
     let at = SocketAddr::from(([127, 0, 0, 1], port));
     let r0 = spawn_rank(0, port, None);
@@ -337,6 +348,7 @@ fn an_unkeyed_job_survives_the_original_packet_and_forged_ranks() {
 
 #[test]
 fn a_rank_with_the_wrong_key_is_told_and_the_job_still_forms() {
+    let _one_at_a_time = serial();
     let key = rucx::bootstrap::generate_key().unwrap();
     let wrong = rucx::bootstrap::generate_key().unwrap();
     let port = free_port();

@@ -1156,3 +1156,31 @@ fn a_poll_only_worker_sleeps_in_short_ticks_and_still_receives() {
     });
     assert!(got == data);
 }
+
+/// A peer that goes away after the worker announced its shutdown (`Worker::set_closing`, as a
+/// job does after its final barrier) is the expected end: no warning. Before it, the same end
+/// is a failure and warned about once.
+#[test]
+fn a_peer_leaving_a_closing_worker_is_not_warned_about() {
+    for closing in [false, true] {
+        let pair = Pair::new(FabricSpec::host(), [HOST_VARS, HOST_VARS]);
+        if closing {
+            pair.w[0].set_closing();
+        }
+        pair.fabric.fail_node(pair.nodes[1], "gone");
+        pair.drive(|| pair.w[0].ep_error(pair.ep[0]).is_some())
+            .expect("the survivor sees its peer end");
+        let warned: Vec<String> = pair
+            .warnings
+            .all()
+            .into_iter()
+            // Side a's (its endpoint to node b); side b, not closing, warns either way.
+            .filter(|w| w.contains("failed") && w.contains("sim node b"))
+            .collect();
+        assert_eq!(
+            warned.len(),
+            usize::from(!closing),
+            "closing {closing}: {warned:?}"
+        );
+    }
+}

@@ -453,7 +453,10 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         }
     }
     let gpu = send == MemoryType::Cuda || recv == MemoryType::Cuda;
-    if cli.pin_host && !gpu {
+    // A server learns the memory types from the client's spec: its --pin-host applies to the
+    // host buffers of whatever the client asks for.
+    let server_side = cli.local_server || (cli.server.is_none() && !cli.local);
+    if cli.pin_host && !gpu && !server_side {
         return Err(
             "--pin-host page-locks host buffers through CUDA: give -m host,cuda or cuda,host"
                 .into(),
@@ -621,6 +624,10 @@ mod tests {
         assert!(!p(&["-m", "host,cuda"]).unwrap().pin_host);
         let e = p(&["--local", "--pin-host"]).unwrap_err();
         assert!(e.contains("--pin-host") && e.contains("host,cuda"), "{e}");
+        // A server (the half --local starts, or one started by hand) learns the memory types
+        // from the client: its --pin-host needs no -m.
+        assert!(p(&["--local-server", "--pin-host"]).unwrap().pin_host);
+        assert!(p(&["--pin-host"]).unwrap().pin_host);
     }
 
     #[test]

@@ -110,6 +110,13 @@ fn spawn_local_server(opts: &Options, self_cmd: &[OsString], key: &str) -> R<Chi
     let (exe, lead) = self_cmd
         .split_first()
         .ok_or("no command to start the server half")?;
+    // The server's own buffers are made as the client's are (page-locked, or from the heap).
+    let host_mem = [
+        (opts.pin_host, "--pin-host"),
+        (opts.heap_host, "--heap-host"),
+    ]
+    .into_iter()
+    .filter_map(|(on, flag)| on.then_some(flag));
     Command::new(exe)
         .args(lead)
         .args([
@@ -120,6 +127,7 @@ fn spawn_local_server(opts: &Options, self_cmd: &[OsString], key: &str) -> R<Chi
             "-p",
             &opts.port.to_string(),
         ])
+        .args(host_mem)
         .env("RUCX_BOOTSTRAP_KEY", key)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())

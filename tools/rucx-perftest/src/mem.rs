@@ -116,22 +116,43 @@ pub struct HostMem {
 }
 
 impl HostMem {
-    /// `v`, page-locked when `--pin-host` asks (an empty vector is never registered).
-    pub fn new(mut v: Vec<u8>) -> R<HostMem> {
-        if !PIN_HOST.load(Ordering::Relaxed)
-            && !v.is_empty()
+    /// A copy of `v`, page-locked when `--pin-host` asks (an empty vector is never
+    /// registered).
+    pub fn new(v: Vec<u8>) -> R<HostMem> {
+        if HostMem::from_rucx(v.len()) {
+            return HostMem::with(v.len(), |b| b.copy_from_slice(&v));
+        }
+        HostMem::heap(v)
+    }
+
+    /// Whether `len` bytes come from rucx's allocation.
+    fn from_rucx(len: usize) -> bool {
+        !PIN_HOST.load(Ordering::Relaxed) && len > 0 && HOST_CTX.get().is_some()
+    }
+
+    /// `len` bytes written by `fill` where they stay: the buffer is the only copy (a message
+    /// of the size of the host's memory is never held twice).
+    pub fn with(len: usize, fill: impl FnOnce(&mut [u8])) -> R<HostMem> {
+        if HostMem::from_rucx(len)
             && let Some(ctx) = HOST_CTX.get()
         {
             let mut a = ctx
-                .mem_alloc(v.len())
-                .map_err(|e| format!("allocating {} bytes of host memory: {e}", v.len()))?;
-            a.copy_from_slice(&v);
+                .mem_alloc(len)
+                .map_err(|e| format!("allocating {len} bytes of host memory: {e}"))?;
+            fill(&mut a);
             return Ok(HostMem {
                 pin: None,
                 v: Vec::new(),
                 alloc: Some(a),
             });
         }
+        let mut v = vec![0u8; len];
+        fill(&mut v);
+        HostMem::heap(v)
+    }
+
+    /// `v` itself, page-locked when `--pin-host` asks.
+    fn heap(mut v: Vec<u8>) -> R<HostMem> {
         let pin = if PIN_HOST.load(Ordering::Relaxed) && !v.is_empty() {
             let ctx = rucx_cuda::driver()
                 .and_then(|d| d.any_context())
@@ -218,7 +239,11 @@ impl Buf {
     /// side (a device buffer is filled through bounded host chunks).
     pub fn pattern(mt: MemoryType, gpu: Option<&Gpu>, len: usize) -> R<Buf> {
         match mt {
-            MemoryType::Host => Ok(Buf::Host(HostMem::new(crate::run::pattern(len))?)),
+            MemoryType::Host => Ok(Buf::Host(HostMem::with(len, |b| {
+                b.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = pattern_byte(i))
+            })?)),
             _ => {
                 let mut mem = dev_alloc(gpu, len, "send buffer")?;
                 let mut off = 0;
@@ -247,7 +272,7 @@ impl Buf {
     /// A receive buffer with every byte written (host pages faulted in), last byte 0.
     pub fn touched(mt: MemoryType, gpu: Option<&Gpu>, len: usize) -> R<Buf> {
         match mt {
-            MemoryType::Host => Ok(Buf::Host(HostMem::new(crate::run::touched(len))?)),
+            MemoryType::Host => Ok(Buf::Host(HostMem::with(len, touch)?)),
             _ => {
                 let mut mem = dev_alloc(gpu, len, "receive buffer")?;
                 mem.fill(0xee)
@@ -331,18 +356,13 @@ impl Ring {
         match mt {
             MemoryType::Host => {
                 let total = size.checked_mul(count).ok_or("receive ring too large")?;
-                let mut v = vec![0xeeu8; total];
-                // Each slot as `run::touched` makes it: last byte 0.
-                for k in 1..=count {
+                // Each slot as `Buf::touched` makes it.
+                let mem = HostMem::with(total, |v| {
                     if size > 0 {
-                        v[k * size - 1] = 0;
+                        v.chunks_mut(size).for_each(touch);
                     }
-                }
-                Ok(Ring::Host {
-                    mem: HostMem::new(v)?,
-                    size,
-                    count,
-                })
+                })?;
+                Ok(Ring::Host { mem, size, count })
             }
             _ => {
                 let total = size.checked_mul(count).ok_or("receive ring too large")?;
@@ -437,6 +457,14 @@ pub fn peak_rss_kib() -> Option<u64> {
 
 /// Bytes a device buffer is filled or checked through at a time.
 const CHUNK: usize = 64 << 20;
+
+/// A receive buffer before a message lands: 0xee, the last byte 0 (as `run::touched`).
+fn touch(b: &mut [u8]) {
+    b.fill(0xee);
+    if let Some(l) = b.last_mut() {
+        *l = 0;
+    }
+}
 
 /// Byte `i` of every message sent (`run::pattern` is these bytes).
 pub fn pattern_byte(i: usize) -> u8 {

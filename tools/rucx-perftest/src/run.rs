@@ -420,6 +420,7 @@ pub(crate) fn touched(size: usize) -> Vec<u8> {
 }
 
 /// The bytes every sent message carries.
+#[cfg(test)]
 pub(crate) fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(mem::pattern_byte).collect()
 }

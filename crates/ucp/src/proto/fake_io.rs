@@ -35,6 +35,8 @@ pub(crate) enum Op {
         remote: u64,
         token: u64,
     },
+    /// A CPU copy out of receive staging (`StageIo::unstage`), in order with the operations.
+    Cpu { from: usize, to: usize, len: usize },
 }
 
 /// The endpoint behind the fake: it records, and answers zero-copy operations as in progress.
@@ -480,6 +482,8 @@ impl StageIo for FakeIo {
 
     fn unstage(&mut self, f: usize, dst: usize, len: usize) {
         self.unstaged.push((f, dst, len));
+        let from = self.slot_addr(f);
+        self.ep.ops.push(Op::Cpu { from, to: dst, len });
     }
 
     fn keep(&mut self, req: u64, _g: RegGuard, first: bool) {

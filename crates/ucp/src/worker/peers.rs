@@ -247,10 +247,19 @@ impl State {
         if peer.failed.is_some() {
             return;
         }
-        tracing::warn!(
-            "endpoint ep{p} to {} failed: {reason}",
-            peer.remote.describe()
-        );
+        if self.closing {
+            // The worker's owner is leaving (`Worker::set_closing`, as a job does after its
+            // final barrier): peers going away now is the expected end, not news.
+            tracing::debug!(
+                "endpoint ep{p} to {} ended while closing: {reason}",
+                peer.remote.describe()
+            );
+        } else {
+            tracing::warn!(
+                "endpoint ep{p} to {} failed: {reason}",
+                peer.remote.describe()
+            );
+        }
         let err = Error::EndpointFailure {
             peer: peer.remote.describe(),
             reason: reason.to_string(),

@@ -499,6 +499,7 @@ pub(crate) struct State {
     pub(crate) plan_gen: u64,
     /// Protocol counters, by static name (a handful; a linear scan beats a map).
     pub(crate) counters: Vec<(&'static str, u64)>,
+    /// The owner is leaving (`Worker::set_closing`): a peer's end is not warned about.
     pub(crate) closing: bool,
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
     pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,

@@ -133,7 +133,8 @@ fn take_acks(io: &mut FakeIo) -> Vec<(u64, u64)> {
     acks
 }
 
-/// The operations the fake endpoint took, as (read, local address, length, remote address).
+/// The operations the fake endpoint took, as (read, local address, length, remote address); a
+/// CPU copy out of staging counts as a write from it.
 fn ops(ep: &FakeEp) -> Vec<(bool, usize, usize, u64)> {
     ep.ops
         .iter()
@@ -141,6 +142,7 @@ fn ops(ep: &FakeEp) -> Vec<(bool, usize, usize, u64)> {
             Op::Rma {
                 get, iov, remote, ..
             } => (*get, iov[0].0, iov[0].1, *remote),
+            Op::Cpu { from, to, len } => (false, *from, *len, *to as u64),
             o => panic!("{o:?}"),
         })
         .collect()
@@ -827,6 +829,7 @@ proptest::proptest! {
         cut in 0.0f64..1.0,
         gpu in proptest::bool::ANY,
         maps in proptest::bool::ANY,
+        through_staging in proptest::bool::ANY,
         slots in 1usize..4,
         seed_order in proptest::collection::vec(0usize..1000, 10),
         actions in proptest::collection::vec((0u8..4, 0u8..16), 0..120),
@@ -840,6 +843,12 @@ proptest::proptest! {
         let mut io = FakeIo::with_slots(slots);
         io.maps = maps;
         let mem = if gpu { MemoryType::Cuda } else { MemoryType::Host };
+        // A host buffer no lane registers (its domain demoted): read through staging, copied
+        // on by the CPU.
+        let through_staging = through_staging && !gpu;
+        if through_staging {
+            io.demoted.push(LANE);
+        }
         let rv = pulled(&mut io, mem, want);
         let mut s = Sched {
             io, rv, sizes: sizes.clone(), order, next: 0, live: true, outcome: None,
@@ -885,6 +894,9 @@ proptest::proptest! {
             }
         }
         proptest::prop_assert!(acked.iter().all(|a| *a), "{:?}", acked);
+        // Through staging exactly when no lane registers the host buffer.
+        proptest::prop_assert!(through_staging || s.io.unstaged.is_empty());
+        proptest::prop_assert!(!through_staging || failed || !s.io.unstaged.is_empty());
         proptest::prop_assert_eq!(s.io.free_slots(), slots);
         // What reached the buffer: each wanted byte once, from its own offset; nothing past.
         let mut slot_holds = std::collections::HashMap::new();
