@@ -137,9 +137,8 @@ impl Stager {
             inner.next = inner.next.wrapping_add(1);
             if let Err(mpsc::SendError(c)) = inner.senders[t].send(c) {
                 // The thread is gone (it panicked): the chunk fails, the job still ends.
-                c.job.chunk_done(Err(Error::Internal(
-                    "a pageable-copy thread ended".into(),
-                )));
+                c.job
+                    .chunk_done(Err(Error::Internal("a pageable-copy thread ended".into())));
             }
         }
         Ok(job)

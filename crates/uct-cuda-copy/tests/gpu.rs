@@ -535,17 +535,32 @@ fn pageable_host_to_device_through_helper_threads() {
                     order.push(token);
                 }
             });
-            assert!(t0.elapsed() < Duration::from_secs(20), "copies hang: {order:?}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "copies hang: {order:?}"
+            );
         }
-        assert_eq!(order.last(), Some(&ft), "the flush after every copy: {order:?}");
+        assert_eq!(
+            order.last(),
+            Some(&ft),
+            "the flush after every copy: {order:?}"
+        );
         let mut back = vec![0u8; 2 * len + small.len()];
         let s = Stream::new(ctx).unwrap();
         // SAFETY: both buffers live, synchronized below.
         unsafe { memcpy_async(back.as_mut_ptr() as u64, dev.ptr(), back.len(), &s) }.unwrap();
         s.synchronize().unwrap();
         same(&format!("first, {threads} threads"), &back[..len], &a);
-        same(&format!("second, {threads} threads"), &back[len..2 * len], &b);
-        same(&format!("small, {threads} threads"), &back[2 * len..], &small);
+        same(
+            &format!("second, {threads} threads"),
+            &back[len..2 * len],
+            &b,
+        );
+        same(
+            &format!("small, {threads} threads"),
+            &back[2 * len..],
+            &small,
+        );
         drop(engine);
     }
     println!("pageable host -> device through helper threads: ok");
