@@ -487,14 +487,14 @@ fn staged_requests_beyond_the_windows_wait_for_one() {
                 }
             });
         }
-        for k in 0..n {
+        for (k, back) in backs.iter().enumerate() {
             let want = pattern(500 + k as u64, len);
             assert!(
                 target.bytes()[k * len..(k + 1) * len] == want[..],
                 "part {k} differs"
             );
-            assert!(backs[k].bytes() == want, "get {k} differs");
-            assert_eq!(backs[k].guard_damage(), None);
+            assert!(back.bytes() == want, "get {k} differs");
+            assert_eq!(back.guard_damage(), None);
         }
         assert_eq!(target.guard_damage(), None);
         assert_eq!(counter(&pair, WINDOW_MADE), 4, "{:?}", pair.w[0].counters());

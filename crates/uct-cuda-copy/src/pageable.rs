@@ -235,17 +235,16 @@ fn run(rx: Receiver<Chunk>) {
                 return;
             }
         };
-        if !devs.contains_key(&c.device) {
-            match Slots::new(c.device) {
-                Ok(s) => {
-                    devs.insert(c.device, s);
-                }
+        let slots = match devs.entry(c.device) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => match Slots::new(c.device) {
+                Ok(s) => v.insert(s),
                 Err(e) => {
                     c.job.chunk_done(Err(e));
                     continue;
                 }
-            }
-        }
-        devs.get_mut(&c.device).expect("inserted above").stage(c);
+            },
+        };
+        slots.stage(c);
     }
 }

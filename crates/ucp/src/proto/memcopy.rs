@@ -127,7 +127,7 @@ impl State {
             };
             let cap = rs.cap;
             let frag = self.frag.max(1);
-            let nslots = cap.div_ceil(frag).min(STAGED_FRAGS).max(1);
+            let nslots = cap.div_ceil(frag).clamp(1, STAGED_FRAGS);
             rs.proto = RecvProto::Landing(Box::new(Landing {
                 peer: p,
                 host,

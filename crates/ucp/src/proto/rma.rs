@@ -417,7 +417,7 @@ impl State {
             },
             None => None,
         };
-        let nslots = len.div_ceil(frag).min(STAGED_FRAGS).max(1);
+        let nslots = len.div_ceil(frag).clamp(1, STAGED_FRAGS);
         let staged = StagedRma {
             gpu_key,
             lane_memh,
