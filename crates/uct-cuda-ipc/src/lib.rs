@@ -70,8 +70,8 @@ pub static CONFIG: &[OptionSpec] = &[
         default: "4",
         help: "Helper threads that copy pageable host memory into pinned chunks for cuda_ipc \
                writes of at least 1 MiB into GPU memory, while the copy engines move earlier \
-               chunks (0 to 64; 0: the driver stages them on the posting thread, at one core's \
-               copy rate).",
+               chunks (0 to 64; each thread pins two 4 MiB slots per GPU on first use; 0: the \
+               driver stages them on the posting thread, at one core's copy rate).",
     },
 ];
 
