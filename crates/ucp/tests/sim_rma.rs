@@ -665,3 +665,48 @@ fn staged_requests_into_a_peers_shared_memory_copy_through_its_mapping() {
     assert_eq!(counter(&pair, WINDOW_MADE), 1);
     pair.check_clean();
 }
+
+/// A flush ends after the staged puts posted before it, also those still waiting for a window
+/// (their operations not posted yet, so flushing the lanes does not cover them): when the
+/// flush completes, every put did and every byte is in place.
+#[test]
+fn a_flush_waits_for_the_staged_puts_before_it() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    let (len, n) = (300_000, 7);
+    let mut target = Buf::filled(&pair.fabric, n * len, Mem::Host, 13);
+    let srcs: Vec<Buf> = (0..n)
+        .map(|k| Buf::filled(&pair.fabric, len, Mem::Device(0), 1_100 + k as u64))
+        .collect();
+    {
+        let map = pair.w[1].mem_map(target.recv()).unwrap();
+        let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+        pair.w[0].scope(|s| {
+            let puts: Vec<_> = srcs
+                .iter()
+                .enumerate()
+                .map(|(k, b)| s.put(pair.ep[0], b.send(), rkey.base() + (k * len) as u64, &rkey))
+                .collect();
+            let flush = s.flush(pair.ep[0]);
+            pair.drive(|| flush.test().is_some())
+                .unwrap_or_else(|e| panic!("flush hangs: {e}"));
+            let ended: Vec<bool> = puts.iter().map(|r| r.test().is_some()).collect();
+            assert!(ended.iter().all(|&e| e), "the flush ended first: {ended:?}");
+            flush.wait().unwrap();
+            for r in puts {
+                assert_eq!(r.wait().unwrap().len, len);
+            }
+        });
+    }
+    for k in 0..n {
+        assert!(
+            target.bytes()[k * len..(k + 1) * len] == pattern(1_100 + k as u64, len)[..],
+            "part {k} differs"
+        );
+    }
+    assert!(
+        counter(&pair, WINDOW_WAIT) >= 3,
+        "{:?}",
+        pair.w[0].counters()
+    );
+    pair.check_clean();
+}

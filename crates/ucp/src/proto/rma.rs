@@ -42,6 +42,10 @@ pub(crate) struct RmaState {
     pub(crate) posted: usize,
     /// Lanes still to flush (flush requests).
     pub(crate) flush_lanes: Vec<usize>,
+    /// Staged puts and gets of the peer still running when the flush was posted (flush
+    /// requests): the flush ends after them too (their operations are not all posted yet, so
+    /// the lanes' flushes do not cover them).
+    pub(crate) flush_after: Vec<u64>,
     /// A put or get staged through pinned host memory (`None`: zero-copy).
     pub(crate) staged: Option<Box<StagedRma>>,
     /// A put or get of the staged step whose remote region this process maps (the peer's
@@ -327,6 +331,7 @@ impl State {
             key,
             posted: 0,
             flush_lanes: Vec::new(),
+            flush_after: Vec::new(),
             staged,
             mapped: None,
         }))
@@ -572,6 +577,20 @@ impl State {
     /// A flush of every lane of peer `p` (checked by the caller).
     pub(crate) fn flush_req(&mut self, p: usize) -> u64 {
         let lanes: Vec<usize> = self.peers[p].eps.keys().copied().collect();
+        let after: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter_map(|(i, r)| match &r.kind {
+                ReqKind::Rma(rm)
+                    if r.result.is_none()
+                        && rm.peer == p
+                        && (rm.staged.is_some() || rm.mapped.is_some()) =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            })
+            .collect();
         let id = self.new_req(ReqKind::Rma(RmaState {
             peer: p,
             dir: RmaDir::Flush,
@@ -582,6 +601,7 @@ impl State {
             key: None,
             posted: 0,
             flush_lanes: lanes,
+            flush_after: after,
             staged: None,
             mapped: None,
         }));
@@ -669,7 +689,7 @@ impl State {
         {
             rm.posted = usize::MAX;
         }
-        if self.reqs[&id].outstanding == 0 {
+        if self.reqs[&id].outstanding == 0 && self.flush_may_end(id) {
             self.finish(
                 id,
                 Ok(Completion {
@@ -680,6 +700,64 @@ impl State {
             );
         }
         Ok(true)
+    }
+
+    /// Whether flush `id` (its lanes flushed) may end: every staged put or get it waits for
+    /// ended. Otherwise it is noted, and the progress loop ends it once they have
+    /// ([`Self::end_waiting_flushes`]). True for other requests.
+    pub(crate) fn flush_may_end(&mut self, id: u64) -> bool {
+        let Some(Req {
+            kind: ReqKind::Rma(rm),
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return true;
+        };
+        let mut after = std::mem::take(&mut rm.flush_after);
+        after.retain(|i| self.reqs.get(i).is_some_and(|r| r.result.is_none()));
+        let done = after.is_empty();
+        if let Some(Req {
+            kind: ReqKind::Rma(rm),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            rm.flush_after = after;
+        }
+        if !done && !self.rma_flushes.contains(&id) {
+            self.rma_flushes.push(id);
+        }
+        done
+    }
+
+    /// End the flushes whose lanes are flushed and whose staged puts and gets ended; how many.
+    pub(crate) fn end_waiting_flushes(&mut self) -> usize {
+        let mut n = 0;
+        for id in std::mem::take(&mut self.rma_flushes) {
+            let ready = match self.reqs.get(&id) {
+                Some(Req {
+                    kind: ReqKind::Rma(rm),
+                    outstanding: 0,
+                    result: None,
+                    ..
+                }) => rm.posted == usize::MAX,
+                // Ended otherwise (its endpoint failed), or its lanes' flushes still run
+                // (their completion looks again).
+                _ => continue,
+            };
+            if ready && self.flush_may_end(id) {
+                self.rma_flushes.retain(|&i| i != id);
+                self.finish(
+                    id,
+                    Ok(Completion {
+                        len: 0,
+                        tag: 0,
+                        sender: None,
+                    }),
+                );
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Post the zero-copy fragments of `f` from `*off` to `f.end` on `lane`, at most `f.max`

@@ -339,6 +339,7 @@ mod tests {
             key: None,
             posted: 0,
             flush_lanes: Vec::new(),
+            flush_after: Vec::new(),
             staged: None,
             mapped: None,
         }))

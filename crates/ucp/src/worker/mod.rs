@@ -292,6 +292,7 @@ impl Worker {
                 copy,
                 staging: None,
                 rma_windows: Default::default(),
+                rma_flushes: Vec::new(),
                 staging_ahead: None,
                 staging_ahead_wanted,
                 stage_count,
@@ -394,6 +395,10 @@ impl Worker {
             // Staged requests waiting for a pinned window, when one is free.
             if st.rma_windows.has_waiters() {
                 n += st.wake_window_waiters();
+            }
+            // Flushes waiting for staged puts and gets.
+            if !st.rma_flushes.is_empty() {
+                n += st.end_waiting_flushes();
             }
             // Active-message payloads dropped unfetched: release their senders.
             if st.am_releases.pending() {
@@ -645,6 +650,7 @@ mod tests {
                     key: None,
                     posted: 0,
                     flush_lanes: Vec::new(),
+                    flush_after: Vec::new(),
                     staged: None,
                     mapped: None,
                 }));

@@ -82,6 +82,7 @@ impl Worker {
                         key: None,
                         posted: 0,
                         flush_lanes: Vec::new(),
+                        flush_after: Vec::new(),
                         staged: None,
                         mapped: None,
                     }));

@@ -300,6 +300,9 @@ impl State {
         match &r.kind {
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;
+                if !self.flush_may_end(id) {
+                    return;
+                }
                 self.finish(
                     id,
                     Ok(Completion {

@@ -506,6 +506,8 @@ pub(crate) struct State {
     pub(crate) staging: Option<Staging>,
     /// Pinned windows of staged puts and gets and GPU stream receives (`proto/rma.rs`).
     pub(crate) rma_windows: crate::proto::rma::Windows,
+    /// Flushes whose lanes are flushed, waiting for staged puts and gets to end.
+    pub(crate) rma_flushes: Vec<u64>,
     /// The staging being made ahead by a helper thread (`RUCX_RNDV_STAGING_AHEAD`), taken by
     /// the first transfer that needs staging.
     pub(crate) staging_ahead: Option<crate::proto::gpu::staging::StagingAhead>,
