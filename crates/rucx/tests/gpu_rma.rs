@@ -120,6 +120,10 @@ fn rank_body(job: &Job) {
         let mut dev = DeviceBuffer::new(gpu, len).unwrap();
         dev.fill(0xee).unwrap();
         let mut host = vec![0xeeu8; len];
+        // Shared host memory (posix on this host): the peer's staged device puts and gets
+        // copy straight through its mapping of it.
+        let mut shared = job.context().mem_alloc(len).unwrap();
+        shared.fill(0xee);
         let mapped_dev;
         {
             // Device region: refused where this rank's cuda_ipc is faulty (no other domain
@@ -141,6 +145,7 @@ fn rank_body(job: &Job) {
             };
             mapped_dev = dmap.is_some();
             let hmap = w.mem_map(&mut host).unwrap();
+            let smap = w.mem_map(&mut shared[..]).unwrap();
             send_bytes(
                 w,
                 ep,
@@ -148,9 +153,14 @@ fn rank_body(job: &Job) {
                 1,
             );
             send_bytes(w, ep, &hmap.pack_rkey(), 2);
+            send_bytes(w, ep, &smap.pack_rkey(), 4);
             let pdev = recv_bytes(w, 1);
             let phost = recv_bytes(w, 2);
-            let mut regions = vec![("host", w.rkey_unpack(ep, &phost).unwrap())];
+            let pshared = recv_bytes(w, 4);
+            let mut regions = vec![
+                ("host", w.rkey_unpack(ep, &phost).unwrap()),
+                ("shared host", w.rkey_unpack(ep, &pshared).unwrap()),
+            ];
             if pdev.is_empty() {
                 assert_eq!(fault, Some(peer), "the peer mapped no device region");
             } else {
@@ -189,6 +199,7 @@ fn rank_body(job: &Job) {
             assert_eq!(recv_bytes(w, 3), b"done");
             drop(dmap);
             drop(hmap);
+            drop(smap);
         }
         let mut d = vec![0u8; len];
         dev.copy_to_host(0, &mut d).unwrap();
@@ -197,6 +208,10 @@ fn rank_body(job: &Job) {
             assert!(
                 host[k * n..(k + 1) * n] == want[..],
                 "rank {rank}: {n} B the peer's {kname} put into my host region differs"
+            );
+            assert!(
+                shared[k * n..(k + 1) * n] == want[..],
+                "rank {rank}: {n} B the peer's {kname} put into my shared host region differs"
             );
             if mapped_dev {
                 assert!(
@@ -222,6 +237,12 @@ fn rank_body(job: &Job) {
     // rank's cuda_ipc is faulty (then staged too).
     assert!(staged > 0, "rank {rank}: {c:?}");
     assert!(zc > 0, "rank {rank}: {c:?}");
+    // Device -> the peer's shared host region: one copy through the mapping.
+    let mapped = c
+        .get("staged put/get copied straight to or from the peer's mapped memory")
+        .copied()
+        .unwrap_or(0);
+    assert!(mapped > 0, "rank {rank}: {c:?}");
 }
 
 #[test]

@@ -299,6 +299,7 @@ fn bundles_carry_the_memory_type_and_bad_ones_are_errors() {
 }
 
 const WINDOW_MADE: &str = "staged put/get window made";
+const WINDOW_WAIT: &str = "request waited for a pinned window";
 
 /// Remote-lane operations of side 0 in flight (their completions held by the fabric).
 fn remote_ops_held(pair: &Pair) -> Vec<u64> {
@@ -436,4 +437,276 @@ fn a_copy_failing_part_way_ends_the_staged_request_and_the_next_ones_work() {
         }
         pair.check_clean();
     }
+}
+
+/// More staged requests at once than the worker has windows (at most 4): the others wait for a
+/// window to come back, and every one completes with every byte (also with completions
+/// reordered and push-back), without more windows made.
+#[test]
+fn staged_requests_beyond_the_windows_wait_for_one() {
+    for delivery in [
+        Delivery::InOrder,
+        Delivery::Random {
+            seed: 9,
+            noresource_per_mille: 40,
+        },
+    ] {
+        let pair = Pair::new(FabricSpec::gpu().delivery(delivery), [VARS, VARS]);
+        let (len, n) = (300_000, 7);
+        let mut target = Buf::filled(&pair.fabric, n * len, Mem::Host, 9);
+        let srcs: Vec<Buf> = (0..n)
+            .map(|k| Buf::filled(&pair.fabric, len, Mem::Device(0), 500 + k as u64))
+            .collect();
+        let mut backs: Vec<Buf> = (0..n)
+            .map(|_| Buf::new(&pair.fabric, len, Mem::Device(0)))
+            .collect();
+        {
+            let map = pair.w[1].mem_map(target.recv()).unwrap();
+            let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+            pair.w[0].scope(|s| {
+                let at = |k: usize| rkey.base() + (k * len) as u64;
+                let puts: Vec<_> = srcs
+                    .iter()
+                    .enumerate()
+                    .map(|(k, b)| s.put(pair.ep[0], b.send(), at(k), &rkey))
+                    .collect();
+                pair.drive(|| puts.iter().all(|r| r.test().is_some()))
+                    .unwrap_or_else(|e| panic!("puts hang: {e}"));
+                for r in puts {
+                    assert_eq!(r.wait().unwrap().len, len);
+                }
+                let gets: Vec<_> = backs
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, b)| s.get(pair.ep[0], b.recv(), at(k), &rkey))
+                    .collect();
+                pair.drive(|| gets.iter().all(|r| r.test().is_some()))
+                    .unwrap_or_else(|e| panic!("gets hang: {e}"));
+                for r in gets {
+                    assert_eq!(r.wait().unwrap().len, len);
+                }
+            });
+        }
+        for (k, back) in backs.iter().enumerate() {
+            let want = pattern(500 + k as u64, len);
+            assert!(
+                target.bytes()[k * len..(k + 1) * len] == want[..],
+                "part {k} differs"
+            );
+            assert!(back.bytes() == want, "get {k} differs");
+            assert_eq!(back.guard_damage(), None);
+        }
+        assert_eq!(target.guard_damage(), None);
+        assert_eq!(counter(&pair, WINDOW_MADE), 4, "{:?}", pair.w[0].counters());
+        assert!(
+            counter(&pair, WINDOW_WAIT) >= 6,
+            "3 puts and 3 gets waited: {:?}",
+            pair.w[0].counters()
+        );
+        pair.check_clean();
+    }
+}
+
+/// Staged requests that fail while others wait for a window (after the first 16 copies of the
+/// copy lane, 4 fail: 4 requests end with the error, with operations still in flight): their windows go back to the worker although
+/// their caller still holds the failed requests (else the waiting ones would wait forever),
+/// and every other request completes with every byte; no window beyond the 4 is made, and the
+/// requests after work.
+#[test]
+fn a_staged_request_failing_while_others_wait_hands_its_window_on() {
+    for (put, delivery) in [
+        (true, Delivery::InOrder),
+        (
+            false,
+            Delivery::Random {
+                seed: 3,
+                noresource_per_mille: 40,
+            },
+        ),
+    ] {
+        let pair = Pair::new(FabricSpec::gpu().delivery(delivery), [VARS, VARS]);
+        let (len, n) = (300_000, 7);
+        let mut target = Buf::filled(&pair.fabric, n * len, Mem::Host, 11);
+        let mut bufs: Vec<Buf> = (0..n)
+            .map(|k| Buf::filled(&pair.fabric, len, Mem::Device(0), 700 + k as u64))
+            .collect();
+        if !put {
+            // The region holds what each get must read.
+            let mut all = Vec::with_capacity(n * len);
+            for k in 0..n {
+                all.extend_from_slice(&pattern(700 + k as u64, len));
+            }
+            target.bytes_mut().copy_from_slice(&all);
+            for b in &mut bufs {
+                b.bytes_mut().fill(0);
+            }
+        }
+        let results: Vec<Result<usize, Error>> = {
+            let map = pair.w[1].mem_map(target.recv()).unwrap();
+            let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+            // 4 requests take windows (5 fragments each: 4 in flight at once), 3 wait; after
+            // 16 copies (a put's first wave, posted with the requests), 4 fail.
+            pair.fabric
+                .fail_ops_after(pair.nodes[0], LaneKind::Copy, 16, 4);
+            pair.w[0].scope(|s| {
+                let at = |k: usize| rkey.base() + (k * len) as u64;
+                let reqs: Vec<_> = bufs
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, b)| {
+                        if put {
+                            s.put(pair.ep[0], b.send(), at(k), &rkey)
+                        } else {
+                            s.get(pair.ep[0], b.recv(), at(k), &rkey)
+                        }
+                    })
+                    .collect();
+                // Every request ends while the failed one is still held.
+                pair.drive(|| reqs.iter().all(|r| r.test().is_some()))
+                    .unwrap_or_else(|e| panic!("put {put}: requests hang: {e}"));
+                reqs.into_iter().map(|r| r.wait().map(|c| c.len)).collect()
+            })
+        };
+        let failed: Vec<usize> = (0..n).filter(|&k| results[k].is_err()).collect();
+        assert_eq!(failed.len(), 4, "put {put}: {results:?}");
+        for &k in &failed {
+            assert!(
+                matches!(results[k], Err(Error::Io { .. })),
+                "put {put}: {results:?}"
+            );
+        }
+        for k in (0..n).filter(|k| !failed.contains(k)) {
+            assert_eq!(results[k], Ok(len));
+            let want = pattern(700 + k as u64, len);
+            let got = if put {
+                &target.bytes()[k * len..(k + 1) * len]
+            } else {
+                bufs[k].bytes()
+            };
+            assert!(got == want, "put {put}: request {k} moved other bytes");
+        }
+        for b in bufs.iter().chain([&target]) {
+            assert_eq!(b.guard_damage(), None, "{b:?}");
+        }
+        let c = pair.w[0].counters();
+        assert_eq!(counter(&pair, WINDOW_MADE), 4, "put {put}: {c:?}");
+        // (Some operations of the random delivery finish at once: a request may end, and
+        // hand its window on, before the last ones are posted.)
+        assert!(
+            counter(&pair, WINDOW_WAIT) >= 1,
+            "put {put}: requests beyond 4 waited: {c:?}"
+        );
+        for (i, &len) in SIZES.iter().enumerate() {
+            put_get(&pair, Mem::Device(0), Mem::Host, len, 800 + i as u64)
+                .unwrap_or_else(|e| panic!("put {put}, {len} B after the failure: {e}"));
+        }
+        assert_eq!(counter(&pair, WINDOW_MADE), 4, "put {put}: {c:?}");
+        pair.check_clean();
+    }
+}
+
+/// A staged put or get whose remote region is the peer's shared memory (`Context::mem_alloc`
+/// on this host) needs no window: the copy lane copies straight between the GPU buffer and the
+/// peer's region mapped here, one copy per request; every byte arrives, nothing around the range
+/// moves, and a region of the heap still goes through a window.
+#[test]
+fn staged_requests_into_a_peers_shared_memory_copy_through_its_mapping() {
+    const MAPPED: &str = "staged put/get copied straight to or from the peer's mapped memory";
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    for (i, &len) in SIZES.iter().enumerate().filter(|(_, l)| **l > 0) {
+        let id = 900 + i as u64;
+        let mut region = pair.ctx[1].mem_alloc(len + 2 * PAD).unwrap();
+        assert!(region.shared_by().is_some(), "the sim shares host memory");
+        region.copy_from_slice(&pattern(id + 1_000_000, len + 2 * PAD));
+        let before = region.to_vec();
+        let src = Buf::filled(&pair.fabric, len, Mem::Device(0), id);
+        let mut back = Buf::new(&pair.fabric, len, Mem::Device(0));
+        {
+            let map = pair.w[1].mem_map(&mut region[..]).unwrap();
+            let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+            let at = rkey.base() + PAD as u64;
+            pair.w[0].scope(|s| {
+                let r = s.put(pair.ep[0], src.send(), at, &rkey);
+                pair.drive(|| r.test().is_some())
+                    .unwrap_or_else(|e| panic!("put hangs: {e}"));
+                assert_eq!(r.wait().unwrap().len, len);
+                let r = s.get(pair.ep[0], back.recv(), at, &rkey);
+                pair.drive(|| r.test().is_some())
+                    .unwrap_or_else(|e| panic!("get hangs: {e}"));
+                assert_eq!(r.wait().unwrap().len, len);
+            });
+        }
+        assert!(
+            region[PAD..PAD + len] == pattern(id, len)[..],
+            "{len} B put"
+        );
+        assert_eq!(
+            &region[..PAD],
+            &before[..PAD],
+            "{len} B: bytes before moved"
+        );
+        assert_eq!(
+            &region[PAD + len..],
+            &before[PAD + len..],
+            "{len} B: bytes after"
+        );
+        assert!(back.bytes() == pattern(id, len), "{len} B get");
+        for b in [&src, &back] {
+            assert_eq!(b.guard_damage(), None, "{b:?}");
+        }
+    }
+    let n = SIZES.iter().filter(|l| **l > 0).count() as u64;
+    assert_eq!(counter(&pair, MAPPED), 2 * n, "{:?}", pair.w[0].counters());
+    assert_eq!(counter(&pair, STAGED_PUT), n);
+    assert_eq!(counter(&pair, WINDOW_MADE), 0, "{:?}", pair.w[0].counters());
+    // A region of the heap cannot be mapped: it is staged through a window.
+    put_get(&pair, Mem::Device(0), Mem::Host, 300_000, 999).unwrap();
+    assert_eq!(counter(&pair, MAPPED), 2 * n);
+    assert_eq!(counter(&pair, WINDOW_MADE), 1);
+    pair.check_clean();
+}
+
+/// A flush ends after the staged puts posted before it, also those still waiting for a window
+/// (their operations not posted yet, so flushing the lanes does not cover them): when the
+/// flush completes, every put did and every byte is in place.
+#[test]
+fn a_flush_waits_for_the_staged_puts_before_it() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    let (len, n) = (300_000, 7);
+    let mut target = Buf::filled(&pair.fabric, n * len, Mem::Host, 13);
+    let srcs: Vec<Buf> = (0..n)
+        .map(|k| Buf::filled(&pair.fabric, len, Mem::Device(0), 1_100 + k as u64))
+        .collect();
+    {
+        let map = pair.w[1].mem_map(target.recv()).unwrap();
+        let rkey = pair.w[0].rkey_unpack(pair.ep[0], &map.pack_rkey()).unwrap();
+        pair.w[0].scope(|s| {
+            let puts: Vec<_> = srcs
+                .iter()
+                .enumerate()
+                .map(|(k, b)| s.put(pair.ep[0], b.send(), rkey.base() + (k * len) as u64, &rkey))
+                .collect();
+            let flush = s.flush(pair.ep[0]);
+            pair.drive(|| flush.test().is_some())
+                .unwrap_or_else(|e| panic!("flush hangs: {e}"));
+            let ended: Vec<bool> = puts.iter().map(|r| r.test().is_some()).collect();
+            assert!(ended.iter().all(|&e| e), "the flush ended first: {ended:?}");
+            flush.wait().unwrap();
+            for r in puts {
+                assert_eq!(r.wait().unwrap().len, len);
+            }
+        });
+    }
+    for k in 0..n {
+        assert!(
+            target.bytes()[k * len..(k + 1) * len] == pattern(1_100 + k as u64, len)[..],
+            "part {k} differs"
+        );
+    }
+    assert!(
+        counter(&pair, WINDOW_WAIT) >= 3,
+        "{:?}",
+        pair.w[0].counters()
+    );
+    pair.check_clean();
 }

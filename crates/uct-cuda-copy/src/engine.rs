@@ -33,6 +33,10 @@ use rucx_ucs::event::EventFd;
 use rucx_ucs::{Error, Result};
 use rucx_uct::{Event, OpStatus};
 
+use crate::pageable::{Job, STAGE_MIN, Stager};
+use rucx_cuda::{PtrKind, classify};
+use std::sync::Arc;
+
 /// Which stream an operation runs on: a device and a lane number chosen by the transport
 /// (for example one lane per copy direction).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -61,9 +65,27 @@ pub type KeepAlive = Box<dyn Any + Send>;
 /// Events kept for reuse per device, at most.
 const EVENT_POOL_MAX: usize = 128;
 
+/// What says that a pending operation finished.
+enum Waiter {
+    /// An event recorded after its copies on the lane's stream.
+    Event(CuEvent),
+    /// A copy out of pageable memory staged by the helper threads ([`crate::pageable`]).
+    Job(Arc<Job>),
+}
+
+impl Waiter {
+    /// `Ok(false)` while running.
+    fn query(&self) -> Result<bool> {
+        match self {
+            Waiter::Event(e) => e.query(),
+            Waiter::Job(j) => j.result().transpose().map(|r| r.is_some()),
+        }
+    }
+}
+
 struct Pending {
     seq: u64,
-    event: CuEvent,
+    waiter: Waiter,
     /// `None` for the remains of an operation that failed half-way (nothing is reported).
     token: Option<u64>,
     /// A host function queued after it signals the engine's eventfd.
@@ -135,6 +157,14 @@ impl State {
             {
                 first = Err(e);
             }
+            // Copies the helper threads stage run on their own streams.
+            for p in &l.pending {
+                if let Waiter::Job(j) = &p.waiter {
+                    while j.result().is_none() {
+                        std::thread::yield_now();
+                    }
+                }
+            }
         }
         first
     }
@@ -164,6 +194,9 @@ pub struct CopyEngine {
     /// `State::flushes`, written under the lock): progress of an idle engine reads this and
     /// takes no lock (a worker progresses every interface in a tight loop, copies or not).
     queued: AtomicUsize,
+    /// Helper threads for host-to-device copies out of pageable memory (`None`: the driver
+    /// stages them on the posting thread).
+    stager: Option<Stager>,
 }
 
 impl fmt::Debug for CopyEngine {
@@ -197,7 +230,27 @@ impl CopyEngine {
                 .ok(),
             signal: AtomicBool::new(false),
             queued: AtomicUsize::new(0),
+            stager: None,
         }
+    }
+
+    /// Stage host-to-device copies of at least [`STAGE_MIN`] bytes out of pageable host memory
+    /// through `threads` helper threads (0: leave them to the driver); see
+    /// [`crate::pageable`].
+    pub fn with_pageable_threads(mut self, threads: usize) -> CopyEngine {
+        self.stager = (threads > 0).then(|| Stager::new(threads));
+        self
+    }
+
+    /// Whether `copies` is one host-to-device copy out of pageable memory for the stager.
+    fn stages(&self, copies: &[CopyOp]) -> bool {
+        let [c] = copies else {
+            return false;
+        };
+        self.stager.is_some()
+            && c.len >= STAGE_MIN
+            && classify(c.src as usize, c.len).is_ok_and(|i| i.kind == PtrKind::HostPageable)
+            && classify(c.dst as usize, c.len).is_ok_and(|i| i.kind == PtrKind::Cuda)
     }
 
     /// Publish how much waits to be reported (called with the lock held, after a change).
@@ -232,7 +285,7 @@ impl CopyEngine {
                 ));
             }
             if let Some(front) = lane.pending.front()
-                && !matches!(front.event.query(), Ok(false))
+                && !matches!(front.waiter.query(), Ok(false))
             {
                 return Err(Error::Busy("a CUDA copy finished".into()));
             }
@@ -279,6 +332,28 @@ impl CopyEngine {
                 st.inflight
             )));
         }
+        if self.stages(copies)
+            && let Some(stager) = &self.stager
+        {
+            let c = copies[0];
+            // SAFETY: forwarded to this function's contract; `keep` stays with the pending
+            // entry until the job has ended.
+            let job = unsafe { stager.submit(key.device, c.dst, c.src, c.len) }?;
+            let seq = st.next_seq;
+            let lane = st.lane(key)?;
+            lane.pending.push_back(Pending {
+                seq,
+                waiter: Waiter::Job(job),
+                token: Some(token),
+                // Finishes on another stream: an armed caller polls instead of sleeping.
+                signals: false,
+                _keep: keep,
+            });
+            st.next_seq += 1;
+            st.inflight += 1;
+            self.publish(&st);
+            return Ok(OpStatus::InProgress);
+        }
         let event = st.take_event(key.device)?;
         let seq = st.next_seq;
         let lane = st.lane(key)?;
@@ -321,7 +396,7 @@ impl CopyEngine {
         };
         lane.pending.push_back(Pending {
             seq,
-            event,
+            waiter: Waiter::Event(event),
             token: if failure.is_some() { None } else { Some(token) },
             signals,
             _keep: keep,
@@ -390,15 +465,17 @@ impl CopyEngine {
             let mut recycled: Vec<(u32, CuEvent)> = Vec::new();
             for lane in &mut st.lanes {
                 while let Some(front) = lane.pending.front() {
-                    let res = match front.event.query() {
+                    let res = match front.waiter.query() {
                         Ok(false) => break,
                         Ok(true) => Ok(()),
                         Err(e) => Err(e),
                     };
                     let p = lane.pending.pop_front().expect("front exists");
                     st.inflight -= 1;
-                    if res.is_ok() {
-                        recycled.push((lane.key.device, p.event));
+                    if res.is_ok()
+                        && let Waiter::Event(e) = p.waiter
+                    {
+                        recycled.push((lane.key.device, e));
                     }
                     if let Some(t) = p.token {
                         out.push((t, res));

@@ -39,6 +39,7 @@
 pub mod engine;
 pub mod iface;
 pub mod md;
+pub mod pageable;
 pub mod staging;
 
 pub use engine::{CopyEngine, CopyOp, KeepAlive, LaneKey};

@@ -484,3 +484,84 @@ fn component_is_available_with_a_gpu() {
     let md = CudaCopyComponent.open_md("cuda_cpy", &cfg).unwrap();
     assert_eq!(md.name(), "cuda_cpy");
 }
+
+/// Copies out of pageable host memory into the GPU through the engine's helper threads: a
+/// 9 MiB + 13 B copy in chunks across 3 threads, a second one behind it, and a flush that
+/// reports after both; every byte checked, also for a copy under the staging size (left to
+/// the driver) and with the helper threads off.
+#[test]
+fn pageable_host_to_device_through_helper_threads() {
+    use rucx_cuda::{DeviceBuffer, Stream, memcpy_async};
+    use rucx_uct_cuda_copy::engine::{CopyEngine, CopyOp, LaneKey};
+    let Some(_) = gpus() else { return };
+    let ctx = driver().unwrap().context(0).unwrap();
+    for threads in [3, 0] {
+        let engine = CopyEngine::new(16).with_pageable_threads(threads);
+        let len = (9 << 20) + 13;
+        let a = pattern(len, 41);
+        let b = pattern(len, 42);
+        let small = pattern(100_000, 43);
+        let dev = DeviceBuffer::new(ctx, 2 * len + small.len()).unwrap();
+        let key = LaneKey { device: 0, lane: 0 };
+        let ops = [
+            (dev.ptr(), &a),
+            (dev.ptr() + len as u64, &b),
+            (dev.ptr() + 2 * len as u64, &small),
+        ];
+        let mut pending = Vec::new();
+        for (t, (dst, src)) in ops.iter().enumerate() {
+            let c = [CopyOp {
+                dst: *dst,
+                src: src.as_ptr() as u64,
+                len: src.len(),
+            }];
+            // SAFETY: the source vectors and the device buffer outlive the copies (waited for
+            // below).
+            let st = unsafe { engine.post(key, &c, t as u64, vec![]) }.unwrap();
+            if st == OpStatus::InProgress {
+                pending.push(t as u64);
+            }
+        }
+        let ft = 99;
+        if engine.flush(ft).unwrap() == OpStatus::InProgress {
+            pending.push(ft);
+        }
+        let mut order = Vec::new();
+        let t0 = Instant::now();
+        while order.len() < pending.len() {
+            engine.progress(&mut |ev| {
+                if let Event::Completion { token, result } = ev {
+                    result.unwrap();
+                    order.push(token);
+                }
+            });
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "copies hang: {order:?}"
+            );
+        }
+        assert_eq!(
+            order.last(),
+            Some(&ft),
+            "the flush after every copy: {order:?}"
+        );
+        let mut back = vec![0u8; 2 * len + small.len()];
+        let s = Stream::new(ctx).unwrap();
+        // SAFETY: both buffers live, synchronized below.
+        unsafe { memcpy_async(back.as_mut_ptr() as u64, dev.ptr(), back.len(), &s) }.unwrap();
+        s.synchronize().unwrap();
+        same(&format!("first, {threads} threads"), &back[..len], &a);
+        same(
+            &format!("second, {threads} threads"),
+            &back[len..2 * len],
+            &b,
+        );
+        same(
+            &format!("small, {threads} threads"),
+            &back[2 * len..],
+            &small,
+        );
+        drop(engine);
+    }
+    println!("pageable host -> device through helper threads: ok");
+}

@@ -122,7 +122,10 @@ impl CudaIpcIface {
     pub fn new(settings: &Settings, host: HostId, cache: Arc<IpcCache>) -> CudaIpcIface {
         CudaIpcIface {
             attr: iface_attr(&host),
-            engine: Arc::new(CopyEngine::new(settings.max_inflight)),
+            engine: Arc::new(
+                CopyEngine::new(settings.max_inflight)
+                    .with_pageable_threads(settings.pageable_threads),
+            ),
             cache,
             host,
             nonce: NONCE.fetch_add(1, Ordering::Relaxed),
@@ -395,6 +398,7 @@ mod tests {
                 cache: true,
                 cache_size: 4,
                 max_inflight: 4,
+                pageable_threads: 0,
             },
             HostId::local(),
             Arc::new(IpcCache::new(true, 4)),

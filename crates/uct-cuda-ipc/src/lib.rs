@@ -64,6 +64,15 @@ pub static CONFIG: &[OptionSpec] = &[
         default: "256",
         help: "Most cuda_ipc operations in flight per interface (1 to 65536).",
     },
+    OptionSpec {
+        name: "CUDA_IPC_PAGEABLE_THREADS",
+        kind: OptKind::UintIn(Bounds::new(0, 64)),
+        default: "4",
+        help: "Helper threads that copy pageable host memory into pinned chunks for cuda_ipc \
+               writes of at least 1 MiB into GPU memory, while the copy engines move earlier \
+               chunks (0 to 64; each thread pins two 4 MiB slots per GPU on first use; 0: the \
+               driver stages them on the posting thread, at one core's copy rate).",
+    },
 ];
 
 /// Settings read from a [`Config`]; options missing from it take their defaults.
@@ -75,6 +84,8 @@ pub struct Settings {
     pub cache_size: usize,
     /// Most operations in flight per interface.
     pub max_inflight: usize,
+    /// Helper threads staging writes out of pageable host memory (0: none).
+    pub pageable_threads: usize,
 }
 
 impl Settings {
@@ -99,6 +110,7 @@ impl Settings {
             cache: cfg("CUDA_IPC_CACHE").bool("CUDA_IPC_CACHE"),
             cache_size: range("CUDA_IPC_CACHE_SIZE", 1, 1 << 20)?,
             max_inflight: range("CUDA_IPC_MAX_INFLIGHT", 1, 65536)?,
+            pageable_threads: range("CUDA_IPC_PAGEABLE_THREADS", 0, 64)?,
         })
     }
 }
@@ -136,7 +148,8 @@ mod tests {
             Settings {
                 cache: true,
                 cache_size: 1024,
-                max_inflight: 256
+                max_inflight: 256,
+                pageable_threads: 4
             }
         );
         let mut c = Config::new(&[CONFIG]).unwrap();
@@ -148,6 +161,7 @@ mod tests {
             ("CUDA_IPC_CACHE_SIZE", "0"),
             ("CUDA_IPC_MAX_INFLIGHT", "0"),
             ("CUDA_IPC_MAX_INFLIGHT", "70000"),
+            ("CUDA_IPC_PAGEABLE_THREADS", "65"),
         ] {
             let mut c = Config::new(&[CONFIG]).unwrap();
             let e = c.set(k, v).unwrap_err().to_string();

@@ -227,14 +227,22 @@ impl MemoryDomain for PosixMd {
     }
 
     fn mem_alloc_shared(&self, len: usize) -> Result<Option<SharedAlloc>> {
+        /// Shared segments are whole pages of this size (the registration cache's default
+        /// alignment).
+        const SEGMENT_ALIGN: usize = 4096;
         if self.cma.is_err() || len == 0 {
             return Ok(None);
         }
-        let file = sys::create_shared_file(self.backing, len as u64)?;
-        // SAFETY: the file was just created by us with exactly `len` bytes and its size is sealed
-        // (memfd) or owned by us alone (shm, unlinked), so the mapping cannot be truncated under us.
-        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }
-            .map_err(|e| Error::io(format!("posix: mapping a {len}-byte shared segment"), e))?;
+        // Whole pages: a registration of a buffer in it is aligned out to pages (the
+        // registration cache), and must still lie inside the segment for its key to carry the
+        // segment (so peers can map it).
+        let size = len.next_multiple_of(SEGMENT_ALIGN);
+        let file = sys::create_shared_file(self.backing, size as u64)?;
+        // SAFETY: the file was just created by us with exactly `size` bytes and its size is
+        // sealed (memfd) or owned by us alone (shm, unlinked), so the mapping cannot be
+        // truncated under us.
+        let map = unsafe { memmap2::MmapOptions::new().len(size).map_mut(&file) }
+            .map_err(|e| Error::io(format!("posix: mapping a {size}-byte shared segment"), e))?;
         let addr = map.as_ptr() as usize;
         let tag = fd_link_tag(sys::my_pid(), sys::raw_fd(&file) as u32)
             .map_err(|e| Error::io("posix: naming a shared segment", e))?;
@@ -351,6 +359,28 @@ mod tests {
         let n = bad.len();
         bad[n / 2] ^= 1;
         assert!(m.rkey_unpack(&bad).is_err());
+    }
+
+    /// A shared allocation of a size that is not whole pages: a registration of it aligned out
+    /// to its page (as the registration cache does) still lies in the segment, so its key can
+    /// be mapped.
+    #[test]
+    fn a_page_aligned_registration_of_an_odd_shared_allocation_maps() {
+        let m = md();
+        if !m.cma_enabled() {
+            return;
+        }
+        for len in [300, (9 << 20) + 3] {
+            let a = m
+                .mem_alloc_shared(len)
+                .unwrap()
+                .expect("posix shares memory");
+            let region = MemRegion::host(a.addr, len.next_multiple_of(4096));
+            // SAFETY: the allocation (whole pages) outlives the handle.
+            let h = unsafe { m.mem_reg(region) }.unwrap();
+            let k = m.rkey_unpack(&m.mkey_pack(&h).unwrap()).unwrap();
+            assert_eq!(m.rkey_ptr(&k).unwrap(), Some(a.addr), "{len} B");
+        }
     }
 
     #[test]

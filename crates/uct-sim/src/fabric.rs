@@ -397,6 +397,12 @@ impl SharedBacking {
     pub(crate) fn new(mem: Vec<u8>) -> SharedBacking {
         SharedBacking { _mem: mem }
     }
+
+    /// Whether `addr..addr + len` lies inside this memory.
+    fn holds(&self, addr: usize, len: usize) -> bool {
+        let base = self._mem.as_ptr() as usize;
+        addr >= base && addr.saturating_add(len) <= base + self._mem.len()
+    }
 }
 
 /// A tiny seeded generator (splitmix64): deterministic and dependency free.
@@ -1251,6 +1257,12 @@ impl State {
 
     pub(crate) fn keep_shared(&mut self, b: Arc<SharedBacking>) {
         self.shared.push(b);
+    }
+
+    /// Whether `addr..addr + len` lies inside shared memory of the fabric (as posix finds the
+    /// live shared allocation that holds a region it registers, so its key can be mapped).
+    pub(crate) fn inside_shared(&self, addr: usize, len: usize) -> bool {
+        self.shared.iter().any(|b| b.holds(addr, len))
     }
 
     pub(crate) fn is_shared(&self, id: u64) -> bool {

@@ -140,10 +140,13 @@ impl MemoryDomain for SimMd {
     }
 
     unsafe fn mem_reg(&self, region: MemRegion) -> Result<MemHandle> {
-        let id = self
-            .fabric
-            .lock()
-            .register(self.node, self.kind, region, false)?;
+        let mut st = self.fabric.lock();
+        // A region inside shared memory gets a key peers can map (as posix's).
+        let shared = self.kind == LaneKind::Shm
+            && region.mem_type == MemoryType::Host
+            && st.inside_shared(region.addr, region.len);
+        let id = st.register(self.node, self.kind, region, shared)?;
+        drop(st);
         Ok(self.handle(region, id))
     }
 
@@ -220,9 +223,12 @@ impl MemoryDomain for SimMd {
         if self.kind != LaneKind::Shm || len == 0 || !self.fabric.lock().spec.shared_staging {
             return Ok(None);
         }
-        let mut mem = vec![0u8; len];
+        // Page-aligned with a page to spare on both sides, as a real segment is whole pages:
+        // a registration of a buffer in it, aligned out to pages, stays inside the memory.
+        const PAGE: usize = 4096;
+        let mut mem = vec![0u8; len + 2 * PAGE];
         // Only ever accessed through this address from now on (the vector is never resized).
-        let addr = mem.as_mut_ptr() as usize;
+        let addr = (mem.as_mut_ptr() as usize).next_multiple_of(PAGE);
         let region = MemRegion::host(addr, len);
         let backing = Arc::new(SharedBacking::new(mem));
         let id = {

@@ -241,8 +241,17 @@ impl State {
             SendProto::Copied | SendProto::Sync => return Ok(true),
         };
         let am = self.am_frags(p);
+        // Writes on a GPU zero-copy lane (cuda_ipc: one copy-engine copy, also from a host
+        // buffer into the receiver's GPU memory) move the whole range in one operation, as reads
+        // through it do: a copy per fragment costs the driver's setup each time (a pageable
+        // host source pays it most); host lanes write in fragments.
         let put_max = put_lane.map_or(1, |l| {
-            self.slots[l].attr.limits.put_max_zcopy.min(self.frag)
+            let attr = &self.slots[l].attr;
+            if attr.dev_type == rucx_uct::DeviceType::Accelerator {
+                attr.limits.put_max_zcopy
+            } else {
+                attr.limits.put_max_zcopy.min(self.frag)
+            }
         });
         let done = self
             .with_send(id, |sp, head, st| match sp {

@@ -126,45 +126,18 @@ impl State {
                 continue;
             };
             let cap = rs.cap;
-            let win = match self.rma_windows.pop() {
-                Some(w) => Ok(w),
-                None => match self.copy_md() {
-                    Some(cmd) => {
-                        let len = self.frag.max(1).saturating_mul(STAGED_FRAGS);
-                        self.new_rma_window(cmd, len, false)
-                    }
-                    None => Err(Error::Unsupported {
-                        what: "copying a stream receive into GPU memory".into(),
-                        why: "no copy transport (cuda_copy) is open; add cuda_copy to RUCX_TLS"
-                            .into(),
-                    }),
-                },
-            };
-            let win = match win {
-                Ok(w) => w,
-                Err(e) => {
-                    self.fail(id, e);
-                    continue;
-                }
-            };
-            let frag = self.frag.max(1).min(win.len);
-            let nslots = cap.div_ceil(frag).min(win.len / frag).max(1);
-            if let Some(Req {
-                kind: ReqKind::Recv(rs),
-                ..
-            }) = self.reqs.get_mut(&id)
-            {
-                rs.proto = RecvProto::Landing(Box::new(Landing {
-                    peer: p,
-                    host,
-                    frag,
-                    slots: vec![None; nslots],
-                    next: 0,
-                    done: 0,
-                    inflight: 0,
-                    win: Some(win),
-                }));
-            }
+            let frag = self.frag.max(1);
+            let nslots = cap.div_ceil(frag).clamp(1, STAGED_FRAGS);
+            rs.proto = RecvProto::Landing(Box::new(Landing {
+                peer: p,
+                host,
+                frag,
+                slots: vec![None; nslots],
+                next: 0,
+                done: 0,
+                inflight: 0,
+                win: None,
+            }));
             self.count("stream receive copied to GPU");
             self.peers[p].queue.push_back(Pending::Stream(id));
         }
@@ -190,6 +163,23 @@ impl State {
                 return Ok(true);
             };
             let (addr, cap) = (*addr, *cap);
+            if l.win.is_none() {
+                // A window of the worker's, or a new one while fewer than the most exist; else
+                // the receive waits for one (its bytes wait in its host buffer).
+                let p = l.peer;
+                let cmd = self.copy_md().ok_or_else(|| Error::Unsupported {
+                    what: "copying a stream receive into GPU memory".into(),
+                    why: "no copy transport (cuda_copy) is open; add cuda_copy to RUCX_TLS".into(),
+                })?;
+                let Some(w) = self.take_rma_window(cmd, false)? else {
+                    self.wait_for_window(p, id);
+                    return Ok(true);
+                };
+                if let Some(l) = self.landing_mut(id) {
+                    l.win = Some(w);
+                }
+                continue;
+            }
             if l.done >= cap {
                 self.finish_landing(id);
                 return Ok(true);
@@ -335,15 +325,24 @@ pub(crate) struct Landing {
     /// Copies in flight (mirrors the request's count): the window is kept, not freed, if the
     /// receive ends with copies still running.
     pub(crate) inflight: usize,
-    /// Last: the window.
+    /// Last: the window (`None` while waiting for one).
     win: Option<RmaWindow>,
+}
+
+impl Landing {
+    /// The window, once nothing of the receive is in flight (see [`State::reclaim_window`]).
+    pub(crate) fn take_window(&mut self) -> Option<RmaWindow> {
+        self.win.take()
+    }
 }
 
 impl Drop for Landing {
     fn drop(&mut self) {
-        if self.inflight > 0 {
+        if self.inflight > 0
+            && let Some(w) = self.win.take()
+        {
             // Ended (its endpoint failed) with copies still reading the window: never freed.
-            std::mem::forget(self.win.take());
+            w.leak();
         }
     }
 }

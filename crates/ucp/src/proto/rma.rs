@@ -11,14 +11,18 @@
 //! registration that fails on the way (and demotes its domain, one warning) sends the request
 //! on to the next step; with none left it ends with the error.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::plan::RmaStep;
 use crate::worker::prelude::*;
 
 /// Staging fragments a staged put or get keeps in flight.
 pub(crate) const STAGED_FRAGS: usize = 4;
 
-/// Pinned windows a worker keeps for its next staged puts and gets.
-const POOLED_WINDOWS: usize = 4;
+/// Most pinned windows a worker has at once (4 x 4 x `RUCX_RNDV_FRAG_SIZE`: 64 MiB pinned at
+/// the default fragment size); staged requests beyond wait for one to come back.
+const MAX_WINDOWS: usize = 4;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum RmaDir {
@@ -38,17 +42,40 @@ pub(crate) struct RmaState {
     pub(crate) posted: usize,
     /// Lanes still to flush (flush requests).
     pub(crate) flush_lanes: Vec<usize>,
+    /// Staged puts and gets of the peer still running when the flush was posted (flush
+    /// requests): the flush ends after them too (their operations are not all posted yet, so
+    /// the lanes' flushes do not cover them).
+    pub(crate) flush_after: Vec<u64>,
     /// A put or get staged through pinned host memory (`None`: zero-copy).
     pub(crate) staged: Option<Box<StagedRma>>,
+    /// A put or get of the staged step whose remote region this process maps (the peer's
+    /// shared memory on this host): one copy by the copy lane between the GPU buffer and the
+    /// mapping, no window.
+    pub(crate) mapped: Option<Box<MappedRma>>,
+}
+
+/// A staged put or get copied straight between the local GPU buffer and the peer's region
+/// mapped into this process ([`MemoryDomain::rkey_ptr`](rucx_uct::MemoryDomain::rkey_ptr),
+/// registered with the copy lane once per mapping).
+pub(crate) struct MappedRma {
+    /// The local GPU buffer's key on the copy lane.
+    gpu_key: RemoteKey,
+    /// The remote range's address in this process.
+    at: usize,
+    /// The mapping's registration with the copy lane's domain.
+    memh: MemHandle,
 }
 
 /// Host memory of a staged window.
 struct StagingBuf(Vec<u8>);
 
-/// Pinned host memory for staged puts and gets: page-locked once through the copy lane's
-/// domain and registered with each remote lane's domain that used it, then kept by the worker
-/// ([`State::rma_windows`]) for the next staged request, so a request pays for neither.
+/// Pinned host memory for staged puts and gets (and GPU stream receives landing): page-locked
+/// once through the copy lane's domain and registered with each remote lane's domain that used
+/// it, then kept by the worker ([`Windows`]) for the next request, so a request pays for neither.
 pub(crate) struct RmaWindow {
+    /// First: counts the window among the worker's live ones until it is freed (or kept
+    /// forever, see [`RmaWindow::leak`]).
+    _ticket: WindowTicket,
     /// The window registered with the copy lane's domain.
     pub(crate) copy_memh: MemHandle,
     /// Its registrations with remote lanes' domains, by domain index.
@@ -63,6 +90,47 @@ impl RmaWindow {
     /// The start address.
     pub(crate) fn base(&self) -> usize {
         self.buf.0.as_ptr() as usize
+    }
+
+    /// Never free the window's memory or registrations (a transport may still touch it: its
+    /// request ended with operations in flight), but stop counting it, so the worker may make
+    /// another.
+    pub(crate) fn leak(self) {
+        let RmaWindow {
+            _ticket,
+            copy_memh,
+            lane_memh,
+            buf,
+            ..
+        } = self;
+        std::mem::forget((copy_memh, lane_memh, buf));
+    }
+}
+
+/// One live window of the worker's count.
+struct WindowTicket(Arc<AtomicUsize>);
+
+impl Drop for WindowTicket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The worker's pinned windows: those not in use, how many exist, and the requests waiting
+/// for one.
+#[derive(Default)]
+pub(crate) struct Windows {
+    pool: Vec<RmaWindow>,
+    live: Arc<AtomicUsize>,
+    /// (peer, request) waiting for a window, in order.
+    waiters: VecDeque<(usize, u64)>,
+}
+
+impl Windows {
+    /// Whether requests wait for a window.
+    #[inline]
+    pub(crate) fn has_waiters(&self) -> bool {
+        !self.waiters.is_empty()
     }
 }
 
@@ -87,8 +155,8 @@ enum SlotState {
 pub(crate) struct StagedRma {
     /// The local GPU buffer's key on the copy lane.
     gpu_key: RemoteKey,
-    /// The window's registration with the remote lane's domain.
-    lane_memh: MemHandle,
+    /// The window's registration with the remote lane's domain (once it has a window).
+    lane_memh: Option<MemHandle>,
     /// Fragment size.
     frag: usize,
     /// Fragment slots of the window.
@@ -99,22 +167,25 @@ pub(crate) struct StagedRma {
     done: usize,
     /// Operations in flight (mirrors the request's count): memory still in use when dropped.
     pub(crate) inflight: usize,
-    /// Last: the window (handed back to the worker once the request completes).
+    /// Last: the window (`None` while waiting for one; handed back to the worker once the
+    /// request completes).
     win: Option<RmaWindow>,
 }
 
 impl Drop for StagedRma {
     fn drop(&mut self) {
-        if self.inflight > 0 {
+        if self.inflight > 0
+            && let Some(w) = self.win.take()
+        {
             // A request that ended with operations still in flight (its endpoint failed):
             // a transport may still touch the window, so it is never freed.
             tracing::debug!(
                 "staged put/get ended with {} operations in flight; its {} bytes of staging \
                  are kept",
                 self.inflight,
-                self.win.as_ref().map_or(0, |w| w.len)
+                w.len
             );
-            std::mem::forget(self.win.take());
+            w.leak();
         }
     }
 }
@@ -260,7 +331,9 @@ impl State {
             key,
             posted: 0,
             flush_lanes: Vec::new(),
+            flush_after: Vec::new(),
             staged,
+            mapped: None,
         }))
     }
 
@@ -315,31 +388,41 @@ impl State {
         })?;
         self.copy_not_demoted(cmd, MemoryType::Host, None)?;
         let (gpu_guard, gpu_key) = self.copy_key(addr, len, local.mem, local.dev)?;
-        let frag = self.frag.max(1);
-        let mut win = match self.rma_windows.pop() {
-            Some(w) => w,
-            None => self.new_rma_window(cmd, frag.saturating_mul(STAGED_FRAGS), put)?,
-        };
         let md = self.slots[lane].md;
-        let lane_memh = match win.lane_memh.iter().find(|(m, _)| *m == md) {
-            Some((_, h)) => h.clone(),
-            None => {
-                let host = MemRegion::host(win.base(), win.len);
-                // Kept with the window: the handle is dropped before the window's memory.
-                match self.ctx.register_uncached(md, host) {
-                    Ok(g) => {
-                        let h = g.registration().clone();
-                        win.lane_memh.push((md, h.clone()));
-                        h
-                    }
-                    Err(e) => {
-                        self.keep_rma_window(win);
-                        return Err(e);
-                    }
-                }
+        if let Some((at, memh)) = self.map_fragment(md, &key, remote) {
+            // The peer's region is mapped here (its shared memory on this host): the copy
+            // lane moves the bytes straight between it and the GPU buffer, in one copy.
+            let id = self.new_rma(p, put, len, lane, addr, remote, Some(key), None);
+            let r = self.reqs.get_mut(&id).expect("req");
+            r.guards.push(gpu_guard);
+            if let ReqKind::Rma(rm) = &mut r.kind {
+                rm.mapped = Some(Box::new(MappedRma { gpu_key, at, memh }));
             }
+            self.count("staged put/get copied straight to or from the peer's mapped memory");
+            return Ok(id);
+        }
+        let frag = self.frag.max(1);
+        // A window now if one is free (or may be made; a failure to make or register it ends
+        // this step here, so the plan's next step is tried), else the request waits for one,
+        // behind the requests waiting already.
+        let mut win = if self.rma_windows.has_waiters() {
+            None
+        } else {
+            self.take_rma_window(cmd, put)?
         };
-        let nslots = len.div_ceil(frag).min(win.len / frag).max(1);
+        let lane_memh = match win.as_mut() {
+            Some(w) => match self.window_lane_memh(w, md) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    if let Some(w) = win.take() {
+                        self.keep_rma_window(w);
+                    }
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
+        let nslots = len.div_ceil(frag).clamp(1, STAGED_FRAGS);
         let staged = StagedRma {
             gpu_key,
             lane_memh,
@@ -348,7 +431,7 @@ impl State {
             next: 0,
             done: 0,
             inflight: 0,
-            win: Some(win),
+            win,
         };
         let id = self.new_rma(
             p,
@@ -364,20 +447,27 @@ impl State {
         Ok(id)
     }
 
-    /// A pinned window of `len` bytes registered with copy domain `cmd`.
-    pub(crate) fn new_rma_window(
-        &mut self,
-        cmd: usize,
-        len: usize,
-        put: bool,
-    ) -> Result<RmaWindow> {
-        let len = len.max(1);
+    /// A window for a staged request or a landing stream receive: one the worker keeps, or a
+    /// new one while fewer than [`MAX_WINDOWS`] exist; `Ok(None)`: the request waits for one
+    /// ([`Self::wait_for_window`]).
+    pub(crate) fn take_rma_window(&mut self, cmd: usize, put: bool) -> Result<Option<RmaWindow>> {
+        if let Some(w) = self.rma_windows.pool.pop() {
+            return Ok(Some(w));
+        }
+        if self.rma_windows.live.load(Ordering::Relaxed) >= MAX_WINDOWS {
+            return Ok(None);
+        }
+        let len = self.frag.max(1).saturating_mul(STAGED_FRAGS);
         let mut mem = Vec::new();
         mem.try_reserve_exact(len).map_err(|e| {
             Error::NoMemory(format!(
                 "{len} bytes of staging for a {} of GPU memory (RUCX_RNDV_FRAG_SIZE x \
                  {STAGED_FRAGS}): {e}",
-                if put { "put" } else { "get" }
+                if put {
+                    "put"
+                } else {
+                    "get or a stream receive"
+                }
             ))
         })?;
         mem.resize(len, 0);
@@ -389,21 +479,94 @@ impl State {
             .register_uncached(cmd, host)?
             .registration()
             .clone();
+        self.rma_windows.live.fetch_add(1, Ordering::Relaxed);
         self.count("staged put/get window made");
-        Ok(RmaWindow {
+        Ok(Some(RmaWindow {
+            _ticket: WindowTicket(self.rma_windows.live.clone()),
             copy_memh,
             lane_memh: Vec::new(),
             len,
             buf,
-        })
+        }))
     }
 
-    /// Give a window back to the worker for the next staged request (or free it when the
-    /// worker keeps enough).
-    pub(crate) fn keep_rma_window(&mut self, w: RmaWindow) {
-        if self.rma_windows.len() < POOLED_WINDOWS {
-            self.rma_windows.push(w);
+    /// The window's registration with domain `md` (made the first time, kept with it).
+    fn window_lane_memh(&mut self, w: &mut RmaWindow, md: usize) -> Result<MemHandle> {
+        if let Some((_, h)) = w.lane_memh.iter().find(|(m, _)| *m == md) {
+            return Ok(h.clone());
         }
+        let host = MemRegion::host(w.base(), w.len);
+        // Kept with the window: the handle is dropped before the window's memory.
+        let h = self.ctx.register_uncached(md, host)?.registration().clone();
+        w.lane_memh.push((md, h.clone()));
+        Ok(h)
+    }
+
+    /// Give a window back to the worker for the next staged request (the waiting ones are
+    /// woken by the next progress call: [`Self::wake_window_waiters`]).
+    pub(crate) fn keep_rma_window(&mut self, w: RmaWindow) {
+        if self.rma_windows.pool.len() < MAX_WINDOWS {
+            self.rma_windows.pool.push(w);
+        }
+    }
+
+    /// Request `id` ended (with an error: a success hands its window back itself) and nothing
+    /// of it is in flight any more: its window goes back to the worker now rather than when
+    /// the caller drops the request, so that requests waiting for one go on.
+    pub(crate) fn reclaim_window(&mut self, id: u64) {
+        let win = match self.reqs.get_mut(&id) {
+            Some(Req {
+                kind:
+                    ReqKind::Rma(RmaState {
+                        staged: Some(sg), ..
+                    }),
+                outstanding: 0,
+                result: Some(_),
+                ..
+            }) => sg.win.take(),
+            Some(Req {
+                kind:
+                    ReqKind::Recv(RecvState {
+                        proto: RecvProto::Landing(l),
+                        ..
+                    }),
+                outstanding: 0,
+                result: Some(_),
+                ..
+            }) => l.take_window(),
+            _ => None,
+        };
+        if let Some(w) = win {
+            self.keep_rma_window(w);
+        }
+    }
+
+    /// Request `id` of peer `p` waits for a window.
+    pub(crate) fn wait_for_window(&mut self, p: usize, id: u64) {
+        if !self.rma_windows.waiters.iter().any(|&(_, i)| i == id) {
+            self.rma_windows.waiters.push_back((p, id));
+            self.count("request waited for a pinned window");
+        }
+    }
+
+    /// Windows are free (kept, or fewer than the most exist): the requests waiting for one
+    /// go on, in the order they came, as many as there are windows for (a request that ended
+    /// meanwhile is dropped from the line). Returns how many went on.
+    pub(crate) fn wake_window_waiters(&mut self) -> usize {
+        let live = self.rma_windows.live.load(Ordering::Relaxed);
+        let mut free = self.rma_windows.pool.len() + MAX_WINDOWS.saturating_sub(live);
+        let mut woken = 0;
+        while free > 0
+            && let Some((p, id)) = self.rma_windows.waiters.pop_front()
+        {
+            if self.reqs.get(&id).is_some_and(|r| r.result.is_none()) {
+                self.peers[p].queue.push_back(Pending::Stream(id));
+                self.pump(p);
+                free -= 1;
+                woken += 1;
+            }
+        }
+        woken
     }
 
     pub(crate) fn post_flush(&mut self, p: usize) -> Result<u64> {
@@ -414,6 +577,20 @@ impl State {
     /// A flush of every lane of peer `p` (checked by the caller).
     pub(crate) fn flush_req(&mut self, p: usize) -> u64 {
         let lanes: Vec<usize> = self.peers[p].eps.keys().copied().collect();
+        let after: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter_map(|(i, r)| match &r.kind {
+                ReqKind::Rma(rm)
+                    if r.result.is_none()
+                        && rm.peer == p
+                        && (rm.staged.is_some() || rm.mapped.is_some()) =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            })
+            .collect();
         let id = self.new_req(ReqKind::Rma(RmaState {
             peer: p,
             dir: RmaDir::Flush,
@@ -424,7 +601,9 @@ impl State {
             key: None,
             posted: 0,
             flush_lanes: lanes,
+            flush_after: after,
             staged: None,
+            mapped: None,
         }));
         self.peers[p].queue.push_back(Pending::Stream(id));
         self.pump(p);
@@ -438,6 +617,9 @@ impl State {
         };
         if rm.staged.is_some() {
             return self.stream_staged(id);
+        }
+        if rm.mapped.is_some() {
+            return self.stream_mapped(id);
         }
         let (p, dir, len, lane, addr, remote, posted) = (
             rm.peer, rm.dir, rm.len, rm.lane, rm.addr, rm.remote, rm.posted,
@@ -464,13 +646,19 @@ impl State {
                 _ => unreachable!("rma request"),
             };
             let memh = self.reqs[&id].guards[0].registration().clone();
-            let lim = &self.slots[lane].attr.limits;
-            let max = if dir == RmaDir::Put {
-                lim.put_max_zcopy
+            let attr = &self.slots[lane].attr;
+            let lim = if dir == RmaDir::Put {
+                attr.limits.put_max_zcopy
             } else {
-                lim.get_max_zcopy
+                attr.limits.get_max_zcopy
+            };
+            // An accelerator lane (cuda_ipc: one copy-engine copy) moves the whole range in one
+            // operation, as rendezvous reads through it do; host lanes in fragments.
+            let max = if attr.dev_type == rucx_uct::DeviceType::Accelerator {
+                lim
+            } else {
+                lim.min(self.frag)
             }
-            .min(self.frag)
             .max(1);
             let mut off = posted;
             let f = Frags {
@@ -501,7 +689,7 @@ impl State {
         {
             rm.posted = usize::MAX;
         }
-        if self.reqs[&id].outstanding == 0 {
+        if self.reqs[&id].outstanding == 0 && self.flush_may_end(id) {
             self.finish(
                 id,
                 Ok(Completion {
@@ -512,6 +700,64 @@ impl State {
             );
         }
         Ok(true)
+    }
+
+    /// Whether flush `id` (its lanes flushed) may end: every staged put or get it waits for
+    /// ended. Otherwise it is noted, and the progress loop ends it once they have
+    /// ([`Self::end_waiting_flushes`]). True for other requests.
+    pub(crate) fn flush_may_end(&mut self, id: u64) -> bool {
+        let Some(Req {
+            kind: ReqKind::Rma(rm),
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return true;
+        };
+        let mut after = std::mem::take(&mut rm.flush_after);
+        after.retain(|i| self.reqs.get(i).is_some_and(|r| r.result.is_none()));
+        let done = after.is_empty();
+        if let Some(Req {
+            kind: ReqKind::Rma(rm),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            rm.flush_after = after;
+        }
+        if !done && !self.rma_flushes.contains(&id) {
+            self.rma_flushes.push(id);
+        }
+        done
+    }
+
+    /// End the flushes whose lanes are flushed and whose staged puts and gets ended; how many.
+    pub(crate) fn end_waiting_flushes(&mut self) -> usize {
+        let mut n = 0;
+        for id in std::mem::take(&mut self.rma_flushes) {
+            let ready = match self.reqs.get(&id) {
+                Some(Req {
+                    kind: ReqKind::Rma(rm),
+                    outstanding: 0,
+                    result: None,
+                    ..
+                }) => rm.posted == usize::MAX,
+                // Ended otherwise (its endpoint failed), or its lanes' flushes still run
+                // (their completion looks again).
+                _ => continue,
+            };
+            if ready && self.flush_may_end(id) {
+                self.rma_flushes.retain(|&i| i != id);
+                self.finish(
+                    id,
+                    Ok(Completion {
+                        len: 0,
+                        tag: 0,
+                        sender: None,
+                    }),
+                );
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Post the zero-copy fragments of `f` from `*off` to `f.end` on `lane`, at most `f.max`
@@ -550,6 +796,57 @@ impl State {
 }
 
 impl State {
+    /// Post the one copy of a put or get through the peer's mapped region (see
+    /// [`MappedRma`]); it completes with that copy.
+    fn stream_mapped(&mut self, id: u64) -> Result<bool> {
+        let Some(Req {
+            kind: ReqKind::Rma(rm),
+            ..
+        }) = self.reqs.get(&id)
+        else {
+            return Ok(true);
+        };
+        if rm.posted == usize::MAX {
+            return Ok(true);
+        }
+        let (len, addr, put) = (rm.len, rm.addr, rm.dir == RmaDir::Put);
+        let m = rm.mapped.as_ref().expect("mapped request");
+        let (at, memh, gpu_key) = (m.at, m.memh.clone(), m.gpu_key.clone());
+        let iov = [Iov {
+            addr: at,
+            len,
+            memh: &memh,
+        }];
+        // Put: out of the GPU into the mapping; get: out of the mapping into the GPU.
+        let posted = self.post_copy(id, |ep, t| {
+            if put {
+                ep.get_zcopy(&iov, addr as u64, &gpu_key, t)
+            } else {
+                ep.put_zcopy(&iov, addr as u64, &gpu_key, t)
+            }
+        })?;
+        if !posted {
+            return Ok(false);
+        }
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Ok(true);
+        };
+        if let ReqKind::Rma(rm) = &mut r.kind {
+            rm.posted = usize::MAX;
+        }
+        if r.outstanding == 0 {
+            self.finish(
+                id,
+                Ok(Completion {
+                    len,
+                    tag: 0,
+                    sender: None,
+                }),
+            );
+        }
+        Ok(true)
+    }
+
     /// Post what a staged put or get can post now: the second operation of every fragment
     /// whose first one finished, then the first operation of new fragments into free slots;
     /// `Ok(false)`: a transport pushed back (call again after progress).
@@ -572,6 +869,30 @@ impl State {
             );
             let key = rm.key.clone().expect("rma key");
             let sg = rm.staged.as_mut().expect("staged");
+            if sg.win.is_none() {
+                // Waiting for a window: take one now if there is one.
+                let cmd = self.copy_md().ok_or_else(|| Error::Unsupported {
+                    what: "staging GPU memory".into(),
+                    why: "no copy transport (cuda_copy) is open".into(),
+                })?;
+                let Some(mut w) = self.take_rma_window(cmd, put)? else {
+                    self.wait_for_window(p, id);
+                    return Ok(true);
+                };
+                let md = self.slots[lane].md;
+                let h = match self.window_lane_memh(&mut w, md) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        self.keep_rma_window(w);
+                        return Err(e);
+                    }
+                };
+                if let Some(sg) = self.staged_mut(id) {
+                    sg.win = Some(w);
+                    sg.lane_memh = Some(h);
+                }
+                continue;
+            }
             if sg.done >= len {
                 self.finish_staged(id);
                 return Ok(true);
@@ -596,7 +917,7 @@ impl State {
             let win = sg.win.as_ref().expect("window of a staged request");
             let at = win.base() + k * sg.frag;
             let copy_memh = win.copy_memh.clone();
-            let lane_memh = sg.lane_memh.clone();
+            let lane_memh = sg.lane_memh.clone().expect("registered with the window");
             let gpu_key = sg.gpu_key.clone();
             // Put: out of the GPU, then to the peer. Get: from the peer, then into the GPU.
             let on_copy_lane = put != second;

@@ -339,7 +339,9 @@ mod tests {
             key: None,
             posted: 0,
             flush_lanes: Vec::new(),
+            flush_after: Vec::new(),
             staged: None,
+            mapped: None,
         }))
     }
 

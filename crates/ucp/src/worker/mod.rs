@@ -291,7 +291,8 @@ impl Worker {
                 closing: false,
                 copy,
                 staging: None,
-                rma_windows: Vec::new(),
+                rma_windows: Default::default(),
+                rma_flushes: Vec::new(),
                 staging_ahead: None,
                 staging_ahead_wanted,
                 stage_count,
@@ -384,6 +385,14 @@ impl Worker {
             }
             if !st.done_q.is_empty() {
                 n += st.run_done_q();
+            }
+            // Staged requests waiting for a pinned window, when one is free.
+            if st.rma_windows.has_waiters() {
+                n += st.wake_window_waiters();
+            }
+            // Flushes waiting for staged puts and gets.
+            if !st.rma_flushes.is_empty() {
+                n += st.end_waiting_flushes();
             }
             // Active-message payloads dropped unfetched: release their senders.
             if st.am_releases.pending() {
@@ -642,7 +651,9 @@ mod tests {
                     key: None,
                     posted: 0,
                     flush_lanes: Vec::new(),
+                    flush_after: Vec::new(),
                     staged: None,
+                    mapped: None,
                 }));
                 st.finish(id, Err(e.clone()));
                 id

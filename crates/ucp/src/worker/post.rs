@@ -83,7 +83,9 @@ impl Worker {
                         key: None,
                         posted: 0,
                         flush_lanes: Vec::new(),
+                        flush_after: Vec::new(),
                         staged: None,
+                        mapped: None,
                     }));
                     st.finish(id, Err(e));
                     return id;

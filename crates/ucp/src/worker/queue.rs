@@ -232,6 +232,12 @@ impl State {
         {
             l.inflight = r.outstanding;
         }
+        if r.outstanding == 0 && r.result.is_some() {
+            // The last operation of a request that ended early (a failure): its pinned window
+            // goes back to the worker.
+            self.reclaim_window(id);
+            return;
+        }
         if let ReqKind::Recv(RecvState {
             proto: RecvProto::Rndv(rv),
             ..
@@ -279,6 +285,9 @@ impl State {
         match &r.kind {
             ReqKind::Rma(rm) if rm.posted == usize::MAX => {
                 let len = rm.len;
+                if !self.flush_may_end(id) {
+                    return;
+                }
                 self.finish(
                     id,
                     Ok(Completion {

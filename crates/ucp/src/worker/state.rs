@@ -474,8 +474,10 @@ pub(crate) struct State {
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
     pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,
     pub(crate) staging: Option<Staging>,
-    /// Pinned windows kept for the next staged puts and gets (`proto/rma.rs`).
-    pub(crate) rma_windows: Vec<crate::proto::rma::RmaWindow>,
+    /// Pinned windows of staged puts and gets and GPU stream receives (`proto/rma.rs`).
+    pub(crate) rma_windows: crate::proto::rma::Windows,
+    /// Flushes whose lanes are flushed, waiting for staged puts and gets to end.
+    pub(crate) rma_flushes: Vec<u64>,
     /// The staging being made ahead by a helper thread (`RUCX_RNDV_STAGING_AHEAD`), taken by
     /// the first transfer that needs staging.
     pub(crate) staging_ahead: Option<crate::proto::gpu::staging::StagingAhead>,
@@ -637,6 +639,10 @@ impl State {
                 self.am_rts.remove(&id);
             }
             self.owned.note_done(id);
+            if failed {
+                // Nothing in flight: a staged request's pinned window goes back now.
+                self.reclaim_window(id);
+            }
             return failed;
         }
         false

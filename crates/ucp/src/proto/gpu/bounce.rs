@@ -80,32 +80,45 @@ impl Worker {
         }];
         let token = st.next_token;
         st.next_token += 1;
-        let (ci, ep) = st.copy.as_mut().expect("copy lane");
-        let ci = *ci;
-        let res = match ep.get_zcopy(&iov, addr as u64, &key, token) {
-            Ok(OpStatus::Done) => Ok(()),
-            Ok(OpStatus::InProgress) => {
-                // Wait on the copy interface alone; other completions are kept for later.
-                let mut mine = None;
-                while mine.is_none() {
-                    let mut others = Vec::new();
-                    self.ifaces.borrow_mut()[ci].progress(&mut |ev| {
-                        if let Event::Completion { token: t, result } = ev {
-                            if t == token {
-                                mine = Some(result);
-                            } else {
-                                others.push((t, result));
-                            }
-                        }
-                    });
-                    for (t, r) in others {
-                        if let Some(tok) = st.tokens.remove(&t) {
-                            st.done_q.push_back((tok, r));
-                        }
+        let ci = st.copy.as_ref().expect("copy lane").0;
+        // Progress the copy interface alone: `token`'s result once it came; other completions
+        // are kept for later.
+        let poll = |st: &mut State| {
+            let mut mine = None;
+            let mut others = Vec::new();
+            self.ifaces.borrow_mut()[ci].progress(&mut |ev| {
+                if let Event::Completion { token: t, result } = ev {
+                    if t == token {
+                        mine = Some(result);
+                    } else {
+                        others.push((t, result));
                     }
                 }
-                mine.expect("loop ends with a result")
+            });
+            for (t, r) in others {
+                if let Some(tok) = st.tokens.remove(&t) {
+                    st.done_q.push_back((tok, r));
+                }
             }
+            mine
+        };
+        let posted = loop {
+            let (_, ep) = st.copy.as_mut().expect("copy lane");
+            match ep.get_zcopy(&iov, addr as u64, &key, token) {
+                // The copy lane is full: its copies in flight finish by themselves.
+                Err(e) if e.is_retryable() => {
+                    poll(st);
+                }
+                other => break other,
+            }
+        };
+        let res = match posted {
+            Ok(OpStatus::Done) => Ok(()),
+            Ok(OpStatus::InProgress) => loop {
+                if let Some(r) = poll(st) {
+                    break r;
+                }
+            },
             Err(e) => Err(e),
         };
         drop(memh);
@@ -125,7 +138,8 @@ impl Worker {
 pub(crate) enum Bounced {
     /// Copied out and sent eagerly.
     Sent(Posted),
-    /// No bounce fragment (or copy) now: the table's rendezvous protocol carries it instead.
+    /// No bounce fragment now (or the copy failed): the table's rendezvous protocol carries it
+    /// instead.
     Instead(Proto),
 }
 
