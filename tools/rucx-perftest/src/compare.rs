@@ -1357,6 +1357,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             sleep: true,
+            heap: false,
         };
         for tl in ["shm", "tcp"] {
             let g = goals_for(&sleep(tl, 8));
