@@ -470,6 +470,31 @@ pub fn classify(addr: usize, len: usize) -> Result<PointerInfo> {
     global_cache()?.classify(addr, len)
 }
 
+/// [`classify`], asked again of the driver when a cached answer does not satisfy `want`: a
+/// cached allocation can be gone with its addresses reused (memory freed or unmapped where this
+/// crate did not see it, such as another library's allocation), and a caller that expected
+/// something else gets the driver's present view, the stale entry dropped.
+pub fn classify_expecting(
+    addr: usize,
+    len: usize,
+    want: impl Fn(&PointerInfo) -> bool,
+) -> Result<PointerInfo> {
+    let cache = global_cache()?;
+    let info = cache.classify(addr, len)?;
+    if want(&info) || cache.lookup(addr, len).is_none() {
+        return Ok(info);
+    }
+    cache.invalidate(info.base, info.size);
+    cache.classify(addr, len)
+}
+
+/// Forget what the process-wide cache knows of `addr..addr+len`: call it when memory this
+/// crate did not allocate is unmapped (an IPC mapping closed), before its addresses can be
+/// reused.
+pub fn forget(addr: usize, len: usize) {
+    invalidate_global(addr, len);
+}
+
 /// Drop global-cache entries for freed memory (called by this crate's allocation wrappers).
 pub(crate) fn invalidate_global(addr: usize, len: usize) {
     if let Some(c) = GLOBAL.get() {
@@ -660,6 +685,31 @@ mod tests {
         assert!(c.lookup(0x10000, 1).is_none());
         assert!(c.is_empty());
         assert!(!c.enabled());
+    }
+
+    /// A cached device allocation whose addresses now hold host memory (freed or unmapped
+    /// where the crate did not see it) is asked of the driver again when it surprises a
+    /// caller, and dropped; `forget` drops one too.
+    #[test]
+    fn a_stale_cached_allocation_is_asked_again_when_it_surprises() {
+        let v = vec![0u8; 1 << 16];
+        let addr = v.as_ptr() as usize;
+        let c = global_cache().unwrap();
+        c.insert(dev_info(addr & !0xfff, 1 << 20));
+        assert_eq!(
+            classify(addr, 64).unwrap().kind,
+            PtrKind::Cuda,
+            "the stale entry"
+        );
+        let got = classify_expecting(addr, 64, |i| i.kind == PtrKind::HostPageable).unwrap();
+        assert_eq!(got.kind, PtrKind::HostPageable);
+        assert!(c.lookup(addr, 64).is_none(), "the stale entry is gone");
+        // An answer that satisfies the caller is kept as it is.
+        c.insert(dev_info(addr & !0xfff, 1 << 20));
+        let kept = classify_expecting(addr, 64, |i| i.kind == PtrKind::Cuda).unwrap();
+        assert_eq!(kept.kind, PtrKind::Cuda);
+        forget(addr, 1);
+        assert!(c.lookup(addr, 64).is_none());
     }
 
     #[test]

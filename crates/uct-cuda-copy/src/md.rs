@@ -515,7 +515,9 @@ impl MemoryDomain for CudaCopyMd {
         if region.len == 0 {
             return Ok(new_handle(region, None));
         }
-        let info = classify(region.addr, region.len)?;
+        let info = rucx_cuda::pointer::classify_expecting(region.addr, region.len, |i| {
+            i.kind.memory_type() == region.mem_type
+        })?;
         let actual = info.kind.memory_type();
         if actual != region.mem_type {
             return Err(Self::reg_error(

@@ -132,6 +132,9 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         match &self.release {
             Release::Ipc(ctx) => {
+                // Its addresses go back to the process: what the pointer cache knew of them
+                // would describe whatever is mapped there next.
+                rucx_cuda::pointer::forget(self.ptr as usize, self.size as usize);
                 let _ = ctx.bind();
                 // SAFETY: `ptr` came from cuIpcOpenMemHandle in `open` and is closed only here,
                 // after the last copy using it has completed (copies hold an Arc).

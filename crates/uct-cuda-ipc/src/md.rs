@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use rucx_cuda::{Driver, PtrKind, classify, driver, reg_error_kind, result_name, sys};
+use rucx_cuda::{Driver, PtrKind, driver, reg_error_kind, result_name, sys};
 use rucx_ucs::{Config, Error, MemoryType, RegErrorKind, Result};
 use rucx_uct::rkey::{self, Reader};
 use rucx_uct::{
@@ -281,7 +281,9 @@ impl MemoryDomain for CudaIpcMd {
                 "",
             ));
         }
-        let info = classify(region.addr, region.len.max(1))?;
+        let info = rucx_cuda::pointer::classify_expecting(region.addr, region.len.max(1), |i| {
+            i.kind == PtrKind::Cuda
+        })?;
         let mut region = region;
         if region.device.is_none() {
             region.device = info.device;
