@@ -22,8 +22,10 @@ if has tests; then
   for t in "$B"/*-gpu "$B"/*-gpu_*; do
     [ -x "$t" ] || continue
     echo "=== tests: $(basename "$t")"
-    if RUCX_GPU_TESTS=1 timeout 600 "$t" --test-threads=1 2>&1 | tail -n 25; then :; fi
-    if [ "${PIPESTATUS[0]}" -eq 0 ]; then echo "=== ok: $(basename "$t")"; else echo "=== FAILED: $(basename "$t")"; fail=1; fi
+    RUCX_GPU_TESTS=1 timeout 600 "$t" --test-threads=1 > /tmp/test.$$ 2>&1
+    rc=$?
+    tail -n 25 /tmp/test.$$
+    if [ $rc -eq 0 ]; then echo "=== ok: $(basename "$t")"; else echo "=== FAILED: $(basename "$t") (exit $rc)"; fail=1; fi
   done
 fi
 if has matrix; then

@@ -594,3 +594,79 @@ fn a_failed_copy_ends_the_gpu_stream_receive_and_the_stream_goes_on() {
         pair.check_clean();
     }
 }
+
+/// A GPU stream send of 16 MiB + 7 in uneven pieces into host receives of other cuts, both
+/// ways at once (the GPU machine's `gpu_am_stream` case that hung).
+#[test]
+fn gpu_stream_sends_into_host_receives_both_ways() {
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    let total = (16 << 20) + 7;
+    let cuts = [0, 3, 70_000, (1 << 20) + 1, total];
+    let rcuts = [0, 1, 9_000, 5 << 20, total];
+    let mk = |side: usize, mem: Mem, c: &[usize], fill: bool| -> Vec<Buf> {
+        let all = pattern(side as u64 + 7, total);
+        c.windows(2)
+            .map(|w| {
+                let mut b = Buf::new(&pair.fabric, w[1] - w[0], mem);
+                if fill {
+                    b.bytes_mut().copy_from_slice(&all[w[0]..w[1]]);
+                }
+                b
+            })
+            .collect()
+    };
+    let sends = [
+        mk(0, Mem::Device(0), &cuts, true),
+        mk(1, Mem::Device(1), &cuts, true),
+    ];
+    let mut recvs = [
+        mk(0, Mem::Host, &rcuts, false),
+        mk(1, Mem::Host, &rcuts, false),
+    ];
+    let _dog = Watchdog::arm(120, "GPU stream sends into host receives, both ways".into());
+    let [r0, r1] = &mut recvs;
+    pair.w[0].scope(|s0| {
+        pair.w[1].scope(|s1| {
+            let mut q0: Vec<_> = r0
+                .iter_mut()
+                .map(|b| s0.stream_recv(pair.ep[0], b.recv()))
+                .collect();
+            let mut q1: Vec<_> = r1
+                .iter_mut()
+                .map(|b| s1.stream_recv(pair.ep[1], b.recv()))
+                .collect();
+            q0.extend(
+                sends[0]
+                    .iter()
+                    .map(|b| s0.stream_send(pair.ep[0], b.send())),
+            );
+            q1.extend(
+                sends[1]
+                    .iter()
+                    .map(|b| s1.stream_send(pair.ep[1], b.send())),
+            );
+            let state = |q: &[rucx_ucp::Request<'_>]| -> Vec<String> {
+                q.iter()
+                    .map(|r| format!("{:?}", r.test().map(|x| x.map(|c| c.len))))
+                    .collect()
+            };
+            pair.drive(|| q0.iter().chain(&q1).all(|r| r.test().is_some()))
+                .unwrap_or_else(|e| {
+                    panic!("{e}; side 0: {:?}; side 1: {:?}", state(&q0), state(&q1))
+                });
+            for r in q0.iter().chain(&q1) {
+                r.test().unwrap().expect("done");
+            }
+        })
+    });
+    for (i, rb) in recvs.iter().enumerate() {
+        let mut got = Vec::new();
+        for b in rb {
+            got.extend_from_slice(b.bytes());
+        }
+        assert!(
+            got == pattern((1 - i) as u64 + 7, total),
+            "side {i}: bytes differ"
+        );
+    }
+}

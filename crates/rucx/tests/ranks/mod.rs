@@ -90,8 +90,18 @@ pub fn run_both(test: &str, tls: &str, env: &[(&str, &str)]) -> Vec<String> {
         .into_iter()
         .map(|k| finish(k, Duration::from_secs(120)))
         .collect();
-    for (r, (ok, text)) in outs.iter().enumerate() {
-        assert!(ok, "rank {r} over {tls} failed:\n{text}");
+    // Both ranks' outputs when either failed: the other's often says why (it may have
+    // exited first, and the one that failed only saw its peer go).
+    if outs.iter().any(|(ok, _)| !ok) {
+        let all: Vec<String> = outs
+            .iter()
+            .enumerate()
+            .map(|(r, (ok, text))| {
+                let how = if *ok { "succeeded" } else { "FAILED" };
+                format!("--- rank {r} over {tls} {how}:\n{text}")
+            })
+            .collect();
+        panic!("{}", all.join("\n"));
     }
     outs.into_iter().map(|o| o.1).collect()
 }
