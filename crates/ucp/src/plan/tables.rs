@@ -25,6 +25,12 @@ pub(crate) struct HostLanes<'a> {
     pub am_reg_cost: LinearCost,
     /// Lane for rendezvous data (its domain registers host memory now).
     pub rma: Option<(&'a IfaceAttr, usize)>,
+    /// The automatic rendezvous threshold of the same lanes with nothing demoted
+    /// (`usize::MAX`: none). A demotion never moves the threshold above it: sizes that were a
+    /// rendezvous stay one (the receiver can still refuse a message it has no path for, and the
+    /// send then ends with the error; an eager message would leave its sender believing it
+    /// delivered, and the receiver holding it unexpected), streamed when no lane can register.
+    pub eager_cap: usize,
 }
 
 fn rndv_threshold(l: &HostLanes<'_>, cfg: &PlanConfig) -> usize {
@@ -57,7 +63,7 @@ fn rndv_threshold(l: &HostLanes<'_>, cfg: &PlanConfig) -> usize {
         }
         n *= 2;
     }
-    n.max(split_floor(l, cfg))
+    n.max(split_floor(l, cfg)).min(l.eager_cap)
 }
 
 /// Smallest rendezvous worth it on a lane whose rendezvous is a split read (shared memory, the
@@ -95,11 +101,21 @@ fn zcopy_threshold(l: &HostLanes<'_>, cfg: &PlanConfig) -> usize {
     n
 }
 
+/// Whether streaming a rendezvous over the active-message lane (copied in and out) moves bytes
+/// faster than the data lane `data` moves them by zero-copy: e.g. shared memory demoted for
+/// host memory, where the next lane that registers is a network one.
+fn am_streams_faster(am: &IfaceAttr, data: &IfaceAttr, am_lane: usize, data_lane: usize) -> bool {
+    let per_byte = |bw: f64| if bw > 0.0 { 1e9 / bw } else { f64::INFINITY };
+    am_lane != data_lane
+        && per_byte(am.perf.bandwidth) + 2.0 * per_byte(MEMCPY_BW) < per_byte(data.perf.bandwidth)
+}
+
 /// The rendezvous protocol and its lane for host memory.
 fn rndv_proto(l: &HostLanes<'_>, cfg: &PlanConfig) -> (Proto, usize) {
     let am = l.am.1;
     match (l.rma, cfg.scheme) {
         (_, Scheme::Am) | (None, _) => (Proto::RndvAm, am),
+        (Some((r, i)), Scheme::Auto) if am_streams_faster(l.am.0, r, am, i) => (Proto::RndvAm, am),
         (Some((r, i)), Scheme::Put) if r.has(IfaceCaps::PUT_ZCOPY) => (Proto::RndvPut, i),
         // Over a network the sender pushes: a read costs a request round trip per fragment
         // and the serving side's copy (measured on loopback tcp: 5.3 GB/s put vs 1.2 get).
@@ -247,10 +263,40 @@ fn refused(op: Op, mem: MemKey, why: impl Into<String>) -> OpTable {
     }
 }
 
+/// A registration view with nothing demoted.
+struct NothingDemoted;
+
+impl super::RegView for NothingDemoted {
+    fn can_register(&self, _md: usize, _mem: rucx_ucs::MemoryType, _dev: Option<u32>) -> bool {
+        true
+    }
+}
+
+/// The automatic rendezvous threshold of `input`'s lanes with nothing demoted.
+fn undemoted_threshold(input: &PlanInput<'_>) -> usize {
+    let base = PlanInput {
+        reg: &NothingDemoted,
+        ..*input
+    };
+    match super::lanes::select(&base, &[MemKey::HOST]) {
+        Ok((lanes, _)) => rndv_threshold(&host_lanes_with(&base, &lanes, usize::MAX), input.cfg),
+        Err(_) => usize::MAX,
+    }
+}
+
 /// Host lanes as the host table reads them.
 pub(crate) fn host_lanes<'a>(input: &PlanInput<'a>, lanes: &Lanes) -> HostLanes<'a> {
+    let cap = match input.cfg.rndv_thresh {
+        MemUnits::Auto => undemoted_threshold(input),
+        _ => usize::MAX,
+    };
+    host_lanes_with(input, lanes, cap)
+}
+
+fn host_lanes_with<'a>(input: &PlanInput<'a>, lanes: &Lanes, eager_cap: usize) -> HostLanes<'a> {
     let am = &input.lanes[lanes.am];
     HostLanes {
+        eager_cap,
         am: (&am.attr, lanes.am),
         am_can_reg: am.md_attr.reg_mem_types().has(rucx_ucs::MemoryType::Host)
             && input

@@ -431,6 +431,24 @@ fn demoted_host_domain_replaced_by_the_next_best_lane() {
     expect("posix_demoted_tcp_takes_over", &p);
     assert_eq!(p.lanes.am, 0, "the active-message lane never moves");
     assert_eq!(p.lanes.rma, Some(1));
+    // Large messages stay a rendezvous (the threshold never rises with a demotion), streamed
+    // over posix's active messages: two copies through shared memory beat tcp's zero-copy.
+    let before = plan_of(&m, &Demoted::default(), &PlanConfig::defaults(), &[]);
+    let start = |p: &EpPlan| {
+        let t = p.table(Op::Tag, MemKey::HOST);
+        t.rows.iter().find(|r| r.proto.is_rndv()).map(|r| r.from)
+    };
+    assert!(start(&p).unwrap() <= start(&before).unwrap());
+    assert_eq!(
+        proto_at(&p, Op::Tag, MemKey::HOST, 64 << 20),
+        (Proto::RndvAm, "posix/memory".into())
+    );
+    // With a posix as slow as tcp, tcp's zero-copy write carries them.
+    let mut slow = posix();
+    slow.attr.perf.bandwidth = 1e9;
+    let m = machine(vec![slow, tcp("lo")]);
+    let reg = Demoted(vec![(md_of(&m, "posix"), MemoryType::Host, None)]);
+    let p = plan_of(&m, &reg, &PlanConfig::defaults(), &[]);
     assert_eq!(
         proto_at(&p, Op::Tag, MemKey::HOST, 64 << 20),
         (Proto::RndvPut, "tcp/lo".into())
@@ -462,9 +480,16 @@ fn a_synchronous_send_is_reselected_from_the_synchronous_table() {
         Some(row.proto),
         "the synchronous table's row"
     );
+    let before = plan_of(&m, &Demoted::default(), &PlanConfig::defaults(), &[]);
+    let stale = before.table(Op::TagSync, MemKey::HOST).lookup(mid).unwrap();
+    assert!(
+        (row.proto, &row.lane) != (stale.proto, &stale.lane),
+        "the new plan's rendezvous, not the one through the demoted domain: {row:?}"
+    );
     assert_eq!(
-        row.lane, "tcp/lo",
-        "the lane that took over after the demotion"
+        row.proto,
+        Proto::RndvAm,
+        "streamed: posix no longer registers"
     );
     // Every size of a synchronous send waits for the match.
     for r in &sync.rows {
@@ -825,6 +850,17 @@ proptest! {
             // and memory before it too (demotions only take paths away).
             let was = b.iter().any(|(o, kk, _)| *o == op && *kk == k);
             prop_assert!(was, "{:?} {} gained zero-copy on {}", op, k, lane);
+        }
+        // Sizes that were a rendezvous stay one (the receiver can refuse what it has no path
+        // for; an eager message would leave its sender believing it was delivered).
+        for op in [Op::Tag, Op::Am] {
+            let start = |p: &EpPlan| {
+                p.table(op, MemKey::HOST).rows.iter().find(|r| r.proto.is_rndv()).map(|r| r.from)
+            };
+            if let Some(b) = start(&before) {
+                let a = start(&after);
+                prop_assert!(a.is_some_and(|a| a <= b), "{:?}: rendezvous from {} before, {:?} after", op, b, a);
+            }
         }
         // Roles only lose lanes.
         if after.lanes.rma.is_some() { prop_assert!(before.lanes.rma.is_some()); }
