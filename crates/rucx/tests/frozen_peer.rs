@@ -6,27 +6,18 @@
 //! Each test spawns its two ranks as children of this test binary (told apart by
 //! `RUCX_TEST_RANK_ROLE`), which meet through the launcher bootstrap like any rucx job.
 
-use std::process::{Child, Command, Stdio};
+mod ranks;
+
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use nix::sys::resource::{UsageWho, getrusage};
 use nix::sys::signal::{Signal, kill, raise};
 use nix::unistd::Pid;
+use ranks::{finish, in_child, spawn};
 use rucx::{Error, Job, TAG_MASK_FULL};
 
-const ROLE: &str = "RUCX_TEST_RANK_ROLE";
 const BIG: usize = 16 << 20;
-
-fn in_child() -> bool {
-    std::env::var(ROLE).is_ok()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
-}
 
 /// CPU time (user and system) this process used so far.
 fn cpu_time() -> Duration {
@@ -51,46 +42,11 @@ fn handshake(job: &Job) {
     assert_eq!(got[0] as usize, peer);
 }
 
+/// The two ranks over posix with a 2 s peer timeout, and extra environment.
 fn spawn_ranks(test: &str, env: &[(&str, &str)]) -> Vec<Child> {
-    let exe = std::env::current_exe().unwrap();
-    let boot = format!("127.0.0.1:{}", free_port());
-    (0..2)
-        .map(|rank| {
-            Command::new(&exe)
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "1")
-                .env("RUCX_RANK", rank.to_string())
-                .env("RUCX_SIZE", "2")
-                .env("RUCX_BOOTSTRAP", &boot)
-                .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
-                .env("RUCX_TLS", "posix")
-                .env("RUCX_PEER_TIMEOUT", "2s")
-                .envs(env.iter().copied())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
-}
-
-/// Wait up to `limit` for `k` to exit (killing it past that); its success and output.
-fn finish(mut k: Child, limit: Duration) -> (bool, String) {
-    let t = Instant::now();
-    while k.try_wait().unwrap().is_none() {
-        if t.elapsed() > limit {
-            let _ = k.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let o = k.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    (o.status.success(), text)
+    let mut all = vec![("RUCX_PEER_TIMEOUT", "2s")];
+    all.extend_from_slice(env);
+    spawn(test, "posix", &all)
 }
 
 #[test]

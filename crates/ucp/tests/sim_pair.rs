@@ -844,18 +844,50 @@ fn the_tail_of_a_split_rendezvous_is_written_after_the_sender_s_lane_moved() {
 /// whole. In order and delivered out of order (the abort may overtake the first fragment).
 #[test]
 fn a_multi_fragment_eager_send_failing_part_way_ends_the_receive() {
-    let n = 12_000;
-    for delivery in [
-        Delivery::InOrder,
-        Delivery::Random {
-            seed: 11,
-            noresource_per_mille: 0,
-        },
-        Delivery::Random {
-            seed: 12,
-            noresource_per_mille: 0,
-        },
-    ] {
+    let deliveries = [11, 12].map(|seed| Delivery::Random {
+        seed,
+        noresource_per_mille: 0,
+    });
+    // The second fragment's post fails.
+    let fail = |pair: &Pair| {
+        pair.fabric
+            .fail_ops_after(pair.nodes[0], LaneKind::Shm, 1, 1)
+    };
+    a_failing_eager_send_ends_the_receive(12_000, Proto::EagerBcopyMulti, &deliveries, fail);
+}
+
+/// An eager zero-copy send whose last fragment's completion fails (the transport took every
+/// fragment, then lost one) ends the receive on the peer too: the sender tells it with an
+/// eager abort, as when posting fails part-way. Before, the receive waited for the lost bytes
+/// forever, and an unexpected partial message stayed queued.
+#[test]
+fn an_eager_zero_copy_send_whose_completion_fails_ends_the_receive() {
+    let n = 40_000;
+    let deliveries = [Delivery::Random {
+        seed: 21,
+        noresource_per_mille: 0,
+    }];
+    // 5 fragments of 8000 bytes (the shm-like lane's am_zcopy limit): the last one's
+    // completion fails.
+    let last = (n as u64).div_ceil(8000) - 1;
+    let fail = |pair: &Pair| {
+        pair.fabric
+            .fail_completions_after(pair.nodes[0], LaneKind::Shm, last, 1)
+    };
+    a_failing_eager_send_ends_the_receive(n, Proto::EagerZcopy, &deliveries, fail);
+}
+
+/// An eager send of `n` bytes by `proto` that `fail` makes fail part-way (in order and with
+/// each of `deliveries`) ends both sides: the send with the transport's error, a matched
+/// receive with the peer's abort; an unexpected partial message is dropped (not left queued),
+/// and the endpoint carries the next message of that tag whole.
+fn a_failing_eager_send_ends_the_receive(
+    n: usize,
+    proto: Proto,
+    deliveries: &[Delivery],
+    fail: impl Fn(&Pair),
+) {
+    for &delivery in std::iter::once(&Delivery::InOrder).chain(deliveries) {
         let pair = Pair::new(
             FabricSpec::host().delivery(delivery),
             [HOST_VARS, HOST_VARS],
@@ -863,11 +895,10 @@ fn a_multi_fragment_eager_send_failing_part_way_ends_the_receive() {
         let table = pair.w[0].proto_table(pair.ep[0]).unwrap();
         assert_eq!(
             rucx_ucp::proto::lookup(&table, n).map(|r| r.proto),
-            Some(Proto::EagerBcopyMulti)
+            Some(proto)
         );
         // Matched: the receive is posted first.
-        pair.fabric
-            .fail_ops_after(pair.nodes[0], LaneKind::Shm, 1, 1);
+        fail(&pair);
         let send = Buf::filled(&pair.fabric, n, Mem::Host, 1);
         let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
         let out = pair.transfer(0, &send, &mut recv, 5, false);
@@ -884,76 +915,7 @@ fn a_multi_fragment_eager_send_failing_part_way_ends_the_receive() {
         );
         assert_eq!(recv.guard_damage(), None);
         // Unexpected: the partial message arrives before any receive.
-        pair.fabric
-            .fail_ops_after(pair.nodes[0], LaneKind::Shm, 1, 1);
-        let send = Buf::filled(&pair.fabric, n, Mem::Host, 2);
-        pair.w[0].scope(|s| {
-            let r = s.tag_send(pair.ep[0], send.send(), 6);
-            pair.drive(|| r.test().is_some()).unwrap();
-            assert!(
-                matches!(r.test(), Some(Err(Error::Io { .. }))),
-                "{delivery:?}: {:?}",
-                r.test()
-            );
-        });
-        pair.settle();
-        assert_eq!(pair.w[1].probe(6, TAG_MASK_FULL), None, "{delivery:?}");
-        let send = Buf::filled(&pair.fabric, n, Mem::Host, 3);
-        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
-        pair.transfer(0, &send, &mut recv, 6, false).expect_ok();
-        assert!(recv.bytes() == pattern(3, n), "{delivery:?}");
-        assert_eq!(pair.w[0].live_requests() + pair.w[1].live_requests(), 0);
-        pair.check_clean();
-    }
-}
-
-/// An eager zero-copy send whose last fragment's completion fails (the transport took every
-/// fragment, then lost one) ends the receive on the peer too: the sender tells it with an
-/// eager abort, as when posting fails part-way. Before, the receive waited for the lost bytes
-/// forever, and an unexpected partial message stayed queued.
-#[test]
-fn an_eager_zero_copy_send_whose_completion_fails_ends_the_receive() {
-    let n = 40_000;
-    for delivery in [
-        Delivery::InOrder,
-        Delivery::Random {
-            seed: 21,
-            noresource_per_mille: 0,
-        },
-    ] {
-        let pair = Pair::new(
-            FabricSpec::host().delivery(delivery),
-            [HOST_VARS, HOST_VARS],
-        );
-        let table = pair.w[0].proto_table(pair.ep[0]).unwrap();
-        assert_eq!(
-            rucx_ucp::proto::lookup(&table, n).map(|r| r.proto),
-            Some(Proto::EagerZcopy)
-        );
-        // 5 fragments of 8000 bytes (the shm-like lane's am_zcopy limit): the last one's
-        // completion fails.
-        let last = (n as u64).div_ceil(8000) - 1;
-        // Matched: the receive is posted first.
-        pair.fabric
-            .fail_completions_after(pair.nodes[0], LaneKind::Shm, last, 1);
-        let send = Buf::filled(&pair.fabric, n, Mem::Host, 1);
-        let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
-        let out = pair.transfer(0, &send, &mut recv, 5, false);
-        assert!(out.hang.is_none(), "{delivery:?}: {}", out.hang.unwrap());
-        assert!(
-            matches!(
-                (&out.send, &out.recv),
-                (
-                    Some(Err(Error::Io { .. })),
-                    Some(Err(Error::PeerAborted { .. }))
-                )
-            ),
-            "{delivery:?}: {out:?}"
-        );
-        assert_eq!(recv.guard_damage(), None);
-        // Unexpected: the message, one fragment short, arrives before any receive.
-        pair.fabric
-            .fail_completions_after(pair.nodes[0], LaneKind::Shm, last, 1);
+        fail(&pair);
         let send = Buf::filled(&pair.fabric, n, Mem::Host, 2);
         pair.w[0].scope(|s| {
             let r = s.tag_send(pair.ep[0], send.send(), 6);
