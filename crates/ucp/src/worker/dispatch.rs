@@ -24,6 +24,36 @@ impl State {
         Ok(p)
     }
 
+    /// `Ok(true)` when `rreq` is a live rendezvous receive matched to a message of peer `p`:
+    /// what the data and the finish of a rendezvous may name; `Ok(false)` when it ended already
+    /// (late bytes of a canceled or failed receive, dropped quietly). Anything else (a request
+    /// of another peer, one not matched yet, a send) is refused, so a peer cannot write into
+    /// or complete a receive that is not its own by naming its id.
+    fn rndv_recv_from(&self, rreq: u64, p: usize) -> Result<bool> {
+        match self.reqs.get(&rreq) {
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: None,
+                ..
+            }) if rs.sender == Some(p)
+                && matches!(&rs.proto, RecvProto::Rndv(rv) if rv.peer == p) =>
+            {
+                Ok(true)
+            }
+            // Ended already (canceled, failed, truncated): late data is dropped quietly.
+            Some(Req {
+                kind: ReqKind::Recv(rs),
+                result: Some(_),
+                ..
+            }) if rs.sender == Some(p) => Ok(false),
+            None => Ok(false),
+            _ => Err(Error::InvalidParam(format!(
+                "rendezvous data or finish from peer {p} names receive {rreq:#x}, which is not \
+                 a rendezvous receive matched to that peer"
+            ))),
+        }
+    }
+
     pub(crate) fn on_am(&mut self, id: AmId, data: &[u8]) -> Result<()> {
         // The most frequent message, decoded in place (`wire::parse` reads the same layout).
         if id == wire::AM_EAGER_SHORT
@@ -123,14 +153,20 @@ impl State {
                 offset,
                 data,
             } => {
-                let _ = self.src_peer(src)?;
+                let p = self.src_peer(src)?;
+                if !self.rndv_recv_from(rreq, p)? {
+                    return Ok(());
+                }
                 if !self.split_tail_data(rreq, offset as usize, data) {
                     self.recv_data(rreq, offset as usize, data);
                     self.recv_complete(rreq);
                 }
             }
             Msg::Fin { src, rreq } => {
-                let _ = self.src_peer(src)?;
+                let p = self.src_peer(src)?;
+                if !self.rndv_recv_from(rreq, p)? {
+                    return Ok(());
+                }
                 self.tail_landed(rreq);
             }
             Msg::Abort {
@@ -227,5 +263,58 @@ impl State {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::TAG_MASK_FULL;
+    use crate::worker::prelude::*;
+
+    /// A peer that names a receive it was not matched with (one posted and waiting, whose id it
+    /// guessed) in rendezvous data or a rendezvous finish is refused: the receive neither takes
+    /// the bytes nor completes (before, the finish completed it with the buffer's old bytes).
+    #[test]
+    fn rendezvous_data_or_finish_naming_an_unmatched_receive_is_refused() {
+        let w = crate::worker::tests::self_worker();
+        w.connect(&w.address()).unwrap();
+        let mut buf = vec![7u8; 64];
+        w.scope(|s| {
+            let r = s.tag_recv(&mut buf[..], 5, TAG_MASK_FULL);
+            let (rid, uuid) = {
+                let st = w.st.borrow();
+                let rid = st
+                    .reqs
+                    .iter()
+                    .find(|(_, q)| matches!(q.kind, ReqKind::Recv(_)))
+                    .map(|(id, _)| id)
+                    .unwrap();
+                (rid, st.uuid())
+            };
+            let forged = [
+                Msg::RndvData {
+                    src: uuid,
+                    rreq: rid,
+                    offset: 0,
+                    data: &[1u8; 64],
+                },
+                Msg::Fin {
+                    src: uuid,
+                    rreq: rid,
+                },
+            ];
+            for m in forged {
+                let (id, bytes) = m.encode();
+                let e = w.st.borrow_mut().on_am(id, &bytes);
+                assert!(matches!(e, Err(Error::InvalidParam(_))), "{e:?}");
+            }
+            for _ in 0..100 {
+                w.progress();
+            }
+            assert!(r.test().is_none(), "{:?}", r.test());
+            assert!(r.cancel());
+        });
+        assert_eq!(buf, vec![7u8; 64]);
+        assert_eq!(w.live_requests(), 0);
     }
 }

@@ -602,11 +602,11 @@ impl Drop for Worker {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::worker::prelude::{Duration, ReqKind, RmaDir, RmaState};
 
-    pub(super) fn self_worker() -> Worker {
+    pub(crate) fn self_worker() -> Worker {
         let mut tables = rucx_transports::config_tables();
         tables.push(crate::CONFIG);
         let cfg = rucx_ucs::Config::from_vars(&tables, [("RUCX_TLS", "self")]).unwrap();

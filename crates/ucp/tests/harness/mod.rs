@@ -600,6 +600,14 @@ impl Pair {
 
     /// Exactly one "demoted" warning per demotion entry of both contexts.
     pub fn check_warnings(&self) {
+        // Our own traffic is never refused as malformed or as naming someone else's request.
+        let dropped: Vec<_> = self
+            .warnings
+            .all()
+            .into_iter()
+            .filter(|w| w.contains("dropped a malformed"))
+            .collect();
+        assert!(dropped.is_empty(), "{dropped:#?}");
         let demotions: Vec<_> = self
             .ctx
             .iter()
