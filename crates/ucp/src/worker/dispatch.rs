@@ -211,8 +211,8 @@ impl State {
                 frag,
                 len,
             } => {
-                let _ = self.src_peer(src)?;
-                self.on_frag_ack(sreq, frag as usize, len as usize);
+                let p = self.src_peer(src)?;
+                self.on_frag_ack(p, sreq, frag as usize, len as usize);
             }
             Msg::StagingOffer { src, key } => {
                 let _ = self.src_peer(src)?;

@@ -612,9 +612,9 @@ impl State {
     /// The receiver read (or gave back) our staged fragments from `frag` on, `len` bytes, of
     /// send `sreq`: they are free again whether or not the send still runs (an aborted send's
     /// fragments still come back); a live send goes on or completes.
-    pub(crate) fn on_frag_ack(&mut self, sreq: u64, frag: usize, len: usize) {
+    pub(crate) fn on_frag_ack(&mut self, p: usize, sreq: u64, frag: usize, len: usize) {
         match self.live_staged_send(sreq) {
-            Some(p) => {
+            Some(q) if q == p => {
                 let next = self.with_rndv_send(sreq, |rv, head, st| {
                     rv.on_frag_ack(st, sreq, frag, len, head.len)
                 });
@@ -626,8 +626,12 @@ impl State {
                     }
                 }
             }
-            None => {
-                StageIo::release_send(self, sreq, frag, len);
+            // An ended send (or a peer naming a send to another peer): only what was
+            // announced to the acknowledging peer comes back.
+            _ => {
+                if let Some(stg) = self.staging.as_mut() {
+                    stg.free_send.release_announced(p, sreq, frag, len);
+                }
             }
         }
         self.wake_send_waiters(true);

@@ -125,8 +125,32 @@ impl SendFrags {
                     n += 1;
                 }
                 _ => tracing::debug!(
-                    "staging fragment {g} given back by request {sreq:#x}, which does not hold                      it; ignored"
+                    "staging fragment {g} given back by request {sreq:#x}, which does not hold \
+                     it; ignored"
                 ),
+            }
+        }
+        n
+    }
+
+    /// Peer `p` acknowledged the run from `first` holding `len` bytes of send `sreq`, which is
+    /// no longer running: the fragments of it that were announced to `p` come back; others
+    /// (held by a send to another peer, or not announced yet) are left alone.
+    pub(crate) fn release_announced(
+        &mut self,
+        p: usize,
+        sreq: u64,
+        first: usize,
+        len: usize,
+    ) -> usize {
+        let mut n = 0;
+        for g in self.run(first, len) {
+            if let Some(l) = self.slot(g)
+                && l.is_some_and(|l| l.sreq == sreq && l.peer == Some(p))
+            {
+                *l = None;
+                self.free.push(g);
+                n += 1;
             }
         }
         n
@@ -562,6 +586,30 @@ mod tests {
         assert_eq!(f.len(), 1);
         assert_eq!(f.pop(), Some(12));
         assert_eq!(f.pop(), None);
+    }
+
+    /// An acknowledgement for an ended send frees only what was announced to the peer that
+    /// acknowledges: another peer naming the send (a forged or stray acknowledgement) frees
+    /// nothing, so a fragment still being read is never handed out again.
+    #[test]
+    fn an_acknowledgement_frees_only_what_was_announced_to_its_peer() {
+        use super::SendFrags;
+        let mut s = SendFrags::new(0, 4, 100);
+        assert_eq!(s.take_run(7, 4), Some((0, 4)));
+        s.announced(7, 1, 0, 200);
+        assert_eq!(
+            s.release_announced(2, 7, 0, 400),
+            0,
+            "peer 2 was told nothing"
+        );
+        assert_eq!(s.release_announced(1, 9, 0, 200), 0, "not send 9's");
+        assert_eq!(
+            s.release_announced(1, 7, 0, 400),
+            2,
+            "fragments 2 and 3 not announced"
+        );
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.release_announced(1, 7, 0, 200), 0, "twice");
     }
 
     /// A run comes back only from the send it was lent to; a failed peer gives back what was
