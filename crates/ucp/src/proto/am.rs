@@ -12,8 +12,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::proto::gpu::bounce::BounceSendIo;
 use crate::proto::memcopy::copy_io::CopyIo;
-use crate::proto::memcopy::state::host_to_gpu;
+use crate::proto::memcopy::state::{gpu_to_host, host_to_gpu};
 use crate::worker::prelude::*;
 
 /// A payload a handler dropped without fetching it.
@@ -333,6 +334,36 @@ impl AmRemoteData {
     }
 }
 
+/// What became of a GPU payload the plan copies in.
+pub(crate) enum CopiedOut {
+    /// Copied to host memory: these bytes go copied in.
+    Host(Vec<u8>),
+    /// Not copied (no staging fragment, the copy lane's registration or a copy failed): the
+    /// table's rendezvous protocol carries it.
+    Instead(Proto),
+}
+
+/// Copy GPU payload `from` of active message `id` to peer `p` out to host memory
+/// ([`gpu_to_host`]); when that fails, the rendezvous row of the active-message table carries
+/// it, or, when the table has none, the request ends with the copy's error.
+pub(crate) fn gpu_copy_out(
+    io: &mut impl BounceSendIo,
+    p: usize,
+    id: u16,
+    from: MemRegion,
+) -> Result<CopiedOut> {
+    match gpu_to_host(io, from) {
+        Ok(host) => Ok(CopiedOut::Host(host)),
+        Err(e) => match io.rndv_row(p, Op::Am, MemKey::new(from.mem_type, from.device)) {
+            Some(r) => {
+                tracing::debug!("active message {id}: copy out of GPU failed ({e}); rendezvous");
+                Ok(CopiedOut::Instead(r))
+            }
+            None => Err(e),
+        },
+    }
+}
+
 /// Copy an inline payload `data` into buffer `to` (into GPU memory by the copy lane): the
 /// payload's length; longer than the buffer, the bytes that fit are written and it ends with
 /// `Truncated`.
@@ -436,21 +467,18 @@ impl Worker {
                 st.am_send(ep, id, header, unsafe { host_slice(addr, len) })?;
                 return Ok(Posted::Done(done));
             }
-            match self.gpu_to_host(&mut st, addr, len, mem, dev) {
-                Ok(host) => {
+            let from = MemRegion {
+                addr,
+                len,
+                mem_type: mem,
+                device: dev,
+            };
+            match gpu_copy_out(&mut self.copy_lane(&mut st), p, id, from)? {
+                CopiedOut::Host(host) => {
                     st.am_send(ep, id, header, &host)?;
                     return Ok(Posted::Done(done));
                 }
-                // No staging fragment or copy now: the table's rendezvous carries it.
-                Err(e) => match st.peers[p].plan.table(Op::Am, key).rows.last() {
-                    Some(r) if r.proto.is_rndv() => {
-                        tracing::debug!(
-                            "active message {id}: copy out of GPU failed ({e}); rendezvous"
-                        );
-                        proto = r.proto;
-                    }
-                    _ => return Err(e),
-                },
+                CopiedOut::Instead(r) => proto = r,
             }
         }
         let am = st.peers[p].am;

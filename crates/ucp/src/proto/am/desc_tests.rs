@@ -317,3 +317,37 @@ fn an_inline_payload_into_gpu_memory() {
     assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
     assert!(!io.touched(0x9000, 500));
 }
+
+// ----- GPU payloads copied in -----
+
+/// A GPU payload the plan copies in is copied out to host memory; when the copy lane refuses
+/// its buffer (demoted) or no staging fragment is free, the table's rendezvous carries it, and
+/// without one the send ends with the refusal.
+#[test]
+fn a_gpu_payload_copied_out_or_sent_by_rendezvous() {
+    let data: Vec<u8> = (0..5000).map(|i| (i * 5) as u8).collect();
+    let mut io = CopyFake::new(64, 4096, 1);
+    io.rndv_row = Some(Proto::RndvGet);
+    io.fill(0x9000, &data);
+    match gpu_copy_out(&mut io, 0, 9, gpu(0x9000, 5000)).unwrap() {
+        CopiedOut::Host(h) => assert_eq!(h, data),
+        CopiedOut::Instead(p) => panic!("{p:?}"),
+    }
+
+    io.refuse_reg = true;
+    match gpu_copy_out(&mut io, 0, 9, gpu(0x9000, 5000)).unwrap() {
+        CopiedOut::Instead(p) => assert_eq!(p, Proto::RndvGet),
+        CopiedOut::Host(_) => panic!("copied"),
+    }
+    io.refuse_reg = false;
+    io.free.clear();
+    assert!(matches!(
+        gpu_copy_out(&mut io, 0, 9, gpu(0x9000, 10)),
+        Ok(CopiedOut::Instead(Proto::RndvGet))
+    ));
+
+    io.rndv_row = None;
+    io.refuse_reg = true;
+    let r = gpu_copy_out(&mut io, 0, 9, gpu(0x9000, 10));
+    assert!(matches!(r, Err(Error::Unsupported { .. })));
+}
