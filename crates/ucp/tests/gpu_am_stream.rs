@@ -350,6 +350,44 @@ fn bad_active_message_requests_are_refused_with_the_reason() {
     pair.check_clean();
 }
 
+/// The sender failing while the receiver's fetch of its payload is in flight: the fetch ends
+/// with the failure rather than waiting forever, and nothing of it is left (host and GPU
+/// payloads, host and GPU buffers).
+#[test]
+fn the_sender_failing_while_a_fetch_is_in_flight_ends_the_fetch() {
+    for (sm, rm) in [
+        (Mem::Device(0), Mem::Device(1)),
+        (Mem::Host, Mem::Host),
+        (Mem::Device(0), Mem::Host),
+        (Mem::Host, Mem::Device(0)),
+    ] {
+        let pair = Pair::new(FabricSpec::gpu().ipc(false), [VARS, VARS]);
+        let inbox = inboxes(&pair);
+        let send = Buf::filled(&pair.fabric, 4 << 20, sm, 3);
+        let mut recv = Buf::new(&pair.fabric, 4 << 20, rm);
+        let (sres, rres) = pair.w[0].scope(|ss| {
+            let s = ss.am_send(pair.ep[0], AM_ID, b"", send.send());
+            pair.drive(|| !inbox[1].lock().unwrap().is_empty())
+                .expect("the active message arrives");
+            let mut m = inbox[1].lock().unwrap().remove(0);
+            assert!(m.is_remote());
+            pair.w[1].scope(|sr| {
+                let r = sr.am_recv_data(m.take_payload(), recv.recv());
+                assert!(r.test().is_none(), "{sm:?} -> {rm:?}: done when posted");
+                pair.fabric
+                    .fail_node(pair.nodes[0], "the sender's node failed on purpose");
+                pair.drive(|| r.test().is_some() && s.test().is_some())
+                    .unwrap_or_else(|e| panic!("{sm:?} -> {rm:?}: {e}"));
+                (s.test().unwrap(), r.test().unwrap())
+            })
+        });
+        assert!(rres.is_err(), "{sm:?} -> {rm:?}: the fetch {rres:?}");
+        assert!(sres.is_err(), "{sm:?} -> {rm:?}: the send {sres:?}");
+        assert_eq!(pair.w[1].live_requests(), 0);
+        assert_eq!(recv.guard_damage(), None);
+    }
+}
+
 // ----- streams -----
 
 /// Send `data` (in `sends` pieces of the given memory) from side 0 and receive it on side 1

@@ -12,6 +12,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::proto::gpu::bounce::BounceSendIo;
+use crate::proto::memcopy::copy_io::CopyIo;
+use crate::proto::memcopy::state::{gpu_to_host, host_to_gpu};
 use crate::worker::prelude::*;
 
 /// A payload a handler dropped without fetching it.
@@ -219,20 +222,201 @@ impl State {
     /// Release the senders of payloads dropped unfetched: each send ends with `PeerAborted`.
     pub(crate) fn release_dropped_am(&mut self) {
         for r in self.am_releases.take() {
-            if r.worker != self.address.uuid {
-                continue;
-            }
-            let Some(&p) = self.by_uuid.get(&r.peer) else {
-                continue;
-            };
-            let reason = format!(
-                "the receiver's handler of active message {} dropped its {}-byte payload \
-                 without fetching it",
-                r.id, r.len
-            );
-            self.count("active message payload dropped unfetched");
-            self.send_abort(p, r.sreq, NO_RECV, false, &reason);
+            r.release(self);
         }
+    }
+}
+
+/// What a payload descriptor's fetch or release asks of the worker.
+pub(crate) trait AmIo {
+    /// This worker's id.
+    fn uuid(&self) -> u64;
+
+    /// Our endpoint to the worker of id `uuid` (`None`: no longer one).
+    fn peer_of(&self, uuid: u64) -> Option<usize>;
+
+    /// The memory type of buffer `addr..addr + len` (named by the caller when it knows).
+    fn detect(&self, addr: usize, len: usize) -> Result<(MemoryType, Option<u32>)>;
+
+    /// End peer `p`'s send `sreq` (a rendezvous no receive was made for) with `PeerAborted`
+    /// for `reason` (nothing to a failed peer).
+    fn abort_send(&mut self, p: usize, sreq: u64, reason: &str);
+
+    /// A receive into `buf` that takes rendezvous `rts` of user active message `id`: its
+    /// request (the tag rendezvous's receive runs it).
+    fn fetch_into(&mut self, buf: MemRegion, id: u16, rts: Unexp) -> u64;
+
+    /// Count one run of `what`.
+    fn count(&mut self, what: &'static str);
+}
+
+impl Release {
+    /// The handler dropped this payload unfetched: its sender's request ends with
+    /// `PeerAborted` saying so (a release for another worker, or a sender no longer an
+    /// endpoint, is dropped).
+    pub(crate) fn release(self, io: &mut impl AmIo) {
+        if self.worker != io.uuid() {
+            return;
+        }
+        let Some(p) = io.peer_of(self.peer) else {
+            return;
+        };
+        let reason = format!(
+            "the receiver's handler of active message {} dropped its {}-byte payload without \
+             fetching it",
+            self.id, self.len
+        );
+        io.count("active message payload dropped unfetched");
+        io.abort_send(p, self.sreq, &reason);
+    }
+}
+
+impl AmRemoteData {
+    /// Fetch the payload into `buf` (`addr`, capacity, memory type when the caller named it):
+    /// the receive request, which completes with the payload's length (`Truncated` when the
+    /// buffer is smaller, its bytes filled). Refused, and left to release its sender when
+    /// dropped: a descriptor of another worker, or of a sender no longer an endpoint; refused:
+    /// a descriptor already fetched. From here on the rendezvous ends the send either way: a
+    /// buffer whose memory type cannot be told aborts it.
+    pub(crate) fn fetch(
+        &mut self,
+        io: &mut impl AmIo,
+        (addr, cap, mem): (usize, usize, Option<(MemoryType, Option<u32>)>),
+    ) -> Result<u64> {
+        if self.releases.is_none() {
+            return Err(Error::InvalidParam(format!(
+                "active message {}: its payload was already fetched",
+                self.id
+            )));
+        }
+        if self.worker != io.uuid() {
+            // Not ours: dropping it releases its sender through its own worker.
+            return Err(Error::InvalidParam(format!(
+                "active message {}: its payload descriptor belongs to another worker",
+                self.id
+            )));
+        }
+        let Some(p) = io.peer_of(self.peer) else {
+            return Err(Error::InvalidParam(format!(
+                "active message {}: its sender is no longer an endpoint of this worker",
+                self.id
+            )));
+        };
+        // Fetched from here on: the rendezvous ends the send either way.
+        self.releases = None;
+        let (mem, dev) = match mem {
+            Some(m) => m,
+            None => match io.detect(addr, cap) {
+                Ok(m) => m,
+                Err(e) => {
+                    let reason = format!("the receiver's buffer was refused: {e}");
+                    io.abort_send(p, self.sreq, &reason);
+                    return Err(e);
+                }
+            },
+        };
+        io.count("active message payload fetched");
+        let rts = Unexp::Rts {
+            src: p,
+            sreq: self.sreq,
+            size: self.len,
+            addr: self.addr,
+            smem: self.smem,
+            keys: std::mem::take(&mut self.keys),
+        };
+        let buf = MemRegion {
+            addr,
+            len: cap,
+            mem_type: mem,
+            device: dev,
+        };
+        Ok(io.fetch_into(buf, self.id, rts))
+    }
+}
+
+/// What became of a GPU payload the plan copies in.
+pub(crate) enum CopiedOut {
+    /// Copied to host memory: these bytes go copied in.
+    Host(Vec<u8>),
+    /// Not copied (no staging fragment, the copy lane's registration or a copy failed): the
+    /// table's rendezvous protocol carries it.
+    Instead(Proto),
+}
+
+/// Copy GPU payload `from` of active message `id` to peer `p` out to host memory
+/// ([`gpu_to_host`]); when that fails, the rendezvous row of the active-message table carries
+/// it, or, when the table has none, the request ends with the copy's error.
+pub(crate) fn gpu_copy_out(
+    io: &mut impl BounceSendIo,
+    p: usize,
+    id: u16,
+    from: MemRegion,
+) -> Result<CopiedOut> {
+    match gpu_to_host(io, from) {
+        Ok(host) => Ok(CopiedOut::Host(host)),
+        Err(e) => match io.rndv_row(p, Op::Am, MemKey::new(from.mem_type, from.device)) {
+            Some(r) => {
+                tracing::debug!("active message {id}: copy out of GPU failed ({e}); rendezvous");
+                Ok(CopiedOut::Instead(r))
+            }
+            None => Err(e),
+        },
+    }
+}
+
+/// Copy an inline payload `data` into buffer `to` (into GPU memory by the copy lane): the
+/// payload's length; longer than the buffer, the bytes that fit are written and it ends with
+/// `Truncated`.
+pub(crate) fn copy_here(io: &mut impl CopyIo, data: &[u8], to: MemRegion) -> Result<usize> {
+    let n = data.len().min(to.len);
+    if to.mem_type.is_gpu() {
+        host_to_gpu(io, MemRegion { len: n, ..to }, &data[..n])?;
+    } else {
+        io.write_host(to.addr, &data[..n]);
+    }
+    if data.len() > to.len {
+        return Err(Error::Truncated {
+            incoming: data.len(),
+            capacity: to.len,
+        });
+    }
+    Ok(data.len())
+}
+
+impl AmIo for State {
+    fn uuid(&self) -> u64 {
+        self.address.uuid
+    }
+
+    fn peer_of(&self, uuid: u64) -> Option<usize> {
+        self.by_uuid.get(&uuid).copied()
+    }
+
+    fn detect(&self, addr: usize, len: usize) -> Result<(MemoryType, Option<u32>)> {
+        self.ctx.detect(addr, len)
+    }
+
+    fn abort_send(&mut self, p: usize, sreq: u64, reason: &str) {
+        self.send_abort(p, sreq, NO_RECV, false, reason);
+    }
+
+    fn fetch_into(&mut self, buf: MemRegion, id: u16, rts: Unexp) -> u64 {
+        if buf.mem_type.is_gpu() {
+            self.note_gpu_key(MemKey::new(buf.mem_type, buf.device));
+        }
+        let rid = self.new_req(ReqKind::Recv(RecvState::tag(
+            buf.addr,
+            buf.len,
+            0,
+            buf.mem_type,
+            buf.device,
+        )));
+        self.matched(rid, u64::from(id), rts);
+        rid
+    }
+
+    fn count(&mut self, what: &'static str) {
+        State::count(self, what);
     }
 }
 
@@ -283,21 +467,18 @@ impl Worker {
                 st.am_send(ep, id, header, unsafe { host_slice(addr, len) })?;
                 return Ok(Posted::Done(done));
             }
-            match self.gpu_to_host(&mut st, addr, len, mem, dev) {
-                Ok(host) => {
+            let from = MemRegion {
+                addr,
+                len,
+                mem_type: mem,
+                device: dev,
+            };
+            match gpu_copy_out(&mut self.copy_lane(&mut st), p, id, from)? {
+                CopiedOut::Host(host) => {
                     st.am_send(ep, id, header, &host)?;
                     return Ok(Posted::Done(done));
                 }
-                // No staging fragment or copy now: the table's rendezvous carries it.
-                Err(e) => match st.peers[p].plan.table(Op::Am, key).rows.last() {
-                    Some(r) if r.proto.is_rndv() => {
-                        tracing::debug!(
-                            "active message {id}: copy out of GPU failed ({e}); rendezvous"
-                        );
-                        proto = r.proto;
-                    }
-                    _ => return Err(e),
-                },
+                CopiedOut::Instead(r) => proto = r,
             }
         }
         let am = st.peers[p].am;
@@ -328,59 +509,18 @@ impl Worker {
     }
 
     /// Fetch an active message's payload into `buf`: copied at once when it came with the
-    /// message, else the receive side of its rendezvous.
+    /// message, else the receive side of its rendezvous ([`AmRemoteData::fetch`]).
     pub(crate) fn post_am_recv(&self, payload: AmPayload, buf: RecvBuf<'_>) -> Result<Posted> {
         let mut r = match payload {
             AmPayload::Here(data) => return self.am_copy_here(&data, buf),
             AmPayload::Remote(r) => r,
         };
         let mut st = self.st.borrow_mut();
-        if r.worker != st.address.uuid {
-            // Not ours: dropping it releases its sender through its own worker.
-            return Err(Error::InvalidParam(format!(
-                "active message {}: its payload descriptor belongs to another worker",
-                r.id
-            )));
-        }
-        let Some(&p) = st.by_uuid.get(&r.peer) else {
-            return Err(Error::InvalidParam(format!(
-                "active message {}: its sender is no longer an endpoint of this worker",
-                r.id
-            )));
-        };
-        // Fetched from here on: the rendezvous ends the send either way.
-        r.releases = None;
-        let (addr, cap) = (buf.addr, buf.len);
-        let (mem, dev) = match buf.mem {
-            Some(m) => m,
-            None => match st.ctx.detect(addr, cap) {
-                Ok(m) => m,
-                Err(e) => {
-                    let reason = format!("the receiver's buffer was refused: {e}");
-                    st.send_abort(p, r.sreq, NO_RECV, false, &reason);
-                    return Err(e);
-                }
-            },
-        };
-        if mem.is_gpu() {
-            st.note_gpu_key(MemKey::new(mem, dev));
-        }
-        let rid = st.new_req(ReqKind::Recv(RecvState::tag(addr, cap, 0, mem, dev)));
-        st.count("active message payload fetched");
-        let u = Unexp::Rts {
-            src: p,
-            sreq: r.sreq,
-            size: r.len,
-            addr: r.addr,
-            smem: r.smem,
-            keys: std::mem::take(&mut r.keys),
-        };
-        st.matched(rid, u64::from(r.id), u);
+        let rid = r.fetch(&mut *st, (buf.addr, buf.len, buf.mem))?;
         Ok(Posted::Pending(rid))
     }
 
-    /// An inline payload into `buf`: copied (into GPU memory by the copy lane); longer than
-    /// `buf`, the bytes that fit are written and the request ends with `Truncated`.
+    /// An inline payload into `buf` ([`copy_here`]).
     fn am_copy_here(&self, data: &[u8], buf: RecvBuf<'_>) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
         let (addr, cap) = (buf.addr, buf.len);
@@ -388,22 +528,15 @@ impl Worker {
             Some(m) => m,
             None => st.ctx.detect(addr, cap)?,
         };
-        let n = data.len().min(cap);
-        if mem.is_gpu() {
-            st.host_to_gpu(addr, mem, dev, &data[..n])?;
-        } else if n > 0 {
-            // SAFETY: `buf` is lent mutably to the request's scope, which outlives this call;
-            // `n <= cap`.
-            unsafe { host_slice_mut(addr, n) }.copy_from_slice(&data[..n]);
-        }
-        if data.len() > cap {
-            return Err(Error::Truncated {
-                incoming: data.len(),
-                capacity: cap,
-            });
-        }
+        let to = MemRegion {
+            addr,
+            len: cap,
+            mem_type: mem,
+            device: dev,
+        };
+        let len = copy_here(&mut *st, data, to)?;
         Ok(Posted::Done(Completion {
-            len: data.len(),
+            len,
             tag: 0,
             sender: None,
         }))
@@ -524,6 +657,9 @@ impl State {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod desc_tests;
 
 #[cfg(test)]
 mod tests {

@@ -3,17 +3,22 @@
 //! order; a GPU send is copied out before its pieces go, a GPU receive fills a host buffer that
 //! is copied on when full) and active messages copied in (a small GPU payload copied out, an
 //! inline payload fetched into GPU memory).
+//!
+//! The decisions and sequencing are state machines over a narrow I/O ([`copy_io::CopyIo`],
+//! [`copy_io::BounceIo`]) in `memcopy/state.rs`, unit-tested over a fake (`memcopy/fake.rs`,
+//! `memcopy/tests.rs`); what follows is the worker's glue: finding the request, running a step,
+//! doing what it returns.
 
-use crate::proto::rma::{RmaWindow, STAGED_FRAGS};
+pub(crate) mod copy_io;
+#[cfg(test)]
+pub(crate) mod fake;
+pub(crate) mod state;
+#[cfg(test)]
+mod tests;
+
+use crate::proto::rma::RmaWindow;
 use crate::worker::prelude::*;
-
-/// Host memory for `len` bytes, or a typed error naming what it was for.
-fn host_buf(len: usize, what: &str) -> Result<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)
-        .map_err(|_| Error::NoMemory(format!("{len} bytes of host memory for {what}")))?;
-    Ok(v)
-}
+use state::{LandNext, LandState, Slots};
 
 impl Worker {
     /// Copy `len` bytes of GPU memory at `addr` into a new host buffer, fragment by fragment
@@ -26,69 +31,17 @@ impl Worker {
         mem: MemoryType,
         dev: Option<u32>,
     ) -> Result<Vec<u8>> {
-        let mut out = host_buf(len, "a copy of a GPU buffer")?;
-        if len == 0 {
-            return Ok(out);
-        }
-        st.ensure_staging()?;
-        let frag = st.staging.as_ref().map_or(len, |s| s.frag).max(1);
-        let mut off = 0;
-        while off < len {
-            let n = frag.min(len - off);
-            let (host, f) = self.bounce(st, addr + off, n, mem, dev)?;
-            // SAFETY: `host..host + n` is staging fragment `f`, owned by the worker and written
-            // by the copy just waited for; nothing else uses it until it is handed back below.
-            out.extend_from_slice(unsafe { host_slice(host, n) });
-            if let Some(stg) = st.staging.as_mut() {
-                stg.free_send.push(f);
-            }
-            off += n;
-        }
-        st.count("GPU buffer copied to host");
-        Ok(out)
+        let from = MemRegion {
+            addr,
+            len,
+            mem_type: mem,
+            device: dev,
+        };
+        state::gpu_to_host(&mut self.copy_lane(st), from)
     }
 }
 
 impl State {
-    /// Copy host bytes `data` to GPU memory at `addr` (`mem` of device `dev`) through the copy
-    /// lane, registered for the copy with `key`.
-    fn put_to_gpu(&mut self, addr: usize, data: &[u8], key: &RemoteKey) -> Result<()> {
-        let (ci, ep) = self.copy.as_mut().ok_or_else(|| Error::Unsupported {
-            what: "copying into GPU memory".into(),
-            why: "no copy transport (cuda_copy) is open; add cuda_copy to RUCX_TLS".into(),
-        })?;
-        let max = self.slots[*ci].attr.limits.put_max_short.max(1);
-        let mut done = 0;
-        while done < data.len() {
-            let n = max.min(data.len() - done);
-            loop {
-                match ep.put_short(&data[done..done + n], (addr + done) as u64, key) {
-                    Err(e) if e.is_retryable() => std::hint::spin_loop(),
-                    other => break other?,
-                }
-            }
-            done += n;
-        }
-        Ok(())
-    }
-
-    /// Copy host bytes `data` into GPU memory at `addr` (a buffer of `mem` on device `dev`).
-    pub(crate) fn host_to_gpu(
-        &mut self,
-        addr: usize,
-        mem: MemoryType,
-        dev: Option<u32>,
-        data: &[u8],
-    ) -> Result<()> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        let (g, key) = self.copy_key(addr, data.len(), mem, dev)?;
-        let r = self.put_to_gpu(addr, data, &key);
-        drop(g);
-        r
-    }
-
     /// The host buffer a stream receive of `cap` bytes into GPU memory at `addr` fills, and the
     /// copy lane's registration of the GPU buffer.
     pub(crate) fn gpu_stream_bounce(
@@ -98,10 +51,13 @@ impl State {
         mem: MemoryType,
         dev: Option<u32>,
     ) -> Result<(Vec<u8>, (RegGuard, RemoteKey))> {
-        let key = self.copy_key(addr, cap, mem, dev)?;
-        let mut b = host_buf(cap, "a stream receive into GPU memory")?;
-        b.resize(cap, 0);
-        Ok((b, key))
+        let to = MemRegion {
+            addr,
+            len: cap,
+            mem_type: mem,
+            device: dev,
+        };
+        state::stream_bounce(self, to)
     }
 
     /// GPU stream receives of peer `p` whose host buffer is full: copy each on to its GPU
@@ -125,16 +81,8 @@ impl State {
             let Some(host) = bounce else {
                 continue;
             };
-            let cap = rs.cap;
-            let frag = self.frag.max(1);
-            let nslots = cap.div_ceil(frag).clamp(1, STAGED_FRAGS);
             rs.proto = RecvProto::Landing(Box::new(Landing {
-                peer: p,
-                host,
-                frag,
-                slots: vec![None; nslots],
-                next: 0,
-                done: 0,
+                m: LandState::new(p, host, self.frag),
                 inflight: 0,
                 win: None,
             }));
@@ -144,93 +92,73 @@ impl State {
         self.pump(p);
     }
 
-    /// Copy what fits into free slots and post their copies to the GPU; `Ok(false)`: the copy
-    /// lane pushed back (call again after progress).
+    /// Copy what fits into free slots and post their copies to the GPU ([`LandState::pump`],
+    /// once the receive holds a window); `Ok(false)`: the copy lane pushed back (call again
+    /// after progress).
     pub(crate) fn pump_landing(&mut self, id: u64) -> Result<bool> {
-        loop {
-            let Some(Req {
-                kind:
-                    ReqKind::Recv(RecvState {
-                        proto: RecvProto::Landing(l),
-                        addr,
-                        cap,
-                        dev_memh,
-                        ..
-                    }),
-                ..
-            }) = self.reqs.get_mut(&id)
-            else {
-                return Ok(true);
-            };
-            let (addr, cap) = (*addr, *cap);
-            if l.win.is_none() {
-                // A window of the worker's, or a new one while fewer than the most exist; else
-                // the receive waits for one (its bytes wait in its host buffer).
-                let p = l.peer;
-                let cmd = self.copy_md().ok_or_else(|| Error::Unsupported {
-                    what: "copying a stream receive into GPU memory".into(),
-                    why: "no copy transport (cuda_copy) is open; add cuda_copy to RUCX_TLS".into(),
-                })?;
-                let Some(w) = self.take_rma_window(cmd, false)? else {
-                    self.wait_for_window(p, id);
-                    return Ok(true);
-                };
-                if let Some(l) = self.landing_mut(id) {
-                    l.win = Some(w);
-                }
-                continue;
-            }
-            if l.done >= cap {
-                self.finish_landing(id);
-                return Ok(true);
-            }
-            let Some(k) = l.slots.iter().position(Option::is_none) else {
-                return Ok(true);
-            };
-            if l.next >= cap {
-                return Ok(true);
-            }
-            let (off, n) = (l.next, l.frag.min(cap - l.next));
-            let win = l.win.as_ref().expect("window of a landing receive");
-            let at = win.base() + k * l.frag;
-            // SAFETY: slot `k` of the window (`frag` bytes from `at`, inside the window the
-            // request owns) is free: no copy in flight reads it.
-            unsafe { host_slice_mut(at, n) }.copy_from_slice(&l.host[off..off + n]);
-            let memh = win.copy_memh.clone();
-            let key = dev_memh
-                .as_ref()
-                .map(|d| d.1.clone())
-                .ok_or_else(|| Error::Internal("a GPU stream receive without its key".into()))?;
-            let token = self.next_token;
-            let iov = [Iov {
-                addr: at,
-                len: n,
-                memh: &memh,
-            }];
-            let gpu_at = (addr + off) as u64;
-            let (_, ep) = self.copy.as_mut().ok_or_else(|| Error::Unsupported {
+        let Some(Req {
+            kind:
+                ReqKind::Recv(RecvState {
+                    proto: RecvProto::Landing(l),
+                    addr,
+                    dev_memh,
+                    ..
+                }),
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return Ok(true);
+        };
+        let addr = *addr;
+        let key = dev_memh
+            .as_ref()
+            .map(|d| d.1.clone())
+            .ok_or_else(|| Error::Internal("a GPU stream receive without its key".into()))?;
+        if l.win.is_none() {
+            // A window of the worker's, or a new one while fewer than the most exist; else
+            // the receive waits for one (its bytes wait in its host buffer).
+            let p = l.m.peer;
+            let cmd = self.copy_md().ok_or_else(|| Error::Unsupported {
                 what: "copying a stream receive into GPU memory".into(),
-                why: "no copy transport (cuda_copy) is open".into(),
+                why: "no copy transport (cuda_copy) is open; add cuda_copy to RUCX_TLS".into(),
             })?;
-            match ep.put_zcopy(&iov, gpu_at, &key, token) {
-                Ok(st) => {
-                    self.next_token += 1;
-                    self.account(id, token, st);
-                }
-                Err(e) if e.is_retryable() => return Ok(false),
-                Err(e) => return Err(e),
-            }
-            let in_flight = self.tokens.contains_key(&token);
-            let outstanding = self.reqs.get(&id).map_or(0, |r| r.outstanding);
+            let Some(w) = self.take_rma_window(cmd, false)? else {
+                self.wait_for_window(p, id);
+                return Ok(true);
+            };
             if let Some(l) = self.landing_mut(id) {
-                l.next = off + n;
-                l.inflight = outstanding;
-                if in_flight {
-                    l.slots[k] = Some((token, n));
-                } else {
-                    l.done += n;
-                }
+                l.win = Some(w);
             }
+        }
+        // Taken out of the request while its step acts on the worker.
+        let Some(mut l) = self.take_landing(id) else {
+            return Ok(true);
+        };
+        let next = match l.win.as_ref() {
+            Some(w) => {
+                let slots = Slots {
+                    base: w.base(),
+                    memh: &w.copy_memh,
+                };
+                l.m.pump(self, id, (addr, &key), &slots)
+            }
+            None => Ok(LandNext::Wait),
+        };
+        l.inflight = self.reqs.get(&id).map_or(0, |r| r.outstanding);
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&id)
+        {
+            rs.proto = RecvProto::Landing(l);
+        }
+        match next? {
+            LandNext::Complete => {
+                self.finish_landing(id);
+                Ok(true)
+            }
+            LandNext::Wait => Ok(true),
+            LandNext::Later => Ok(false),
         }
     }
 
@@ -247,15 +175,8 @@ impl State {
                 result: None,
                 ..
             }) => {
-                for s in l.slots.iter_mut() {
-                    if let Some((t, n)) = *s
-                        && !tokens.contains_key(&t)
-                    {
-                        l.done += n;
-                        *s = None;
-                    }
-                }
-                l.peer
+                l.m.on_copies_done(|t| tokens.contains_key(&t));
+                l.m.peer
             }
             _ => return,
         };
@@ -276,7 +197,7 @@ impl State {
         };
         let cap = rs.cap;
         let (win, p) = match &mut rs.proto {
-            RecvProto::Landing(l) => (l.win.take(), l.peer),
+            RecvProto::Landing(l) => (l.win.take(), l.m.peer),
             _ => return,
         };
         rs.dev_memh = None;
@@ -291,6 +212,24 @@ impl State {
                 sender: Some(EpId(p)),
             }),
         );
+    }
+
+    /// Landing receive `id`'s state, taken out of the request (put back by the caller).
+    fn take_landing(&mut self, id: u64) -> Option<Box<Landing>> {
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&id)
+        else {
+            return None;
+        };
+        if !matches!(rs.proto, RecvProto::Landing(_)) {
+            return None;
+        }
+        match std::mem::replace(&mut rs.proto, RecvProto::Tag) {
+            RecvProto::Landing(l) => Some(l),
+            _ => None,
+        }
     }
 
     fn landing_mut(&mut self, id: u64) -> Option<&mut Landing> {
@@ -308,20 +247,10 @@ impl State {
     }
 }
 
-/// A full stream receive into GPU memory on its way from its host buffer to the GPU, through
-/// the slots of a pinned window ([`RmaWindow`], from the worker's pool).
+/// A full stream receive into GPU memory on its way from its host buffer to the GPU
+/// ([`LandState`]), through the slots of a pinned window ([`RmaWindow`], from the worker's pool).
 pub(crate) struct Landing {
-    peer: usize,
-    /// The stream's bytes for this receive (the whole receive).
-    host: Vec<u8>,
-    /// Slot size.
-    frag: usize,
-    /// Per slot: the copy in flight (token, bytes).
-    slots: Vec<Option<(u64, usize)>>,
-    /// Next offset to copy.
-    next: usize,
-    /// Bytes on the GPU.
-    done: usize,
+    pub(crate) m: LandState,
     /// Copies in flight (mirrors the request's count): the window is kept, not freed, if the
     /// receive ends with copies still running.
     pub(crate) inflight: usize,

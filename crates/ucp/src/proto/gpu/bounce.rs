@@ -1,136 +1,38 @@
 //! GPU bounce eager: a small GPU message copied to a pinned bounce fragment by the copy lane
 //! and sent eagerly; eager bytes that land in GPU memory copied on with the copy lane.
 
+use crate::proto::memcopy::copy_io::{BounceIo, CopyLane};
+use crate::proto::memcopy::state::{bounce_out, eager_to_gpu};
 use crate::worker::prelude::*;
 
 impl State {
-    /// Copy arrived eager bytes into GPU memory through the copy lane (small messages).
+    /// Copy arrived eager bytes into GPU memory through the copy lane (small messages): the
+    /// bytes at `offset` that fit the receive's buffer; the buffer is registered with the copy
+    /// lane on the first bytes and kept with the receive.
     pub(crate) fn copy_to_gpu(&mut self, rid: u64, offset: usize, data: &[u8]) -> Result<()> {
-        let (addr, cap, mem, dev) = match &self.reqs[&rid].kind {
-            ReqKind::Recv(rs) => (rs.addr, rs.cap, rs.mem, rs.dev),
-            _ => return Ok(()),
+        let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        else {
+            return Ok(());
         };
-        if !matches!(
-            &self.reqs[&rid].kind,
-            ReqKind::Recv(RecvState {
-                dev_memh: Some(_),
-                ..
-            })
-        ) {
-            let k = self.copy_key(addr, cap, mem, dev)?;
-            if let Some(Req {
-                kind: ReqKind::Recv(rs),
-                ..
-            }) = self.reqs.get_mut(&rid)
-            {
-                rs.dev_memh = Some(Box::new(k));
-            }
+        let buf = MemRegion {
+            addr: rs.addr,
+            len: rs.cap,
+            mem_type: rs.mem,
+            device: rs.dev,
+        };
+        let mut reg = rs.dev_memh.take();
+        let r = eager_to_gpu(self, &mut reg, buf, offset, data);
+        if let Some(Req {
+            kind: ReqKind::Recv(rs),
+            ..
+        }) = self.reqs.get_mut(&rid)
+        {
+            rs.dev_memh = reg;
         }
-        let key = match &self.reqs[&rid].kind {
-            ReqKind::Recv(RecvState {
-                dev_memh: Some(dm), ..
-            }) => dm.1.clone(),
-            _ => unreachable!("set above"),
-        };
-        let (ci, ep) = self.copy.as_mut().expect("copy_key checked the copy lane");
-        let max = self.slots[*ci].attr.limits.put_max_short.max(1);
-        let mut done = 0;
-        while done < data.len() {
-            let n = max.min(data.len() - done);
-            loop {
-                match ep.put_short(&data[done..done + n], (addr + offset + done) as u64, &key) {
-                    Err(e) if e.is_retryable() => std::hint::spin_loop(),
-                    other => break other?,
-                }
-            }
-            done += n;
-        }
-        Ok(())
-    }
-}
-
-impl Worker {
-    /// Copy a small GPU buffer into a send staging fragment and wait for the copy (it takes a
-    /// few microseconds); returns the fragment's address and index.
-    pub(crate) fn bounce(
-        &self,
-        st: &mut State,
-        addr: usize,
-        len: usize,
-        mem: MemoryType,
-        dev: Option<u32>,
-    ) -> Result<(usize, usize)> {
-        st.ensure_staging()?;
-        let (memh, key) = st.copy_key(addr, len, mem, dev)?;
-        let stg = st.staging.as_mut().expect("staging");
-        let f = stg
-            .free_send
-            .pop()
-            .ok_or_else(|| Error::NoResource("every send staging fragment is in use".into()))?;
-        if len > stg.frag {
-            stg.free_send.push(f);
-            return Err(Error::InvalidParam("bounce larger than a fragment".into()));
-        }
-        let host = stg.addr(f);
-        let smemh = stg.copy_memh.clone();
-        let iov = [Iov {
-            addr: host,
-            len,
-            memh: &smemh,
-        }];
-        let token = st.next_token;
-        st.next_token += 1;
-        let ci = st.copy.as_ref().expect("copy lane").0;
-        // Progress the copy interface alone: `token`'s result once it came; other completions
-        // are kept for later.
-        let poll = |st: &mut State| {
-            let mut mine = None;
-            let mut others = Vec::new();
-            self.ifaces.borrow_mut()[ci].progress(&mut |ev| {
-                if let Event::Completion { token: t, result } = ev {
-                    if t == token {
-                        mine = Some(result);
-                    } else {
-                        others.push((t, result));
-                    }
-                }
-            });
-            for (t, r) in others {
-                if let Some(tok) = st.tokens.remove(&t) {
-                    st.done_q.push_back((tok, r));
-                }
-            }
-            mine
-        };
-        let posted = loop {
-            let (_, ep) = st.copy.as_mut().expect("copy lane");
-            match ep.get_zcopy(&iov, addr as u64, &key, token) {
-                // The copy lane is full: its copies in flight finish by themselves.
-                Err(e) if e.is_retryable() => {
-                    poll(st);
-                }
-                other => break other,
-            }
-        };
-        let res = match posted {
-            Ok(OpStatus::Done) => Ok(()),
-            Ok(OpStatus::InProgress) => loop {
-                if let Some(r) = poll(st) {
-                    break r;
-                }
-            },
-            Err(e) => Err(e),
-        };
-        drop(memh);
-        match res {
-            Ok(()) => Ok((host, f)),
-            Err(e) => {
-                if let Some(stg) = st.staging.as_mut() {
-                    stg.free_send.push(f);
-                }
-                Err(e)
-            }
-        }
+        r
     }
 }
 
@@ -143,10 +45,77 @@ pub(crate) enum Bounced {
     Instead(Proto),
 }
 
+/// What the bounce send asks of the worker besides [`BounceIo`]: the plan's protocols, and
+/// starting the eager send of the bounced bytes.
+pub(crate) trait BounceSendIo: BounceIo {
+    /// The protocol of operation `op` for `len` bytes of host memory to peer `p`.
+    fn host_proto(&self, p: usize, op: Op, len: usize) -> Option<Proto>;
+
+    /// The rendezvous protocol of the table of `op` for `key` memory to peer `p` (its last
+    /// row), if that row is one.
+    fn rndv_row(&self, p: usize, op: Op, key: MemKey) -> Option<Proto>;
+
+    /// Start send `head` (host memory) of `proto`: its request. An eager protocol copies the
+    /// bytes out before this returns.
+    fn start_host_send(&mut self, head: SendState) -> u64;
+}
+
+/// Send GPU buffer `from` to peer `p` (operation `op`, `tag`) through a pinned bounce fragment:
+/// copied out ([`bounce_out`]) and sent eagerly by the host table's protocol of the same
+/// operation (a synchronous send stays one), the fragment given back at once; else (no
+/// fragment free, or the registration or the copy failed) the table's rendezvous protocol.
+pub(crate) fn send_bounce(
+    io: &mut impl BounceSendIo,
+    p: usize,
+    from: MemRegion,
+    tag: Tag,
+    op: Op,
+) -> Result<Bounced> {
+    let len = from.len;
+    match bounce_out(io, from) {
+        Ok((frag, host)) => {
+            let hproto = io.host_proto(p, op, len).unwrap_or(Proto::EagerBcopy);
+            let head = SendState::new(p, host, len, tag, hproto, op, MemoryType::Host, None);
+            io.count(Proto::EagerBounce.name());
+            // Eager protocols copy the bytes out before returning.
+            let id = io.start_host_send(head);
+            io.release_bounce(frag);
+            return Ok(Bounced::Sent(Posted::Pending(id)));
+        }
+        Err(e) => tracing::debug!("no bounce buffer for a small GPU message ({e}); rendezvous"),
+    }
+    // Not bounced: the large-message protocol of the same table.
+    io.rndv_row(p, op, MemKey::new(from.mem_type, from.device))
+        .map(Bounced::Instead)
+        .ok_or_else(|| Error::Internal("a GPU table without a rendezvous row".into()))
+}
+
+impl BounceSendIo for CopyLane<'_> {
+    fn host_proto(&self, p: usize, op: Op, len: usize) -> Option<Proto> {
+        self.st.peers[p].plan.select(op, MemKey::HOST, len)
+    }
+
+    fn rndv_row(&self, p: usize, op: Op, key: MemKey) -> Option<Proto> {
+        self.st.peers[p]
+            .plan
+            .table(op, key)
+            .rows
+            .last()
+            .map(|r| r.proto)
+            .filter(|p| p.is_rndv())
+    }
+
+    fn start_host_send(&mut self, head: SendState) -> u64 {
+        let id = self.st.new_req(ReqKind::Send(head));
+        self.st.start_send(id);
+        id
+    }
+}
+
 impl Worker {
     /// Send `len` bytes of GPU memory at `addr` to peer `p` through a pinned bounce fragment
     /// (the plan's protocol for small GPU messages of operation `op`), or say which protocol
-    /// carries it instead.
+    /// carries it instead ([`send_bounce`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn send_bounce(
         &self,
@@ -158,44 +127,160 @@ impl Worker {
         (mem, dev): (MemoryType, Option<u32>),
         op: Op,
     ) -> Result<Bounced> {
-        // Copied to a pinned bounce fragment and sent eagerly, rather than paying a rendezvous
-        // round trip.
-        match self.bounce(st, addr, len, mem, dev) {
-            Ok((host, frag)) => {
-                // The host table of the same operation: a synchronous send stays one.
-                let hproto = st.peers[p]
-                    .plan
-                    .select(op, MemKey::HOST, len)
-                    .unwrap_or(Proto::EagerBcopy);
-                let id = st.new_req(ReqKind::Send(SendState::new(
-                    p,
-                    host,
-                    len,
-                    tag,
-                    hproto,
-                    op,
-                    MemoryType::Host,
-                    None,
-                )));
-                st.count(Proto::EagerBounce.name());
-                // Eager protocols copy the bytes out before returning.
-                st.start_send(id);
-                if let Some(stg) = st.staging.as_mut() {
-                    stg.free_send.push(frag);
-                }
-                return Ok(Bounced::Sent(Posted::Pending(id)));
-            }
-            Err(e) => tracing::debug!("no bounce buffer for a small GPU message ({e}); rendezvous"),
+        let from = MemRegion {
+            addr,
+            len,
+            mem_type: mem,
+            device: dev,
+        };
+        send_bounce(&mut self.copy_lane(st), p, from, tag, op)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::memcopy::fake::{CopyFake, FRAG_BASE, gpu};
+
+    const G: usize = 0x1000_0000;
+
+    fn fake() -> CopyFake {
+        let mut io = CopyFake::new(64, 4096, 1);
+        io.host_proto = Some(Proto::EagerBcopy);
+        io.rndv_row = Some(Proto::RndvGet);
+        io
+    }
+
+    fn sent_id(b: Bounced) -> u64 {
+        match b {
+            Bounced::Sent(Posted::Pending(id)) => id,
+            Bounced::Sent(_) => panic!("a bounce send is a request"),
+            Bounced::Instead(p) => panic!("not bounced: {p:?}"),
         }
-        // Not bounced: the large-message protocol of the same table.
-        let proto = st.peers[p]
-            .plan
-            .table(op, MemKey::new(mem, dev))
-            .rows
-            .last()
-            .map(|r| r.proto)
-            .filter(|p| p.is_rndv())
-            .ok_or_else(|| Error::Internal("a GPU table without a rendezvous row".into()))?;
-        Ok(Bounced::Instead(proto))
+    }
+
+    fn instead(b: Result<Bounced>) -> Proto {
+        match b {
+            Ok(Bounced::Instead(p)) => p,
+            Ok(Bounced::Sent(_)) => panic!("bounced"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// A small GPU message is copied into the bounce fragment and sent from there by the host
+    /// protocol; the fragment comes back at once, so the next message bounces through it too.
+    #[test]
+    fn a_small_gpu_message_bounces_and_the_fragment_is_reused() {
+        let mut io = fake();
+        for (i, len) in [100usize, 4096, 1].into_iter().enumerate() {
+            let data: Vec<u8> = (0..len).map(|k| (k * 7 + i) as u8).collect();
+            let at = G + i * 0x10_000;
+            io.fill(at, &data);
+            let id = sent_id(send_bounce(&mut io, 2, gpu(at, len), 7, Op::Tag).unwrap());
+            let (head, bytes) = io.sent.last().expect("sent");
+            assert_eq!(id, 100 + io.sent.len() as u64);
+            assert_eq!((head.peer, head.addr, head.len), (2, FRAG_BASE, len));
+            assert_eq!(
+                (head.tag, head.proto, head.op),
+                (7, Proto::EagerBcopy, Op::Tag)
+            );
+            assert_eq!(head.mem, MemoryType::Host);
+            assert_eq!(bytes, &data);
+            assert_eq!((io.free.len(), io.live_regs()), (1, 0));
+        }
+        assert_eq!(io.sent.len(), 3);
+        assert_eq!(
+            io.counted
+                .iter()
+                .filter(|c| **c == Proto::EagerBounce.name())
+                .count(),
+            3
+        );
+    }
+
+    /// The host table of the same operation carries it: a synchronous send stays one; a plan
+    /// without a host row sends it by copy-in.
+    #[test]
+    fn the_host_protocol_of_the_same_operation_sends_it() {
+        let mut io = fake();
+        io.host_proto = Some(Proto::EagerSync);
+        sent_id(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::TagSync).unwrap());
+        assert_eq!(
+            (io.sent[0].0.proto, io.sent[0].0.op),
+            (Proto::EagerSync, Op::TagSync)
+        );
+        io.host_proto = None;
+        sent_id(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag).unwrap());
+        assert_eq!(io.sent[1].0.proto, Proto::EagerBcopy);
+    }
+
+    /// A copy pushed back is posted again after progress, and the message still bounces.
+    #[test]
+    fn a_pushed_back_bounce_copy_is_posted_again() {
+        let mut io = fake();
+        io.push_back = vec![0, 1];
+        io.poll_delay = 3;
+        io.fill(G, &[9; 50]);
+        sent_id(send_bounce(&mut io, 0, gpu(G, 50), 1, Op::Tag).unwrap());
+        assert_eq!(io.sent[0].1, vec![9; 50]);
+        assert_eq!(io.moves.len(), 1);
+        assert_eq!((io.free.len(), io.live_regs()), (1, 0));
+    }
+
+    /// No fragment free, the copy lane's domain refusing the buffer (demoted), the staging not
+    /// made, a message larger than a fragment, a copy that fails: the table's rendezvous
+    /// carries it; nothing is sent and nothing stays held.
+    #[test]
+    fn what_cannot_bounce_goes_by_rendezvous() {
+        let mut io = fake();
+        let held = io.take_bounce().unwrap();
+        assert_eq!(
+            instead(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag)),
+            Proto::RndvGet
+        );
+        io.release_bounce(held.0);
+
+        let mut io = fake();
+        io.refuse_reg = true;
+        assert_eq!(
+            instead(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag)),
+            Proto::RndvGet
+        );
+
+        let mut io = fake();
+        io.staging_fails = true;
+        assert_eq!(
+            instead(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag)),
+            Proto::RndvGet
+        );
+
+        let mut io = fake();
+        assert_eq!(
+            instead(send_bounce(&mut io, 0, gpu(G, 4097), 1, Op::Tag)),
+            Proto::RndvGet
+        );
+        assert_eq!(io.free.len(), 1);
+
+        let mut io = fake();
+        io.fail_copy = vec![0];
+        io.rndv_row = Some(Proto::RndvPipeline);
+        assert_eq!(
+            instead(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag)),
+            Proto::RndvPipeline
+        );
+        assert_eq!((io.moves.len(), io.free.len(), io.live_regs()), (1, 1, 0));
+        assert!(io.sent.is_empty());
+        // The fragment came back: the next one bounces.
+        sent_id(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag).unwrap());
+    }
+
+    /// A GPU table whose last row is not a rendezvous cannot carry what did not bounce.
+    #[test]
+    fn no_rendezvous_row_is_an_internal_error() {
+        let mut io = fake();
+        io.free.clear();
+        io.rndv_row = None;
+        let r = send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag);
+        assert!(matches!(r, Err(Error::Internal(_))));
     }
 }

@@ -5,7 +5,7 @@
 //! (`recv.rs`) are state machines over [`stage_io::StageIo`]; the worker runs their steps
 //! (`stage_io.rs`).
 
-mod bounce;
+pub(crate) mod bounce;
 pub(crate) mod offer;
 mod pipeline_recv;
 mod pipeline_send;
