@@ -402,11 +402,7 @@ impl Worker {
                 capacity: cap,
             });
         }
-        Ok(Posted::Done(Completion {
-            len: data.len(),
-            tag: 0,
-            sender: None,
-        }))
+        Ok(Posted::Done(Completion::done(data.len())))
     }
 }
 

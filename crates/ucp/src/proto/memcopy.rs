@@ -283,14 +283,7 @@ impl State {
         if let Some(w) = win {
             self.keep_rma_window(w);
         }
-        self.finish(
-            id,
-            Ok(Completion {
-                len: cap,
-                tag: 0,
-                sender: Some(EpId(p)),
-            }),
-        );
+        self.finish(id, Ok(Completion::from_peer(cap, EpId(p))));
     }
 
     fn landing_mut(&mut self, id: u64) -> Option<&mut Landing> {
