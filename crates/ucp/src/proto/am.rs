@@ -535,11 +535,7 @@ impl Worker {
             device: dev,
         };
         let len = copy_here(&mut *st, data, to)?;
-        Ok(Posted::Done(Completion {
-            len,
-            tag: 0,
-            sender: None,
-        }))
+        Ok(Posted::Done(Completion::done(len)))
     }
 }
 

@@ -196,6 +196,8 @@ pub(crate) struct FakeIo {
     pub(crate) staging_regs: Vec<usize>,
     /// Multi-fragment message ids handed out.
     pub(crate) msgs: u64,
+    /// What the remote memory access requests use (`proto/rma/fake.rs`).
+    pub(crate) rma: super::rma::fake::RmaSide,
 }
 
 /// Bytes of one fake staging slot, and where the slots lie.
@@ -234,7 +236,7 @@ impl FakeIo {
     }
 
     /// Push back or fail a post as configured; true: it goes through.
-    fn gate(&mut self) -> Result<bool> {
+    pub(crate) fn gate(&mut self) -> Result<bool> {
         if count_down(&mut self.push_back_after) {
             return Ok(false);
         }
@@ -248,7 +250,7 @@ impl FakeIo {
         Ok(true)
     }
 
-    fn handle(md: usize, region: MemRegion) -> MemHandle {
+    pub(crate) fn handle(md: usize, region: MemRegion) -> MemHandle {
         MemHandle::new(region, &format!("fake{md}"), Arc::new(()))
     }
 
@@ -268,7 +270,7 @@ pub(crate) const BAD_KEY: &[u8] = b"bad key";
 /// The source id of every message of the fake.
 pub(crate) const FAKE_UUID: u64 = 0xfa4e;
 
-fn count_down(n: &mut Option<usize>) -> bool {
+pub(crate) fn count_down(n: &mut Option<usize>) -> bool {
     match n {
         Some(0) => {
             *n = None;

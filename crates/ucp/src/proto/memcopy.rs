@@ -204,14 +204,7 @@ impl State {
         if let Some(w) = win {
             self.keep_rma_window(w);
         }
-        self.finish(
-            id,
-            Ok(Completion {
-                len: cap,
-                tag: 0,
-                sender: Some(EpId(p)),
-            }),
-        );
+        self.finish(id, Ok(Completion::from_peer(cap, EpId(p))));
     }
 
     /// Landing receive `id`'s state, taken out of the request (put back by the caller).

@@ -106,11 +106,7 @@ impl Life {
     }
 }
 
-const DONE: Completion = Completion {
-    len: 0,
-    tag: 0,
-    sender: None,
-};
+const DONE: Completion = Completion::done(0);
 
 impl Worker {
     /// Close endpoint `ep` (see [`CloseMode`] for what happens to its

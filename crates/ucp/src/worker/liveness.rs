@@ -329,20 +329,11 @@ mod tests {
     }
 
     fn flush_req(st: &mut State, peer: usize) -> u64 {
-        st.new_req(ReqKind::Rma(crate::proto::rma::RmaState {
+        st.new_req(ReqKind::Rma(crate::proto::rma::RmaState::flush(
             peer,
-            dir: crate::proto::rma::RmaDir::Flush,
-            len: 0,
-            lane: 0,
-            addr: 0,
-            remote: 0,
-            key: None,
-            posted: 0,
-            flush_lanes: Vec::new(),
-            flush_after: Vec::new(),
-            staged: None,
-            mapped: None,
-        }))
+            Vec::new(),
+            Vec::new(),
+        )))
     }
 
     fn probes(st: &State) -> u64 {

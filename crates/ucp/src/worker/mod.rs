@@ -79,6 +79,27 @@ pub struct Completion {
     pub sender: Option<EpId>,
 }
 
+impl Completion {
+    /// `len` bytes moved by a request with no tag and no sender (a put, get, flush, stream
+    /// send or close).
+    pub(crate) const fn done(len: usize) -> Completion {
+        Completion {
+            len,
+            tag: 0,
+            sender: None,
+        }
+    }
+
+    /// `len` bytes received from peer `ep` without a tag (a stream receive).
+    pub(crate) const fn from_peer(len: usize, ep: EpId) -> Completion {
+        Completion {
+            len,
+            tag: 0,
+            sender: Some(ep),
+        }
+    }
+}
+
 /// Outcome of posting a request.
 #[derive(Debug)]
 pub(crate) enum Posted {
@@ -604,7 +625,7 @@ impl Drop for Worker {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::worker::prelude::{Duration, ReqKind, RmaDir, RmaState};
+    use crate::worker::prelude::{Duration, ReqKind, RmaState};
 
     pub(crate) fn self_worker() -> Worker {
         let mut tables = rucx_transports::config_tables();
@@ -641,20 +662,7 @@ pub(crate) mod tests {
         for e in errors {
             let id = {
                 let mut st = w.st.borrow_mut();
-                let id = st.new_req(ReqKind::Rma(RmaState {
-                    peer: 0,
-                    dir: RmaDir::Flush,
-                    len: 0,
-                    lane: 0,
-                    addr: 0,
-                    remote: 0,
-                    key: None,
-                    posted: 0,
-                    flush_lanes: Vec::new(),
-                    flush_after: Vec::new(),
-                    staged: None,
-                    mapped: None,
-                }));
+                let id = st.new_req(ReqKind::Rma(RmaState::flush(0, Vec::new(), Vec::new())));
                 st.finish(id, Err(e.clone()));
                 id
             };

@@ -73,20 +73,11 @@ impl Worker {
             None => match st.ctx.detect(addr, cap) {
                 Ok(m) => m,
                 Err(e) => {
-                    let id = st.new_req(ReqKind::Rma(RmaState {
-                        peer: usize::MAX,
-                        dir: RmaDir::Flush,
-                        len: 0,
-                        lane: 0,
-                        addr: 0,
-                        remote: 0,
-                        key: None,
-                        posted: 0,
-                        flush_lanes: Vec::new(),
-                        flush_after: Vec::new(),
-                        staged: None,
-                        mapped: None,
-                    }));
+                    let id = st.new_req(ReqKind::Rma(RmaState::flush(
+                        usize::MAX,
+                        Vec::new(),
+                        Vec::new(),
+                    )));
                     st.finish(id, Err(e));
                     return id;
                 }
@@ -200,14 +191,7 @@ impl Worker {
         }
         if cap == 0 {
             // Needs no bytes: complete now rather than wait in line.
-            st.finish(
-                id,
-                Ok(Completion {
-                    len: 0,
-                    tag: 0,
-                    sender: Some(ep),
-                }),
-            );
+            st.finish(id, Ok(Completion::from_peer(0, ep)));
             return Ok(id);
         }
         let st = &mut *st;

@@ -66,14 +66,7 @@ impl State {
                         }
                     }
                 }
-                Pending::Finish { id, len } => self.finish(
-                    id,
-                    Ok(Completion {
-                        len,
-                        tag: 0,
-                        sender: None,
-                    }),
-                ),
+                Pending::Finish { id, len } => self.finish_ok(id, len),
                 Pending::Stream(req) => match self.stream(req) {
                     Ok(true) => {}
                     Ok(false) => {
@@ -219,11 +212,8 @@ impl State {
             return;
         };
         r.outstanding = r.outstanding.saturating_sub(1);
-        if let ReqKind::Rma(RmaState {
-            staged: Some(sg), ..
-        }) = &mut r.kind
-        {
-            sg.inflight = r.outstanding;
+        if let ReqKind::Rma(rm) = &mut r.kind {
+            rm.note_outstanding(r.outstanding);
         }
         if let ReqKind::Recv(RecvState {
             proto: RecvProto::Landing(l),
@@ -251,6 +241,11 @@ impl State {
             self.rndv_recv_step(id, |rv, io| rv.on_read(io, id, outstanding, result));
             return;
         }
+        if matches!(r.kind, ReqKind::Rma(_)) && r.result.is_none() {
+            // A put, get or flush: its state machine says what comes next (a failure ends it).
+            self.on_rma_done(id, result);
+            return;
+        }
         if matches!(r.kind, ReqKind::Send(_)) && r.result.is_none() {
             // The send's protocol says what comes next (a failure ends it, and tells the
             // receiver).
@@ -269,35 +264,6 @@ impl State {
         {
             // A GPU stream receive's copies to the GPU: each completion frees a slot.
             self.on_landing_op(id);
-            return;
-        }
-        if let ReqKind::Rma(RmaState {
-            staged: Some(_), ..
-        }) = &r.kind
-        {
-            // Pipelined fragments: every completion frees or advances a slot.
-            self.on_staged_op(id);
-            return;
-        }
-        if r.outstanding > 0 || r.result.is_some() {
-            return;
-        }
-        match &r.kind {
-            ReqKind::Rma(rm) if rm.posted == usize::MAX => {
-                let len = rm.len;
-                if !self.flush_may_end(id) {
-                    return;
-                }
-                self.finish(
-                    id,
-                    Ok(Completion {
-                        len,
-                        tag: 0,
-                        sender: None,
-                    }),
-                );
-            }
-            _ => {}
         }
     }
 }

@@ -474,7 +474,7 @@ pub(crate) struct State {
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
     pub(crate) copy: Option<(usize, Box<dyn Endpoint>)>,
     pub(crate) staging: Option<Staging>,
-    /// Pinned windows of staged puts and gets and GPU stream receives (`proto/rma.rs`).
+    /// Pinned windows of staged puts and gets and GPU stream receives (`proto/rma/window.rs`).
     pub(crate) rma_windows: crate::proto::rma::Windows,
     /// Flushes whose lanes are flushed, waiting for staged puts and gets to end.
     pub(crate) rma_flushes: Vec<u64>,
@@ -570,11 +570,7 @@ impl StreamRecvs for StreamReqs<'_> {
                 // Complete once the bytes are copied on to the GPU.
                 self.landed.push(id);
             } else if full && r.result.is_none() {
-                r.result = Some(Ok(Completion {
-                    len: rs.cap,
-                    tag: 0,
-                    sender: Some(EpId(self.peer)),
-                }));
+                r.result = Some(Ok(Completion::from_peer(rs.cap, EpId(self.peer))));
                 r.guards.clear();
             }
         }
@@ -615,6 +611,11 @@ impl State {
             outstanding: 0,
             guards: Vec::new(),
         })
+    }
+
+    /// End request `id` successfully: `len` bytes moved (no tag, no sender).
+    pub(crate) fn finish_ok(&mut self, id: u64, len: usize) {
+        self.finish(id, Ok(Completion::done(len)));
     }
 
     pub(crate) fn finish(&mut self, id: u64, res: Result<Completion>) {
