@@ -320,6 +320,13 @@ pub struct Cli {
     /// copy), as ucx_perftest allocates its buffers through `ucp_mem_map`.
     #[arg(long)]
     pub heap_host: bool,
+    /// Bandwidth tests (tag_bw, tag_sync_bw, stream_bw, ucp_get): receive into (get into) a
+    /// ring of distinct buffers of at least SIZE bytes (e.g. 16M; at most 1024 slots, 256 MiB)
+    /// instead of one buffer per request of the window. The default is the window's: as
+    /// ucx_perftest receives a window into one buffer, which stays in cache; a large ring
+    /// measures how the caches hold the written data, not the transport.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub recv_ring: Option<usize>,
     /// TCP port of the rendezvous (the server listens there).
     #[arg(short = 'p', default_value_t = DEFAULT_PORT)]
     pub port: u16,
@@ -390,6 +397,9 @@ pub struct Options {
     pub pin_host: bool,
     /// Host buffers from the heap, not from `Context::mem_alloc` (`--heap-host`).
     pub heap_host: bool,
+    /// Bytes of the bandwidth tests' receive ring beyond the window (`--recv-ring`; 0: one
+    /// buffer per request of the window).
+    pub recv_ring: usize,
     /// Run both sides locally.
     pub local: bool,
     /// Output format.
@@ -519,6 +529,7 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         bounds: cli.bounds,
         pin_host: cli.pin_host,
         heap_host: cli.heap_host,
+        recv_ring: cli.recv_ring.unwrap_or(0),
         local: cli.local,
         format,
         sweep: cli.sweep,
