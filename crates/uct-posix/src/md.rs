@@ -42,12 +42,29 @@ pub struct PosixMd {
     shared: Mutex<BTreeMap<usize, Weak<PosixShared>>>,
     /// This process's id (packed into every key; `getpid` is a system call).
     pid: u32,
-    /// The last key unpacked, with what it unpacked to. Unpacking is a pure function of the
-    /// bytes (no mapping is made until an access), and a peer that sends from one buffer
-    /// sends the same key with every rendezvous: an equal key is answered from here, without
-    /// parsing it again or the four allocations of a fresh [`RemoteKey`] (about a tenth of a
-    /// receiver's own work per 64 KiB message).
-    last_unpacked: Mutex<Option<(Vec<u8>, RemoteKey)>>,
+    /// Keys unpacked lately, with what they unpacked to, in [`UNPACKED_SLOTS`] slots chosen by
+    /// a hash of the bytes. Unpacking is a pure function of the bytes (no mapping is made until
+    /// an access), and a peer that sends from one buffer, or receives into a few, sends the
+    /// same keys with every rendezvous: an equal key is answered from its slot, without parsing
+    /// it again or the four allocations of a fresh [`RemoteKey`] (about a tenth of either
+    /// side's own work per 64 KiB message).
+    unpacked: Mutex<Vec<Option<(Vec<u8>, RemoteKey)>>>,
+}
+
+/// Slots of [`PosixMd`]'s unpacked keys: more than a window of receive buffers (16 by default
+/// in the benchmarks), whose keys a sender unpacks in turn.
+const UNPACKED_SLOTS: usize = 64;
+
+/// The slot of `packed` among [`UNPACKED_SLOTS`]: a multiplicative hash of its words (keys of
+/// one process differ in the region's address and length).
+fn key_slot(packed: &[u8]) -> usize {
+    let mut h = packed.len() as u64;
+    for w in packed.chunks(8) {
+        let mut b = [0u8; 8];
+        b[..w.len()].copy_from_slice(w);
+        h = (h ^ u64::from_le_bytes(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    (h >> 32) as usize % UNPACKED_SLOTS
 }
 
 /// Decide whether cross-memory attach can work from and into this process.
@@ -101,7 +118,7 @@ impl PosixMd {
             cma,
             shared: Mutex::new(BTreeMap::new()),
             pid: sys::my_pid(),
-            last_unpacked: Mutex::new(None),
+            unpacked: Mutex::new(vec![None; UNPACKED_SLOTS]),
         })
     }
 
@@ -223,8 +240,9 @@ impl MemoryDomain for PosixMd {
     }
 
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey> {
-        let mut last = self.last_unpacked.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((bytes, key)) = last.as_ref()
+        let slot = key_slot(packed);
+        let mut seen = self.unpacked.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((bytes, key)) = &seen[slot]
             && bytes.as_slice() == packed
         {
             return Ok(key.clone());
@@ -237,14 +255,14 @@ impl MemoryDomain for PosixMd {
             RkeyData::unpack(packed)?
         };
         let key = RemoteKey::new(NAME, k.base, k.len, Arc::new(k));
-        match last.as_mut() {
-            // The buffer is reused, not reallocated, when the new key is no longer.
+        match &mut seen[slot] {
+            // The slot's buffer is reused, not reallocated, when the new key is no longer.
             Some((bytes, k)) => {
                 bytes.clear();
                 bytes.extend_from_slice(packed);
                 *k = key.clone();
             }
-            None => *last = Some((packed.to_vec(), key.clone())),
+            empty => *empty = Some((packed.to_vec(), key.clone())),
         }
         Ok(key)
     }
@@ -378,6 +396,27 @@ mod tests {
         bad[4] ^= 0xff;
         assert!(m.rkey_unpack(&bad).is_err());
         assert_eq!(span(&m.rkey_unpack(&pa).unwrap()), want_a);
+        // More keys than slots, in turn (a sender unpacking a receiver's ring of buffers):
+        // each gives its own region every time round.
+        let bufs: Vec<Vec<u8>> = (0..(2 * UNPACKED_SLOTS))
+            .map(|i| vec![0u8; 64 + i])
+            .collect();
+        let keys: Vec<Vec<u8>> = bufs
+            .iter()
+            .map(|b| {
+                // SAFETY: `bufs` outlives the handle, which is dropped at once.
+                let h = unsafe { m.mem_reg(MemRegion::of_slice(b)) }.unwrap();
+                m.mkey_pack(&h).unwrap()
+            })
+            .collect();
+        for _ in 0..3 {
+            for (b, k) in bufs.iter().zip(&keys) {
+                assert_eq!(
+                    span(&m.rkey_unpack(k).unwrap()),
+                    (b.as_ptr() as u64, b.len() as u64)
+                );
+            }
+        }
         // Keys of different lengths (a shared segment's key after a plain one).
         if let Some(sh) = m.mem_alloc_shared(8192).unwrap() {
             let ps = m.mkey_pack(&sh.memh).unwrap();
