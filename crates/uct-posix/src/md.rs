@@ -48,8 +48,11 @@ pub struct PosixMd {
     /// same keys with every rendezvous: an equal key is answered from its slot, without parsing
     /// it again or the four allocations of a fresh [`RemoteKey`] (about a tenth of either
     /// side's own work per 64 KiB message).
-    unpacked: Mutex<Vec<Option<(Vec<u8>, RemoteKey)>>>,
+    unpacked: Mutex<Vec<Option<Unpacked>>>,
 }
+
+/// A key's bytes and what they unpacked to.
+type Unpacked = (Vec<u8>, RemoteKey);
 
 /// Slots of [`PosixMd`]'s unpacked keys: more than a window of receive buffers (16 by default
 /// in the benchmarks), whose keys a sender unpacks in turn.
