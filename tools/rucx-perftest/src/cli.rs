@@ -218,20 +218,13 @@ fn host_buffers(job: &Job, opts: &Options) -> String {
 /// How the bandwidth tests' receiver (the getter of `ucp_get`) lends its buffers, as the
 /// header says it.
 fn recv_ring(opts: &Options) -> String {
-    if opts.recv_ring == 0 {
-        format!(
-            "one buffer per request of the window, {} in all (ucx_perftest receives the \
-             window into one buffer; --recv-ring SIZE for more distinct buffers)",
-            opts.window
-        )
-    } else {
-        format!(
-            "distinct buffers of at least {} bytes and the window, at most 1024 (--recv-ring \
-             {})",
-            opts.recv_ring,
-            rucx::ucs::units::format_bytes(opts.recv_ring as u64)
-        )
-    }
+    format!(
+        "the window ({}) or {} bytes of distinct buffers, whichever is more, at most 1024 \
+         (--recv-ring {}; ucx_perftest receives the window into one buffer)",
+        opts.window,
+        opts.recv_ring,
+        rucx::ucs::units::format_bytes(opts.recv_ring as u64)
+    )
 }
 
 fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {

@@ -84,8 +84,8 @@ pub struct CompareCli {
     #[arg(long)]
     pub no_heap: bool,
     /// rucx-perftest's bandwidth receiver cycles through at least SIZE of distinct buffers
-    /// (its --recv-ring, e.g. 16M) instead of one per request of the window; ucx_perftest
-    /// receives every message into one buffer either way.
+    /// (its --recv-ring, e.g. 16M, the default before) instead of its default (1 MiB, at least
+    /// the window); ucx_perftest receives every message into one buffer either way.
     #[arg(long, value_name = "SIZE", value_parser = crate::args::parse_size)]
     pub recv_ring: Option<usize>,
 }
@@ -1174,8 +1174,8 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
             "recv_ring",
             match cli.recv_ring {
                 None => format!(
-                    "rucx: one buffer per request of the window ({} slots); ucx_perftest: one \
-                     buffer",
+                    "rucx: the window ({}) or 1 MiB of buffers, whichever is more (its \
+                     default); ucx_perftest: one buffer",
                     cli.window
                 ),
                 Some(r) => format!(

@@ -58,8 +58,8 @@ pub struct Spec {
     /// Host buffers from the heap on both sides (`--heap-host`), not from
     /// `Context::mem_alloc`.
     pub heap_host: bool,
-    /// Bytes of distinct receive (and get) buffers a bandwidth test cycles through beyond
-    /// the window (`--recv-ring`); 0: one slot per request of the window.
+    /// Bytes of distinct receive (and get) buffers a bandwidth test cycles through, at least
+    /// one per request of the window (`--recv-ring`).
     pub recv_ring: usize,
 }
 
@@ -395,16 +395,16 @@ impl Timer {
 }
 
 /// How many distinct buffers a side cycles through for receives and gets in one scope (a
-/// buffer can be lent to one pending request at a time): by default one per request of the
-/// window (`ring` 0), the fewest that keep a window of receives posted. `ucx_perftest` and
-/// OSU's bandwidth tests receive every message of a window into one buffer, which stays in
-/// cache; rucx's buffers cannot alias, so a window of slots is the nearest like-for-like
-/// discipline (with 64 KiB messages a 16 MiB ring of distinct buffers ran posix `tag_bw` at
-/// two thirds of a window's speed on this 2-vCPU machine: that measured the caches, not the
-/// transport). `--recv-ring SIZE` (`ring` bytes) cycles through at least SIZE of buffers
-/// instead, up to 1024 slots: a receiver that does not reuse its buffers at once, e.g. 16M as
-/// before (64 MiB of 1 MiB slots ran at half the speed of 16 on a 16-core Xeon: a ring far
-/// larger than the last-level cache measures DRAM write bandwidth).
+/// buffer can be lent to one pending request at a time): `ring` bytes of them (`--recv-ring`,
+/// 1 MiB by default), and at least one per request of the window, at most 1024. `ucx_perftest`
+/// and OSU's bandwidth tests receive every message of a window into one buffer, which stays in
+/// cache; rucx's buffers cannot alias, so the default keeps the ring small enough for the
+/// caches (with 64 KiB messages it is the window's 16: a 16 MiB ring of 256 ran posix `tag_bw`
+/// at two thirds of their speed on this 2-vCPU machine, measuring the caches, not the
+/// transport) and large enough that a scope of small receives is not cut short (every scope
+/// ends its receives before lending their buffers again). A ring far larger than the
+/// last-level cache measures DRAM write bandwidth (64 MiB of 1 MiB slots ran at half the speed
+/// of 16 on a 16-core Xeon).
 ///
 /// The ring never takes more than [`RING_BYTES`] (one slot at least), so a side needs memory
 /// for one message where one message fits: with messages too large for a window of slots,
@@ -1181,13 +1181,16 @@ mod tests {
 
     #[test]
     fn rings_and_chunks_are_bounded() {
-        // By default one slot per request of the window, whatever the size (as ucx_perftest
-        // keeps its window of receives in one buffer).
-        assert_eq!(ring_len(8, 16, 0), 16);
-        assert_eq!(ring_len(64 << 10, 16, 0), 16);
-        assert_eq!(ring_len(4 << 20, 1, 0), 1);
+        // By default 1 MiB of slots and at least the window (ucx_perftest keeps its window of
+        // receives in one buffer).
+        let mib = crate::args::DEFAULT_RECV_RING;
+        assert_eq!(ring_len(64 << 10, 16, mib), 16);
+        assert_eq!(ring_len(4 << 10, 16, mib), 256);
+        assert_eq!(ring_len(8, 16, mib), 1024);
+        assert_eq!(ring_len(4 << 20, 1, mib), 1);
         assert_eq!(ring_len(8, 4096, 0), 1024);
-        // --recv-ring 16M: the window plus up to 16 MiB of slots, at most 1024.
+        assert_eq!(ring_len(64 << 10, 16, 0), 16);
+        // --recv-ring 16M (the default before): 16 MiB of slots or the window, at most 1024.
         let mib16 = 16 << 20;
         assert_eq!(ring_len(8, 16, mib16), 1024);
         assert_eq!(ring_len(64 << 10, 16, mib16), 256);
