@@ -158,6 +158,14 @@ impl FromStr for TestKind {
     }
 }
 
+/// Bytes of distinct receive buffers of the bandwidth tests unless `--recv-ring` (at least a
+/// buffer per request of the window): small enough for the caches to hold (with 64 KiB
+/// messages it is the window's 16), large enough that a scope of small receives is not cut
+/// short (a scope of 16 4 KiB receives ran at a third of the rate of 256: each scope ends
+/// every receive before its buffers are lent again, and the messages that arrive meanwhile
+/// wait as unexpected ones).
+pub const DEFAULT_RECV_RING: usize = 1 << 20;
+
 /// Parse one size with memory units (`8`, `4K`, `1M`, `4096b`).
 pub fn parse_size(s: &str) -> Result<usize, String> {
     match rucx::ucs::units::parse_memunits(s) {
@@ -320,6 +328,13 @@ pub struct Cli {
     /// copy), as ucx_perftest allocates its buffers through `ucp_mem_map`.
     #[arg(long)]
     pub heap_host: bool,
+    /// Bandwidth tests (tag_bw, tag_sync_bw, stream_bw, ucp_get): receive into (get into) a
+    /// ring of distinct buffers of at least SIZE bytes and at least one per request of the
+    /// window (at most 1024 buffers, 256 MiB) [default: 1M]. ucx_perftest receives a window
+    /// into one buffer, which stays in cache; a ring far larger than the caches (16M, the
+    /// default before) measures how they hold the written data, not the transport.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub recv_ring: Option<usize>,
     /// TCP port of the rendezvous (the server listens there).
     #[arg(short = 'p', default_value_t = DEFAULT_PORT)]
     pub port: u16,
@@ -390,6 +405,9 @@ pub struct Options {
     pub pin_host: bool,
     /// Host buffers from the heap, not from `Context::mem_alloc` (`--heap-host`).
     pub heap_host: bool,
+    /// Bytes of the bandwidth tests' receive ring, which holds at least a buffer per request
+    /// of the window (`--recv-ring`, default [`DEFAULT_RECV_RING`]).
+    pub recv_ring: usize,
     /// Run both sides locally.
     pub local: bool,
     /// Output format.
@@ -519,6 +537,7 @@ pub fn validate(cli: Cli, port_given: bool) -> Result<Options, String> {
         bounds: cli.bounds,
         pin_host: cli.pin_host,
         heap_host: cli.heap_host,
+        recv_ring: cli.recv_ring.unwrap_or(DEFAULT_RECV_RING),
         local: cli.local,
         format,
         sweep: cli.sweep,

@@ -215,6 +215,18 @@ fn host_buffers(job: &Job, opts: &Options) -> String {
     }
 }
 
+/// How the bandwidth tests' receiver (the getter of `ucp_get`) lends its buffers, as the
+/// header says it.
+fn recv_ring(opts: &Options) -> String {
+    format!(
+        "the window ({}) or {} bytes of distinct buffers, whichever is more, at most 1024 \
+         (--recv-ring {}; ucx_perftest receives the window into one buffer)",
+        opts.window,
+        opts.recv_ring,
+        rucx::ucs::units::format_bytes(opts.recv_ring as u64)
+    )
+}
+
 fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
     let mut m = vec![
         ("Transports", job.worker().transports().join(", ")),
@@ -244,6 +256,14 @@ fn meta(job: &Job, opts: &Options) -> Vec<(&'static str, String)> {
     };
     if opts.mem.0 == rucx::MemoryType::Host || opts.mem.1 == rucx::MemoryType::Host {
         m.push(("Host buffers", host_buffers(job, opts)));
+    }
+    if opts.sweep
+        || matches!(
+            opts.test,
+            TestKind::TagBw | TestKind::TagSyncBw | TestKind::StreamBw | TestKind::Get
+        )
+    {
+        m.push(("Receive ring", recv_ring(opts)));
     }
     m.push(("Send memory", name(opts.mem.0)));
     m.push(("Recv memory", name(opts.mem.1)));

@@ -83,6 +83,11 @@ pub struct CompareCli {
     /// No heap-buffer rows.
     #[arg(long)]
     pub no_heap: bool,
+    /// rucx-perftest's bandwidth receiver cycles through at least SIZE of distinct buffers
+    /// (its --recv-ring, e.g. 16M, the default before) instead of its default (1 MiB, at least
+    /// the window); ucx_perftest receives every message into one buffer either way.
+    #[arg(long, value_name = "SIZE", value_parser = crate::args::parse_size)]
+    pub recv_ring: Option<usize>,
 }
 
 /// A transport as both tools name it.
@@ -399,7 +404,13 @@ fn run_limited(mut c: Command, limit: Duration) -> R<(bool, String, String)> {
     Ok((status.success(), so, se))
 }
 
-fn run_rucx(self_cmd: &[OsString], t: &Transport, c: &Case, window: usize) -> R<Sample> {
+fn run_rucx(
+    self_cmd: &[OsString],
+    t: &Transport,
+    c: &Case,
+    window: usize,
+    recv_ring: Option<usize>,
+) -> R<Sample> {
     let (exe, lead) = self_cmd.split_first().ok_or("no rucx-perftest command")?;
     let mut cmd = Command::new(exe);
     cmd.args(lead).args([
@@ -422,6 +433,12 @@ fn run_rucx(self_cmd: &[OsString], t: &Transport, c: &Case, window: usize) -> R<
     }
     if c.heap {
         cmd.arg("--heap-host");
+    }
+    // Only when asked: a build from before the option (--rucx-perftest) runs without it.
+    if let Some(r) = recv_ring
+        && c.test == "tag_bw"
+    {
+        cmd.args(["--recv-ring", &r.to_string()]);
     }
     cmd.envs(t.rucx_env.iter().copied());
     let (ok, so, se) = run_limited(cmd, Duration::from_secs(300))?;
@@ -1153,6 +1170,20 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
         ("load_before", load()),
         ("repetitions", reps.to_string()),
         ("window", cli.window.to_string()),
+        (
+            "recv_ring",
+            match cli.recv_ring {
+                None => format!(
+                    "rucx: the window ({}) or 1 MiB of buffers, whichever is more (its \
+                     default); ucx_perftest: one buffer",
+                    cli.window
+                ),
+                Some(r) => format!(
+                    "rucx: at least {r} bytes of distinct buffers (--recv-ring); ucx_perftest: \
+                     one buffer"
+                ),
+            },
+        ),
         ("wait", cli.wait.clone()),
     ];
     println!(
@@ -1210,7 +1241,7 @@ fn compare(cli: &CompareCli, self_cmd: &[OsString]) -> R<()> {
             for k in 0..2 {
                 let rucx_turn = (k == 0) == rucx_first;
                 if rucx_turn {
-                    let s = run_rucx(&rucx_cmd, t, c, cli.window)?;
+                    let s = run_rucx(&rucx_cmd, t, c, cli.window, cli.recv_ring)?;
                     rows[i].rucx.push(s);
                 } else {
                     let s = run_ucx(&ucx, t, c, cli.window)?;

@@ -58,13 +58,16 @@ pub struct Spec {
     /// Host buffers from the heap on both sides (`--heap-host`), not from
     /// `Context::mem_alloc`.
     pub heap_host: bool,
+    /// Bytes of distinct receive (and get) buffers a bandwidth test cycles through, at least
+    /// one per request of the window (`--recv-ring`).
+    pub recv_ring: usize,
 }
 
 impl Spec {
     /// The control message that announces this spec.
     pub fn encode(&self) -> String {
         format!(
-            "run {} {} {} {} {} {} {} {} {}",
+            "run {} {} {} {} {} {} {} {} {} {}",
             self.test.name(),
             self.size,
             self.iters,
@@ -73,7 +76,8 @@ impl Spec {
             self.mem.0,
             self.mem.1,
             self.wait.name(),
-            if self.heap_host { "heap" } else { "alloc" }
+            if self.heap_host { "heap" } else { "alloc" },
+            self.recv_ring
         )
     }
 
@@ -82,7 +86,7 @@ impl Spec {
         let w: Vec<&str> = s.split_whitespace().collect();
         match w.as_slice() {
             ["quit"] => Ok(None),
-            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 4 => {
+            ["run", t, size, iters, warm, window, rest @ ..] if rest.len() == 5 => {
                 let num = |x: &str| {
                     x.parse::<usize>()
                         .map_err(|_| format!("bad control message {s:?}"))
@@ -104,6 +108,7 @@ impl Spec {
                         "alloc" => false,
                         _ => return Err(format!("bad host allocation in control message {s:?}")),
                     },
+                    recv_ring: num(rest[4])?,
                 }))
             }
             _ => Err(format!(
@@ -390,22 +395,24 @@ impl Timer {
 }
 
 /// How many distinct buffers a side cycles through for receives and gets in one scope (a
-/// buffer can be lent once per scope): at least the window, and at most 16 MiB of them beyond
-/// it. `ucx_perftest` and OSU's bandwidth tests receive every message of a window into one
-/// buffer, which stays in cache; rucx's buffers cannot alias, and a ring much larger than the
-/// last-level cache would measure DRAM write bandwidth instead of the transport (64 MiB of
-/// 1 MiB slots ran at half the speed of 16 on a 16-core Xeon).
+/// buffer can be lent to one pending request at a time): `ring` bytes of them (`--recv-ring`,
+/// 1 MiB by default), and at least one per request of the window, at most 1024. `ucx_perftest`
+/// and OSU's bandwidth tests receive every message of a window into one buffer, which stays in
+/// cache; rucx's buffers cannot alias, so the default keeps the ring small enough for the
+/// caches (with 64 KiB messages it is the window's 16: a 16 MiB ring of 256 ran posix `tag_bw`
+/// at two thirds of their speed on this 2-vCPU machine, measuring the caches, not the
+/// transport) and large enough that a scope of small receives is not cut short (every scope
+/// ends its receives before lending their buffers again). A ring far larger than the
+/// last-level cache measures DRAM write bandwidth (64 MiB of 1 MiB slots ran at half the speed
+/// of 16 on a 16-core Xeon).
 ///
 /// The ring never takes more than [`RING_BYTES`] (one slot at least), so a side needs memory
 /// for one message where one message fits: with messages too large for a window of slots,
 /// fewer receives are posted at once than sends are in flight, and the rest wait at the
 /// receiver as rendezvous announcements, which hold no payload.
-fn ring_len(size: usize, window: usize) -> usize {
+fn ring_len(size: usize, window: usize, ring: usize) -> usize {
     let budget = (RING_BYTES / size.max(1)).max(1);
-    window
-        .max((16usize << 20) / size.max(1))
-        .clamp(1, 1024)
-        .min(budget)
+    window.max(ring / size.max(1)).clamp(1, 1024).min(budget)
 }
 
 /// The most memory a ring of receive (or get) buffers takes, unless one message is larger.
@@ -541,7 +548,12 @@ fn put_bw_client(w: &Worker, ep: EpId, spec: &Spec, gpu: Option<&Gpu>, t: &mut T
 }
 
 fn get_client(w: &Worker, ep: EpId, spec: &Spec, gpu: Option<&Gpu>, t: &mut Timer) -> R<()> {
-    let mut ring = Ring::new(spec.mem.0, gpu, spec.size, ring_len(spec.size, spec.window))?;
+    let mut ring = Ring::new(
+        spec.mem.0,
+        gpu,
+        spec.size,
+        ring_len(spec.size, spec.window, spec.recv_ring),
+    )?;
     let rkey = recv_rkey(w, ep)?;
     let remote = rkey.base();
     let total = spec.warmup + spec.iters;
@@ -875,7 +887,7 @@ fn tag_bw_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
             spec.mem.1,
             g.as_ref(),
             spec.size,
-            ring_len(spec.size, spec.window),
+            ring_len(spec.size, spec.window, spec.recv_ring),
         )
     });
     let mut ring = ready(w, ep, setup)?;
@@ -1027,6 +1039,7 @@ pub fn spec_for(opts: &Options, test: TestKind, size: usize) -> Spec {
         mem: opts.mem,
         wait: opts.wait,
         heap_host: opts.heap_host,
+        recv_ring: opts.recv_ring,
     }
 }
 
@@ -1074,22 +1087,32 @@ mod tests {
             mem: (MemoryType::Host, MemoryType::Host),
             wait: WaitMode::Poll,
             heap_host: false,
+            recv_ring: 0,
         };
         assert_eq!(Spec::decode(&s.encode()).unwrap(), Some(s));
+        // The server's receive ring is the client's --recv-ring.
+        let ring = Spec {
+            recv_ring: 16 << 20,
+            ..s
+        };
+        assert_eq!(Spec::decode(&ring.encode()).unwrap(), Some(ring));
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host poll alloc x").is_err());
         // The server allocates as the client asks (`--heap-host` reaches both sides).
         let heap = Spec {
             heap_host: true,
             ..s
         };
         assert_eq!(Spec::decode(&heap.encode()).unwrap(), Some(heap));
-        assert!(heap.encode().ends_with(" heap") && s.encode().ends_with(" alloc"));
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host host poll pool").is_err());
+        assert!(heap.encode().ends_with(" heap 0") && s.encode().ends_with(" alloc 0"));
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host poll pool 0").is_err());
+        // A spec of a build without the ring (client and server of different versions).
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host poll alloc").is_err());
         let sleep = Spec {
             wait: WaitMode::Sleep,
             ..s
         };
         assert_eq!(Spec::decode(&sleep.encode()).unwrap(), Some(sleep));
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host host nap alloc").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host host nap alloc 0").is_err());
         for mem in [
             (MemoryType::Cuda, MemoryType::Cuda),
             (MemoryType::Host, MemoryType::Cuda),
@@ -1099,9 +1122,9 @@ mod tests {
             assert_eq!(Spec::decode(&g.encode()).unwrap(), Some(g));
         }
         assert_eq!(Spec::decode("quit").unwrap(), None);
-        assert!(Spec::decode("run tag_bw x 1 1 1 host host poll alloc").is_err());
-        assert!(Spec::decode("run nope 1 1 1 1 host host poll alloc").is_err());
-        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm poll alloc").is_err());
+        assert!(Spec::decode("run tag_bw x 1 1 1 host host poll alloc 0").is_err());
+        assert!(Spec::decode("run nope 1 1 1 1 host host poll alloc 0").is_err());
+        assert!(Spec::decode("run tag_bw 8 1 1 1 host rocm poll alloc 0").is_err());
         assert!(Spec::decode("run tag_bw 8 1 1 1 host host poll").is_err());
         assert!(Spec::decode("hello").unwrap_err().contains("versions"));
     }
@@ -1158,21 +1181,35 @@ mod tests {
 
     #[test]
     fn rings_and_chunks_are_bounded() {
-        assert_eq!(ring_len(8, 16), 1024);
-        assert_eq!(ring_len(4 << 20, 16), 16);
-        assert_eq!(ring_len(4 << 20, 1), 4);
-        assert_eq!(ring_len(1 << 20, 16), 16);
-        assert_eq!(ring_len(1 << 30, 1), 1);
+        // By default 1 MiB of slots and at least the window (ucx_perftest keeps its window of
+        // receives in one buffer).
+        let mib = crate::args::DEFAULT_RECV_RING;
+        assert_eq!(ring_len(64 << 10, 16, mib), 16);
+        assert_eq!(ring_len(4 << 10, 16, mib), 256);
+        assert_eq!(ring_len(8, 16, mib), 1024);
+        assert_eq!(ring_len(4 << 20, 1, mib), 1);
+        assert_eq!(ring_len(8, 4096, 0), 1024);
+        assert_eq!(ring_len(64 << 10, 16, 0), 16);
+        // --recv-ring 16M (the default before): 16 MiB of slots or the window, at most 1024.
+        let mib16 = 16 << 20;
+        assert_eq!(ring_len(8, 16, mib16), 1024);
+        assert_eq!(ring_len(64 << 10, 16, mib16), 256);
+        assert_eq!(ring_len(4 << 20, 16, mib16), 16);
+        assert_eq!(ring_len(4 << 20, 1, mib16), 4);
+        assert_eq!(ring_len(1 << 20, 16, mib16), 16);
+        assert_eq!(ring_len(1 << 30, 1, mib16), 1);
         // Memory bounded by the message: one slot of a huge message whatever the window.
-        assert_eq!(ring_len(16 << 20, 16), 16);
-        assert_eq!(ring_len(32 << 20, 16), 8);
-        assert_eq!(ring_len(256 << 20, 16), 1);
-        assert_eq!(ring_len((2 << 30) + 1, 16), 1);
-        assert_eq!(ring_len(4 << 30, 64), 1);
+        assert_eq!(ring_len(16 << 20, 16, 0), 16);
+        assert_eq!(ring_len(32 << 20, 16, mib16), 8);
+        assert_eq!(ring_len(256 << 20, 16, 0), 1);
+        assert_eq!(ring_len((2 << 30) + 1, 16, 0), 1);
+        assert_eq!(ring_len(4 << 30, 64, mib16), 1);
         for size in [1usize, 4096, 1 << 20, 100 << 20, 1 << 30] {
             for window in [1, 4, 16, 256] {
-                let n = ring_len(size, window);
-                assert!(n >= 1 && n.saturating_mul(size) <= RING_BYTES.max(size));
+                for ring in [0, 1 << 20, 1 << 40] {
+                    let n = ring_len(size, window, ring);
+                    assert!(n >= 1 && n.saturating_mul(size) <= RING_BYTES.max(size));
+                }
             }
         }
         assert!(chunk_len(1) >= 1024);

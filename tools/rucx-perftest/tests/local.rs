@@ -426,6 +426,49 @@ fn peak_memory_is_bounded_by_the_message() {
     }
 }
 
+/// The bandwidth receiver lends 1 MiB of buffers, at least one per request of the window,
+/// unless `--recv-ring` asks for more (ucx_perftest receives its window into one buffer):
+/// with 1 MiB messages and `-O 1` the server holds 1 MiB of receive buffers by default (it
+/// held 16 before, a 16 MiB ring), 64 with `--recv-ring 64M`, and the header says which.
+/// Heap buffers, so the peak RSS counts each once.
+#[test]
+fn the_receive_ring_is_the_window_unless_asked() {
+    let run = |extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
+            .args(["--local", "-t", "tag_bw", "-s", "1M", "-n", "80", "-w", "0"])
+            .args(["-O", "1", "--heap-host"])
+            .args(extra)
+            .env("RUCX_BOOTSTRAP_TIMEOUT", "30s")
+            .env("RUCX_PERFTEST_PEAK_RSS", "1")
+            .output()
+            .expect("rucx-perftest runs");
+        let out = text(&o);
+        assert!(o.status.success(), "{out}");
+        (peak_rss(&out, "server"), out)
+    };
+    let (small, out) = run(&[]);
+    assert!(
+        out.contains("Receive ring: the window (1) or 1048576 bytes of distinct buffers"),
+        "{out}"
+    );
+    assert!(
+        small < 16 << 20,
+        "the server peaked at {} MiB with a ring of one 1 MiB buffer\n{out}",
+        small >> 20
+    );
+    let (large, out) = run(&["--recv-ring", "64M"]);
+    assert!(
+        out.contains("Receive ring: the window (1) or 67108864 bytes of distinct buffers"),
+        "{out}"
+    );
+    assert!(
+        large >= small + (56 << 20),
+        "the server peaked at {} MiB with a 64 MiB ring (default: {} MiB)\n{out}",
+        large >> 20,
+        small >> 20
+    );
+}
+
 /// `--floors`: every floor measured, positive and finite, as JSON and as a table.
 #[test]
 fn floors_are_measured_and_sane() {

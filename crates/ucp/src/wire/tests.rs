@@ -337,6 +337,8 @@ proptest! {
         prop_assert_eq!(id, m.am_id());
         let back = parse(id, &bytes).unwrap();
         prop_assert_eq!(&back, &m);
+        // `encode` allocates once: the bound holds every encoding.
+        prop_assert!(bytes.len() <= m.encoded_len_bound(), "{} > {}", bytes.len(), m.encoded_len_bound());
     }
 
     #[test]
