@@ -109,6 +109,31 @@ impl Registry {
         slot.take().map(|(_, o)| o)
     }
 
+    /// Register request `id` (a direct receive made a request) for the completion queue.
+    pub(super) fn insert_queued(&mut self, id: u64, token: u64) {
+        self.insert(id, Owner::Queue(token));
+    }
+
+    /// No end waits for a reap: an end queued now keeps the order in which they happened.
+    #[inline]
+    pub(crate) fn ends_in_order(&self) -> bool {
+        self.done.is_empty() && self.draining.is_empty()
+    }
+
+    /// Queue the end of a queued request that has no request in the table.
+    #[inline]
+    pub(super) fn push_completed(&mut self, token: u64, res: Result<Completion>) {
+        self.completed.push((token, res));
+    }
+
+    /// The outstanding queued request of `token` (the first, if the caller gave it to several).
+    pub(super) fn find_queued(&self, token: u64) -> Option<u64> {
+        self.slots.iter().flatten().find_map(|(id, o)| match o {
+            Owner::Queue(t) if *t == token => Some(*id),
+            _ => None,
+        })
+    }
+
     /// Ids of the outstanding requests.
     fn ids(&self) -> Vec<u64> {
         self.slots.iter().flatten().map(|(id, _)| *id).collect()
@@ -130,6 +155,18 @@ pub enum Queued {
 pub struct QueuedReq {
     id: u64,
     worker: u64,
+    /// `id` names a direct receive (`direct.rs`), not a request of the table.
+    direct: bool,
+}
+
+impl QueuedReq {
+    pub(super) fn direct(key: u64, worker: u64) -> QueuedReq {
+        QueuedReq {
+            id: key,
+            worker,
+            direct: true,
+        }
+    }
 }
 
 impl Worker {
@@ -223,6 +260,11 @@ impl Worker {
     /// [`tag_send_queued`](Self::tag_send_queued).
     #[inline]
     pub fn tag_recv_queued(&self, buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
+        // Host memory and nothing waiting (a pre-posted receive, the common case): an entry of
+        // the expected queue only (`direct.rs`).
+        if let Some(q) = self.recv_direct(&buf, tag, mask, token) {
+            return q;
+        }
         let id = self.post_recv(RecvBuf::of_raw(&buf), tag, mask);
         {
             // Waiting for its message (a pre-posted receive, the common case): registered.
@@ -230,7 +272,11 @@ impl Worker {
             if st.reqs.get(&id).is_some_and(|r| r.result.is_none()) {
                 st.owned.insert(id, Owner::Queue(token));
                 let worker = st.address.uuid;
-                return Queued::Pending(QueuedReq { id, worker });
+                return Queued::Pending(QueuedReq {
+                    id,
+                    worker,
+                    direct: false,
+                });
             }
         }
         self.adopt_queued(Ok(Posted::Pending(id)), token)
@@ -254,7 +300,11 @@ impl Worker {
         }
         st.owned.insert(id, Owner::Queue(token));
         let worker = st.address.uuid;
-        Queued::Pending(QueuedReq { id, worker })
+        Queued::Pending(QueuedReq {
+            id,
+            worker,
+            direct: false,
+        })
     }
 
     /// Whether ends of queued requests wait to be taken ([`take_completed`](Self::take_completed)).
@@ -293,6 +343,9 @@ impl Worker {
     /// canceled (its end, [`Error::Canceled`], is queued now). False for another worker's
     /// request, a send, or one that ended or matched already.
     pub fn cancel_queued(&self, r: QueuedReq) -> bool {
+        if r.direct {
+            return self.owned_uuid() == r.worker && self.cancel_direct(r.id);
+        }
         let mine = {
             let st = self.st.borrow();
             st.address.uuid == r.worker && matches!(st.owned.get(r.id), Some(Owner::Queue(_)))
@@ -371,6 +424,7 @@ impl Worker {
     /// them all, waiting only for receives a peer may be writing into, close the interfaces,
     /// then hand every buffer back.
     pub(super) fn shutdown_owned(&mut self) {
+        self.st.get_mut().cancel_all_direct();
         if self.st.get_mut().owned.len() == 0 {
             return;
         }
@@ -384,7 +438,11 @@ impl Worker {
                         result: None,
                         ..
                     }) => {
-                        if st.matcher.cancel_expected(|e| *e == id).is_some() {
+                        if st
+                            .matcher
+                            .cancel_expected(|e| *e == Waiter::Req(id))
+                            .is_some()
+                        {
                             st.finish(id, Err(Error::Canceled));
                             false
                         } else {
