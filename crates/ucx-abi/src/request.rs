@@ -263,17 +263,9 @@ fn cb_words(cb: Callback) -> (u32, [usize; 2]) {
     }
 }
 
-/// The callback the header of live request `user` keeps ([`Callback::None`] for a pointer that
-/// is not one).
-///
-/// # Safety
-/// As for [`header`].
-#[inline]
-pub unsafe fn callback(user: *mut c_void) -> Callback {
-    // SAFETY: forwarded.
-    let Some(h) = (unsafe { header(user) }) else {
-        return Callback::None;
-    };
+/// The callback header `h` keeps.
+#[inline(always)]
+fn cb_of(h: &Header) -> Callback {
     let [f, d] = h.cb;
     let d = d as *mut c_void;
     // SAFETY: `f` is 0 or the address of a function of the type the kind names, written by
@@ -324,6 +316,32 @@ pub unsafe fn complete(user: *mut c_void, status: Status, info: TagRecvInfo) -> 
         return false;
     }
     true
+}
+
+/// Record the end of a request and take the callback its header keeps: `None`
+/// when there is none to run (the caller freed the request first; it went back to its pool).
+///
+/// # Safety
+/// As for [`complete`].
+#[inline]
+pub unsafe fn complete_take_cb(
+    user: *mut c_void,
+    status: Status,
+    info: TagRecvInfo,
+) -> Option<Callback> {
+    // SAFETY: forwarded.
+    let h = unsafe { header(user) }?;
+    let cb = cb_of(h);
+    h.status = i32::from(status);
+    h.info = info;
+    h.flags |= COMPLETED;
+    if h.flags & RELEASED != 0 {
+        let pool = h.pool;
+        // SAFETY: RELEASED is set only on pooled requests, whose pool outlives them.
+        unsafe { (*pool).give_back(user) };
+        return None;
+    }
+    Some(cb)
 }
 
 /// `ucp_request_free`: a completed pooled request goes back now, a pending one when it
@@ -439,6 +457,58 @@ mod tests {
                 state(crate::status::status_ptr(UCS_ERR_NO_MEMORY)),
                 Err(UCS_ERR_INVALID_PARAM)
             );
+        }
+    }
+
+    unsafe extern "C" fn on_recv(_: *mut c_void, _: Status, _: *const TagRecvInfo, _: *mut c_void) {
+    }
+    unsafe extern "C" fn on_send(_: *mut c_void, _: Status) {}
+
+    #[test]
+    fn the_header_keeps_the_callback_it_was_made_with() {
+        let pool = Pool::new(8, None, None);
+        let data = 0x5eed_usize as *mut c_void;
+        let recv: RecvNbxCb = Some(on_recv);
+        let send: SendCb = Some(on_send);
+        for cb in [
+            Callback::None,
+            Callback::RecvNbx(recv, data),
+            Callback::RecvNbx(None, data),
+            Callback::Send(send),
+            Callback::SendNbx(None, std::ptr::null_mut()),
+            Callback::Recv(None),
+        ] {
+            let r = pool.alloc_for(Some(3), cb);
+            // SAFETY: `r` is a live request of `pool`, completed once.
+            let back = unsafe { complete_take_cb(r, UCS_OK, TagRecvInfo::default()) }
+                .expect("not freed: its callback is due");
+            let same = match (cb, back) {
+                (Callback::None, Callback::None) => true,
+                (Callback::RecvNbx(a, d), Callback::RecvNbx(b, e)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize) && d == e
+                }
+                (Callback::Send(a), Callback::Send(b)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize)
+                }
+                (Callback::SendNbx(a, d), Callback::SendNbx(b, e)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize) && d == e
+                }
+                (Callback::Recv(a), Callback::Recv(b)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize)
+                }
+                _ => false,
+            };
+            assert!(same, "{cb:?} came back as {back:?}");
+            // SAFETY: live, freed once.
+            unsafe { assert!(free(r)) };
+        }
+        // Freed before it ended: no callback is due, and it went back to the pool.
+        let r = pool.alloc_for(None, Callback::RecvNbx(recv, data));
+        // SAFETY: live until completed (freed first, by its caller).
+        unsafe {
+            assert!(free(r));
+            assert!(complete_take_cb(r, UCS_OK, TagRecvInfo::default()).is_none());
+            assert_eq!(state(r), Err(UCS_ERR_INVALID_PARAM));
         }
     }
 }

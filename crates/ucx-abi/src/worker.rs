@@ -242,8 +242,9 @@ fn deliver_header(token: u64, res: Result<Completion>) {
     let (status, info) = Finish::Recv.run(res, None);
     // SAFETY: `user` is the live request of the receive that just ended (a request stays the
     // caller's, and live, until it completed).
-    let cb = unsafe { request::callback(user) };
-    deliver(user, cb, status, info);
+    if let Some(cb) = unsafe { request::complete_take_cb(user, status, info) } {
+        run_callback(user, cb, status, info);
+    }
 }
 
 /// Deliver the end `res` of operation `p`.
@@ -255,22 +256,27 @@ fn finish(p: Pending, res: Result<Completion>) {
 
 /// Record a request's end and run its callback (unless it was freed before).
 #[inline(always)]
-pub fn deliver(user: *mut c_void, cb: Callback, status: Status, mut info: TagRecvInfo) {
+pub fn deliver(user: *mut c_void, cb: Callback, status: Status, info: TagRecvInfo) {
     // SAFETY: `user` is a live request of this library (made when the operation was posted).
-    if !unsafe { request::complete(user, status, info) } {
-        return;
+    if unsafe { request::complete(user, status, info) } {
+        run_callback(user, cb, status, info);
     }
+}
+
+/// Run request `user`'s callback `cb` for its end.
+#[inline(always)]
+fn run_callback(user: *mut c_void, cb: Callback, status: Status, mut info: TagRecvInfo) {
     // The callbacks are the caller's, called as UCX calls them: with the request, its status,
     // and for receives the information of the message.
     match cb {
         Callback::None => {}
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::Send(Some(f)) => unsafe { f(user, status) },
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::SendNbx(Some(f), data) => unsafe { f(user, status, data) },
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::Recv(Some(f)) => unsafe { f(user, status, &mut info) },
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::RecvNbx(Some(f), data) => unsafe { f(user, status, &info, data) },
         _ => {}
     }
