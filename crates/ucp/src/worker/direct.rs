@@ -8,8 +8,6 @@
 //! then run as before. Cancel finds it in the expected queue; the worker's drop ends those
 //! still waiting there (nothing touched their memory).
 
-use rucx_ucs::{MemInfo, RawBuf};
-
 use crate::worker::owned::{Queued, QueuedReq};
 use crate::worker::prelude::*;
 
@@ -39,11 +37,11 @@ pub(crate) struct DirectRecv {
 impl Worker {
     /// Post queued receive `buf` as a direct receive when it can be one: host memory, and no
     /// message waiting (so it matches nothing now and goes to the end of the expected queue).
-    /// `None`: post it as a request.
+    /// `None`: post it as a request (with the memory type found here, if it was looked up).
     #[inline]
     pub(super) fn recv_direct(
         &self,
-        buf: &RawBuf,
+        buf: &mut RecvBuf<'_>,
         tag: Tag,
         mask: Tag,
         token: u64,
@@ -52,21 +50,23 @@ impl Worker {
         if st.matcher.unexpected_len() != 0 {
             return None;
         }
-        let host = match buf.info() {
-            Some(i) => i == MemInfo::HOST,
-            None => matches!(
-                st.ctx.detect(buf.addr(), buf.len()),
-                Ok((MemoryType::Host, None))
-            ),
+        let mem = match buf.mem {
+            Some(m) => m,
+            // Classified once: the request it may become keeps the answer.
+            None => {
+                let m = st.ctx.detect(buf.addr, buf.len).ok()?;
+                buf.mem = Some(m);
+                m
+            }
         };
-        if !host {
+        if mem != (MemoryType::Host, None) {
             return None;
         }
         let key = st.next_direct;
         st.next_direct += 1;
         let d = DirectRecv {
-            addr: buf.addr(),
-            cap: buf.len(),
+            addr: buf.addr,
+            cap: buf.len,
             tag,
             token,
             key,
@@ -190,6 +190,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use proptest::prelude::*;
+
+    use rucx_ucs::{MemInfo, RawBuf};
 
     use super::*;
     use crate::TAG_MASK_FULL;

@@ -262,10 +262,11 @@ impl Worker {
     pub fn tag_recv_queued(&self, buf: RawBuf, tag: Tag, mask: Tag, token: u64) -> Queued {
         // Host memory and nothing waiting (a pre-posted receive, the common case): an entry of
         // the expected queue only (`direct.rs`).
-        if let Some(q) = self.recv_direct(&buf, tag, mask, token) {
+        let mut rb = RecvBuf::of_raw(&buf);
+        if let Some(q) = self.recv_direct(&mut rb, tag, mask, token) {
             return q;
         }
-        let id = self.post_recv(RecvBuf::of_raw(&buf), tag, mask);
+        let id = self.post_recv(rb, tag, mask);
         {
             // Waiting for its message (a pre-posted receive, the common case): registered.
             let mut st = self.st.borrow_mut();
