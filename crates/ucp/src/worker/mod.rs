@@ -44,6 +44,8 @@ pub(crate) mod prelude;
 pub(crate) mod procwatch;
 mod query;
 mod queue;
+#[cfg(test)]
+mod queued_tests;
 mod recv;
 pub(crate) mod state;
 
