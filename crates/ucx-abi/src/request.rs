@@ -21,6 +21,7 @@ use std::ffi::c_void;
 
 use crate::status::ptr_is_ptr;
 use crate::types::*;
+use crate::worker::Callback;
 
 /// Bytes of this library's header before every request's caller area.
 pub const HEADER_SIZE: usize = 64;
@@ -40,12 +41,15 @@ struct Header {
     magic: u32,
     flags: u32,
     status: i32,
-    _pad: u32,
+    /// The callback's kind ([`cb_words`]), with `cb`.
+    cb_kind: u32,
     info: TagRecvInfo,
     pool: *const Pool,
     /// The operation's token in its worker's table, plus one (0: none), for cancel.
     token: u64,
-    _spare: [u64; 2],
+    /// The callback (its function and user data), for receives that have no entry in the
+    /// worker's table (`crate::worker`'s header receives).
+    cb: [usize; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_SIZE);
@@ -80,12 +84,12 @@ impl Pool {
     /// A request from the pool: its caller area (after `request_init` on first use).
     #[cfg(test)]
     pub fn alloc(&self) -> *mut c_void {
-        self.alloc_for(None)
+        self.alloc_for(None, Callback::None)
     }
 
     /// A request from the pool for the operation of `token` (noted for `ucp_request_cancel`),
-    /// if any: its caller area (after `request_init` on first use).
-    pub fn alloc_for(&self, token: Option<u64>) -> *mut c_void {
+    /// if any, with callback `cb`: its caller area (after `request_init` on first use).
+    pub fn alloc_for(&self, token: Option<u64>, cb: Callback) -> *mut c_void {
         let block = match self.free.borrow_mut().pop() {
             Some(b) => b,
             None => {
@@ -105,17 +109,18 @@ impl Pool {
             }
         };
         let header = block.cast::<Header>();
+        let (cb_kind, cb) = cb_words(cb);
         // SAFETY: the block starts with room for a header, 16-aligned.
         unsafe {
             header.write(Header {
                 magic: MAGIC,
                 flags: POOLED,
                 status: i32::from(UCS_INPROGRESS),
-                _pad: 0,
+                cb_kind,
                 info: TagRecvInfo::default(),
                 pool: self,
                 token: token_word(token),
-                _spare: [0; 2],
+                cb,
             })
         };
         // SAFETY: within the block.
@@ -146,15 +151,16 @@ impl Drop for Pool {
 }
 
 /// Prepare the caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`) for the operation of
-/// `token`, if any (noted for `ucp_request_cancel` as [`set_token`] notes it): the header before
-/// `user` is written fresh. Returns false for a pointer that cannot be one.
+/// `token`, if any (noted for `ucp_request_cancel` as [`set_token`] notes it), with callback
+/// `cb`: the header before `user` is written fresh. Returns false for a pointer that cannot be
+/// one.
 ///
 /// # Safety
 /// `user` points `HEADER_SIZE` bytes past the start of writable memory of at least that size.
 #[inline]
-pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>) -> bool {
+pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>, cb: Callback) -> bool {
     // SAFETY: forwarded.
-    unsafe { write_provided(user, token, 0, UCS_INPROGRESS) }
+    unsafe { write_provided(user, token, cb, 0, UCS_INPROGRESS) }
 }
 
 /// The caller's own request memory, prepared as a request that already ended with `UCS_OK`
@@ -165,7 +171,7 @@ pub unsafe fn init_provided_for(user: *mut c_void, token: Option<u64>) -> bool {
 #[inline]
 pub unsafe fn init_provided_done(user: *mut c_void) -> bool {
     // SAFETY: forwarded.
-    unsafe { write_provided(user, None, COMPLETED, UCS_OK) }
+    unsafe { write_provided(user, None, Callback::None, COMPLETED, UCS_OK) }
 }
 
 /// Write a fresh header before `user`, the caller's request memory.
@@ -176,12 +182,14 @@ pub unsafe fn init_provided_done(user: *mut c_void) -> bool {
 unsafe fn write_provided(
     user: *mut c_void,
     token: Option<u64>,
+    cb: Callback,
     flags: u32,
     status: Status,
 ) -> bool {
     if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
         return false;
     }
+    let (cb_kind, cb) = cb_words(cb);
     // SAFETY: the caller's promise: HEADER_SIZE writable bytes before `user`.
     unsafe {
         user.cast::<u8>()
@@ -191,11 +199,11 @@ unsafe fn write_provided(
                 magic: MAGIC,
                 flags,
                 status: i32::from(status),
-                _pad: 0,
+                cb_kind,
                 info: TagRecvInfo::default(),
                 pool: std::ptr::null(),
                 token: token_word(token),
-                _spare: [0; 2],
+                cb,
             })
     };
     true
@@ -242,6 +250,37 @@ pub unsafe fn token(user: *mut c_void) -> Option<u64> {
     unsafe { header(user) }.and_then(|h| h.token.checked_sub(1))
 }
 
+/// A callback as the header keeps it: its kind, function (0: none) and user data.
+#[inline(always)]
+fn cb_words(cb: Callback) -> (u32, [usize; 2]) {
+    let f = |p: Option<usize>| p.unwrap_or(0);
+    match cb {
+        Callback::None => (0, [0, 0]),
+        Callback::Send(g) => (1, [f(g.map(|g| g as usize)), 0]),
+        Callback::SendNbx(g, d) => (2, [f(g.map(|g| g as usize)), d as usize]),
+        Callback::Recv(g) => (3, [f(g.map(|g| g as usize)), 0]),
+        Callback::RecvNbx(g, d) => (4, [f(g.map(|g| g as usize)), d as usize]),
+    }
+}
+
+/// The callback header `h` keeps.
+#[inline(always)]
+fn cb_of(h: &Header) -> Callback {
+    let [f, d] = h.cb;
+    let d = d as *mut c_void;
+    // SAFETY: `f` is 0 or the address of a function of the type the kind names, written by
+    // `cb_words` from that very type (an optional function pointer: 0 is `None`).
+    unsafe {
+        match h.cb_kind {
+            1 => Callback::Send(std::mem::transmute::<usize, SendCb>(f)),
+            2 => Callback::SendNbx(std::mem::transmute::<usize, SendNbxCb>(f), d),
+            3 => Callback::Recv(std::mem::transmute::<usize, RecvCb>(f)),
+            4 => Callback::RecvNbx(std::mem::transmute::<usize, RecvNbxCb>(f), d),
+            _ => Callback::None,
+        }
+    }
+}
+
 /// Where a request stands: `UCS_INPROGRESS`, or its final status and receive information.
 ///
 /// # Safety
@@ -277,6 +316,32 @@ pub unsafe fn complete(user: *mut c_void, status: Status, info: TagRecvInfo) -> 
         return false;
     }
     true
+}
+
+/// Record the end of a request and take the callback its header keeps: `None`
+/// when there is none to run (the caller freed the request first; it went back to its pool).
+///
+/// # Safety
+/// As for [`complete`].
+#[inline]
+pub unsafe fn complete_take_cb(
+    user: *mut c_void,
+    status: Status,
+    info: TagRecvInfo,
+) -> Option<Callback> {
+    // SAFETY: forwarded.
+    let h = unsafe { header(user) }?;
+    let cb = cb_of(h);
+    h.status = i32::from(status);
+    h.info = info;
+    h.flags |= COMPLETED;
+    if h.flags & RELEASED != 0 {
+        let pool = h.pool;
+        // SAFETY: RELEASED is set only on pooled requests, whose pool outlives them.
+        unsafe { (*pool).give_back(user) };
+        return None;
+    }
+    Some(cb)
 }
 
 /// `ucp_request_free`: a completed pooled request goes back now, a pending one when it
@@ -375,7 +440,7 @@ mod tests {
         let user = unsafe { mem.as_mut_ptr().add(HEADER_SIZE / 8) }.cast::<c_void>();
         // SAFETY: as above.
         unsafe {
-            assert!(init_provided_for(user, None));
+            assert!(init_provided_for(user, None, Callback::None));
             assert_eq!(state(user).unwrap().0, UCS_INPROGRESS);
             assert!(complete(user, UCS_OK, TagRecvInfo::default()));
             assert_eq!(state(user).unwrap().0, UCS_OK);
@@ -384,7 +449,7 @@ mod tests {
             assert_eq!(state(user), Ok((UCS_OK, TagRecvInfo::default())));
             assert_eq!(token(user), None);
             assert!(free(user));
-            assert!(init_provided_for(user, Some(5)));
+            assert!(init_provided_for(user, Some(5), Callback::None));
             assert_eq!(state(user).unwrap().0, UCS_INPROGRESS);
             assert_eq!(token(user), Some(5));
             assert_eq!(state(std::ptr::null_mut()), Err(UCS_ERR_INVALID_PARAM));
@@ -392,6 +457,58 @@ mod tests {
                 state(crate::status::status_ptr(UCS_ERR_NO_MEMORY)),
                 Err(UCS_ERR_INVALID_PARAM)
             );
+        }
+    }
+
+    unsafe extern "C" fn on_recv(_: *mut c_void, _: Status, _: *const TagRecvInfo, _: *mut c_void) {
+    }
+    unsafe extern "C" fn on_send(_: *mut c_void, _: Status) {}
+
+    #[test]
+    fn the_header_keeps_the_callback_it_was_made_with() {
+        let pool = Pool::new(8, None, None);
+        let data = 0x5eed_usize as *mut c_void;
+        let recv: RecvNbxCb = Some(on_recv);
+        let send: SendCb = Some(on_send);
+        for cb in [
+            Callback::None,
+            Callback::RecvNbx(recv, data),
+            Callback::RecvNbx(None, data),
+            Callback::Send(send),
+            Callback::SendNbx(None, std::ptr::null_mut()),
+            Callback::Recv(None),
+        ] {
+            let r = pool.alloc_for(Some(3), cb);
+            // SAFETY: `r` is a live request of `pool`, completed once.
+            let back = unsafe { complete_take_cb(r, UCS_OK, TagRecvInfo::default()) }
+                .expect("not freed: its callback is due");
+            let same = match (cb, back) {
+                (Callback::None, Callback::None) => true,
+                (Callback::RecvNbx(a, d), Callback::RecvNbx(b, e)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize) && d == e
+                }
+                (Callback::Send(a), Callback::Send(b)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize)
+                }
+                (Callback::SendNbx(a, d), Callback::SendNbx(b, e)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize) && d == e
+                }
+                (Callback::Recv(a), Callback::Recv(b)) => {
+                    a.map(|f| f as usize) == b.map(|f| f as usize)
+                }
+                _ => false,
+            };
+            assert!(same, "{cb:?} came back as {back:?}");
+            // SAFETY: live, freed once.
+            unsafe { assert!(free(r)) };
+        }
+        // Freed before it ended: no callback is due, and it went back to the pool.
+        let r = pool.alloc_for(None, Callback::RecvNbx(recv, data));
+        // SAFETY: live until completed (freed first, by its caller).
+        unsafe {
+            assert!(free(r));
+            assert!(complete_take_cb(r, UCS_OK, TagRecvInfo::default()).is_none());
+            assert_eq!(state(r), Err(UCS_ERR_INVALID_PARAM));
         }
     }
 }

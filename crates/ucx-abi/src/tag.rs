@@ -192,10 +192,35 @@ unsafe fn request_for(w: &AbiWorker, opts: &Opts, token: Option<u64>) -> *mut c_
         Some(r) => {
             // SAFETY: checked by `check_provided` before the operation was posted; room for a
             // header before it is the caller's promise.
-            unsafe { request::init_provided_for(r, token) };
+            unsafe { request::init_provided_for(r, token, opts.cb) };
             r
         }
-        None => w.context().pool.alloc_for(token),
+        None => w.context().pool.alloc_for(token, opts.cb),
+    }
+}
+
+/// The request of a header receive ([`crate::worker`]): the caller's memory or one of the
+/// pool, its callback in its header, and its token (its address under
+/// [`HEADER_TOKEN`](crate::worker::HEADER_TOKEN)), noted there for cancel.
+///
+/// # Safety
+/// As for [`request_for`].
+#[inline(always)]
+unsafe fn header_request(w: &AbiWorker, opts: &Opts) -> (*mut c_void, u64) {
+    match opts.req {
+        Some(r) => {
+            let token = crate::worker::header_token(r);
+            // SAFETY: as for `request_for`.
+            unsafe { request::init_provided_for(r, Some(token), opts.cb) };
+            (r, token)
+        }
+        None => {
+            let user = w.context().pool.alloc_for(None, opts.cb);
+            let token = crate::worker::header_token(user);
+            // SAFETY: a live request, just made.
+            unsafe { request::set_token(user, token) };
+            (user, token)
+        }
     }
 }
 
@@ -377,6 +402,26 @@ unsafe fn recv(
         Err(s) => return status_ptr(s),
     };
     let mut data = data;
+    // The caller's memory, and a request made whether or not it ends while posted: a header
+    // receive, with no entry in the table.
+    if matches!(fin, Finish::Recv)
+        && (opts.req.is_some() || opts.no_imm || opts.recv_info.is_none())
+    {
+        // SAFETY: as for `request_for`.
+        let (user, token) = unsafe { header_request(w, &opts) };
+        // SAFETY: the caller's promise: the memory stays valid until the receive ends.
+        match unsafe { engine::recv(&w.worker, &mut data, tag, mask, token) } {
+            Queued::Pending(_) => {}
+            Queued::Ended(res) if matches!(opts.cb, Callback::None) => {
+                let (status, info) = fin.run(res, None);
+                // SAFETY: `user` is a live request.
+                unsafe { request::complete(user, status, info) };
+            }
+            // The callback runs from the next progress.
+            Queued::Ended(res) => w.ready.borrow_mut().push((token, res)),
+        }
+        return user;
+    }
     let mut ops = w.ops.borrow_mut();
     let token = ops.vacant();
     // SAFETY: the caller's promise: the memory stays valid until the receive ends; our buffer

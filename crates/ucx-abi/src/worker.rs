@@ -1,7 +1,10 @@
 //! `ucp_worker_h`: a rucx worker, the operations in flight on it and their completion.
 //!
 //! Every operation in flight is an entry of the worker's table ([`Ops`]), and a queued request
-//! of the rucx worker whose token is the entry's index. Progress (`ucp_worker_progress`)
+//! of the rucx worker whose token is the entry's index; except header receives, the common
+//! contiguous receive: its callback lives in its request's header ([`crate::request`]) and its
+//! token is the request's address ([`HEADER_TOKEN`]), so it needs no entry (it is canceled by
+//! that token). Progress (`ucp_worker_progress`)
 //! progresses the rucx worker, then delivers the operations that ended, and only those: the
 //! rucx worker queued their tokens as they ended. A delivered request's header gets the status
 //! (and receive information), and the caller's callback runs unless the request was freed
@@ -21,6 +24,16 @@ use crate::request;
 use crate::status::{status_of, status_ptr};
 use crate::tag::Finish;
 use crate::types::*;
+
+/// The token of a header receive is its request's address with this bit set (table tokens are
+/// small indices, never with it).
+pub const HEADER_TOKEN: u64 = 1 << 63;
+
+/// The token of the header receive whose request is `user`.
+#[inline(always)]
+pub fn header_token(user: *mut c_void) -> u64 {
+    HEADER_TOKEN | user as usize as u64
+}
 
 /// What a `ucp_worker_h` points to.
 #[derive(Debug)]
@@ -138,6 +151,11 @@ impl AbiWorker {
         if !self.ready.borrow().is_empty() {
             let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
             for (token, res) in ready.drain(..) {
+                if token & HEADER_TOKEN != 0 {
+                    deliver_header(token, res);
+                    n += 1;
+                    continue;
+                }
                 let p = self.ops.borrow_mut().remove(token);
                 if let Some(p) = p {
                     finish(p, res);
@@ -160,6 +178,11 @@ impl AbiWorker {
             std::mem::take(&mut *slot)
         };
         for (token, res) in ended.drain(..) {
+            if token & HEADER_TOKEN != 0 {
+                deliver_header(token, res);
+                n += 1;
+                continue;
+            }
             let mut ops = self.ops.borrow_mut();
             let Some(p) = ops.get_mut(token) else {
                 continue;
@@ -190,6 +213,13 @@ impl AbiWorker {
         let Some(token) = (unsafe { request::token(user) }) else {
             return;
         };
+        if token & HEADER_TOKEN != 0 {
+            // A header receive: by its token, which is its request's own address.
+            if token == header_token(user) {
+                self.worker.cancel_queued_token(token);
+            }
+            return;
+        }
         let req = match self.ops.borrow_mut().get_mut(token) {
             Some(p) if p.user == user => p.req,
             _ => None,
@@ -205,6 +235,18 @@ impl AbiWorker {
     }
 }
 
+/// Deliver the end `res` of the header receive of `token`.
+#[inline(always)]
+fn deliver_header(token: u64, res: Result<Completion>) {
+    let user = (token & !HEADER_TOKEN) as usize as *mut c_void;
+    let (status, info) = Finish::Recv.run(res, None);
+    // SAFETY: `user` is the live request of the receive that just ended (a request stays the
+    // caller's, and live, until it completed).
+    if let Some(cb) = unsafe { request::complete_take_cb(user, status, info) } {
+        run_callback(user, cb, status, info);
+    }
+}
+
 /// Deliver the end `res` of operation `p`.
 #[inline(always)]
 fn finish(p: Pending, res: Result<Completion>) {
@@ -214,22 +256,27 @@ fn finish(p: Pending, res: Result<Completion>) {
 
 /// Record a request's end and run its callback (unless it was freed before).
 #[inline(always)]
-pub fn deliver(user: *mut c_void, cb: Callback, status: Status, mut info: TagRecvInfo) {
+pub fn deliver(user: *mut c_void, cb: Callback, status: Status, info: TagRecvInfo) {
     // SAFETY: `user` is a live request of this library (made when the operation was posted).
-    if !unsafe { request::complete(user, status, info) } {
-        return;
+    if unsafe { request::complete(user, status, info) } {
+        run_callback(user, cb, status, info);
     }
+}
+
+/// Run request `user`'s callback `cb` for its end.
+#[inline(always)]
+fn run_callback(user: *mut c_void, cb: Callback, status: Status, mut info: TagRecvInfo) {
     // The callbacks are the caller's, called as UCX calls them: with the request, its status,
     // and for receives the information of the message.
     match cb {
         Callback::None => {}
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::Send(Some(f)) => unsafe { f(user, status) },
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::SendNbx(Some(f), data) => unsafe { f(user, status, data) },
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::Recv(Some(f)) => unsafe { f(user, status, &mut info) },
-        // SAFETY: see above.
+        // SAFETY: the caller's callback, for its live request `user`.
         Callback::RecvNbx(Some(f), data) => unsafe { f(user, status, &info, data) },
         _ => {}
     }

@@ -228,8 +228,8 @@ impl State {
             lost: false,
         };
         match self.matcher.arrive_with(tag, queued) {
-            Some(rid) => {
-                self.deliver_whole(rid, p, tag, data);
+            Some(w) => {
+                self.deliver_to(w, p, tag, data);
                 if let Some(sreq) = sync {
                     self.send_ats(p, sreq);
                     self.pump(p);

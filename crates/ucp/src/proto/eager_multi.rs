@@ -327,7 +327,8 @@ impl State {
             lost: false,
         };
         match self.matcher.arrive(tag, u) {
-            Some((rid, _)) => {
+            Some((w, _)) => {
+                let rid = self.waiter_req(w);
                 self.rx.insert((src, msg_id), RxDest::Req(rid));
                 self.recv_begin(rid, p, tag, total);
                 self.recv_data(rid, 0, data);

@@ -127,7 +127,8 @@ impl State {
                     smem,
                     keys,
                 };
-                if let Some((rid, u)) = self.matcher.arrive(tag, u) {
+                if let Some((w, u)) = self.matcher.arrive(tag, u) {
+                    let rid = self.waiter_req(w);
                     self.matched(rid, tag, u);
                 }
             }

@@ -30,6 +30,7 @@ use rustc_hash::FxHashMap;
 
 pub(crate) mod alloc;
 mod cancel;
+mod direct;
 mod dispatch;
 mod events;
 mod inline;
@@ -43,6 +44,8 @@ pub(crate) mod prelude;
 pub(crate) mod procwatch;
 mod query;
 mod queue;
+#[cfg(test)]
+mod queued_tests;
 mod recv;
 pub(crate) mod state;
 
@@ -297,6 +300,7 @@ impl Worker {
                 last_src: std::cell::Cell::new((0, 0)),
                 short_buf: Vec::with_capacity(SHORT_MAX),
                 matcher: TagMatcher::new(),
+                next_direct: 0,
                 reqs: Slab::default(),
                 tokens: FxHashMap::default(),
                 next_token: 1,

@@ -90,7 +90,7 @@ impl Worker {
             outstanding: 0,
             guards: Vec::new(),
         });
-        if let Some((mtag, u, id)) = st.matcher.post_recv(tag, mask, id) {
+        if let Some((mtag, u, _)) = st.matcher.post_recv(tag, mask, Waiter::Req(id)) {
             st.matched(id, mtag, u);
         }
         id
@@ -256,7 +256,11 @@ impl Worker {
             let mut st = self.st.borrow_mut();
             for id in &ids {
                 if st.reqs.get(id).is_some_and(|r| r.result.is_none()) {
-                    if st.matcher.cancel_expected(|e| e == id).is_some() {
+                    if st
+                        .matcher
+                        .cancel_expected(|e| *e == Waiter::Req(*id))
+                        .is_some()
+                    {
                         st.finish(*id, Err(Error::Canceled));
                     } else {
                         st.stream_cancel(*id);
@@ -319,7 +323,11 @@ impl Worker {
     pub(crate) fn cancel_recv(&self, id: u64) -> bool {
         let canceled = {
             let mut st = self.st.borrow_mut();
-            if st.matcher.cancel_expected(|e| *e == id).is_some() {
+            if st
+                .matcher
+                .cancel_expected(|e| *e == Waiter::Req(id))
+                .is_some()
+            {
                 st.finish(id, Err(Error::Canceled));
                 true
             } else {

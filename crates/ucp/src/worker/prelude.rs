@@ -25,6 +25,7 @@ pub(crate) use crate::proto::stream::StreamRx;
 pub(crate) use crate::proto::{self, Proto};
 pub(crate) use crate::wire::{self, Msg, MsgKind, NamedKey};
 
+pub(crate) use super::direct::Waiter;
 pub(crate) use super::state::*;
 pub(crate) use super::{
     AmMessage, Completion, EpId, Posted, RkeyBundle, SHORT_MAX, Worker, liveness,

@@ -8,6 +8,7 @@ use rucx_ucs::{Error, MemoryType, Result};
 use rucx_uct::{AmId, Endpoint, IfaceAttr, MemHandle, RemoteKey};
 use rustc_hash::FxHashMap;
 
+use super::direct::Waiter;
 use crate::address::{IfaceEntry, WorkerAddress};
 use crate::context::{Context, RegGuard};
 use crate::matching::{Tag, TagMatcher};
@@ -451,7 +452,9 @@ pub(crate) struct State {
     pub(crate) last_src: std::cell::Cell<(u64, usize)>,
     /// Payload of the eager-short fast path (source and data), reused.
     pub(crate) short_buf: Vec<u8>,
-    pub(crate) matcher: TagMatcher<u64, Unexp>,
+    pub(crate) matcher: TagMatcher<Waiter, Unexp>,
+    /// The key of the next direct receive (`direct.rs`).
+    pub(crate) next_direct: u64,
     pub(crate) reqs: Slab<Req>,
     pub(crate) tokens: FxHashMap<u64, Tok>,
     pub(crate) next_token: u64,
