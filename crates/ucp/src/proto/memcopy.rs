@@ -215,7 +215,7 @@ impl State {
             match ep.put_zcopy(&iov, gpu_at, &key, token) {
                 Ok(st) => {
                     self.next_token += 1;
-                    self.account(id, token, st);
+                    self.account(id, token, st, true);
                 }
                 Err(e) if e.is_retryable() => return Ok(false),
                 Err(e) => return Err(e),

@@ -1078,7 +1078,7 @@ impl State {
         match op(ep.as_mut(), token) {
             Ok(st) => {
                 self.next_token += 1;
-                self.account(id, token, st);
+                self.account(id, token, st, true);
                 Ok(true)
             }
             Err(e) if e.is_retryable() => Ok(false),
