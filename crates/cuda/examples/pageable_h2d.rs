@@ -9,7 +9,9 @@
 //! - `memcpy T`: T threads copying the pageable buffer into a pinned one (no GPU);
 //! - `staged T`: T threads copying 4 MiB chunks into pinned slots (two per thread) and queuing
 //!   each chunk's host-to-device copy from its slot on the thread's stream;
-//! - `pinned`: one copy from a pinned buffer (the pinned bound).
+//! - `registered heap`: one copy from (and one to) heap memory page-locked afterwards
+//!   (`cuMemHostRegister`, as `rucx-perftest --pin-host` pins its buffers);
+//! - `pinned`: one copy to and one from a buffer allocated pinned (the pinned bound).
 //!
 //! Prints GB/s (10^9 bytes/s). Needs a CUDA driver and one GPU.
 
@@ -174,7 +176,34 @@ fn main() -> R<()> {
             Ok(())
         })?;
     }
+    {
+        // Heap memory page-locked afterwards (`cuMemHostRegister`, as `rucx-perftest
+        // --pin-host` does), against memory allocated pinned (`cuMemHostAlloc`, the bound).
+        let mut heap: Vec<u8> = (0..size).map(|i| (i * 3 + 1) as u8).collect();
+        // SAFETY: the vector is neither resized nor freed before the registration is dropped
+        // (at the end of this block, before `heap`).
+        let reg = unsafe { rucx_cuda::HostRegistration::new(ctx, heap.as_mut_ptr(), size) }
+            .map_err(e("registering heap memory"))?;
+        let h = heap.as_ptr() as u64;
+        rate("registered heap H2D".into(), &mut || {
+            // SAFETY: live buffers of `size` bytes, synchronized.
+            unsafe { memcpy_async(d, h, size, &st) }.map_err(e("copy"))?;
+            st.synchronize().map_err(e("sync"))
+        })?;
+        let hm = heap.as_mut_ptr() as u64;
+        rate("registered heap D2H".into(), &mut || {
+            // SAFETY: live buffers of `size` bytes, synchronized.
+            unsafe { memcpy_async(hm, d, size, &st) }.map_err(e("copy"))?;
+            st.synchronize().map_err(e("sync"))
+        })?;
+        drop(reg);
+    }
     let p = pinned.ptr();
+    rate("pinned one copy D2H".into(), &mut || {
+        // SAFETY: live buffers of `size` bytes, synchronized.
+        unsafe { memcpy_async(p, d, size, &st) }.map_err(e("copy"))?;
+        st.synchronize().map_err(e("sync"))
+    })?;
     rate("pinned one copy".into(), &mut || {
         // SAFETY: live buffers of `size` bytes, synchronized.
         unsafe { memcpy_async(d, p, size, &st) }.map_err(e("copy"))?;

@@ -86,8 +86,8 @@ impl Waiter {
 struct Pending {
     seq: u64,
     waiter: Waiter,
-    /// `None` for the remains of an operation that failed half-way (nothing is reported).
-    token: Option<u64>,
+    /// Reported when it finished.
+    token: u64,
     /// A host function queued after it signals the engine's eventfd.
     signals: bool,
     _keep: Vec<KeepAlive>,
@@ -107,6 +107,8 @@ struct State {
     next_seq: u64,
     /// Flushes waiting: (every operation with a smaller sequence number must finish, token).
     flushes: VecDeque<(u64, u64)>,
+    /// Fault injection for tests: the next post fails to queue its copy of this index.
+    fail_copy: Option<usize>,
 }
 
 impl State {
@@ -222,6 +224,7 @@ impl CopyEngine {
                 inflight: 0,
                 next_seq: 0,
                 flushes: VecDeque::new(),
+                fail_copy: None,
             }),
             wake: EventFd::new()
                 .inspect_err(|e| {
@@ -307,8 +310,9 @@ impl CopyEngine {
     /// copy, [`Error::NoResource`] when `max_inflight` operations are pending (nothing was
     /// queued: progress and retry).
     ///
-    /// If queuing fails part-way, the copies already queued run to the end (their memory is
-    /// kept alive until then), nothing is reported for `token`, and the error is returned.
+    /// If queuing fails part-way, the copies already queued are waited for before the error
+    /// is returned (nothing is reported for `token`): the caller may end its request and hand
+    /// its buffers back as soon as it sees the error.
     ///
     /// # Safety
     /// Every `src..src+len` must be readable and every `dst..dst+len` writable memory known to
@@ -344,7 +348,7 @@ impl CopyEngine {
             lane.pending.push_back(Pending {
                 seq,
                 waiter: Waiter::Job(job),
-                token: Some(token),
+                token,
                 // Finishes on another stream: an armed caller polls instead of sleeping.
                 signals: false,
                 _keep: keep,
@@ -356,12 +360,20 @@ impl CopyEngine {
         }
         let event = st.take_event(key.device)?;
         let seq = st.next_seq;
+        let fail_copy = st.fail_copy.take();
         let lane = st.lane(key)?;
         let mut queued = 0usize;
         let mut failure = None;
-        for c in copies.iter().filter(|c| c.len > 0) {
-            // SAFETY: forwarded to this function's contract.
-            match unsafe { memcpy_async(c.dst, c.src, c.len, &lane.stream) } {
+        for (i, c) in copies.iter().filter(|c| c.len > 0).enumerate() {
+            let queue = if fail_copy == Some(i) {
+                Err(Error::Internal(format!(
+                    "copy {i} of an operation (injected)"
+                )))
+            } else {
+                // SAFETY: forwarded to this function's contract.
+                unsafe { memcpy_async(c.dst, c.src, c.len, &lane.stream) }
+            };
+            match queue {
                 Ok(()) => queued += 1,
                 Err(e) => {
                     failure = Some(e);
@@ -374,17 +386,24 @@ impl CopyEngine {
             st.give_event(key.device, event);
             return Err(e);
         }
+        if let Some(f) = failure {
+            // Some copies of the operation run: the caller is about to fail its request and
+            // give its buffers back, so they end here first (an error path: waiting for the
+            // stream costs what was queued on it before too).
+            let waited = lane.stream.synchronize();
+            st.give_event(key.device, event);
+            drop(keep);
+            if let Err(e) = waited {
+                tracing::warn!("waiting for the copies of a failed CUDA copy operation: {e}");
+            }
+            return Err(f);
+        }
         if let Err(e) = event.record(&lane.stream) {
             // Cannot track the copies: wait for them here.
             lane.stream.synchronize()?;
             drop(keep);
-            return match failure {
-                Some(f) => Err(f),
-                None => {
-                    tracing::debug!("event record failed ({e}); copy completed synchronously");
-                    Ok(OpStatus::Done)
-                }
-            };
+            tracing::debug!("event record failed ({e}); copy completed synchronously");
+            return Ok(OpStatus::Done);
         }
         let signals = match (&self.wake, self.signal.load(Ordering::Acquire)) {
             (Some(wake), true) => lane
@@ -397,17 +416,21 @@ impl CopyEngine {
         lane.pending.push_back(Pending {
             seq,
             waiter: Waiter::Event(event),
-            token: if failure.is_some() { None } else { Some(token) },
+            token,
             signals,
             _keep: keep,
         });
         st.next_seq += 1;
         st.inflight += 1;
         self.publish(&st);
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(OpStatus::InProgress),
-        }
+        Ok(OpStatus::InProgress)
+    }
+
+    /// Fault injection for tests: the next [`post`](Self::post) fails to queue its copy of
+    /// index `at` (of those with bytes), as the driver refusing it would.
+    #[doc(hidden)]
+    pub fn inject_copy_failure(&self, at: usize) {
+        self.lock().fail_copy = Some(at);
     }
 
     /// Queue `copies` on `key`'s stream (after everything queued there before) and wait for
@@ -477,9 +500,7 @@ impl CopyEngine {
                     {
                         recycled.push((lane.key.device, e));
                     }
-                    if let Some(t) = p.token {
-                        out.push((t, res));
-                    }
+                    out.push((p.token, res));
                 }
             }
             for (d, e) in recycled {

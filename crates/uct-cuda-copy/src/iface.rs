@@ -48,7 +48,8 @@ pub fn iface_attr() -> IfaceAttr {
         caps: IfaceCaps::PUT_SHORT
             | IfaceCaps::PUT_ZCOPY
             | IfaceCaps::GET_ZCOPY
-            | IfaceCaps::CONNECT_TO_IFACE,
+            | IfaceCaps::CONNECT_TO_IFACE
+            | IfaceCaps::LOCAL_COPY,
         limits: IfaceLimits {
             put_max_short: MAX_SHORT,
             put_max_zcopy: MAX_ZCOPY,
@@ -408,7 +409,12 @@ mod tests {
             ("cuda_copy", "cuda")
         );
         assert_eq!(a.dev_type, DeviceType::Accelerator);
-        assert!(a.has(IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY | IfaceCaps::CONNECT_TO_IFACE));
+        assert!(a.has(
+            IfaceCaps::PUT_ZCOPY
+                | IfaceCaps::GET_ZCOPY
+                | IfaceCaps::CONNECT_TO_IFACE
+                | IfaceCaps::LOCAL_COPY
+        ));
         assert!(a.has(IfaceCaps::PUT_SHORT));
         assert!(
             !a.caps

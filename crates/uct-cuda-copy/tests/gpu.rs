@@ -565,3 +565,56 @@ fn pageable_host_to_device_through_helper_threads() {
     }
     println!("pageable host -> device through helper threads: ok");
 }
+
+/// An operation whose second copy cannot be queued: the post returns the error only after its
+/// first copy (256 MiB from the GPU into pinned host memory, some milliseconds) finished, so a
+/// caller that fails its request and hands the buffers back at once hands back memory nothing
+/// touches any more. Nothing is reported for its token.
+#[test]
+fn a_post_failing_part_way_returns_after_its_queued_copies() {
+    use rucx_cuda::{DeviceBuffer, PinnedHostBuffer, Stream, memcpy_async};
+    use rucx_uct_cuda_copy::engine::{CopyEngine, CopyOp, LaneKey};
+    let Some(_) = gpus() else { return };
+    let ctx = driver().unwrap().context(0).unwrap();
+    let len = 256 << 20;
+    let want = pattern(len, 61);
+    let dev = DeviceBuffer::new(ctx, len).unwrap();
+    let s = Stream::new(ctx).unwrap();
+    // SAFETY: both buffers live, synchronized below.
+    unsafe { memcpy_async(dev.ptr(), want.as_ptr() as u64, len, &s) }.unwrap();
+    s.synchronize().unwrap();
+    let mut host = PinnedHostBuffer::new(ctx, len).unwrap();
+    let mut spare = PinnedHostBuffer::new(ctx, 4096).unwrap();
+    host.as_mut_slice().fill(0);
+    spare.as_mut_slice().fill(0);
+    let engine = CopyEngine::new(16);
+    let key = LaneKey { device: 0, lane: 1 };
+    let copies = [
+        CopyOp {
+            dst: host.ptr(),
+            src: dev.ptr(),
+            len,
+        },
+        CopyOp {
+            dst: spare.ptr(),
+            src: dev.ptr(),
+            len: 4096,
+        },
+    ];
+    engine.inject_copy_failure(1);
+    // SAFETY: the buffers outlive the call, and the post returns after its copies.
+    let r = unsafe { engine.post(key, &copies, 7, vec![]) };
+    assert!(r.is_err(), "{r:?}");
+    // Read at once: the first copy has finished.
+    same(
+        "the first copy, when the post returned",
+        host.as_slice(),
+        &want,
+    );
+    assert!(spare.as_slice().iter().all(|b| *b == 0));
+    assert_eq!(engine.inflight(), 0);
+    let mut seen = Vec::new();
+    engine.progress(&mut |ev| seen.push(format!("{ev:?}")));
+    assert!(seen.is_empty(), "{seen:?}");
+    println!("a post failing part-way returns after its queued copies: ok");
+}

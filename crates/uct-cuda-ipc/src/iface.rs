@@ -78,7 +78,11 @@ pub fn iface_attr(host: &HostId) -> IfaceAttr {
         dev_name: DEVICE.into(),
         dev_type: DeviceType::Accelerator,
         sys_device: None,
-        caps: IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY | IfaceCaps::CONNECT_TO_IFACE,
+        // Copies by this process's engine: they complete whatever the peer does.
+        caps: IfaceCaps::PUT_ZCOPY
+            | IfaceCaps::GET_ZCOPY
+            | IfaceCaps::CONNECT_TO_IFACE
+            | IfaceCaps::LOCAL_COPY,
         limits: IfaceLimits {
             put_max_zcopy: MAX_ZCOPY,
             get_max_zcopy: MAX_ZCOPY,
@@ -415,7 +419,10 @@ mod tests {
         );
         assert_eq!(
             a.caps,
-            IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY | IfaceCaps::CONNECT_TO_IFACE
+            IfaceCaps::PUT_ZCOPY
+                | IfaceCaps::GET_ZCOPY
+                | IfaceCaps::CONNECT_TO_IFACE
+                | IfaceCaps::LOCAL_COPY
         );
         assert_eq!(a.device_addr_len, i.device_address().len());
         assert_eq!(a.iface_addr_len, i.iface_address().len());

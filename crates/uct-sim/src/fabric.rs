@@ -657,7 +657,9 @@ impl Fabric {
 
     /// Fail `node`: every endpoint from or to it reports `Event::EpError` at the next progress
     /// of its interface, operations on them fail with `EndpointFailure`, what is in flight to
-    /// or from it is lost, and held completions of operations towards it report the failure.
+    /// or from it is lost (but not the completions of its own copy and ipc lanes: a copy engine
+    /// finishes what it was given), and held completions of operations towards it report the
+    /// failure.
     pub fn fail_node(&self, node: NodeId, reason: &str) {
         let mut st = self.lock();
         st.fail_node(node.0, reason);
@@ -1055,15 +1057,18 @@ impl State {
         self.nodes[n].failed = Some(reason.to_string());
         let node_of_iface = |st: &State, i: usize| st.ifaces[i].node;
         // In flight to or from it: lost. Completions of operations towards it: failed. The
-        // completions of a node's own in-process copies (its copy lane: an endpoint from the
-        // node to itself) still come: a copy engine finishes what it was given whatever the
-        // network does, and the node's worker waits for them before it lets go of a buffer.
+        // completions of a node's own copies (its copy lane: an endpoint from the node to
+        // itself; its ipc lane: copies its engine runs through a mapping of the peer's memory)
+        // still come: a copy engine finishes what it was given whatever the network does, and
+        // the node's worker waits for them before it lets go of a buffer (`LOCAL_COPY`).
+        let engine = |st: &State, i: usize| matches!(st.ifaces[i].kind, LaneKind::Ipc);
         let mut kept = Vec::new();
         for mut it in std::mem::take(&mut self.held) {
             let dst_node = node_of_iface(self, it.dst);
             let src_node = it.ep.map(|e| node_of_iface(self, self.eps[e].iface));
             let peer_node = it.ep.map(|e| node_of_iface(self, self.eps[e].target));
-            let local = src_node == Some(dst_node) && peer_node == Some(dst_node);
+            let local = src_node == Some(dst_node)
+                && (peer_node == Some(dst_node) || (dst_node == n && engine(self, it.dst)));
             match &mut it.payload {
                 Payload::Completion { .. } if local => {}
                 _ if dst_node == n => continue,
@@ -1085,9 +1090,11 @@ impl State {
                 // fails both nodes still sees every endpoint's error.
                 let eps = &self.eps;
                 let ifaces_node: Vec<usize> = self.ifaces.iter().map(|f| f.node).collect();
+                let own_engine = engine(self, i);
                 self.ifaces[i].inbox.retain(|it| {
                     let local = it.ep.is_some_and(|e| {
-                        ifaces_node[eps[e].iface] == n && ifaces_node[eps[e].target] == n
+                        ifaces_node[eps[e].iface] == n
+                            && (own_engine || ifaces_node[eps[e].target] == n)
                     });
                     matches!(it.payload, Payload::EpError { .. })
                         || local && matches!(it.payload, Payload::Completion { .. })

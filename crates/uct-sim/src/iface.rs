@@ -48,7 +48,8 @@ fn attr(kind: LaneKind, limits: IfaceLimits) -> IfaceAttr {
             IfaceCaps::PUT_ZCOPY
                 | IfaceCaps::GET_ZCOPY
                 | IfaceCaps::CONNECT_TO_IFACE
-                | IfaceCaps::ERRHANDLE_PEER_FAILURE,
+                | IfaceCaps::ERRHANDLE_PEER_FAILURE
+                | IfaceCaps::LOCAL_COPY,
             PerfModel {
                 latency_ns: 10_000.0,
                 overhead_ns: 3_000.0,
@@ -61,7 +62,8 @@ fn attr(kind: LaneKind, limits: IfaceLimits) -> IfaceAttr {
             IfaceCaps::PUT_SHORT
                 | IfaceCaps::PUT_ZCOPY
                 | IfaceCaps::GET_ZCOPY
-                | IfaceCaps::CONNECT_TO_IFACE,
+                | IfaceCaps::CONNECT_TO_IFACE
+                | IfaceCaps::LOCAL_COPY,
             PerfModel {
                 latency_ns: 8_000.0,
                 overhead_ns: 2_000.0,

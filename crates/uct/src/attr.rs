@@ -158,6 +158,12 @@ bitflags::bitflags! {
         const ERRHANDLE_PEER_FAILURE = 1 << 12;
         /// The transport reaches only its own process.
         const LOOPBACK = 1 << 13;
+        /// Zero-copy operations are copies this process runs itself (a copy engine): each one
+        /// reads or writes the local buffer until its completion is reported, and that
+        /// completion always comes, whatever happens to the peer or the endpoint (an operation
+        /// towards a failed peer still completes, perhaps with an error). A request that ends
+        /// early waits for such operations before it lets go of its buffer.
+        const LOCAL_COPY = 1 << 14;
     }
 }
 

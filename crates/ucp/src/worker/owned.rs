@@ -46,8 +46,9 @@ pub(crate) struct Registry {
     live: usize,
     /// Ended since the last reap.
     done: Vec<u64>,
-    /// Ended with an error while copies of the copy lane (or, canceled, operations of the
-    /// transport) still run on the buffer: handed back once those finished.
+    /// Ended with an error while copies of this process (the copy lane, a copy engine's lane)
+    /// or, canceled, operations of the transport still run on the buffer
+    /// ([`State::draining`]): handed back once those finished.
     draining: Vec<u64>,
     /// Ends of queued requests not taken yet: token and result.
     completed: Vec<(u64, Result<Completion>)>,
@@ -556,9 +557,8 @@ impl State {
         match &r.result {
             None => End::Pending,
             Some(Ok(_)) => End::Ended(r.result.take().expect("matched")),
-            Some(Err(e)) => {
-                let canceled_in_flight = r.outstanding > 0 && matches!(e, Error::Canceled);
-                if canceled_in_flight || self.copies_in_flight(id) {
+            Some(Err(_)) => {
+                if self.draining(id) {
                     return End::Drain;
                 }
                 match self.reqs.get_mut(&id).and_then(|r| r.result.take()) {

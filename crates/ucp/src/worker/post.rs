@@ -238,6 +238,11 @@ impl Worker {
     pub(crate) fn req_result(&self, id: u64) -> Option<Result<Completion>> {
         let st = self.st.borrow();
         match st.reqs.get(&id) {
+            // Ended early, with copies still on its buffer: not reported until they finish.
+            Some(Req {
+                result: Some(Err(_)),
+                ..
+            }) if st.draining(id) => None,
             // Every look (test, wait, await) reports the error the request really had.
             Some(r) => r.result.clone(),
             None => Some(Err(Error::Internal(format!("request {id} is unknown")))),
@@ -274,18 +279,14 @@ impl Worker {
                 let mut st = self.st.borrow_mut();
                 match st.reqs.get(id) {
                     Some(r) if r.result.is_none() => {}
-                    // Ended early (an abort) with copies of the copy lane still running on its
-                    // buffer: they finish first, so the buffer is the caller's again only once
-                    // nothing of ours touches it.
+                    // Ended early (an abort, a failed peer, a forced close) while copies of
+                    // this process (the copy lane, a copy engine's lane) or, canceled, the
+                    // transport's operations still run on its buffer: they finish first, so
+                    // the buffer is the caller's again only once nothing of ours touches it.
                     // (Only a request that ended with an error can; the check scans the
                     // tokens, so successful requests skip it.)
                     Some(r)
-                        if r.result.as_ref().is_some_and(|x| x.is_err())
-                            && st.copies_in_flight(*id) => {}
-                    // Canceled (a forced endpoint close) while the transport still runs
-                    // operations on its buffer: those finish first.
-                    Some(r)
-                        if r.outstanding > 0 && matches!(r.result, Some(Err(Error::Canceled))) => {}
+                        if r.result.as_ref().is_some_and(|x| x.is_err()) && st.draining(*id) => {}
                     _ => {
                         st.reqs.remove(id);
                         break;

@@ -125,7 +125,8 @@ impl State {
         match op(ep.as_mut(), token) {
             Ok(st) => {
                 self.next_token += 1;
-                self.account(id, token, st);
+                let local = self.lane_local(lane);
+                self.account(id, token, st, local);
                 Ok(true)
             }
             Err(e) if e.is_retryable() => Ok(false),
@@ -134,8 +135,9 @@ impl State {
     }
 
     /// Count an in-progress operation of request `id` posted with `token`, or forget the token
-    /// when the operation completed at once.
-    pub(crate) fn account(&mut self, id: u64, token: u64, st: OpStatus) {
+    /// when the operation completed at once (`local`: on a lane of copies this process runs,
+    /// see [`Tok::local`]).
+    pub(crate) fn account(&mut self, id: u64, token: u64, st: OpStatus, local: bool) {
         match st {
             OpStatus::Done => {}
             OpStatus::InProgress => {
@@ -144,6 +146,7 @@ impl State {
                     Tok {
                         req: id,
                         what: TokWhat::Plain,
+                        local,
                     },
                 );
                 if let Some(r) = self.reqs.get_mut(&id) {
@@ -153,9 +156,16 @@ impl State {
         }
     }
 
-    /// Record a posted operation of a pipeline.
-    pub(crate) fn post_tok(&mut self, req: u64, token: u64, st: OpStatus, what: TokWhat) {
-        let tok = Tok { req, what };
+    /// Record a posted operation of a pipeline (`local`: see [`Tok::local`]).
+    pub(crate) fn post_tok(
+        &mut self,
+        req: u64,
+        token: u64,
+        st: OpStatus,
+        what: TokWhat,
+        local: bool,
+    ) {
+        let tok = Tok { req, what, local };
         match st {
             OpStatus::InProgress => {
                 self.tokens.insert(token, tok);

@@ -60,6 +60,11 @@ pub(crate) struct Slot {
 pub(crate) struct Tok {
     pub(crate) req: u64,
     pub(crate) what: TokWhat,
+    /// Posted on a lane whose operations this process runs itself (a copy engine:
+    /// [`rucx_uct::IfaceCaps::LOCAL_COPY`]): it reads or writes the request's buffer until
+    /// its completion, which always comes. A request that ended early is handed back only
+    /// once no such operation is left ([`State::copies_in_flight`]).
+    pub(crate) local: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -786,16 +791,39 @@ impl State {
         }
     }
 
-    /// Whether copy-lane operations (local copies between a request's buffer and staging,
-    /// which always complete) are still running for request `id`.
+    /// Whether copies this process runs itself are still running for request `id`: those of
+    /// the copy lane (between the request's buffer and staging) and the zero-copy operations
+    /// of lanes whose transport is a copy engine (`cuda_ipc` reading or writing the buffer
+    /// through a peer's mapping, host-to-GPU writes from pageable memory by helper threads).
+    /// They always complete, whatever the peer does, and touch the buffer until then: a
+    /// request that ended early is handed back only once none is left. (Operations of other
+    /// transports end with their endpoint.)
     pub(crate) fn copies_in_flight(&self, id: u64) -> bool {
-        self.tokens.values().any(|t| {
-            t.req == id
-                && matches!(
-                    t.what,
-                    TokWhat::StageD2H { .. } | TokWhat::H2D { .. } | TokWhat::DirectH2D { .. }
-                )
-        })
+        self.tokens.values().any(|t| t.req == id && t.local)
+    }
+
+    /// Whether request `id` ended early (with an error) while operations still touch its
+    /// buffer: copies this process runs ([`Self::copies_in_flight`]), or, canceled by a forced
+    /// close, operations the transport still runs. Its end is reported, and its buffer handed
+    /// back, only once they finished.
+    pub(crate) fn draining(&self, id: u64) -> bool {
+        match self.reqs.get(&id) {
+            Some(Req {
+                result: Some(Err(e)),
+                outstanding,
+                ..
+            }) => (*outstanding > 0 && matches!(e, Error::Canceled)) || self.copies_in_flight(id),
+            _ => false,
+        }
+    }
+
+    /// Whether operations on `lane` are copies this process runs (see [`Tok::local`]).
+    #[inline]
+    pub(crate) fn lane_local(&self, lane: usize) -> bool {
+        self.slots[lane]
+            .attr
+            .caps
+            .contains(rucx_uct::IfaceCaps::LOCAL_COPY)
     }
 
     pub(crate) fn send_tag(&self, id: u64) -> Tag {

@@ -140,6 +140,10 @@ impl StageIo for State {
         op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
     ) -> Result<bool> {
         let token = self.next_token;
+        let local = match on {
+            On::Lane { lane, .. } => self.lane_local(lane),
+            On::Copy => true,
+        };
         let ep = match on {
             On::Lane { p, lane } => self.peers[p]
                 .eps
@@ -156,7 +160,7 @@ impl StageIo for State {
         match op(ep.as_mut(), token) {
             Ok(st) => {
                 self.next_token += 1;
-                self.post_tok(req, token, st, what);
+                self.post_tok(req, token, st, what, local);
                 Ok(true)
             }
             Err(e) if e.is_retryable() => Ok(false),

@@ -80,7 +80,7 @@ impl CopyIo for State {
             Ok(st) => {
                 self.next_token += 1;
                 if let Some(id) = req {
-                    self.account(id, token, st);
+                    self.account(id, token, st, true);
                 }
                 Ok(match st {
                     OpStatus::Done => CopyPost::Done,

@@ -22,6 +22,12 @@ impl RmaIo for State {
         op: impl FnOnce(&mut dyn Endpoint, u64) -> Result<OpStatus>,
     ) -> Result<RmaPosted> {
         let token = self.next_token;
+        // Copies this process runs (cuda_ipc, the copy lane) always complete: a request that
+        // ends early waits for them (`Tok::local`).
+        let local = match on {
+            On::Lane { lane, .. } => self.lane_local(lane),
+            On::Copy => true,
+        };
         let ep = match on {
             On::Lane { p, lane } => self.peers[p]
                 .eps
@@ -32,7 +38,7 @@ impl RmaIo for State {
         match op(ep.as_mut(), token) {
             Ok(st) => {
                 self.next_token += 1;
-                self.account(req, token, st);
+                self.account(req, token, st, local);
                 Ok(match st {
                     OpStatus::Done => RmaPosted::Done,
                     OpStatus::InProgress => RmaPosted::InFlight(token),
