@@ -280,6 +280,7 @@ impl State {
                         Err(Error::Truncated {
                             incoming: data.len(),
                             capacity: rs.cap,
+                            tag: Some(tag),
                         })
                     } else {
                         Ok(Completion {
