@@ -448,6 +448,89 @@ fn a_truncated_receive_names_its_sender_tag_and_length() {
     }
 }
 
+/// Empty messages with NULL buffers (MPI's zero-count calls pass them): sent, received (posted
+/// before, and after a probe took the message), with the sender's tag and length 0; a probe
+/// reports a rendezvous-size message's whole length before any of it is read; a request
+/// freed after it completed is no request any more.
+#[test]
+fn empty_messages_null_buffers_and_probe_information() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let null = std::ptr::null_mut::<c_void>();
+    // SAFETY: live handles; NULL buffers of no bytes; requests freed once.
+    unsafe {
+        CALLS.lock().unwrap().clear();
+        let r = ucp_tag_recv_nb(pair.w[1], null, 0, 1 << 3, 0x10, u64::MAX, Some(recv_cb));
+        assert!(ptr_is_ptr(r));
+        let s = ucp_tag_send_nb(pair.ep[0], null, 0, 1 << 3, 0x10, None);
+        assert!(!ptr_is_err(s));
+        pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+        assert_eq!(pair.calls(), vec![(r as usize, UCS_OK, 0x10, 0)]);
+        ucp_request_free(r);
+        assert_eq!(
+            ucp_request_check_status(r),
+            UCS_ERR_INVALID_PARAM,
+            "a freed request is no request"
+        );
+        if ptr_is_ptr(s) {
+            pair.drive(|| ucp_request_check_status(s) != UCS_INPROGRESS);
+            ucp_request_free(s);
+        }
+        // Taken by a probe, then received into NULL.
+        let s = ucp_tag_send_nbx(pair.ep[0], null, 0, 0x11, std::ptr::null());
+        assert!(!ptr_is_err(s));
+        let mut info = TagRecvInfo {
+            sender_tag: 1,
+            length: 1,
+        };
+        let mut msg = null;
+        pair.drive(|| {
+            msg = ucp_tag_probe_nb(pair.w[1], 0, 0, 1, &mut info);
+            !msg.is_null()
+        });
+        assert_eq!((info.sender_tag, info.length), (0x11, 0));
+        let r = ucp_tag_msg_recv_nbx(pair.w[1], null, 0, msg, std::ptr::null());
+        assert!(ptr_is_ptr(r));
+        pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+        let mut got = TagRecvInfo::default();
+        assert_eq!(ucp_tag_recv_request_test(r, &mut got), UCS_OK);
+        assert_eq!((got.sender_tag, got.length), (0x11, 0));
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            pair.drive(|| ucp_request_check_status(s) != UCS_INPROGRESS);
+            ucp_request_free(s);
+        }
+        // A rendezvous-size message: the probe names its whole length.
+        let n = 2 << 20;
+        let src = vec![5u8; n];
+        let mut dst = vec![0u8; n];
+        let s = ucp_tag_send_nbx(pair.ep[0], src.as_ptr().cast(), n, 0x12, std::ptr::null());
+        assert!(!ptr_is_err(s));
+        let mut info = TagRecvInfo::default();
+        pair.drive(|| !ucp_tag_probe_nb(pair.w[1], 0x12, u64::MAX, 0, &mut info).is_null());
+        assert_eq!((info.sender_tag, info.length), (0x12, n));
+        let r = ucp_tag_recv_nbx(
+            pair.w[1],
+            dst.as_mut_ptr().cast(),
+            n,
+            0x12,
+            u64::MAX,
+            std::ptr::null(),
+        );
+        assert!(ptr_is_ptr(r));
+        pair.drive(|| {
+            ucp_request_check_status(r) != UCS_INPROGRESS
+                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
+        });
+        assert_eq!(ucp_request_check_status(r), UCS_OK);
+        assert!(dst == src);
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            ucp_request_free(s);
+        }
+    }
+}
+
 #[test]
 fn cancel_and_free_before_completion() {
     let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());

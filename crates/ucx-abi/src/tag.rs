@@ -73,8 +73,8 @@ impl Finish {
     /// The final status and receive information of an operation that ended with `res`
     /// (`data`: our buffer, when it had one).
     #[inline(always)]
-    pub fn run(self, res: Result<Completion>, data: Option<Vec<u8>>) -> (Status, TagRecvInfo) {
-        let (status, info) = result_status(&res);
+    pub fn run(self, res: &Result<Completion>, data: Option<Vec<u8>>) -> (Status, TagRecvInfo) {
+        let (status, info) = result_status(res);
         match self {
             Finish::Send => (status, TagRecvInfo::default()),
             Finish::Recv => (status, info),
@@ -415,7 +415,7 @@ unsafe fn recv(
         match unsafe { engine::recv(&w.worker, &mut data, tag, mask, token) } {
             Queued::Pending(_) => {}
             Queued::Ended(res) if matches!(opts.cb, Callback::None) => {
-                let (status, info) = fin.run(res, None);
+                let (status, info) = fin.run(&res, None);
                 // SAFETY: `user` is a live request.
                 unsafe { request::complete(user, status, info) };
             }
@@ -439,7 +439,7 @@ unsafe fn recv(
             && opts.req.is_none()
             && let Some(ri) = opts.recv_info
         {
-            let (status, info) = fin.run(res, owned_data(data));
+            let (status, info) = fin.run(&res, owned_data(data));
             // SAFETY: the caller's receive-information pointer, writable by its promise.
             unsafe { *ri = info };
             if status != UCS_OK {
@@ -450,7 +450,7 @@ unsafe fn recv(
         // SAFETY: as for `request_for`.
         let user = unsafe { request_for(w, &opts, None) };
         if matches!(opts.cb, Callback::None) {
-            let (status, info) = fin.run(res, owned_data(data));
+            let (status, info) = fin.run(&res, owned_data(data));
             // SAFETY: `user` is a live request.
             unsafe { request::complete(user, status, info) };
             return user;
