@@ -7,10 +7,11 @@
 //! it without this crate knowing about domains.
 //!
 //! - [`Rcache::get`] returns a [`RcacheGuard`] for a cached region covering the requested range.
-//!   A hit bumps the region's use count and its LRU position. A miss merges the request
-//!   (aligned outward to [`RcacheConfig::alignment`]) with every cached region it overlaps,
-//!   registers the merged range once through the caller's closure, and retires the overlapped
-//!   regions.
+//!   A hit bumps the region's use count and its last-use tick (eviction orders regions by
+//!   it; a hit leaves the LRU tree, which holds regions by insertion, alone). A miss merges
+//!   the request (aligned outward to [`RcacheConfig::alignment`]) with every cached region it
+//!   overlaps, registers the merged range once through the caller's closure, and retires the
+//!   overlapped regions.
 //! - A *retired* region is out of the map, so no new guard can reach it; its registration is
 //!   dropped when its last guard goes. Retiring happens on merge, on [`Rcache::invalidate`]
 //!   (the memory was freed) and on eviction.
