@@ -7,10 +7,11 @@
 //! it without this crate knowing about domains.
 //!
 //! - [`Rcache::get`] returns a [`RcacheGuard`] for a cached region covering the requested range.
-//!   A hit bumps the region's use count and its LRU position. A miss merges the request
-//!   (aligned outward to [`RcacheConfig::alignment`]) with every cached region it overlaps,
-//!   registers the merged range once through the caller's closure, and retires the overlapped
-//!   regions.
+//!   A hit bumps the region's use count and its last-use tick (eviction orders regions by
+//!   it; a hit leaves the LRU tree, which holds regions by insertion, alone). A miss merges
+//!   the request (aligned outward to [`RcacheConfig::alignment`]) with every cached region it
+//!   overlaps, registers the merged range once through the caller's closure, and retires the
+//!   overlapped regions.
 //! - A *retired* region is out of the map, so no new guard can reach it; its registration is
 //!   dropped when its last guard goes. Retiring happens on merge, on [`Rcache::invalidate`]
 //!   (the memory was freed) and on eviction.
@@ -209,8 +210,12 @@ struct Region<R> {
 
 struct Slot<R> {
     region: Arc<Region<R>>,
-    /// LRU position: the key of this region in `Inner::lru`.
+    /// When the region was last used (the LRU order: eviction sorts by it).
     tick: u64,
+    /// The key of this region in `Inner::lru`: its tick when it was inserted. A hit only
+    /// moves `tick` (two tree updates per hit were most of a hit's cost with a handful of
+    /// buffers in rotation).
+    lru_key: u64,
 }
 
 impl<R> Slot<R> {
@@ -224,7 +229,7 @@ impl<R> Slot<R> {
 
 struct Inner<R> {
     map: IntervalMap<usize, Slot<R>>,
-    /// tick -> region start, oldest first.
+    /// Every region by the tick it was inserted at (`Slot::lru_key`) -> its start.
     lru: BTreeMap<u64, usize>,
     next_tick: u64,
     bytes: u64,
@@ -239,16 +244,14 @@ impl<R> Inner<R> {
     fn touch(&mut self, start: usize) {
         let tick = self.tick();
         if let Some(slot) = self.map.get_mut_by_start(start) {
-            self.lru.remove(&slot.tick);
             slot.tick = tick;
-            self.lru.insert(tick, start);
         }
     }
 
     /// Take the region starting at `start` out of the map and the LRU list.
     fn retire(&mut self, start: usize) -> Option<Arc<Region<R>>> {
         let (r, slot) = self.map.remove(start)?;
-        self.lru.remove(&slot.tick);
+        self.lru.remove(&slot.lru_key);
         self.bytes -= (r.end - r.start) as u64;
         Some(slot.region)
     }
@@ -261,8 +264,14 @@ impl<R> Inner<R> {
         more: impl Fn(usize, u64, u64) -> bool,
     ) -> (usize, u64) {
         let (mut regions, mut bytes) = (0usize, 0u64);
-        let candidates: Vec<usize> = self.lru.values().copied().collect();
-        for start in candidates {
+        // Least recently used first (a hit moves a region's tick, not its place in `lru`).
+        let mut candidates: Vec<(u64, usize)> = self
+            .lru
+            .values()
+            .filter_map(|&start| self.map.get_by_start(start).map(|(_, s)| (s.tick, start)))
+            .collect();
+        candidates.sort_unstable();
+        for (_, start) in candidates {
             if !more(self.map.len(), self.bytes, bytes) {
                 break;
             }
@@ -442,7 +451,11 @@ impl<R> Rcache<R> {
             let guard = RcacheGuard {
                 region: Arc::clone(&slot.region),
             };
-            inner.touch(r.start);
+            // The region used last is the newest already (a sender from one buffer hits the
+            // same region every message).
+            if slot.tick != inner.next_tick {
+                inner.touch(r.start);
+            }
             self.counters.inc(HITS);
             return Ok(guard);
         }
@@ -476,7 +489,12 @@ impl<R> Rcache<R> {
         };
         let tick = inner.tick();
         // Everything overlapping `merged` was retired just above, so the insert succeeds.
-        let inserted = inner.map.insert(merged.clone(), Slot { region, tick });
+        let slot = Slot {
+            region,
+            tick,
+            lru_key: tick,
+        };
+        let inserted = inner.map.insert(merged.clone(), slot);
         debug_assert!(inserted.is_ok(), "rcache insert refused for {merged:?}");
         if inserted.is_ok() {
             inner.lru.insert(tick, merged.start);

@@ -161,11 +161,12 @@ impl RkeyData {
 
     /// Pack.
     pub fn pack(&self) -> Vec<u8> {
-        let mut p = Vec::with_capacity(28);
-        p.extend_from_slice(&self.pid.to_le_bytes());
-        p.extend_from_slice(&self.token.to_le_bytes());
-        p.extend_from_slice(&self.base.to_le_bytes());
-        p.extend_from_slice(&self.len.to_le_bytes());
+        // The payload on the stack: one allocation per key, the envelope's.
+        let mut p = [0u8; 28];
+        p[..4].copy_from_slice(&self.pid.to_le_bytes());
+        p[4..12].copy_from_slice(&self.token.to_le_bytes());
+        p[12..20].copy_from_slice(&self.base.to_le_bytes());
+        p[20..].copy_from_slice(&self.len.to_le_bytes());
         rkey::pack(NAME, &p)
     }
 
@@ -180,12 +181,21 @@ impl RkeyData {
     /// Pack a key of a region inside a shared segment (a peer may map it, or use cross-memory
     /// attach like any key).
     pub fn pack_shared(&self, shm: ShmInfo) -> Vec<u8> {
-        let mut p = Vec::with_capacity(48);
-        for v in [u64::from(self.pid), self.token, self.base, self.len] {
-            p.extend_from_slice(&v.to_le_bytes());
-        }
-        for v in [u64::from(shm.fd), shm.seg_base, shm.seg_len, shm.tag] {
-            p.extend_from_slice(&v.to_le_bytes());
+        // Eight words on the stack: one allocation per key, the envelope's (a vector of them
+        // was grown once and then copied into the envelope, on every rendezvous).
+        let mut p = [0u8; 64];
+        let words = [
+            u64::from(self.pid),
+            self.token,
+            self.base,
+            self.len,
+            u64::from(shm.fd),
+            shm.seg_base,
+            shm.seg_len,
+            shm.tag,
+        ];
+        for (dst, v) in p.chunks_exact_mut(8).zip(words) {
+            dst.copy_from_slice(&v.to_le_bytes());
         }
         rkey::pack(SHM_KEY, &p)
     }

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use rucx_ucs::{Config, Error, MemoryType, RegError, RegErrorKind, Result};
 use rucx_uct::{
@@ -28,6 +28,26 @@ pub struct PosixShared {
     map: memmap2::MmapMut,
     file: File,
     tag: u64,
+}
+
+/// A registration inside a shared allocation (and the allocation's own handle): the segment,
+/// kept mapped while the handle lives, and the handle's key, packed on its first use. The
+/// region, the segment and this process's id and token stay as they are for the handle's
+/// life, so the key does too; a rendezvous packs the key of the same cached registration
+/// for every message.
+#[derive(Debug)]
+struct SharedReg {
+    seg: Arc<PosixShared>,
+    packed: OnceLock<Vec<u8>>,
+}
+
+impl SharedReg {
+    fn new(seg: Arc<PosixShared>) -> Arc<Self> {
+        Arc::new(SharedReg {
+            seg,
+            packed: OnceLock::new(),
+        })
+    }
 }
 
 /// The posix memory domain.
@@ -197,7 +217,7 @@ impl MemoryDomain for PosixMd {
         if let Some(sh) = self.shared_holding(region.addr, region.len) {
             // Inside one of our shared allocations: the handle keeps the segment mapped while
             // it lives, and its key lets peers map the segment (a plain copy, no system call).
-            return Ok(MemHandle::new(region, NAME, sh));
+            return Ok(MemHandle::new(region, NAME, SharedReg::new(sh)));
         }
         Ok(MemHandle::new(region, NAME, Arc::new(PosixMemh)))
     }
@@ -209,21 +229,24 @@ impl MemoryDomain for PosixMd {
                 why: why.clone(),
             });
         }
-        if let Some(sh) = memh.inner::<PosixShared>() {
-            let r = memh.region();
-            return Ok(RkeyData {
-                pid: self.pid,
-                token: sys::process_token(),
-                base: r.addr as u64,
-                len: r.len as u64,
-                shm: None,
-            }
-            .pack_shared(ShmInfo {
-                fd: sys::raw_fd(&sh.file) as u32,
-                seg_base: sh.map.as_ptr() as u64,
-                seg_len: sh.map.len() as u64,
-                tag: sh.tag,
-            }));
+        if let Some(reg) = memh.inner::<SharedReg>() {
+            let packed = reg.packed.get_or_init(|| {
+                let (r, sh) = (memh.region(), &reg.seg);
+                RkeyData {
+                    pid: self.pid,
+                    token: sys::process_token(),
+                    base: r.addr as u64,
+                    len: r.len as u64,
+                    shm: None,
+                }
+                .pack_shared(ShmInfo {
+                    fd: sys::raw_fd(&sh.file) as u32,
+                    seg_base: sh.map.as_ptr() as u64,
+                    seg_len: sh.map.len() as u64,
+                    tag: sh.tag,
+                })
+            });
+            return Ok(packed.clone());
         }
         if memh.inner::<PosixMemh>().is_none() {
             return Err(Error::InvalidParam(format!(
@@ -296,7 +319,7 @@ impl MemoryDomain for PosixMd {
             live.retain(|_, w| w.strong_count() > 0);
             live.insert(addr, Arc::downgrade(&sh));
         }
-        let memh = MemHandle::new(MemRegion::host(addr, len), NAME, sh);
+        let memh = MemHandle::new(MemRegion::host(addr, len), NAME, SharedReg::new(sh));
         Ok(Some(SharedAlloc { addr, len, memh }))
     }
 
@@ -428,6 +451,39 @@ mod tests {
             assert_eq!(span(&m.rkey_unpack(&pa).unwrap()), want_a);
             assert_eq!(span(&m.rkey_unpack(&ps).unwrap()), (sh.addr as u64, 8192));
         }
+    }
+
+    /// A shared registration's key is packed once and handed out as packed; registrations of
+    /// other regions of the segment get their own keys.
+    #[test]
+    fn a_shared_registration_packs_its_key_once() {
+        let m = md();
+        if !m.cma_enabled() {
+            return;
+        }
+        let a = m
+            .mem_alloc_shared(3 * 4096)
+            .unwrap()
+            .expect("posix shares memory");
+        // SAFETY: the allocation outlives the handles.
+        let (h1, h2) = unsafe {
+            (
+                m.mem_reg(MemRegion::host(a.addr, 4096)).unwrap(),
+                m.mem_reg(MemRegion::host(a.addr + 4096, 8192)).unwrap(),
+            )
+        };
+        let k1 = m.mkey_pack(&h1).unwrap();
+        assert_eq!(m.mkey_pack(&h1).unwrap(), k1);
+        assert_eq!(m.mkey_pack(&h1.clone()).unwrap(), k1);
+        let k2 = m.mkey_pack(&h2).unwrap();
+        assert_ne!(k1, k2);
+        let (u1, u2) = (m.rkey_unpack(&k1).unwrap(), m.rkey_unpack(&k2).unwrap());
+        assert_eq!((u1.base(), u1.len()), (a.addr as u64, 4096));
+        assert_eq!((u2.base(), u2.len()), (a.addr as u64 + 4096, 8192));
+        assert_eq!(m.rkey_ptr(&u2).unwrap(), Some(a.addr + 4096));
+        // The allocation's own handle packs the whole allocation.
+        let whole = m.rkey_unpack(&m.mkey_pack(&a.memh).unwrap()).unwrap();
+        assert_eq!((whole.base(), whole.len()), (a.addr as u64, 3 * 4096));
     }
 
     #[test]

@@ -41,7 +41,8 @@ pub(crate) trait ProtoIo {
     /// Pack our registration `g` with domain `md` for the peer (named by the domain).
     fn pack_key(&self, md: usize, g: &RegGuard) -> Result<NamedKey>;
 
-    /// Queue control message `m` to peer `p`, behind its other messages.
+    /// Send control message `m` to peer `p`, behind its other messages (at once when nothing
+    /// is queued before it, queued otherwise).
     fn ctrl(&mut self, p: usize, m: &Msg<'_>);
 
     /// This worker's id: the source of every message it sends.

@@ -299,6 +299,7 @@ impl Worker {
                 by_uuid: FxHashMap::default(),
                 last_src: std::cell::Cell::new((0, 0)),
                 short_buf: Vec::with_capacity(SHORT_MAX),
+                ctrl_buf: Vec::with_capacity(256),
                 matcher: TagMatcher::new(),
                 next_direct: 0,
                 reqs: Slab::default(),

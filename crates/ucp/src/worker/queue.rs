@@ -5,10 +5,27 @@ use crate::proto::io::SendIo;
 use crate::worker::prelude::*;
 
 impl State {
-    /// Queue a control message to peer `p` (sent in order by [`pump`](Self::pump)).
+    /// Send a control message to peer `p` behind its queued work: at once when nothing is
+    /// queued before it (encoded into a reused buffer and copied into the transport, as
+    /// [`pump`](Self::pump) would send it right after), queued otherwise, and queued when the
+    /// transport pushes back or fails (`pump` then retries it, or fails the peer, in order).
     pub(crate) fn send_msg(&mut self, p: usize, m: &Msg<'_>) {
-        let (id, bytes) = m.encode();
-        self.queue_ctrl(p, id, bytes);
+        let mut buf = std::mem::take(&mut self.ctrl_buf);
+        buf.clear();
+        let id = m.encode_into(&mut buf);
+        let peer = &mut self.peers[p];
+        if peer.queue.is_empty() && peer.connected && peer.failed.is_none() {
+            let am = peer.am;
+            if let Some(ep) = peer.eps.get_mut(&am)
+                && ep
+                    .am_bcopy(id, &mut rucx_uct::iface::pack_bytes(&buf))
+                    .is_ok()
+            {
+                self.ctrl_buf = buf;
+                return;
+            }
+        }
+        self.queue_ctrl(p, id, buf);
     }
 
     pub(crate) fn queue_ctrl(&mut self, p: usize, id: AmId, bytes: Vec<u8>) {
@@ -339,10 +356,13 @@ impl ProtoIo for State {
     }
 
     fn keep_regs(&mut self, req: u64, md: Option<usize>) {
-        let name = md.map(|m| self.ctx.domain(m).name().to_string());
+        let ctx = &self.ctx;
         if let Some(r) = self.reqs.get_mut(&req) {
-            match name {
-                Some(n) => r.guards.retain(|g| g.registration().domain() == n),
+            match md {
+                Some(m) => {
+                    let name = ctx.domain(m).name();
+                    r.guards.retain(|g| g.registration().domain() == name)
+                }
                 None => r.guards.clear(),
             }
         }

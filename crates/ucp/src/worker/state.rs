@@ -458,6 +458,9 @@ pub(crate) struct State {
     pub(crate) last_src: std::cell::Cell<(u64, usize)>,
     /// Payload of the eager-short fast path (source and data), reused.
     pub(crate) short_buf: Vec<u8>,
+    /// A control message's encoding when it goes to the transport at once (nothing queued
+    /// before it), reused: no allocation per message (see `send_msg`).
+    pub(crate) ctrl_buf: Vec<u8>,
     pub(crate) matcher: TagMatcher<Waiter, Unexp>,
     /// The key of the next direct receive (`direct.rs`).
     pub(crate) next_direct: u64,

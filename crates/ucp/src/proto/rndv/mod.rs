@@ -404,7 +404,7 @@ impl State {
         };
         let want = size.min(cap);
         let wants_put = keys.iter().any(|k| k.md == PUT_HINT);
-        let keys: Vec<NamedKey> = keys
+        let mut keys: Vec<NamedKey> = keys
             .into_iter()
             .filter(|k| k.md != PUT_HINT && k.md != GPU_WRITE_HINT)
             .collect();
@@ -448,10 +448,11 @@ impl State {
         let read = if wants_put {
             None
         } else {
+            // The key moves out of the parsed message (a clone was two allocations per
+            // rendezvous).
             self.read_lane(p, get_lane, &keys).and_then(|(lane, ki)| {
                 let writes = self.slots[lane].attr.has(IfaceCaps::PUT_ZCOPY);
-                keys.get(ki)
-                    .map(|k| (lane, self.slots[lane].md, k.clone(), writes))
+                (ki < keys.len()).then(|| (lane, self.slots[lane].md, keys.swap_remove(ki), writes))
             })
         };
         let choice = HostRecvChoice {
