@@ -255,12 +255,17 @@ fn build(f: &Forge, e: &Env, md: &str) -> (AmId, Vec<u8>) {
         vec![key(f.key, n2, md)]
     };
     let reason = "forged";
-    let haddr = e.h.address();
-    let garbage_addr = data.clone();
+    // A wire-up names H (a reconnect), A itself, B (only when impersonating B), or garbage.
+    let wireup_addr = match (n1 % 4, f.src) {
+        (0, _) => data.clone(),
+        (1, Src::Spoof) => e.b.address(),
+        (2, _) => e.a.address(),
+        _ => e.h.address(),
+    };
     let m = match f.kind {
         0 => Msg::Wireup {
             ep: n0,
-            addr: if f.flag { &haddr } else { &garbage_addr },
+            addr: &wireup_addr,
         },
         1 => Msg::EagerOne {
             src,
