@@ -19,8 +19,8 @@ specs=("$@")
 [ ${#specs[@]} -eq 0 ] && specs=("rucx=$("$here/build-libs.sh")/libucp.so.0")
 # KEEP=DIR keeps the profiles there (NAME.busy, NAME.prog) for callgrind_annotate.
 if [ -n "${KEEP:-}" ]; then
-  work=$KEEP
-  mkdir -p "$work"
+  mkdir -p "$KEEP"
+  work=$(cd "$KEEP" && pwd)
 else
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
@@ -30,9 +30,11 @@ fi
 rounds=$(( n / 64 > 0 ? n / 64 : 1 ))
 msgs=$(( n / 10 + n + (rounds / 10 + rounds) * 64 ))
 idle=2000000
-total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
+# callgrind_annotate run from outside any source tree: run inside the one a build came from, it
+# names that build's files by relative path and splits their functions' inclusive counts.
+total() { (cd / && callgrind_annotate "$1") 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
 incl() {
-  callgrind_annotate --inclusive=yes "$1" 2>/dev/null |
+  (cd / && callgrind_annotate --inclusive=yes "$1") 2>/dev/null |
     awk -v f=":$2 \\\\[" '$0 ~ f && !done { gsub(",", "", $1); print $1; done = 1 }'
 }
 printf '%-10s %12s %12s %12s\n' "" "per message" "progress in" "idle progress"

@@ -287,9 +287,14 @@ fn run() -> Result<(), String> {
         let el = t.elapsed();
         let outcome = match (sent, got) {
             (Ok(_), Ok(_)) if cap == n => Ok(()),
-            (Ok(_), Err(rucx::Error::Truncated { incoming, capacity }))
-                if cap < n && incoming == n && capacity == cap =>
-            {
+            (
+                Ok(_),
+                Err(rucx::Error::Truncated {
+                    incoming,
+                    capacity,
+                    tag: t,
+                }),
+            ) if cap < n && incoming == n && capacity == cap && t == Some(tag) => {
                 println!(
                     "rank {rank}: {n} bytes into a {cap}-byte buffer: truncated as expected, send complete ({:.3} ms)",
                     el.as_secs_f64() * 1e3

@@ -28,11 +28,10 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A port for the rendezvous, outside the ephemeral range (a port-0 listener's port could be
+/// handed to another test's connection before rank 0 binds it).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
+    rucx::bootstrap::local_port().unwrap()
 }
 
 /// A small deterministic generator (xorshift64*), so a failure can be replayed.

@@ -39,10 +39,7 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 
 /// Run this test's rank body in two child processes; panic with their output if one fails.
 fn two_ranks(test: &str) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
+    let port = rucx::bootstrap::local_port().unwrap();
     let exe = std::env::current_exe().unwrap();
     let kids: Vec<_> = (0..2)
         .map(|rank| {

@@ -19,11 +19,10 @@ fn pattern(rank: usize, n: usize, salt: usize) -> Vec<u8> {
         .collect()
 }
 
+/// A port for the rendezvous, outside the ephemeral range (a port-0 listener's port could be
+/// handed to another test's connection before rank 0 binds it).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
+    rucx::bootstrap::local_port().unwrap()
 }
 
 /// Spawn `size` ranks of `test` with per-rank extra environment and launcher prefix; wait for

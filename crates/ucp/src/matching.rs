@@ -81,6 +81,15 @@ impl<E, U> TagMatcher<E, U> {
         None
     }
 
+    /// Queue a receive when no message waits ([`unexpected_len`](Self::unexpected_len) is 0,
+    /// which the caller checked): what [`post_recv`](Self::post_recv) does then, without its
+    /// answer (which would be `None`).
+    #[inline(always)]
+    pub fn push_expected(&mut self, tag: Tag, mask: Tag, item: E) {
+        debug_assert!(self.unexpected.is_empty(), "a message waits: post_recv it");
+        self.expected.push_back(Expected { tag, mask, item });
+    }
+
     /// A message arrived: returns the first posted receive it matches (removed), or queues the
     /// message as unexpected and returns `None`.
     pub fn arrive(&mut self, tag: Tag, item: U) -> Option<(E, U)> {

@@ -105,35 +105,54 @@ fn unexpected_messages_then_receive() {
     assert!(ra == a && rb == b && rc == c);
 }
 
+/// A cut message says how long it was and whose it was: a wildcard receive learns the
+/// sender's tag from the error (eager, fragmented and rendezvous sizes; a receive posted
+/// before the message, and one after it arrived).
 #[test]
 fn truncation_is_reported_and_nothing_overruns() {
     let w = worker(&[("RUCX_RNDV_THRESH", "64K")]);
     let ep = w.connect(&w.address()).unwrap();
-    for n in [100usize, 20_000, 200_000] {
-        let send = pattern(n, 9);
-        let mut recv = vec![0x55u8; n / 2 + 16];
-        let cap = n / 2;
-        let (s, r) = w.scope(|sc| {
-            let r = sc.tag_recv(&mut recv[..cap], 5, TAG_MASK_FULL);
-            let s = sc.tag_send(ep, &send, 5);
-            (s.wait(), r.wait())
-        });
-        s.unwrap();
-        match r {
-            Err(Error::Truncated { incoming, capacity }) => {
-                assert_eq!((incoming, capacity), (n, cap));
+    for (k, n) in [100usize, 20_000, 200_000].into_iter().enumerate() {
+        for late in [false, true] {
+            let send = pattern(n, 9);
+            let mut recv = vec![0x55u8; n / 2 + 16];
+            let cap = n / 2;
+            let tag = 0x5_0000 + k as u64 + if late { 0x100 } else { 0 };
+            let (s, r) = w.scope(|sc| {
+                if late {
+                    let s = sc.tag_send(ep, &send, tag);
+                    while w.probe(0, TAG_MASK_ANY).is_none() {
+                        w.progress();
+                    }
+                    let r = sc.tag_recv(&mut recv[..cap], 0, TAG_MASK_ANY);
+                    (s.wait(), r.wait())
+                } else {
+                    let r = sc.tag_recv(&mut recv[..cap], 0, TAG_MASK_ANY);
+                    let s = sc.tag_send(ep, &send, tag);
+                    (s.wait(), r.wait())
+                }
+            });
+            s.unwrap();
+            match r {
+                Err(Error::Truncated {
+                    incoming,
+                    capacity,
+                    tag: t,
+                }) => {
+                    assert_eq!((incoming, capacity, t), (n, cap, Some(tag)), "late {late}");
+                }
+                other => panic!("size {n}: expected truncation, got {other:?}"),
             }
-            other => panic!("size {n}: expected truncation, got {other:?}"),
+            assert_eq!(
+                &recv[..cap],
+                &send[..cap],
+                "size {n}: the part that fits is delivered"
+            );
+            assert!(
+                recv[cap..].iter().all(|&b| b == 0x55),
+                "size {n}: nothing past the buffer"
+            );
         }
-        assert_eq!(
-            &recv[..cap],
-            &send[..cap],
-            "size {n}: the part that fits is delivered"
-        );
-        assert!(
-            recv[cap..].iter().all(|b| *b == 0x55),
-            "size {n}: wrote past the buffer"
-        );
     }
 }
 
@@ -720,7 +739,8 @@ fn a_failed_request_reports_the_same_error_to_test_wait_and_await() {
             tested,
             Error::Truncated {
                 incoming: 300,
-                capacity: 10
+                capacity: 10,
+                tag: Some(3),
             }
         );
         assert_eq!(r.wait().unwrap_err(), tested);

@@ -954,8 +954,12 @@ fn check(
                         }
                         m
                     }
-                    Err(Error::Truncated { incoming, capacity }) => {
-                        if *capacity != cap || *incoming <= cap {
+                    Err(Error::Truncated {
+                        incoming,
+                        capacity,
+                        tag,
+                    }) => {
+                        if *capacity != cap || *incoming <= cap || tag.is_none() {
                             return err(format!("truncation {res:?} of a {cap} B receive"));
                         }
                         let cand = (0..case.msgs.len()).find(|&m| {
@@ -963,6 +967,7 @@ fn check(
                             claimed[m].is_none()
                                 && 1 - msg.from == t.side
                                 && msg.size == *incoming
+                                && Some(msg.tag(m)) == *tag
                                 && msg.tag(m) & sel.1 == sel.0 & sel.1
                                 && got[..] == pattern(msg_id(m), msg.size)[..cap]
                         });

@@ -169,6 +169,52 @@ fn staging_offered_ahead_is_mapped_before_the_first_staged_transfer() {
     pair.check_clean();
 }
 
+/// The staging is offered as soon as it is started, before its helper thread page-locked it
+/// (its shared allocation is made at once): the offer leaves with the first post of GPU
+/// memory, before any progress, and the peer maps it (once it meets GPU memory itself) while
+/// both page-lock; the fragments staged later carry the key offered.
+#[test]
+fn staging_is_offered_when_it_is_started_not_when_it_is_ready() {
+    let ahead: &[(&str, &str)] = &[
+        ("RUCX_ZCOPY_THRESH", "16K"),
+        ("RUCX_RNDV_FRAG_SIZE", "256K"),
+        ("RUCX_RNDV_STAGING_AHEAD", "y"),
+    ];
+    let pair = Pair::new(FabricSpec::gpu().ipc(false), [ahead, ahead]);
+    let n = (1 << 20) + 3;
+    let sbuf = Buf::filled(&pair.fabric, n, Mem::Device(0), 3);
+    let mut rbuf = Buf::new(&pair.fabric, n, Mem::Device(1));
+    pair.w[0].scope(|ss| {
+        pair.w[1].scope(|sr| {
+            // A staged rendezvous: its announcement needs no staging yet.
+            let s = ss.tag_send(pair.ep[0], sbuf.send(), 4);
+            let c = pair.w[0].counters();
+            assert!(
+                c.contains_key("staging ahead started")
+                    && c.contains_key("staging offered")
+                    && !c.contains_key("staging made ahead"),
+                "offered at the post, before the staging is ready: {c:?}"
+            );
+            let r = sr.tag_recv(rbuf.recv(), 4, TAG_MASK_FULL);
+            let (mut so, mut ro) = (None, None);
+            pair.drive(|| {
+                so = so.take().or_else(|| s.test());
+                ro = ro.take().or_else(|| r.test());
+                so.is_some() && ro.is_some()
+            })
+            .unwrap();
+            assert!(so.unwrap().is_ok() && ro.unwrap().is_ok());
+        })
+    });
+    assert!(rbuf.bytes() == pattern(3, n));
+    pair.assert_ran(1, "rendezvous receive pipelined through host staging");
+    // The receiver met GPU memory at the match and registered the offer ahead; the first
+    // fragment found it.
+    pair.assert_ran(1, "peer staging registered ahead");
+    pair.assert_ran(1, "peer staging mapped ahead");
+    pair.check_clean();
+}
+
 #[test]
 fn gpu_memory_every_combination() {
     for delivery in [

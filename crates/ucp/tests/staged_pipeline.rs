@@ -452,8 +452,12 @@ fn staged_send_into_a_smaller_receive_ends_both_sides() {
         });
         assert_eq!(s.unwrap(), n, "the sender completes: {n} into {cap}");
         match r {
-            Err(Error::Truncated { incoming, capacity }) => {
-                assert_eq!((incoming, capacity), (n, cap))
+            Err(Error::Truncated {
+                incoming,
+                capacity,
+                tag,
+            }) => {
+                assert_eq!((incoming, capacity, tag), (n, cap, Some(7)))
             }
             other => panic!("{n} into {cap}: {other:?}"),
         }

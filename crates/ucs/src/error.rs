@@ -292,13 +292,21 @@ pub enum Error {
     #[error("invalid address: {0}")]
     InvalidAddress(String),
 
-    /// A message was larger than the buffer posted for it; nothing was written past the buffer.
-    #[error("message truncated: {incoming} bytes arrived for a {capacity}-byte receive buffer")]
+    /// A message was larger than the buffer posted for it; nothing was written past the buffer
+    /// (the bytes that fit were).
+    #[error(
+        "message truncated: {incoming} bytes arrived for a {capacity}-byte receive buffer{}",
+        tag.map_or(String::new(), |t| format!(" (sender tag {t:#x})"))
+    )]
     Truncated {
         /// Bytes the sender sent.
         incoming: usize,
         /// Bytes the receiver offered.
         capacity: usize,
+        /// The message's tag as its sender gave it, for a tag receive (`None` for an active
+        /// message's payload, which has no tag): what a wildcard receive matched, so that it
+        /// can say whose message it cut (MPI's `MPI_SOURCE` and `MPI_TAG` of the status).
+        tag: Option<u64>,
     },
 
     /// The peer ended a transfer it could not carry out (a rendezvous whose registrations or
@@ -554,14 +562,28 @@ mod tests {
         let t = Error::Truncated {
             incoming: 10,
             capacity: 4,
+            tag: Some(0x2a),
         };
         assert_eq!(t.clone(), t);
         assert_ne!(
             t,
             Error::Truncated {
                 incoming: 10,
-                capacity: 5
+                capacity: 5,
+                tag: Some(0x2a),
             }
+        );
+        assert_ne!(
+            t,
+            Error::Truncated {
+                incoming: 10,
+                capacity: 4,
+                tag: None,
+            }
+        );
+        assert_eq!(
+            t.to_string(),
+            "message truncated: 10 bytes arrived for a 4-byte receive buffer (sender tag 0x2a)"
         );
         let r = Error::registration(RegError {
             domain: "posix".into(),

@@ -291,6 +291,246 @@ fn probe_remove_then_message_receive() {
     }
 }
 
+/// A message longer than a wildcard receive's buffer: `UCS_ERR_MESSAGE_TRUNCATED`, with the
+/// sender's tag and the message's whole length (UCX's information, from which Open MPI makes
+/// the status's source and tag), in the callback and in `ucp_tag_recv_request_test` alike,
+/// whatever way it went: posted before (eager, rendezvous), the message already here, asked
+/// for in place (`UCP_OP_ATTR_FIELD_RECV_INFO`), a probed message received; the part that fits
+/// is written, nothing past it.
+#[test]
+fn a_truncated_receive_names_its_sender_tag_and_length() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let big = 1 << 20;
+    let src: Vec<u8> = (0..big).map(|i| (i * 13 + i / 251) as u8).collect();
+    let cut = |got: &[u8]| {
+        assert_eq!(&got[..10], &src[..10], "the part that fits");
+        assert!(
+            got[10..].iter().all(|&b| b == 0xee),
+            "nothing past the buffer"
+        );
+    };
+    let send = |len: usize, tag: u64| {
+        // SAFETY: live handles; `src` outlives the send (driven to its end by the caller).
+        let s = unsafe {
+            ucp_tag_send_nbx(pair.ep[0], src.as_ptr().cast(), len, tag, std::ptr::null())
+        };
+        assert!(!ptr_is_err(s));
+        s
+    };
+    let end = |s: *mut c_void| {
+        if ptr_is_ptr(s) {
+            // SAFETY: a live send request, freed once.
+            unsafe {
+                pair.drive(|| ucp_request_check_status(s) != UCS_INPROGRESS);
+                assert_eq!(ucp_request_check_status(s), UCS_OK, "the send completes");
+                ucp_request_free(s);
+            }
+        }
+    };
+    // SAFETY: live handles; buffers outlive the operations (each driven to its end).
+    unsafe {
+        // Posted before the message: eager, then rendezvous (into the caller's memory).
+        for (len, tag) in [(100usize, 0xa1u64), (big, 0xa2)] {
+            let mut got = [0xeeu8; 32];
+            CALLS.lock().unwrap().clear();
+            let r = ucp_tag_recv_nb(
+                pair.w[1],
+                got.as_mut_ptr().cast(),
+                10,
+                1 << 3,
+                0,
+                0,
+                Some(recv_cb),
+            );
+            assert!(ptr_is_ptr(r));
+            let s = send(len, tag);
+            pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+            let mut info = TagRecvInfo::default();
+            assert_eq!(
+                ucp_tag_recv_request_test(r, &mut info),
+                UCS_ERR_MESSAGE_TRUNCATED
+            );
+            assert_eq!((info.sender_tag, info.length), (tag, len), "{len} B");
+            assert_eq!(
+                pair.calls(),
+                vec![(r as usize, UCS_ERR_MESSAGE_TRUNCATED, tag, len)]
+            );
+            ucp_request_free(r);
+            end(s);
+            cut(&got);
+        }
+        let mut mem = [0u64; crate::HEADER_SIZE / 8 + 2];
+        let req = mem
+            .as_mut_ptr()
+            .add(crate::HEADER_SIZE / 8)
+            .cast::<c_void>();
+        let mut got = [0xeeu8; 32];
+        let s = send(big, 0xa3);
+        assert_eq!(
+            ucp_tag_recv_nbr(pair.w[1], got.as_mut_ptr().cast(), 10, 1 << 3, 0, 0, req),
+            UCS_OK
+        );
+        pair.drive(|| ucp_request_check_status(req) != UCS_INPROGRESS);
+        let mut info = TagRecvInfo::default();
+        assert_eq!(ucp_request_test(req, &mut info), UCS_ERR_MESSAGE_TRUNCATED);
+        assert_eq!((info.sender_tag, info.length), (0xa3, big));
+        end(s);
+        cut(&got);
+
+        // The message already here: the callback from the next progress.
+        let s = send(100, 0xb1);
+        let mut probed = TagRecvInfo::default();
+        pair.drive(|| !ucp_tag_probe_nb(pair.w[1], 0, 0, 0, &mut probed).is_null());
+        assert_eq!((probed.sender_tag, probed.length), (0xb1, 100));
+        let mut got = [0xeeu8; 32];
+        CALLS.lock().unwrap().clear();
+        let r = ucp_tag_recv_nb(
+            pair.w[1],
+            got.as_mut_ptr().cast(),
+            10,
+            1 << 3,
+            0,
+            0,
+            Some(recv_cb),
+        );
+        pair.drive(|| !pair.calls().is_empty());
+        assert_eq!(
+            pair.calls(),
+            vec![(r as usize, UCS_ERR_MESSAGE_TRUNCATED, 0xb1, 100)]
+        );
+        ucp_request_free(r);
+        end(s);
+        cut(&got);
+
+        // Asked for in place: the error, and the information written all the same.
+        let s = send(100, 0xb2);
+        pair.drive(|| !ucp_tag_probe_nb(pair.w[1], 0, 0, 0, std::ptr::null_mut()).is_null());
+        let mut got = [0xeeu8; 32];
+        let mut info = TagRecvInfo::default();
+        let mut p = nbx(UCP_OP_ATTR_FIELD_RECV_INFO);
+        p.recv_info.tag_info = &mut info;
+        let r = ucp_tag_recv_nbx(pair.w[1], got.as_mut_ptr().cast(), 10, 0, 0, &p);
+        assert_eq!(r as isize, isize::from(UCS_ERR_MESSAGE_TRUNCATED));
+        assert_eq!((info.sender_tag, info.length), (0xb2, 100));
+        end(s);
+        cut(&got);
+
+        // A probed message, received into a smaller buffer.
+        let s = send(100, 0xc1);
+        let mut msg = std::ptr::null_mut();
+        pair.drive(|| {
+            msg = ucp_tag_probe_nb(pair.w[1], 0, 0, 1, std::ptr::null_mut());
+            !msg.is_null()
+        });
+        let mut got = [0xeeu8; 32];
+        CALLS.lock().unwrap().clear();
+        let r = ucp_tag_msg_recv_nb(
+            pair.w[1],
+            got.as_mut_ptr().cast(),
+            10,
+            1 << 3,
+            msg,
+            Some(recv_cb),
+        );
+        assert!(ptr_is_ptr(r));
+        pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+        let mut info = TagRecvInfo::default();
+        assert_eq!(ucp_request_test(r, &mut info), UCS_ERR_MESSAGE_TRUNCATED);
+        assert_eq!((info.sender_tag, info.length), (0xc1, 100));
+        assert_eq!(
+            pair.calls(),
+            vec![(r as usize, UCS_ERR_MESSAGE_TRUNCATED, 0xc1, 100)]
+        );
+        ucp_request_free(r);
+        end(s);
+        cut(&got);
+    }
+}
+
+/// Empty messages with NULL buffers (MPI's zero-count calls pass them): sent, received (posted
+/// before, and after a probe took the message), with the sender's tag and length 0; a probe
+/// reports a rendezvous-size message's whole length before any of it is read; a request
+/// freed after it completed is no request any more.
+#[test]
+fn empty_messages_null_buffers_and_probe_information() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let null = std::ptr::null_mut::<c_void>();
+    // SAFETY: live handles; NULL buffers of no bytes; requests freed once.
+    unsafe {
+        CALLS.lock().unwrap().clear();
+        let r = ucp_tag_recv_nb(pair.w[1], null, 0, 1 << 3, 0x10, u64::MAX, Some(recv_cb));
+        assert!(ptr_is_ptr(r));
+        let s = ucp_tag_send_nb(pair.ep[0], null, 0, 1 << 3, 0x10, None);
+        assert!(!ptr_is_err(s));
+        pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+        assert_eq!(pair.calls(), vec![(r as usize, UCS_OK, 0x10, 0)]);
+        ucp_request_free(r);
+        assert_eq!(
+            ucp_request_check_status(r),
+            UCS_ERR_INVALID_PARAM,
+            "a freed request is no request"
+        );
+        if ptr_is_ptr(s) {
+            pair.drive(|| ucp_request_check_status(s) != UCS_INPROGRESS);
+            ucp_request_free(s);
+        }
+        // Taken by a probe, then received into NULL.
+        let s = ucp_tag_send_nbx(pair.ep[0], null, 0, 0x11, std::ptr::null());
+        assert!(!ptr_is_err(s));
+        let mut info = TagRecvInfo {
+            sender_tag: 1,
+            length: 1,
+        };
+        let mut msg = null;
+        pair.drive(|| {
+            msg = ucp_tag_probe_nb(pair.w[1], 0, 0, 1, &mut info);
+            !msg.is_null()
+        });
+        assert_eq!((info.sender_tag, info.length), (0x11, 0));
+        let r = ucp_tag_msg_recv_nbx(pair.w[1], null, 0, msg, std::ptr::null());
+        assert!(ptr_is_ptr(r));
+        pair.drive(|| ucp_request_check_status(r) != UCS_INPROGRESS);
+        let mut got = TagRecvInfo::default();
+        assert_eq!(ucp_tag_recv_request_test(r, &mut got), UCS_OK);
+        assert_eq!((got.sender_tag, got.length), (0x11, 0));
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            pair.drive(|| ucp_request_check_status(s) != UCS_INPROGRESS);
+            ucp_request_free(s);
+        }
+        // A rendezvous-size message: the probe names its whole length.
+        let n = 2 << 20;
+        let src = vec![5u8; n];
+        let mut dst = vec![0u8; n];
+        let s = ucp_tag_send_nbx(pair.ep[0], src.as_ptr().cast(), n, 0x12, std::ptr::null());
+        assert!(!ptr_is_err(s));
+        let mut info = TagRecvInfo::default();
+        pair.drive(|| !ucp_tag_probe_nb(pair.w[1], 0x12, u64::MAX, 0, &mut info).is_null());
+        assert_eq!((info.sender_tag, info.length), (0x12, n));
+        let r = ucp_tag_recv_nbx(
+            pair.w[1],
+            dst.as_mut_ptr().cast(),
+            n,
+            0x12,
+            u64::MAX,
+            std::ptr::null(),
+        );
+        assert!(ptr_is_ptr(r));
+        pair.drive(|| {
+            ucp_request_check_status(r) != UCS_INPROGRESS
+                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
+        });
+        assert_eq!(ucp_request_check_status(r), UCS_OK);
+        assert!(dst == src);
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            ucp_request_free(s);
+        }
+    }
+}
+
 #[test]
 fn cancel_and_free_before_completion() {
     let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());

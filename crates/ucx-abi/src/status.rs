@@ -125,7 +125,8 @@ mod tests {
         assert_eq!(
             status_of(&Error::Truncated {
                 incoming: 2,
-                capacity: 1
+                capacity: 1,
+                tag: Some(9),
             }),
             UCS_ERR_MESSAGE_TRUNCATED
         );

@@ -51,15 +51,18 @@ fn info_of(c: &Completion) -> TagRecvInfo {
     }
 }
 
+/// The status and receive information of an end. A truncated message reports, as UCX does,
+/// its sender's tag and its whole length (what the sender sent, not what fit): Open MPI makes
+/// the status's source and tag of it.
 #[inline]
 fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
     match res {
         Ok(c) => (UCS_OK, info_of(c)),
-        Err(rucx_ucs::Error::Truncated { capacity, .. }) => (
+        Err(rucx_ucs::Error::Truncated { incoming, tag, .. }) => (
             UCS_ERR_MESSAGE_TRUNCATED,
             TagRecvInfo {
-                sender_tag: 0,
-                length: *capacity,
+                sender_tag: tag.unwrap_or(0),
+                length: *incoming,
             },
         ),
         Err(e) => (status_of(e), TagRecvInfo::default()),
@@ -70,8 +73,8 @@ impl Finish {
     /// The final status and receive information of an operation that ended with `res`
     /// (`data`: our buffer, when it had one).
     #[inline(always)]
-    pub fn run(self, res: Result<Completion>, data: Option<Vec<u8>>) -> (Status, TagRecvInfo) {
-        let (status, info) = result_status(&res);
+    pub fn run(self, res: &Result<Completion>, data: Option<Vec<u8>>) -> (Status, TagRecvInfo) {
+        let (status, info) = result_status(res);
         match self {
             Finish::Send => (status, TagRecvInfo::default()),
             Finish::Recv => (status, info),
@@ -93,17 +96,16 @@ impl Finish {
                 match dest {
                     Dest::Contig(p, cap) => {
                         let k = n.min(cap);
-                        // SAFETY: the caller's buffer holds `cap` bytes (its promise at
-                        // `ucp_tag_msg_recv_nb`), and host memory (checked there).
-                        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, k) };
+                        // Nothing to copy for an empty message (whose buffer may be NULL,
+                        // which even a copy of no bytes may not be handed).
+                        if k > 0 {
+                            // SAFETY: the caller's buffer holds `cap` bytes (its promise at
+                            // `ucp_tag_msg_recv_nb`), and host memory (checked there).
+                            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, k) };
+                        }
                         if n > cap {
-                            return (
-                                UCS_ERR_MESSAGE_TRUNCATED,
-                                TagRecvInfo {
-                                    sender_tag: probed.sender_tag,
-                                    length: cap,
-                                },
-                            );
+                            // As for any truncation: the sender's tag and whole length.
+                            return (UCS_ERR_MESSAGE_TRUNCATED, probed);
                         }
                         (UCS_OK, probed)
                     }
@@ -413,7 +415,7 @@ unsafe fn recv(
         match unsafe { engine::recv(&w.worker, &mut data, tag, mask, token) } {
             Queued::Pending(_) => {}
             Queued::Ended(res) if matches!(opts.cb, Callback::None) => {
-                let (status, info) = fin.run(res, None);
+                let (status, info) = fin.run(&res, None);
                 // SAFETY: `user` is a live request.
                 unsafe { request::complete(user, status, info) };
             }
@@ -437,18 +439,18 @@ unsafe fn recv(
             && opts.req.is_none()
             && let Some(ri) = opts.recv_info
         {
-            let (status, info) = fin.run(res, owned_data(data));
+            let (status, info) = fin.run(&res, owned_data(data));
+            // SAFETY: the caller's receive-information pointer, writable by its promise.
+            unsafe { *ri = info };
             if status != UCS_OK {
                 return status_ptr(status);
             }
-            // SAFETY: the caller's receive-information pointer, writable by its promise.
-            unsafe { *ri = info };
             return std::ptr::null_mut();
         }
         // SAFETY: as for `request_for`.
         let user = unsafe { request_for(w, &opts, None) };
         if matches!(opts.cb, Callback::None) {
-            let (status, info) = fin.run(res, owned_data(data));
+            let (status, info) = fin.run(&res, owned_data(data));
             // SAFETY: `user` is a live request.
             unsafe { request::complete(user, status, info) };
             return user;

@@ -150,7 +150,8 @@ impl AbiWorker {
         let mut n = 0;
         if !self.ready.borrow().is_empty() {
             let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
-            for (token, res) in ready.drain(..) {
+            // Read in place, then cleared: the ends (large, for their errors) are not moved.
+            for &(token, ref res) in ready.iter() {
                 if token & HEADER_TOKEN != 0 {
                     deliver_header(token, res);
                     n += 1;
@@ -162,6 +163,7 @@ impl AbiWorker {
                     n += 1;
                 }
             }
+            ready.clear();
             // Keep the list's memory unless a callback queued more meanwhile.
             let mut r = self.ready.borrow_mut();
             if r.is_empty() {
@@ -177,7 +179,7 @@ impl AbiWorker {
             }
             std::mem::take(&mut *slot)
         };
-        for (token, res) in ended.drain(..) {
+        for &(token, ref res) in ended.iter() {
             if token & HEADER_TOKEN != 0 {
                 deliver_header(token, res);
                 n += 1;
@@ -190,7 +192,7 @@ impl AbiWorker {
             if p.user.is_null() {
                 // A probed message no receive took yet: delivered once one does.
                 p.req = None;
-                p.ended = Some(Box::new(res));
+                p.ended = Some(Box::new(res.clone()));
                 continue;
             }
             let p = ops.remove(token).expect("looked up");
@@ -198,6 +200,7 @@ impl AbiWorker {
             finish(p, res);
             n += 1;
         }
+        ended.clear();
         // Keep the list's memory (unless a callback's own progress call left one there).
         let mut slot = self.ended.borrow_mut();
         if slot.capacity() == 0 {
@@ -237,7 +240,7 @@ impl AbiWorker {
 
 /// Deliver the end `res` of the header receive of `token`.
 #[inline(always)]
-fn deliver_header(token: u64, res: Result<Completion>) {
+fn deliver_header(token: u64, res: &Result<Completion>) {
     let user = (token & !HEADER_TOKEN) as usize as *mut c_void;
     let (status, info) = Finish::Recv.run(res, None);
     // SAFETY: `user` is the live request of the receive that just ended (a request stays the
@@ -249,7 +252,7 @@ fn deliver_header(token: u64, res: Result<Completion>) {
 
 /// Deliver the end `res` of operation `p`.
 #[inline(always)]
-fn finish(p: Pending, res: Result<Completion>) {
+fn finish(p: Pending, res: &Result<Completion>) {
     let (status, info) = p.fin.run(res, p.data);
     deliver(p.user, p.cb, status, info);
 }

@@ -97,11 +97,9 @@ fn server(opts: &Options) -> R<()> {
     run::serve(&job)
 }
 
+/// A free local port outside the kernel's ephemeral range ([`rucx::bootstrap::local_port`]).
 fn free_port() -> R<u16> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("finding a free local port: {e}"))
+    rucx::bootstrap::local_port().map_err(|e| format!("finding a free local port: {e}"))
 }
 
 /// The server half of `--local` gets the job key through its environment (never its command

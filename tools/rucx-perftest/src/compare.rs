@@ -340,11 +340,9 @@ fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// A free local port outside the kernel's ephemeral range ([`rucx::bootstrap::local_port`]).
 fn free_port() -> R<u16> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("finding a free port: {e}"))
+    rucx::bootstrap::local_port().map_err(|e| format!("finding a free port: {e}"))
 }
 
 /// Run a command with a time limit; returns (success, stdout, stderr).

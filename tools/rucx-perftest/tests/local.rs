@@ -195,10 +195,7 @@ fn gpu_memory_runs_or_names_the_missing_driver() {
 /// server to quit, and both exit cleanly.
 #[test]
 fn server_and_client_as_separate_commands() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port().to_string()
-    };
+    let port = rucx::bootstrap::local_port().unwrap().to_string();
     let mut server = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
         .args(["-p", &port, "-q"])
         .env_remove("RUCX_BOOTSTRAP_TIMEOUT")
@@ -250,10 +247,7 @@ fn server_and_client_as_separate_commands() {
 fn a_waiting_server_survives_strangers_and_serves_its_client() {
     use std::io::Write;
     use std::net::TcpStream;
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = rucx::bootstrap::local_port().unwrap();
     let key = "perftest-test-key-0123456789abcdef";
     let mut server = Command::new(env!("CARGO_BIN_EXE_rucx-perftest"))
         .args(["-p", &port.to_string(), "-q", "--bind", "127.0.0.1"])

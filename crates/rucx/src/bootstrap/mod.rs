@@ -241,7 +241,8 @@ pub fn rendezvous(p: &Placement, configured: &str) -> Result<Option<SocketAddr>>
     match (&p.job_id, p.all_local) {
         (Some(id), true) => {
             let h = rucx_uct::rkey::fnv1a32(id.as_bytes());
-            let port = 20000 + (h % 20000) as u16;
+            let (lo, hi) = quiet_ports(ephemeral_ports());
+            let port = lo + (h % u32::from(hi - lo)) as u16;
             Ok(Some(SocketAddr::from(([127, 0, 0, 1], port))))
         }
         _ => Err(Error::Config {
@@ -255,6 +256,63 @@ pub fn rendezvous(p: &Placement, configured: &str) -> Result<Option<SocketAddr>>
                 .into(),
         }),
     }
+}
+
+/// The kernel's range of ephemeral ports (`/proc/sys/net/ipv4/ip_local_port_range`), from
+/// which it picks the local port of every outgoing connection and of every listener bound to
+/// port 0; Linux's default when the file cannot be read.
+fn ephemeral_ports() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| parse_port_range(&s))
+        .unwrap_or((32768, 60999))
+}
+
+fn parse_port_range(s: &str) -> Option<(u16, u16)> {
+    let mut it = s.split_whitespace().map(|w| w.parse::<u16>().ok());
+    let (lo, hi) = (it.next()??, it.next()??);
+    (lo <= hi).then_some((lo, hi))
+}
+
+/// Ports a rendezvous of this host can take that the kernel never hands out on its own: a
+/// range of at least 1000 ports outside the ephemeral range `eph`, from 20000 below it when
+/// there is room, else above it (`[lo, hi)`). A port chosen in the ephemeral range can be given
+/// to some other program's connection between the choice and rank 0's bind (a busy host, a
+/// parallel test suite): rank 0 then cannot listen and the job fails.
+fn quiet_ports(eph: (u16, u16)) -> (u16, u16) {
+    const FROM: u16 = 20000;
+    if eph.0 >= FROM + 1000 {
+        (FROM, eph.0)
+    } else if eph.1 <= 64535 {
+        (eph.1.max(FROM) + 1, 65535)
+    } else {
+        // Everything is ephemeral: nothing is quiet; the old range, and rank 0's error says so.
+        (FROM, FROM + 20000)
+    }
+}
+
+/// A free port on `127.0.0.1` for the rendezvous (`RUCX_BOOTSTRAP=127.0.0.1:PORT`) of a job
+/// whose ranks a program starts on this host itself (tests, `rucx-perftest --local`, a
+/// launcher of one's own). Chosen at random outside the kernel's ephemeral range, so that no
+/// outgoing connection or port-0 listener is handed it before rank 0 binds it (a port found by
+/// binding port 0 is free only until the listener is dropped), and checked free now.
+pub fn local_port() -> Result<u16> {
+    let (lo, hi) = quiet_ports(ephemeral_ports());
+    let mut last = None;
+    for _ in 0..64 {
+        let mut b = [0u8; 2];
+        getrandom::fill(&mut b)
+            .map_err(|e| Error::Internal(format!("no random numbers for a port: {e}")))?;
+        let port = lo + (u16::from_le_bytes(b) % (hi - lo));
+        match std::net::TcpListener::bind(("127.0.0.1", port)) {
+            Ok(_) => return Ok(port),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(Error::io(
+        format!("bootstrap: no free port on 127.0.0.1 in {lo}..{hi} after 64 tries"),
+        last.unwrap_or_else(|| std::io::Error::other("no port tried")),
+    ))
 }
 
 fn io(ctx: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -616,7 +674,37 @@ mod tests {
         ]))
         .unwrap();
         let a = rendezvous(&p, "").unwrap().unwrap();
-        assert!(a.ip().is_loopback() && (20000..40000).contains(&a.port()));
+        let (lo, hi) = quiet_ports(ephemeral_ports());
+        assert!(a.ip().is_loopback() && (lo..hi).contains(&a.port()));
+        let eph = ephemeral_ports();
+        assert!(
+            a.port() < eph.0 || a.port() > eph.1,
+            "{a} is ephemeral: {eph:?}"
+        );
+    }
+
+    #[test]
+    fn quiet_ports_stay_out_of_the_ephemeral_range() {
+        assert_eq!(parse_port_range("32768\t60999\n"), Some((32768, 60999)));
+        assert_eq!(parse_port_range("1024 65535"), Some((1024, 65535)));
+        assert_eq!(parse_port_range("60999 32768"), None);
+        assert_eq!(parse_port_range("x"), None);
+        // Linux's default: below it; a range starting low: above it.
+        assert_eq!(quiet_ports((32768, 60999)), (20000, 32768));
+        assert_eq!(quiet_ports((10000, 30000)), (30001, 65535));
+        assert_eq!(quiet_ports((1024, 65535)), (20000, 40000));
+        for eph in [(32768, 60999), (10000, 30000), (21000, 64535)] {
+            let (lo, hi) = quiet_ports(eph);
+            assert!(hi - lo >= 1000, "{eph:?}: {lo}..{hi}");
+            assert!(hi <= eph.0 || lo > eph.1, "{eph:?}: {lo}..{hi} overlaps");
+        }
+        let eph = ephemeral_ports();
+        for _ in 0..20 {
+            let p = local_port().unwrap();
+            assert!(p < eph.0 || p > eph.1, "{p} is ephemeral: {eph:?}");
+            // Free when chosen: rank 0 can bind it.
+            drop(std::net::TcpListener::bind(("127.0.0.1", p)).unwrap());
+        }
     }
 }
 

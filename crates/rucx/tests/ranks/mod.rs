@@ -14,11 +14,10 @@ pub fn in_child() -> bool {
     std::env::var(ROLE).is_ok()
 }
 
+/// A port for the rendezvous, outside the ephemeral range (a port-0 listener's port could be
+/// handed to another test's connection before rank 0 binds it).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
+    rucx::bootstrap::local_port().unwrap()
 }
 
 /// Spawn the two ranks of test `test` over transports `tls`, with extra environment.

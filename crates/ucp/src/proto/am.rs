@@ -378,6 +378,7 @@ pub(crate) fn copy_here(io: &mut impl CopyIo, data: &[u8], to: MemRegion) -> Res
         return Err(Error::Truncated {
             incoming: data.len(),
             capacity: to.len,
+            tag: None,
         });
     }
     Ok(data.len())

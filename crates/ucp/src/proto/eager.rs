@@ -235,23 +235,25 @@ impl State {
                     self.pump(p);
                 }
             }
-            None => {
-                // Store the data in the queued entry.
-                let a = self.msg_alloc;
-                if let Some(Unexp::Eager { data: d, lost, .. }) =
-                    self.matcher.unexpected_mut().last()
-                {
-                    match a.reserve(d, data.len()) {
-                        Ok(()) => d.extend_from_slice(data),
-                        Err(e) => {
-                            tracing::warn!("unexpected message dropped: {e}");
-                            *lost = true;
-                        }
-                    }
+            None => self.store_unexpected(data),
+        }
+        Ok(())
+    }
+
+    /// Store the data of the eager message just queued as unexpected in its entry (out of
+    /// line: the matched message, the hot path, keeps its registers).
+    #[inline(never)]
+    fn store_unexpected(&mut self, data: &[u8]) {
+        let a = self.msg_alloc;
+        if let Some(Unexp::Eager { data: d, lost, .. }) = self.matcher.unexpected_mut().last() {
+            match a.reserve(d, data.len()) {
+                Ok(()) => d.extend_from_slice(data),
+                Err(e) => {
+                    tracing::warn!("unexpected message dropped: {e}");
+                    *lost = true;
                 }
             }
         }
-        Ok(())
     }
 
     /// A whole eager message matched a posted receive: copy it and finish the receive with one
@@ -280,6 +282,7 @@ impl State {
                         Err(Error::Truncated {
                             incoming: data.len(),
                             capacity: rs.cap,
+                            tag: Some(tag),
                         })
                     } else {
                         Ok(Completion {

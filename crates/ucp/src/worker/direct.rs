@@ -71,9 +71,8 @@ impl Worker {
             token,
             key,
         };
-        // Nothing waits: queued, never matched here.
-        let matched = st.matcher.post_recv(tag, mask, Waiter::Direct(d));
-        debug_assert!(matched.is_none(), "no message waited");
+        // Nothing waits (checked above): queued, never matched here.
+        st.matcher.push_expected(tag, mask, Waiter::Direct(d));
         Some(Queued::Pending(QueuedReq::direct(key, st.address.uuid)))
     }
 
@@ -155,6 +154,7 @@ impl State {
                     Err(Error::Truncated {
                         incoming: data.len(),
                         capacity: d.cap,
+                        tag: Some(tag),
                     })
                 } else {
                     Ok(Completion {
@@ -398,9 +398,16 @@ mod tests {
                     continue;
                 }
                 Ok(c) => (c.len, c.tag),
-                Err(Error::Truncated { incoming, capacity }) => {
+                Err(Error::Truncated {
+                    incoming,
+                    capacity,
+                    tag,
+                }) => {
                     prop_assert_eq!(*capacity, cap);
-                    (*incoming, u64::MAX)
+                    let Some(tag) = *tag else {
+                        return Err(TestCaseError::fail(format!("receive {k}: cut, no tag")));
+                    };
+                    (*incoming, tag)
                 }
                 Err(e) => return Err(TestCaseError::fail(format!("receive {k}: {e}"))),
             };
@@ -412,7 +419,7 @@ mod tests {
                 match (0..sends.len()).find(|&m| {
                     !taken[m]
                         && sends[m].1.len() - 2 * GUARD == len
-                        && (tag == u64::MAX || u64::from(sends[m].0) == tag)
+                        && u64::from(sends[m].0) == tag
                         && (r.wild || sends[m].0 == r.tag)
                         && sends[m].1[GUARD..GUARD + len.min(cap)] == body[..len.min(cap)]
                 }) {
@@ -429,6 +436,7 @@ mod tests {
             taken[m] = true;
             let msg = &sends[m].1[GUARD..sends[m].1.len() - GUARD];
             prop_assert_eq!(len, msg.len());
+            prop_assert_eq!(tag, u64::from(sends[m].0), "sender tag of {}", k);
             prop_assert!(r.wild || sends[m].0 == r.tag, "tag of {}", k);
             let n = len.min(cap);
             prop_assert_eq!(&body[..n], &msg[..n], "bytes of receive {}", k);

@@ -4,7 +4,7 @@
 use crate::worker::prelude::*;
 
 impl State {
-    #[inline]
+    #[inline(always)]
     pub(crate) fn src_peer(&self, src: u64) -> Result<usize> {
         // Messages come in runs from one peer: remember the last one (uuids are never 0).
         let (last, p) = self.last_src.get();
@@ -14,6 +14,12 @@ impl State {
             peer.live.heard.set(true);
             return Ok(p);
         }
+        self.src_peer_lookup(src)
+    }
+
+    /// [`src_peer`](Self::src_peer) for another peer than the last one: by its uuid.
+    #[inline(never)]
+    fn src_peer_lookup(&self, src: u64) -> Result<usize> {
         let p = self.by_uuid.get(&src).copied().ok_or_else(|| {
             Error::InvalidAddress(format!(
                 "message from unknown worker {src:#x} (no wire-up yet)"

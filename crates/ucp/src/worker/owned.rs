@@ -330,6 +330,7 @@ impl Worker {
         Self::move_completed(q, into);
     }
 
+    #[inline(always)]
     fn move_completed(
         q: &mut Vec<(u64, Result<Completion>)>,
         into: &mut Vec<(u64, Result<Completion>)>,

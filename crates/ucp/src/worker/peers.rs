@@ -172,6 +172,9 @@ impl State {
         {
             self.staging_ahead = crate::proto::gpu::staging::StagingMem::ahead(&self.ctx, mi, len);
             self.count("staging ahead started");
+            // Offered at once (its shared allocation exists already): peers map and register
+            // it while our helper page-locks it.
+            self.offer_staging_all();
             self.take_held_offers();
         }
     }

@@ -130,6 +130,7 @@ impl State {
             Err(Error::Truncated {
                 incoming: rs.total,
                 capacity: rs.cap,
+                tag: Some(rs.tag),
             })
         } else {
             Ok(Completion {

@@ -118,6 +118,7 @@ pub(crate) enum Pending {
 pub(crate) struct Lanes(pub(crate) Vec<(usize, Box<dyn Endpoint>)>);
 
 impl Lanes {
+    #[inline]
     pub(crate) fn get_mut(&mut self, iface: &usize) -> Option<&mut Box<dyn Endpoint>> {
         self.0
             .iter_mut()

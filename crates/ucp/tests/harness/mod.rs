@@ -635,9 +635,9 @@ impl Pair {
     }
 }
 
-/// `Error::Truncated` with these lengths?
+/// `Error::Truncated` with these lengths (whatever tag it names)?
 pub fn is_truncation(r: &Result<Completion>, incoming: usize, capacity: usize) -> bool {
-    matches!(r, Err(Error::Truncated { incoming: i, capacity: c }) if *i == incoming && *c == capacity)
+    matches!(r, Err(Error::Truncated { incoming: i, capacity: c, .. }) if *i == incoming && *c == capacity)
 }
 
 /// How a request that ended with an error gave its transfer up, when that is a correct outcome

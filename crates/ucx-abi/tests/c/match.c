@@ -1,7 +1,8 @@
 /* Matching: any-source/any-tag, probe/iprobe, mprobe/mrecv and improbe/imrecv (eager and
  * rendezvous sizes), synchronous sends (MPI_Ssend, and an MPI_Issend that must not complete
  * before its receive is posted), MPI_Cancel of a receive, a derived (non-contiguous)
- * datatype on both sides, persistent and buffered sends, a send request freed before it
+ * datatype on both sides, truncated wildcard receives (MPI_ERR_TRUNCATE, and the sender's
+ * source and tag), persistent and buffered sends, a send request freed before it
  * completes, and collectives (their tags are negative). Needs 2 or more ranks; prints
  * "match OK" per rank. */
 #include "common.h"
@@ -145,6 +146,84 @@ static void cancel_recv(void)
     }
 }
 
+/* One truncated receive: the call's error is MPI_ERR_TRUNCATE (and, for a multiple-completion
+ * call, the status's MPI_ERROR: MPI sets it only there), the status names the sender's source
+ * and tag (Open MPI copies them from the receive's information on a truncation too; rucx once
+ * reported a sender tag of 0 there: source 0, tag 0). What lands in the buffer is not MPI's
+ * promise (UCX writes nothing, rucx the part that fits), so it is not checked. */
+static void check_truncated(int rc, const MPI_Status *st, int multiple, int tag,
+                            const char *what)
+{
+    int cls = -1;
+    MPI_Error_class(rc, &cls);
+    CHECK(cls == (multiple ? MPI_ERR_IN_STATUS : MPI_ERR_TRUNCATE),
+          "%s: returned %d (class %d)", what, rc, cls);
+    if (multiple) {
+        MPI_Error_class(st->MPI_ERROR, &cls);
+        CHECK(cls == MPI_ERR_TRUNCATE, "%s: MPI_ERROR %d (class %d)", what, st->MPI_ERROR, cls);
+    }
+    CHECK(st->MPI_SOURCE == 1 && st->MPI_TAG == tag,
+          "%s: MPI_SOURCE %d MPI_TAG %d, sent by rank 1 with tag %d", what, st->MPI_SOURCE,
+          st->MPI_TAG, tag);
+}
+
+/* Messages longer than wildcard receives (MPI_ANY_SOURCE, MPI_ANY_TAG): eager and rendezvous
+ * sizes, blocking and non-blocking, posted before the message and after it arrived; the
+ * communicator goes on working after each. */
+static void truncation(void)
+{
+    enum { BIG = 300000 };
+    unsigned char *b = malloc(BIG);
+    if (rank == 1) {
+        for (int k = 0; k < 4; k++) {
+            int n = k % 2 ? BIG : 100;
+            fill(b, n, 1, 60 + k);
+            MPI_OK(MPI_Send(b, n, MPI_BYTE, 0, 61 + k, MPI_COMM_WORLD));
+        }
+        /* After rank 0's note: these arrive before their receives are posted. */
+        MPI_OK(MPI_Recv(NULL, 0, MPI_BYTE, 0, 69, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+        fill(b, 100, 1, 65);
+        MPI_OK(MPI_Send(b, 100, MPI_BYTE, 0, 66, MPI_COMM_WORLD));
+        fill(b, 40, 1, 66);
+        MPI_OK(MPI_Send(b, 40, MPI_BYTE, 0, 67, MPI_COMM_WORLD));
+    } else if (rank == 0) {
+        MPI_OK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+        MPI_Status st;
+        char what[64];
+        for (int k = 0; k < 4; k++) {
+            memset(b, 0, BIG);
+            st.MPI_SOURCE = st.MPI_TAG = st.MPI_ERROR = -7;
+            int rc;
+            if (k < 2) {
+                rc = MPI_Recv(b, 10, MPI_BYTE, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &st);
+            } else {
+                MPI_Request r;
+                MPI_OK(MPI_Irecv(b, 10, MPI_BYTE, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD,
+                                 &r));
+                rc = MPI_Waitall(1, &r, &st);
+            }
+            snprintf(what, sizeof what, "truncated %s of %d B", k < 2 ? "recv" : "irecv",
+                     k % 2 ? BIG : 100);
+            check_truncated(rc, &st, k >= 2, 61 + k, what);
+        }
+        MPI_OK(MPI_Send(NULL, 0, MPI_BYTE, 1, 69, MPI_COMM_WORLD));
+        /* Wait until both are here (the probe names the second, sent after the first). */
+        MPI_OK(MPI_Probe(1, 67, MPI_COMM_WORLD, &st));
+        st.MPI_SOURCE = st.MPI_TAG = st.MPI_ERROR = -7;
+        int rc = MPI_Recv(b, 10, MPI_BYTE, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &st);
+        check_truncated(rc, &st, 0, 66, "truncated recv of a message already here");
+        /* A message that fits still arrives whole, with its status. */
+        int count;
+        MPI_OK(MPI_Recv(b, 100, MPI_BYTE, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &st));
+        MPI_Get_count(&st, MPI_BYTE, &count);
+        CHECK(st.MPI_SOURCE == 1 && st.MPI_TAG == 67 && count == 40,
+              "after truncations: source %d tag %d count %d", st.MPI_SOURCE, st.MPI_TAG, count);
+        check_bytes(b, 40, 1, 66, "after truncations");
+        MPI_OK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL));
+    }
+    free(b);
+}
+
 static void derived_type(int nblocks)
 {
     /* Every third int of every five: a vector type, sent and received as such, and received
@@ -256,6 +335,8 @@ int main(int argc, char **argv)
     sync_sends();
     MPI_Barrier(MPI_COMM_WORLD);
     cancel_recv();
+    MPI_Barrier(MPI_COMM_WORLD);
+    truncation();
     MPI_Barrier(MPI_COMM_WORLD);
     derived_type(100);
     derived_type(200000);

@@ -283,7 +283,8 @@ fn an_inline_payload_into_host_memory() {
             r,
             Err(Error::Truncated {
                 incoming: 300,
-                capacity: 100
+                capacity: 100,
+                tag: None,
             })
         ),
         "{r:?}"

@@ -1,4 +1,5 @@
-//! Staging offered ahead: once a worker's GPU staging is ready it offers it to the peers that
+//! Staging offered ahead: as soon as a worker starts making its GPU staging (its shared
+//! allocation exists before the helper thread page-locks it) it offers it to the peers that
 //! could map it (same host, shared memory), and a receiver that moves GPU memory maps it and
 //! registers it with its copy lane on a helper thread. The first staged transfer from that peer
 //! then finds the mapping registered instead of page-locking 64 MiB on its critical path
@@ -29,12 +30,17 @@ impl State {
     }
 
     /// Offer this worker's staging to peer `p` once, when the peer's host memory lane is the
-    /// shared-memory domain the staging lives in (only then can the peer map it).
+    /// shared-memory domain the staging lives in (only then can the peer map it). A staging
+    /// still being page-locked by the helper thread is offered too: its shared allocation
+    /// exists from the start, and the key names only that (the same key its fragments carry
+    /// later).
     pub(crate) fn offer_staging(&mut self, p: usize) {
-        let Some(stg) = self.staging.as_ref() else {
-            return;
+        let shared_md = match (self.staging.as_ref(), self.staging_ahead.as_ref()) {
+            (Some(stg), _) => stg.shared.as_ref().map(|(d, _)| *d),
+            (None, Some(ahead)) => ahead.shared().map(|(d, _)| *d),
+            (None, None) => None,
         };
-        let Some((shared_md, _)) = stg.shared.as_ref() else {
+        let Some(shared_md) = shared_md else {
             return;
         };
         let peer = &self.peers[p];
@@ -44,12 +50,24 @@ impl State {
         let Some(lane) = peer.rma else {
             return;
         };
-        if self.slots[lane].md != *shared_md {
+        if self.slots[lane].md != shared_md {
             return;
         }
         self.staging_offered.insert(p);
-        match self.staging_reg(self.slots[lane].md) {
-            Ok((_, key)) => {
+        let key = match self.staging_ahead.as_ref().and_then(|a| a.shared()) {
+            // Not taken in yet: the key of the shared allocation itself, as `staging_reg`
+            // packs it once the staging is ready.
+            Some((d, a)) if self.staging.is_none() => {
+                let md = self.ctx.domain(*d);
+                md.mkey_pack(&a.memh).map(|key| NamedKey {
+                    md: md.name().to_string(),
+                    key,
+                })
+            }
+            _ => self.staging_reg(shared_md).map(|(_, k)| k),
+        };
+        match key {
+            Ok(key) => {
                 let src = self.address.uuid;
                 self.ctrl(p, &Msg::StagingOffer { src, key });
                 self.count("staging offered");
@@ -102,9 +120,14 @@ impl State {
         let ctx = self.ctx.clone();
         let len = rkey.len() as usize;
         let log = tracing::dispatcher::get_default(|d| d.clone());
+        // After our own staging's helper, when it is still at work (see `HelperEnded`).
+        let after = self.staging_ahead.as_ref().map(|a| a.ended());
         let spawned = std::thread::Builder::new()
             .name("rucx-staging-map".into())
             .spawn(move || {
+                if let Some(a) = after {
+                    a.wait();
+                }
                 tracing::dispatcher::with_default(&log, || {
                     let t = std::time::Instant::now();
                     // Registered for this mapping alone, as `map_fragment` does.

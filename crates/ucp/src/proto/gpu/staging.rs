@@ -259,8 +259,72 @@ pub(crate) struct StagingMem {
     mem: Vec<u8>,
 }
 
-/// A [`StagingMem`] being made by a helper thread.
-pub(crate) type StagingAhead = std::thread::JoinHandle<Result<StagingMem>>;
+/// A [`StagingMem`] being made by a helper thread. Its shared allocation (when a domain
+/// offers one) is made on the worker's thread, which touches no page of it (a few system
+/// calls), so that peers are offered the staging at once, while the helper page-locks it:
+/// a receiver then maps and registers it next to our page-locking, not during the first
+/// transfer that needs it.
+pub(crate) struct StagingAhead {
+    shared: Option<(usize, rucx_uct::SharedAlloc)>,
+    thread: std::thread::JoinHandle<Result<StagingMem>>,
+    ended: std::sync::Arc<HelperEnded>,
+}
+
+/// Set once a staging helper thread has ended, whatever its result: a peer's offered staging
+/// is registered only after our own (both page-lock host memory, and ours is the one every
+/// staged transfer needs: where pinned memory is short, the peer's mapping is the one to go
+/// without, its fragments are read instead).
+#[derive(Default)]
+pub(crate) struct HelperEnded {
+    ended: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl HelperEnded {
+    fn set(&self) {
+        *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.cv.notify_all();
+    }
+
+    /// Block until the helper thread has ended.
+    pub(crate) fn wait(&self) {
+        let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
+        while !*ended {
+            ended = self.cv.wait(ended).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Sets its [`HelperEnded`] when dropped (the helper returned or unwound).
+struct SetOnDrop(std::sync::Arc<HelperEnded>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.set();
+    }
+}
+
+impl StagingAhead {
+    /// What tells when the helper thread has ended.
+    pub(crate) fn ended(&self) -> std::sync::Arc<HelperEnded> {
+        self.ended.clone()
+    }
+
+    /// The helper thread has ended (joining does not wait).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Wait for the helper thread: the staging, or why it could not be made.
+    pub(crate) fn join(self) -> std::thread::Result<Result<StagingMem>> {
+        self.thread.join()
+    }
+
+    /// The shared allocation being page-locked (peers may map it already), and its domain.
+    pub(crate) fn shared(&self) -> Option<&(usize, rucx_uct::SharedAlloc)> {
+        self.shared.as_ref()
+    }
+}
 
 impl StagingMem {
     /// Allocate `len` bytes (shared memory when a domain offers it: a receiver on this host
@@ -268,17 +332,34 @@ impl StagingMem {
     /// and register them with domain `mi` (page-locking them: tens of milliseconds for the
     /// default 64 MiB).
     pub(crate) fn make(ctx: &Context, mi: usize, len: usize) -> Result<StagingMem> {
-        let mut shared = None;
+        Self::register(ctx, mi, len, Self::alloc_shared(ctx, len))
+    }
+
+    /// `len` bytes of shared memory from the first domain that offers it (no page touched).
+    fn alloc_shared(ctx: &Context, len: usize) -> Option<(usize, rucx_uct::SharedAlloc)> {
         for d in 0..ctx.domain_count() {
             match ctx.domain(d).mem_alloc_shared(len) {
-                Ok(Some(a)) => {
-                    shared = Some((d, a));
-                    break;
-                }
+                Ok(Some(a)) => return Some((d, a)),
                 Ok(None) => {}
                 Err(e) => tracing::debug!("shared staging from {}: {e}", ctx.domain(d).name()),
             }
         }
+        None
+    }
+
+    /// Register `len` bytes of staging with domain `mi`: the `shared` allocation, or else
+    /// heap memory allocated here. The shared pages are faulted in first by several threads
+    /// ([`prefault`]): page-locking fresh shared memory allocates and clears every page one
+    /// by one inside the driver's call (36.6 ms for 64 MiB on an H200 host, where a peer's
+    /// registration of the same pages, already there, takes 2-4 ms); faulted in first, the
+    /// driver's call takes 4.7 ms (the faulting 27.3 ms: the kernel's allocation of shared
+    /// pages barely scales with threads).
+    fn register(
+        ctx: &Context,
+        mi: usize,
+        len: usize,
+        shared: Option<(usize, rucx_uct::SharedAlloc)>,
+    ) -> Result<StagingMem> {
         let mem = if shared.is_some() {
             Vec::new()
         } else {
@@ -295,18 +376,23 @@ impl StagingMem {
         let base = shared
             .as_ref()
             .map_or(mem.as_ptr() as usize, |(_, a)| a.addr);
+        let t = std::time::Instant::now();
+        if let Some((_, a)) = &shared {
+            prefault(a);
+        }
+        let faulted = t.elapsed();
         // Registered for the staging alone (not cached: the memory goes with the worker). `mem`
         // (or the shared allocation) is stored after this handle (fields drop in order), so
         // the memory outlives the registration; it is never resized.
-        let t = std::time::Instant::now();
         let copy_memh = ctx
             .register_uncached(mi, MemRegion::host(base, len))?
             .registration()
             .clone();
         tracing::debug!(
-            "staging: {len} bytes registered with {} in {:.3} ms",
+            "staging: {len} bytes registered with {} in {:.3} ms ({:.3} ms of it faulting in the shared pages)",
             ctx.domain(mi).name(),
-            t.elapsed().as_secs_f64() * 1e3
+            t.elapsed().as_secs_f64() * 1e3,
+            faulted.as_secs_f64() * 1e3
         );
         Ok(StagingMem {
             copy_memh,
@@ -320,20 +406,72 @@ impl StagingMem {
     /// Start making the staging of a worker with copy domain `mi` on a helper thread, so that
     /// the first transfer that needs it (typically the one that demotes a zero-copy GPU path)
     /// does not wait for it: the first demoting 1 GiB transfer on 2x H200 took 211 ms against
-    /// 20 ms once staged. `None` when the thread cannot be started (made on first use then).
+    /// 20 ms once staged. The shared allocation is made here (see [`StagingAhead`]). `None`
+    /// when the thread cannot be started (made on first use then).
     pub(crate) fn ahead(ctx: &Context, mi: usize, len: usize) -> Option<StagingAhead> {
+        let shared = Self::alloc_shared(ctx, len);
+        let mine = shared.clone();
         let ctx = ctx.clone();
         // The caller's log subscriber sees what the helper thread reports (a failed
         // registration demotes and warns like any other).
         let log = tracing::dispatcher::get_default(|d| d.clone());
+        let ended = std::sync::Arc::new(HelperEnded::default());
+        let set = SetOnDrop(ended.clone());
         std::thread::Builder::new()
             .name("rucx-staging".into())
             .spawn(move || {
-                tracing::dispatcher::with_default(&log, || StagingMem::make(&ctx, mi, len))
+                let _set = set;
+                tracing::dispatcher::with_default(&log, || {
+                    StagingMem::register(&ctx, mi, len, mine)
+                })
             })
             .map_err(|e| tracing::debug!("no helper thread for staging ({e}); made on first use"))
             .ok()
+            .map(|thread| StagingAhead {
+                shared,
+                thread,
+                ended,
+            })
     }
+}
+
+/// Most threads that fault in a shared staging allocation.
+const PREFAULT_THREADS: usize = 4;
+
+/// Fault in every page of the fresh shared allocation `a`, a contiguous part per thread (up
+/// to [`PREFAULT_THREADS`], the cores there are), so that the driver's page-locking finds
+/// them allocated.
+fn prefault(a: &rucx_uct::SharedAlloc) {
+    const PAGE: usize = 4096;
+    let pages = a.len.div_ceil(PAGE);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, PREFAULT_THREADS)
+        .min(pages.max(1));
+    let per = pages.div_ceil(threads);
+    let touch = |first: usize| {
+        for page in first..(first + per).min(pages) {
+            // SAFETY: the allocation is ours, mapped read-write for `a.len` bytes while `a`
+            // (its handle) lives, which outlives this scope; nothing was written to it yet
+            // (it is not handed to any transfer before its registration, and peers only read
+            // fragments announced to them), so writing a zero onto a fresh zeroed page
+            // changes nothing but makes the kernel allocate it now.
+            unsafe { std::ptr::write_volatile((a.addr + page * PAGE) as *mut u8, 0) };
+        }
+    };
+    std::thread::scope(|s| {
+        for k in 1..threads {
+            let touch = &touch;
+            if std::thread::Builder::new()
+                .spawn_scoped(s, move || touch(k * per))
+                .is_err()
+            {
+                // No thread: this one does that part too.
+                touch(k * per);
+            }
+        }
+        touch(0);
+    });
 }
 
 impl State {
@@ -419,7 +557,10 @@ impl State {
         // Made ahead by a helper thread when the worker started (see `StagingMem::ahead`);
         // made here when that was not asked for or failed.
         let t = std::time::Instant::now();
-        let ahead = self.staging_ahead.take().map(|h| h.join());
+        let (ahead_shared, ahead) = match self.staging_ahead.take() {
+            Some(h) => (h.shared().cloned(), Some(h.join())),
+            None => (None, None),
+        };
         if ahead.is_some() {
             tracing::debug!(
                 "staging: waited {:.3} ms for the helper thread",
@@ -445,7 +586,11 @@ impl State {
                 self.count("staging made ahead");
                 m
             }
-            None if or_make => StagingMem::make(&self.ctx, mi, total)?,
+            // The shared allocation peers may have been offered already is kept.
+            None if or_make => match ahead_shared.filter(|(_, a)| a.len == total) {
+                Some(sh) => StagingMem::register(&self.ctx, mi, total, Some(sh))?,
+                None => StagingMem::make(&self.ctx, mi, total)?,
+            },
             None => return Ok(()),
         };
         self.staging = Some(Staging {
