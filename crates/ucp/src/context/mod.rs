@@ -340,6 +340,16 @@ impl Context {
     fn register_as(&self, i: usize, region: MemRegion, cached: bool) -> Result<RegGuard> {
         let slot = &self.inner.domains[i];
         let gpu = region.mem_type.is_gpu();
+        if region.len == 0 {
+            // Zero bytes: registered as they are, never through the cache, which widens a
+            // range to the pages around it; for an empty `Vec`, whose pointer dangles just
+            // above 0, that is the null page, which a domain refuses as a bad address, a
+            // failure that demoted the domain for all host memory. Whether a domain registers
+            // nothing or refuses to, that says nothing about the domain or the allocation:
+            // a refusal is returned as it is, and demotes and records nothing.
+            // SAFETY: a region of zero bytes; the domain reads and writes none of it.
+            return unsafe { slot.md.mem_reg(region) }.map(RegGuard::Direct);
+        }
         if let Some(e) = self.remembered_refusal(i, &region) {
             return Err(e);
         }

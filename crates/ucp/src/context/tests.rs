@@ -78,6 +78,17 @@ impl MemoryDomain for TestMd {
                 *b < region.end() && region.addr < b + len
             })
             .map(|(_, k)| *k);
+        // The null page is no memory (as posix says of it).
+        let fail =
+            fail.or((region.addr == 0 && region.len > 0).then_some(RegErrorKind::BadAddress));
+        // Zero bytes at a failing allocation's base: refused too.
+        let fail = fail.or_else(|| {
+            let refused = self.drv.failing.lock().unwrap().clone();
+            refused
+                .iter()
+                .find(|(b, _)| region.len == 0 && *b == region.addr)
+                .map(|(_, k)| *k)
+        });
         match fail {
             Some(kind) => Err(region.reg_error("testmd", kind, "refused by the test", "")),
             None => Ok(MemHandle::new(region, "testmd", Arc::new(()))),
@@ -270,4 +281,38 @@ fn injected_faults_take_the_same_path() {
     assert!(ctx.register(0, MemRegion::of_slice(&buf)).is_err());
     assert_eq!(ctx.demotions().len(), 1);
     assert!(ctx.refusals().is_empty());
+}
+
+/// An empty buffer (an empty `Vec`'s pointer dangles just above 0) is registered as it is: not
+/// widened by the cache to the null page, whose refusal as a bad address demoted the domain
+/// for all host memory (`Worker::mem_map` of an empty `Vec` did so to posix). A domain that
+/// refuses zero bytes demotes nothing and has nothing recorded.
+#[test]
+fn an_empty_buffer_is_registered_as_it_is_and_demotes_nothing() {
+    let (ctx, drv) = context(&[]);
+    let empty: Vec<u8> = Vec::new();
+    let r = MemRegion::of_slice(&empty);
+    assert!(r.addr < 4096, "an empty Vec's pointer dangles near 0");
+    let g = ctx.register(0, r).unwrap();
+    assert_eq!(*g.registration().region(), r, "registered as it is");
+    assert!(ctx.register_uncached(0, r).is_ok());
+    // The page it would have been widened to is refused, and would demote.
+    let page = MemRegion {
+        addr: 0,
+        len: 4096,
+        ..r
+    };
+    for region in [r, gpu(0x30_0000, 0, 0)] {
+        drv.fail(region.addr, RegErrorKind::BadAddress);
+        assert_eq!(kind_of(ctx.register(0, region)), RegErrorKind::BadAddress);
+    }
+    assert!(ctx.demotions().is_empty(), "{:?}", ctx.demotions());
+    assert!(ctx.refusals().is_empty());
+    assert!(ctx.can_register(0, MemoryType::Host, None));
+    assert_eq!(kind_of(ctx.register(0, page)), RegErrorKind::BadAddress);
+    assert_eq!(
+        ctx.demotions().len(),
+        1,
+        "a real page is the domain's business"
+    );
 }

@@ -293,3 +293,57 @@ impl Worker {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::Worker;
+
+    fn posix_pair() -> (Worker, Worker, crate::EpId) {
+        let mut tables = rucx_transports::config_tables();
+        tables.push(crate::CONFIG);
+        let cfg = rucx_ucs::Config::from_vars(&tables, [("RUCX_TLS", "posix")]).unwrap();
+        let ctx = crate::Context::new(&rucx_transports::registry(), cfg).unwrap();
+        let (a, b) = (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap());
+        let ab = a.connect(&b.address()).unwrap();
+        b.connect(&a.address()).unwrap();
+        (a, b, ab)
+    }
+
+    /// Mapping an empty `Vec` (its pointer dangles just above 0) used to register the null
+    /// page through the registration cache, which posix refused as a bad address: posix was
+    /// demoted for all host memory of the context, with a warning, and the map failed. It maps
+    /// now, a zero-byte put through its key completes, nothing is demoted, and a real region
+    /// still maps and takes a put by posix.
+    #[test]
+    fn mapping_an_empty_buffer_demotes_nothing() {
+        let (a, b, ab) = posix_pair();
+        let mut empty: Vec<u8> = Vec::new();
+        let m = b.mem_map(&mut empty[..]).unwrap();
+        assert_eq!(m.domains(), ["posix"]);
+        let key = a.rkey_unpack(ab, &m.pack_rkey()).unwrap();
+        let mut region = vec![0u8; 4096];
+        let full = b.mem_map(&mut region[..]).unwrap();
+        let full_key = a.rkey_unpack(ab, &full.pack_rkey()).unwrap();
+        let src = vec![9u8; 4096];
+        a.scope(|s| {
+            let empty_put = s.put(ab, &[][..], m.address(), &key);
+            let put = s.put(ab, &src[..], full.address(), &full_key);
+            for r in [empty_put, put] {
+                let t = std::time::Instant::now();
+                while r.test().is_none() {
+                    assert!(t.elapsed().as_secs() < 30, "put hangs");
+                    a.progress();
+                    b.progress();
+                }
+                r.wait().unwrap();
+            }
+        });
+        assert!(
+            a.context_demotions().is_empty(),
+            "{:?}",
+            a.context_demotions()
+        );
+        drop((m, full));
+        assert_eq!(region, src);
+    }
+}

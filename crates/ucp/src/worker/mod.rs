@@ -33,6 +33,8 @@ mod cancel;
 mod direct;
 mod dispatch;
 mod events;
+#[cfg(test)]
+mod hostile_tests;
 mod inline;
 pub(crate) mod lifecycle;
 pub(crate) mod liveness;
