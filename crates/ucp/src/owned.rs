@@ -61,6 +61,21 @@ type Callback<B> = Box<dyn FnOnce(Result<Completion>, B) + Send>;
 /// What the worker runs once its borrows are released: a callback, or a waker.
 pub(crate) type Deferred = Box<dyn FnOnce() + Send>;
 
+/// Run every action, even when one of them panics: each is a request's callback with its
+/// buffer, or a waker, and none may be lost to another's panic (its request would never be seen
+/// to end). The first panic then goes on to the caller.
+pub(crate) fn run_deferred(actions: impl IntoIterator<Item = Deferred>) {
+    let mut first = None;
+    for a in actions {
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(a)) {
+            first.get_or_insert(p);
+        }
+    }
+    if let Some(p) = first {
+        std::panic::resume_unwind(p);
+    }
+}
+
 /// The state a handle and the worker share.
 struct Slot<B> {
     /// The caller's buffer, while nobody took it back.

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use crate::owned::{Deferred, Finish, OwnedRequest};
+use crate::owned::{Deferred, Finish, OwnedRequest, run_deferred};
 use crate::worker::prelude::*;
 
 /// How [`Worker::close`] closes an endpoint, and the endpoint lifecycle:
@@ -237,9 +237,7 @@ impl Worker {
             }
         };
         let mut n = acts.len();
-        for a in acts {
-            a();
-        }
+        run_deferred(acts);
         n += self.reap_owned();
         n + self.report_failures()
     }
@@ -248,11 +246,11 @@ impl Worker {
     /// are told; the interfaces close with the worker).
     pub(super) fn cancel_closes(&mut self) {
         let closes = std::mem::take(&mut self.st.get_mut().life.closes);
-        for c in closes {
-            if let Some(a) = c.done.finish(Err(Error::Canceled)) {
-                a();
-            }
-        }
+        run_deferred(
+            closes
+                .into_iter()
+                .filter_map(|c| c.done.finish(Err(Error::Canceled))),
+        );
     }
 
     /// Run the error handlers of the endpoints that failed since the last call.
@@ -272,15 +270,20 @@ impl Worker {
                     },
                 }
             };
-            h(self, EpId(p), &err);
+            let res =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(self, EpId(p), &err)));
             n += 1;
             // The endpoint's own handler has done its one call; the worker's goes back unless
-            // it was replaced meanwhile.
+            // it was replaced meanwhile (also when it panicked: later failures are still
+            // reported, from the next progress on, once the panic reached the caller).
             if !own {
                 let mut st = self.st.borrow_mut();
                 if st.life.handler.is_none() {
                     st.life.handler = Some(h);
                 }
+            }
+            if let Err(panic) = res {
+                std::panic::resume_unwind(panic);
             }
         }
     }

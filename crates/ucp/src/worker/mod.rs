@@ -40,6 +40,8 @@ pub(crate) mod lifecycle;
 pub(crate) mod liveness;
 mod memmap;
 pub(crate) mod owned;
+#[cfg(test)]
+mod panic_tests;
 mod peers;
 mod post;
 pub(crate) mod prelude;
@@ -465,9 +467,25 @@ impl Worker {
             st.am_inbox.extend(later);
             return 0;
         };
-        for m in inbox {
+        let mut rest = inbox.into_iter();
+        while let Some(m) = rest.next() {
             match handlers.get_mut(&m.id) {
-                Some(h) => h(self, m),
+                Some(h) => {
+                    if let Err(panic) =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(self, m)))
+                    {
+                        // The messages after it stay for the next progress, ahead of those
+                        // that arrived meanwhile (none is lost to the panic); then the panic
+                        // goes on to the caller.
+                        drop(handlers);
+                        let mut st = self.st.borrow_mut();
+                        let later = std::mem::take(&mut st.am_inbox);
+                        st.am_inbox.extend(rest);
+                        st.am_inbox.extend(later);
+                        drop(st);
+                        std::panic::resume_unwind(panic);
+                    }
+                }
                 None => tracing::warn!(
                     "active message {} from {} dropped: no handler set",
                     m.id,

@@ -26,7 +26,7 @@ use crate::worker::prelude::*;
 
 use rucx_ucs::{OwnedBuf, OwnedBufMut, RawBuf};
 
-use crate::owned::{Deferred, Finish, OwnedRequest};
+use crate::owned::{Deferred, Finish, OwnedRequest, run_deferred};
 
 /// Who gets the result of an owned request.
 enum Owner {
@@ -417,9 +417,7 @@ impl Worker {
                 st.owned.done = ids;
             }
         }
-        for a in actions {
-            a();
-        }
+        run_deferred(actions);
         n
     }
 
@@ -505,9 +503,7 @@ impl Worker {
         }
         st.owned.done.clear();
         st.owned.draining.clear();
-        for a in actions {
-            a();
-        }
+        run_deferred(actions);
     }
 }
 
