@@ -53,8 +53,8 @@ struct Pair {
     ep: [*mut AbiEp; 2],
 }
 
-/// A context of one transport, as Open MPI makes it (tag matching, 16-byte request area).
-fn context(tls: &std::ffi::CStr) -> *mut AbiContext {
+/// A context with these settings, as Open MPI makes it (tag matching, 16-byte request area).
+fn context(vars: &[(&std::ffi::CStr, &std::ffi::CStr)]) -> *mut AbiContext {
     let mut cfg: *mut AbiConfig = std::ptr::null_mut();
     let params = UcpParams {
         field_mask: UCP_PARAM_FIELD_FEATURES
@@ -77,10 +77,9 @@ fn context(tls: &std::ffi::CStr) -> *mut AbiContext {
             ucp_config_read(std::ptr::null(), std::ptr::null(), &mut cfg),
             UCS_OK
         );
-        assert_eq!(
-            ucp_config_modify(cfg, c"TLS".as_ptr(), tls.as_ptr()),
-            UCS_OK
-        );
+        for (k, v) in vars {
+            assert_eq!(ucp_config_modify(cfg, k.as_ptr(), v.as_ptr()), UCS_OK);
+        }
         assert_eq!(ucp_init_version(1, 16, &params, cfg, &mut ctx), UCS_OK);
         ucp_config_release(cfg);
     }
@@ -89,7 +88,7 @@ fn context(tls: &std::ffi::CStr) -> *mut AbiContext {
 
 impl Pair {
     fn new() -> Pair {
-        let ctx = context(c"posix");
+        let ctx = context(&[(c"TLS", c"posix")]);
         let mut w = [std::ptr::null_mut(); 2];
         let mut ep = [std::ptr::null_mut(); 2];
         // SAFETY: every pointer handed in is valid for what the call does with it.
@@ -1080,7 +1079,7 @@ unsafe fn ep_to(
 fn a_failed_peer_calls_each_error_handler_once_from_progress() {
     let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
     FAILS.lock().unwrap().clear();
-    let ctx = context(c"tcp");
+    let ctx = context(&[(c"TLS", c"tcp")]);
     let mut w = [std::ptr::null_mut(); 2];
     // SAFETY: live handles throughout; buffers outlive the operations (ended below).
     unsafe {
@@ -1165,6 +1164,69 @@ fn a_failed_peer_calls_each_error_handler_once_from_progress() {
         assert!(crate::endpoint::ucp_ep_close_nbx(c, &cp).is_null());
         assert_eq!(FAILS.lock().unwrap().len(), 3, "no second report");
         ucp_worker_destroy(w[0]);
+        ucp_cleanup(ctx);
+    }
+}
+
+/// A peer that stops calling into rucx (its worker lives on, unprogressed) while a send to it
+/// is pending fails after `RUCX_PEER_TIMEOUT`: the handler gets `UCS_ERR_ENDPOINT_TIMEOUT`,
+/// once, after the send ended with the error.
+#[test]
+fn a_silent_peer_is_reported_as_an_endpoint_timeout() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    FAILS.lock().unwrap().clear();
+    let ctx = context(&[(c"TLS", c"posix"), (c"PEER_TIMEOUT", c"100ms")]);
+    let mut w = [std::ptr::null_mut(); 2];
+    // SAFETY: live handles throughout; buffers outlive the operations (ended below).
+    unsafe {
+        let wp: WorkerParams = std::mem::zeroed();
+        for wi in &mut w {
+            assert_eq!(ucp_worker_create(ctx, &wp, wi), UCS_OK);
+        }
+        let a = ep_to(w[0], w[1], Some(0x60), None);
+        let back = ep_to(w[1], w[0], None, None);
+        let data = [1u8; 8];
+        let mut got = [0u8; 8];
+        let s = ucp_tag_send_nb(a, data.as_ptr().cast(), 8, 1 << 3, 1, None);
+        let r = ucp_tag_recv_nb(w[1], got.as_mut_ptr().cast(), 8, 1 << 3, 1, u64::MAX, None);
+        for _ in 0..2_000_000 {
+            if ucp_request_check_status(r) != UCS_INPROGRESS
+                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
+            {
+                break;
+            }
+            ucp_worker_progress(w[0]);
+            ucp_worker_progress(w[1]);
+        }
+        assert_eq!(ucp_request_check_status(r), UCS_OK);
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            ucp_request_free(s);
+        }
+        let big = vec![3u8; 4 << 20];
+        let mut sp = nbx(UCP_OP_ATTR_FIELD_CALLBACK);
+        sp.cb.send = Some(failed_send_cb);
+        let pending = ucp_tag_send_nbx(a, big.as_ptr().cast(), big.len(), 9, &sp);
+        assert!(
+            ptr_is_ptr(pending),
+            "the rendezvous send waits for its peer"
+        );
+        // Only worker 0 progresses from now on.
+        let start = std::time::Instant::now();
+        while FAILS.lock().unwrap().len() < 2 && start.elapsed().as_secs() < 20 {
+            ucp_worker_progress(w[0]);
+        }
+        let f = FAILS.lock().unwrap().clone();
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert_eq!(f[0].0, "send", "the send ends first: {f:?}");
+        assert!(f[0].3 < 0);
+        assert_eq!(f[1], ("failed", 0x60, a as usize, UCS_ERR_ENDPOINT_TIMEOUT));
+        ucp_request_free(pending);
+        assert!(ucp_ep_close_nb(a, UCP_EP_CLOSE_MODE_FORCE).is_null());
+        assert!(ucp_ep_close_nb(back, UCP_EP_CLOSE_MODE_FORCE).is_null());
+        for wi in w {
+            ucp_worker_destroy(wi);
+        }
         ucp_cleanup(ctx);
     }
 }
