@@ -18,6 +18,7 @@
 //! failed peer with an error in both).
 
 use std::ffi::{c_uint, c_void};
+use std::sync::atomic::Ordering;
 
 use rucx_ucp::EpId;
 
@@ -156,14 +157,20 @@ impl WorkerPtr {
 }
 
 // SAFETY: the pointer is only used by the rucx worker's error handler, which that worker (owned
-// by this `AbiWorker`, single-threaded) calls from its progress, while the `AbiWorker` is live.
+// by this `AbiWorker`, single-threaded) calls from its progress, while the `AbiWorker` is live
+// (`ucp_worker_destroy` clears `watching` before it drops the rucx worker).
 unsafe impl Send for WorkerPtr {}
 
 /// Have rucx tell worker `wp` (`w`) when endpoint `id` fails (from its progress).
 fn watch(w: &AbiWorker, wp: *const AbiWorker, id: EpId) -> rucx_ucs::Result<()> {
     let wp = WorkerPtr(wp);
+    let watching = w.watching.clone();
     w.worker.set_ep_error_handler(id, move |_, id, err| {
-        // SAFETY: see `WorkerPtr`: the `AbiWorker` owns the rucx worker calling this.
+        if !watching.load(Ordering::Relaxed) {
+            return; // `ucp_worker_destroy` is dropping the rucx worker
+        }
+        // SAFETY: see `WorkerPtr`: the `AbiWorker` owns the rucx worker calling this, and is
+        // live while `watching` is set.
         let w = unsafe { &*wp.get() };
         w.note_failure(id, err);
     })

@@ -16,6 +16,8 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_uint, c_void};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rucx_ucp::{Completion, EpId, QueuedReq, Worker};
 use rucx_ucs::{Error, Result};
@@ -59,6 +61,9 @@ pub struct AbiWorker {
     /// Endpoints that failed and have a handler, to report from the next `ucp_worker_progress`
     /// (after the ends of their requests); [`EP_FAILED_TOKEN`] in `ready` says there are some.
     pub failed: RefCell<Vec<(EpId, Error)>>,
+    /// Cleared when the worker is destroyed, before its rucx worker (whose drop may progress):
+    /// the rucx error handlers, which point back to this worker, then do nothing.
+    pub watching: Arc<AtomicBool>,
 }
 
 /// An endpoint's error handler (`ucp_err_handler_t`, with `ucp_ep_params_t::user_data` as its
@@ -433,6 +438,7 @@ pub unsafe extern "C" fn ucp_worker_create(
                 last_host: Default::default(),
                 err_handlers: RefCell::new(HashMap::new()),
                 failed: RefCell::new(Vec::new()),
+                watching: Arc::new(AtomicBool::new(true)),
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
@@ -458,6 +464,8 @@ pub unsafe extern "C" fn ucp_worker_destroy(worker: *mut AbiWorker) {
     }
     // SAFETY: made by `Box::into_raw` in `ucp_worker_create`, destroyed once.
     let w = unsafe { Box::from_raw(worker) };
+    // The rucx worker's drop may progress: its error handlers must not reach this one, gone.
+    w.watching.store(false, Ordering::Relaxed);
     let AbiWorker { worker, ops, .. } = *w;
     // The worker's drop cancels what it can and waits for what a peer may still be writing.
     drop(worker);
