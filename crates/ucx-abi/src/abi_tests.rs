@@ -1073,8 +1073,9 @@ unsafe fn ep_to(
 /// endpoint to it with a handler is reported once, from `ucp_worker_progress` only (not from a
 /// flush that progresses inside), after its pending send ended with the error, with
 /// `UCS_ERR_CONNECTION_RESET`, its own `ucp_ep_h` and argument (`user_data` over
-/// `err_handler.arg`); an endpoint closed before is not reported; a handler that closes its
-/// endpoint works; operations on a failed endpoint fail.
+/// `err_handler.arg`); an endpoint closed before the failure, or after it but before its
+/// report, is not reported; a handler that closes its endpoint works; operations on a failed
+/// endpoint fail; an error mode UCX does not define is refused.
 #[test]
 fn a_failed_peer_calls_each_error_handler_once_from_progress() {
     let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
@@ -1091,7 +1092,20 @@ fn a_failed_peer_calls_each_error_handler_once_from_progress() {
         let a = ep_to(w[0], w[1], Some(0x11), None);
         let b = ep_to(w[0], w[1], Some(0x20), None);
         let c = ep_to(w[0], w[1], Some(0x40), Some(0x50));
+        // d: failed, its report pending, then closed: never reported.
+        let d = ep_to(w[0], w[1], Some(0x70), None);
         let back = ep_to(w[1], w[0], None, None);
+        // An error mode UCX does not define is refused.
+        let mut addr = std::ptr::null_mut();
+        let mut len = 0;
+        assert_eq!(ucp_worker_get_address(w[1], &mut addr, &mut len), UCS_OK);
+        let mut bad: EpParams = std::mem::zeroed();
+        bad.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        bad.address = addr;
+        bad.err_mode = 2;
+        let mut none = std::ptr::null_mut();
+        assert_eq!(ucp_ep_create(w[0], &bad, &mut none), UCS_ERR_INVALID_PARAM);
+        ucp_worker_release_address(w[1], addr);
         // Wire up with one message.
         let data = [7u8; 8];
         let mut got = [0u8; 8];
@@ -1134,6 +1148,7 @@ fn a_failed_peer_calls_each_error_handler_once_from_progress() {
             assert!(f[0].3 < 0, "the send failed: {}", f[0].3);
         }
         ucp_request_free(pending);
+        assert!(ucp_ep_close_nb(d, UCP_EP_CLOSE_MODE_FORCE).is_null());
         // The next progress reports both open endpoints with a handler, once each.
         ucp_worker_progress(w[0]);
         for _ in 0..1000 {
