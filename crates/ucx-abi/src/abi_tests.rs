@@ -10,7 +10,7 @@ use crate::HEADER_SIZE;
 use crate::config::{AbiConfig, ucp_config_modify, ucp_config_read, ucp_config_release};
 use crate::context::{AbiContext, ucp_cleanup, ucp_init_version};
 use crate::datatype::{ucp_dt_create_generic, ucp_dt_destroy};
-use crate::endpoint::{AbiEp, ucp_disconnect_nb, ucp_ep_create};
+use crate::endpoint::{AbiEp, ucp_disconnect_nb, ucp_ep_close_nb, ucp_ep_create};
 use crate::status::{ptr_is_err, ptr_is_ptr};
 use crate::tag::*;
 use crate::types::*;
@@ -53,38 +53,46 @@ struct Pair {
     ep: [*mut AbiEp; 2],
 }
 
+/// A context with these settings, as Open MPI makes it (tag matching, 16-byte request area).
+fn context(vars: &[(&std::ffi::CStr, &std::ffi::CStr)]) -> *mut AbiContext {
+    let mut cfg: *mut AbiConfig = std::ptr::null_mut();
+    let params = UcpParams {
+        field_mask: UCP_PARAM_FIELD_FEATURES
+            | UCP_PARAM_FIELD_REQUEST_SIZE
+            | UCP_PARAM_FIELD_REQUEST_INIT,
+        features: UCP_FEATURE_TAG,
+        request_size: 16,
+        request_init: Some(init),
+        request_cleanup: None,
+        tag_sender_mask: 0,
+        mt_workers_shared: 0,
+        estimated_num_eps: 0,
+        estimated_num_ppn: 0,
+        name: std::ptr::null(),
+    };
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: every pointer handed in is valid for what the call does with it.
+    unsafe {
+        assert_eq!(
+            ucp_config_read(std::ptr::null(), std::ptr::null(), &mut cfg),
+            UCS_OK
+        );
+        for (k, v) in vars {
+            assert_eq!(ucp_config_modify(cfg, k.as_ptr(), v.as_ptr()), UCS_OK);
+        }
+        assert_eq!(ucp_init_version(1, 16, &params, cfg, &mut ctx), UCS_OK);
+        ucp_config_release(cfg);
+    }
+    ctx
+}
+
 impl Pair {
     fn new() -> Pair {
-        let mut cfg: *mut AbiConfig = std::ptr::null_mut();
-        let params = UcpParams {
-            field_mask: UCP_PARAM_FIELD_FEATURES
-                | UCP_PARAM_FIELD_REQUEST_SIZE
-                | UCP_PARAM_FIELD_REQUEST_INIT,
-            features: UCP_FEATURE_TAG,
-            request_size: 16,
-            request_init: Some(init),
-            request_cleanup: None,
-            tag_sender_mask: 0,
-            mt_workers_shared: 0,
-            estimated_num_eps: 0,
-            estimated_num_ppn: 0,
-            name: std::ptr::null(),
-        };
-        let mut ctx = std::ptr::null_mut();
+        let ctx = context(&[(c"TLS", c"posix")]);
         let mut w = [std::ptr::null_mut(); 2];
         let mut ep = [std::ptr::null_mut(); 2];
         // SAFETY: every pointer handed in is valid for what the call does with it.
         unsafe {
-            assert_eq!(
-                ucp_config_read(std::ptr::null(), std::ptr::null(), &mut cfg),
-                UCS_OK
-            );
-            assert_eq!(
-                ucp_config_modify(cfg, c"TLS".as_ptr(), c"posix".as_ptr()),
-                UCS_OK
-            );
-            assert_eq!(ucp_init_version(1, 16, &params, cfg, &mut ctx), UCS_OK);
-            ucp_config_release(cfg);
             let wp: WorkerParams = std::mem::zeroed();
             for wi in &mut w {
                 assert_eq!(ucp_worker_create(ctx, &wp, wi), UCS_OK);
@@ -997,4 +1005,243 @@ fn per_message_cost() {
     println!("per 8-byte message (post both, progress to the end): {per_msg:.0} ns CPU");
     println!("per 8-byte message in windows of {WIN}: {per_win_msg:.0} ns CPU");
     println!("per idle ucp_worker_progress: {per_progress:.1} ns CPU");
+}
+
+/// What the error handlers and send callbacks of the endpoint-failure test saw, in order:
+/// ("send", request, status) and ("failed", arg, ep, status).
+static FAILS: Mutex<Vec<(&'static str, usize, usize, Status)>> = Mutex::new(Vec::new());
+
+/// Closes its endpoint (forced, UCX's usual answer) from inside the handler when `arg` is odd.
+unsafe extern "C" fn on_failure(arg: *mut c_void, ep: *mut c_void, status: Status) {
+    FAILS
+        .lock()
+        .unwrap()
+        .push(("failed", arg as usize, ep as usize, status));
+    if arg as usize & 1 == 1 {
+        let mut p = nbx(UCP_OP_ATTR_FIELD_FLAGS);
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: the endpoint being reported is live until this close.
+        let r = unsafe { crate::endpoint::ucp_ep_close_nbx(ep.cast(), &p) };
+        assert!(r.is_null(), "a forced close completes in place");
+    }
+}
+
+unsafe extern "C" fn failed_send_cb(req: *mut c_void, status: Status, _: *mut c_void) {
+    FAILS
+        .lock()
+        .unwrap()
+        .push(("send", req as usize, 0, status));
+}
+
+/// An endpoint to `to`'s worker from `from`, with an error handler when `arg` is given (and
+/// `user_data`, which then is the handler's argument).
+///
+/// # Safety
+/// Live workers.
+unsafe fn ep_to(
+    from: *mut AbiWorker,
+    to: *mut AbiWorker,
+    arg: Option<usize>,
+    user_data: Option<usize>,
+) -> *mut AbiEp {
+    let mut ep = std::ptr::null_mut();
+    // SAFETY: the caller's promise; the address is released after use.
+    unsafe {
+        let mut addr = std::ptr::null_mut();
+        let mut len = 0;
+        assert_eq!(ucp_worker_get_address(to, &mut addr, &mut len), UCS_OK);
+        let mut p: EpParams = std::mem::zeroed();
+        p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+        p.address = addr;
+        if let Some(a) = arg {
+            p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+            p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+            p.err_handler.cb = Some(on_failure);
+            p.err_handler.arg = a as *mut c_void;
+        }
+        if let Some(u) = user_data {
+            p.field_mask |= UCP_EP_PARAM_FIELD_USER_DATA;
+            p.user_data = u as *mut c_void;
+        }
+        assert_eq!(ucp_ep_create(from, &p, &mut ep), UCS_OK);
+        ucp_worker_release_address(to, addr);
+    }
+    ep
+}
+
+/// A peer whose worker is destroyed mid-transfer (TCP: its connections close): each open
+/// endpoint to it with a handler is reported once, from `ucp_worker_progress` only (not from a
+/// flush that progresses inside), after its pending send ended with the error, with
+/// `UCS_ERR_CONNECTION_RESET`, its own `ucp_ep_h` and argument (`user_data` over
+/// `err_handler.arg`); an endpoint closed before the failure, or after it but before its
+/// report, is not reported; a handler that closes its endpoint works; operations on a failed
+/// endpoint fail; an error mode UCX does not define is refused.
+#[test]
+fn a_failed_peer_calls_each_error_handler_once_from_progress() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    FAILS.lock().unwrap().clear();
+    let ctx = context(&[(c"TLS", c"tcp")]);
+    let mut w = [std::ptr::null_mut(); 2];
+    // SAFETY: live handles throughout; buffers outlive the operations (ended below).
+    unsafe {
+        let wp: WorkerParams = std::mem::zeroed();
+        for wi in &mut w {
+            assert_eq!(ucp_worker_create(ctx, &wp, wi), UCS_OK);
+        }
+        // a: closes itself in its handler; b: closed before the failure; c: user_data wins.
+        let a = ep_to(w[0], w[1], Some(0x11), None);
+        let b = ep_to(w[0], w[1], Some(0x20), None);
+        let c = ep_to(w[0], w[1], Some(0x40), Some(0x50));
+        // d: failed, its report pending, then closed: never reported.
+        let d = ep_to(w[0], w[1], Some(0x70), None);
+        let back = ep_to(w[1], w[0], None, None);
+        // An error mode UCX does not define is refused.
+        let mut addr = std::ptr::null_mut();
+        let mut len = 0;
+        assert_eq!(ucp_worker_get_address(w[1], &mut addr, &mut len), UCS_OK);
+        let mut bad: EpParams = std::mem::zeroed();
+        bad.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        bad.address = addr;
+        bad.err_mode = 2;
+        let mut none = std::ptr::null_mut();
+        assert_eq!(ucp_ep_create(w[0], &bad, &mut none), UCS_ERR_INVALID_PARAM);
+        ucp_worker_release_address(w[1], addr);
+        // Wire up with one message.
+        let data = [7u8; 8];
+        let mut got = [0u8; 8];
+        let s = ucp_tag_send_nb(a, data.as_ptr().cast(), 8, 1 << 3, 1, None);
+        let r = ucp_tag_recv_nb(w[1], got.as_mut_ptr().cast(), 8, 1 << 3, 1, u64::MAX, None);
+        for _ in 0..2_000_000 {
+            if ucp_request_check_status(r) != UCS_INPROGRESS
+                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
+            {
+                break;
+            }
+            ucp_worker_progress(w[0]);
+            ucp_worker_progress(w[1]);
+        }
+        assert_eq!(ucp_request_check_status(r), UCS_OK);
+        assert_eq!(got, data);
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            ucp_request_free(s);
+        }
+        // A rendezvous send the peer never takes: pending when the peer goes.
+        let big = vec![3u8; 4 << 20];
+        let mut sp = nbx(UCP_OP_ATTR_FIELD_CALLBACK);
+        sp.cb.send = Some(failed_send_cb);
+        let pending = ucp_tag_send_nbx(c, big.as_ptr().cast(), big.len(), 9, &sp);
+        assert!(
+            ptr_is_ptr(pending),
+            "the rendezvous send waits for its peer"
+        );
+        assert!(ucp_ep_close_nb(b, UCP_EP_CLOSE_MODE_FORCE).is_null());
+        assert!(ucp_ep_close_nb(back, UCP_EP_CLOSE_MODE_FORCE).is_null());
+        ucp_worker_destroy(w[1]);
+        // A flush progresses inside until the send ended (with the error): no handler there.
+        assert!(ucp_worker_flush_nb(w[0], 0, None).is_null());
+        {
+            let f = FAILS.lock().unwrap();
+            assert_eq!(f.len(), 1, "only the send ended inside the flush: {f:?}");
+            assert_eq!(f[0].0, "send");
+            assert_eq!(f[0].1, pending as usize);
+            assert!(f[0].3 < 0, "the send failed: {}", f[0].3);
+        }
+        ucp_request_free(pending);
+        assert!(ucp_ep_close_nb(d, UCP_EP_CLOSE_MODE_FORCE).is_null());
+        // The next progress reports both open endpoints with a handler, once each.
+        ucp_worker_progress(w[0]);
+        for _ in 0..1000 {
+            ucp_worker_progress(w[0]);
+        }
+        let mut reported: Vec<_> = FAILS.lock().unwrap()[1..].to_vec();
+        reported.sort();
+        assert_eq!(
+            reported,
+            vec![
+                ("failed", 0x11, a as usize, UCS_ERR_CONNECTION_RESET),
+                ("failed", 0x50, c as usize, UCS_ERR_CONNECTION_RESET),
+            ]
+        );
+        // Operations on the failed endpoint fail cleanly; then it closes.
+        let again = ucp_tag_send_nbx(c, data.as_ptr().cast(), 8, 2, &nbx(0));
+        if ptr_is_ptr(again) {
+            for _ in 0..1000 {
+                ucp_worker_progress(w[0]);
+            }
+            assert!(ucp_request_check_status(again) < 0);
+            ucp_request_free(again);
+        } else {
+            assert!(ptr_is_err(again), "a send on a failed endpoint fails");
+        }
+        let mut cp = nbx(UCP_OP_ATTR_FIELD_FLAGS);
+        cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        assert!(crate::endpoint::ucp_ep_close_nbx(c, &cp).is_null());
+        assert_eq!(FAILS.lock().unwrap().len(), 3, "no second report");
+        ucp_worker_destroy(w[0]);
+        ucp_cleanup(ctx);
+    }
+}
+
+/// A peer that stops calling into rucx (its worker lives on, unprogressed) while a send to it
+/// is pending fails after `RUCX_PEER_TIMEOUT`: the handler gets `UCS_ERR_ENDPOINT_TIMEOUT`,
+/// once, after the send ended with the error.
+#[test]
+fn a_silent_peer_is_reported_as_an_endpoint_timeout() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    FAILS.lock().unwrap().clear();
+    let ctx = context(&[(c"TLS", c"posix"), (c"PEER_TIMEOUT", c"100ms")]);
+    let mut w = [std::ptr::null_mut(); 2];
+    // SAFETY: live handles throughout; buffers outlive the operations (ended below).
+    unsafe {
+        let wp: WorkerParams = std::mem::zeroed();
+        for wi in &mut w {
+            assert_eq!(ucp_worker_create(ctx, &wp, wi), UCS_OK);
+        }
+        let a = ep_to(w[0], w[1], Some(0x60), None);
+        let back = ep_to(w[1], w[0], None, None);
+        let data = [1u8; 8];
+        let mut got = [0u8; 8];
+        let s = ucp_tag_send_nb(a, data.as_ptr().cast(), 8, 1 << 3, 1, None);
+        let r = ucp_tag_recv_nb(w[1], got.as_mut_ptr().cast(), 8, 1 << 3, 1, u64::MAX, None);
+        for _ in 0..2_000_000 {
+            if ucp_request_check_status(r) != UCS_INPROGRESS
+                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
+            {
+                break;
+            }
+            ucp_worker_progress(w[0]);
+            ucp_worker_progress(w[1]);
+        }
+        assert_eq!(ucp_request_check_status(r), UCS_OK);
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            ucp_request_free(s);
+        }
+        let big = vec![3u8; 4 << 20];
+        let mut sp = nbx(UCP_OP_ATTR_FIELD_CALLBACK);
+        sp.cb.send = Some(failed_send_cb);
+        let pending = ucp_tag_send_nbx(a, big.as_ptr().cast(), big.len(), 9, &sp);
+        assert!(
+            ptr_is_ptr(pending),
+            "the rendezvous send waits for its peer"
+        );
+        // Only worker 0 progresses from now on.
+        let start = std::time::Instant::now();
+        while FAILS.lock().unwrap().len() < 2 && start.elapsed().as_secs() < 20 {
+            ucp_worker_progress(w[0]);
+        }
+        let f = FAILS.lock().unwrap().clone();
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert_eq!(f[0].0, "send", "the send ends first: {f:?}");
+        assert!(f[0].3 < 0);
+        assert_eq!(f[1], ("failed", 0x60, a as usize, UCS_ERR_ENDPOINT_TIMEOUT));
+        ucp_request_free(pending);
+        assert!(ucp_ep_close_nb(a, UCP_EP_CLOSE_MODE_FORCE).is_null());
+        assert!(ucp_ep_close_nb(back, UCP_EP_CLOSE_MODE_FORCE).is_null());
+        for wi in w {
+            ucp_worker_destroy(wi);
+        }
+        ucp_cleanup(ctx);
+    }
 }

@@ -1,14 +1,30 @@
 //! `ucp_ep_h`: a rucx endpoint of a worker, created from a peer's worker address (the bytes
 //! `ucp_worker_query` handed out on the peer, exchanged by Open MPI's modex), closed by
 //! flushing the worker's sends.
+//!
+//! # Error handlers
+//! An endpoint created with `UCP_EP_PARAM_FIELD_ERR_HANDLER` (a non-NULL `cb`) has its handler
+//! called as UCX calls it: `cb(arg, ep, status)` once, from `ucp_worker_progress` only (never
+//! from inside another call, flush and close included), when its peer fails (connection broken,
+//! process gone: `UCS_ERR_CONNECTION_RESET`; silent past `RUCX_PEER_TIMEOUT`:
+//! `UCS_ERR_ENDPOINT_TIMEOUT`) or closes its rucx endpoint, after the requests bound to it
+//! ended with the error (their callbacks ran first, in the same progress call: UCX purges a
+//! failed endpoint's requests before it calls the handler). `arg` is `user_data` when
+//! `UCP_EP_PARAM_FIELD_USER_DATA` is given too, `err_handler.arg` otherwise (UCX's rule). An
+//! endpoint the application closed is never reported, even when it failed before the close and
+//! the report was still pending. The handler may close the endpoint (`ucp_ep_close_nbx` with
+//! `UCP_EP_CLOSE_FLAG_FORCE`, the usual answer), or others. As in UCX, the handler is called in
+//! either error mode (`UCP_ERR_HANDLING_MODE_NONE` or `_PEER`: rucx ends the requests of a
+//! failed peer with an error in both).
 
 use std::ffi::{c_uint, c_void};
+use std::sync::atomic::Ordering;
 
 use rucx_ucp::EpId;
 
 use crate::status::{status_of, status_ptr};
 use crate::types::*;
-use crate::worker::{ADDR_MAGIC, AbiWorker, flush};
+use crate::worker::{ADDR_MAGIC, AbiWorker, EpErrHandler, flush};
 
 /// What a `ucp_ep_h` points to.
 #[derive(Debug)]
@@ -50,8 +66,8 @@ unsafe fn unpack_address<'a>(p: *const c_void) -> Option<&'a [u8]> {
 
 /// `ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params, ucp_ep_h
 /// *ep_p)`: by remote worker address only (client/server by socket address is refused with
-/// `UCS_ERR_UNSUPPORTED`). Error handling modes are accepted: a peer's failure ends its
-/// operations with an error status either way; the error handler itself is not called.
+/// `UCS_ERR_UNSUPPORTED`). Error handling modes `NONE` and `PEER` are accepted (others are
+/// refused); an error handler is called as the module says.
 ///
 /// # Safety
 /// `worker` NULL or live; `params` NULL or valid, its address one handed out by this library;
@@ -80,15 +96,48 @@ pub unsafe extern "C" fn ucp_ep_create(
     if p.field_mask & UCP_EP_PARAM_FIELD_REMOTE_ADDRESS == 0 {
         return UCS_ERR_INVALID_PARAM;
     }
+    if p.field_mask & UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE != 0
+        && !matches!(
+            p.err_mode,
+            UCP_ERR_HANDLING_MODE_NONE | UCP_ERR_HANDLING_MODE_PEER
+        )
+    {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    let handler = if p.field_mask & UCP_EP_PARAM_FIELD_ERR_HANDLER != 0 {
+        p.err_handler.cb.map(|cb| {
+            let arg = if p.field_mask & UCP_EP_PARAM_FIELD_USER_DATA != 0 {
+                p.user_data
+            } else {
+                p.err_handler.arg
+            };
+            (cb, arg)
+        })
+    } else {
+        None
+    };
     // SAFETY: the caller's promise on the address.
     let Some(addr) = (unsafe { unpack_address(p.address) }) else {
         return UCS_ERR_INVALID_ADDR;
     };
     match w.worker.connect(addr) {
         Ok(id) => {
-            let ep = AbiEp { worker, id };
+            let ep = Box::into_raw(Box::new(AbiEp { worker, id }));
+            if let Some((cb, arg)) = handler {
+                if let Err(e) = watch(w, worker, id) {
+                    // SAFETY: just made by `Box::into_raw`, never handed out.
+                    drop(unsafe { Box::from_raw(ep) });
+                    eprintln!("rucx libucp: ucp_ep_create failed: {e}");
+                    return status_of(&e);
+                }
+                w.err_handlers
+                    .borrow_mut()
+                    .entry(id)
+                    .or_default()
+                    .push(EpErrHandler { ep, cb, arg });
+            }
             // SAFETY: checked non-NULL, writable by the caller's promise.
-            unsafe { *ep_p = Box::into_raw(Box::new(ep)) };
+            unsafe { *ep_p = ep };
             UCS_OK
         }
         Err(e) => {
@@ -98,7 +147,37 @@ pub unsafe extern "C" fn ucp_ep_create(
     }
 }
 
-/// Close an endpoint: flush (unless forced), then free it.
+/// A worker's address, for its rucx worker's error handler.
+struct WorkerPtr(*const AbiWorker);
+
+impl WorkerPtr {
+    fn get(&self) -> *const AbiWorker {
+        self.0
+    }
+}
+
+// SAFETY: the pointer is only used by the rucx worker's error handler, which that worker (owned
+// by this `AbiWorker`, single-threaded) calls from its progress, while the `AbiWorker` is live
+// (`ucp_worker_destroy` clears `watching` before it drops the rucx worker).
+unsafe impl Send for WorkerPtr {}
+
+/// Have rucx tell worker `wp` (`w`) when endpoint `id` fails (from its progress).
+fn watch(w: &AbiWorker, wp: *const AbiWorker, id: EpId) -> rucx_ucs::Result<()> {
+    let wp = WorkerPtr(wp);
+    let watching = w.watching.clone();
+    w.worker.set_ep_error_handler(id, move |_, id, err| {
+        if !watching.load(Ordering::Relaxed) {
+            return; // `ucp_worker_destroy` is dropping the rucx worker
+        }
+        // SAFETY: see `WorkerPtr`: the `AbiWorker` owns the rucx worker calling this, and is
+        // live while `watching` is set.
+        let w = unsafe { &*wp.get() };
+        w.note_failure(id, err);
+    })
+}
+
+/// Close an endpoint: its error handler is dropped (never called from now on), then flush
+/// (unless forced), then free it.
 ///
 /// # Safety
 /// `ep` NULL or live, closed once.
@@ -107,9 +186,18 @@ unsafe fn close(ep: *mut AbiEp, force: bool) -> *mut c_void {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     }
     // SAFETY: made by `Box::into_raw` in `ucp_ep_create`, closed once.
-    let ep = unsafe { Box::from_raw(ep) };
+    let abi_ep = unsafe { Box::from_raw(ep) };
+    {
+        let mut hs = abi_ep.worker().err_handlers.borrow_mut();
+        if let Some(list) = hs.get_mut(&abi_ep.id) {
+            list.retain(|h| h.ep != ep);
+            if list.is_empty() {
+                hs.remove(&abi_ep.id);
+            }
+        }
+    }
     if !force {
-        flush(ep.worker());
+        flush(abi_ep.worker());
     }
     std::ptr::null_mut()
 }

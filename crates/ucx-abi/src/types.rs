@@ -112,6 +112,10 @@ pub const UCP_EP_PARAM_FIELD_NAME: u64 = 1 << 7;
 pub const UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR: u64 = 1 << 8;
 pub const UCP_EP_PARAM_FIELDS_KNOWN: u64 = (1 << 9) - 1;
 
+// ucp_err_handling_mode_t
+pub const UCP_ERR_HANDLING_MODE_NONE: c_int = 0;
+pub const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
+
 // ucp_request_param_t::op_attr_mask
 pub const UCP_OP_ATTR_FIELD_REQUEST: u32 = 1 << 0;
 pub const UCP_OP_ATTR_FIELD_CALLBACK: u32 = 1 << 1;
@@ -239,11 +243,14 @@ pub struct WorkerParams {
     pub client_id: u64,
 }
 
+/// `ucp_err_handler_cb_t`.
+pub type ErrHandlerCb = unsafe extern "C" fn(arg: *mut c_void, ep: *mut c_void, status: Status);
+
 /// `ucp_err_handler_t`.
 #[repr(C)]
 #[derive(Debug)]
 pub struct ErrHandler {
-    pub cb: Option<unsafe extern "C" fn(arg: *mut c_void, ep: *mut c_void, status: Status)>,
+    pub cb: Option<ErrHandlerCb>,
     pub arg: *mut c_void,
 }
 
@@ -501,6 +508,15 @@ mod tests {
         assert_eq!(UCP_PARAM_FIELD_NAME, 0x100);
         assert_eq!(UCP_WORKER_ATTR_FIELD_MAX_INFO_STRING, 0x20);
         assert_eq!(UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR, 0x100);
+        assert_eq!(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE, 0x2);
+        assert_eq!(UCP_EP_PARAM_FIELD_ERR_HANDLER, 0x4);
+        assert_eq!(UCP_EP_PARAM_FIELD_USER_DATA, 0x8);
+        assert_eq!(
+            (UCP_ERR_HANDLING_MODE_NONE, UCP_ERR_HANDLING_MODE_PEER),
+            (0, 1)
+        );
+        assert_eq!(UCS_ERR_CONNECTION_RESET, -25);
+        assert_eq!(UCS_ERR_ENDPOINT_TIMEOUT, -80);
         assert_eq!(UCM_EVENT_VM_UNMAPPED, 0x20000);
         // ucp_dt_make_contig(8)
         assert_eq!((8u64 << UCP_DATATYPE_SHIFT) | UCP_DATATYPE_CONTIG, 0x40);

@@ -14,10 +14,13 @@
 //! cancel.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::{c_uint, c_void};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use rucx_ucp::{Completion, QueuedReq, Worker};
-use rucx_ucs::Result;
+use rucx_ucp::{Completion, EpId, QueuedReq, Worker};
+use rucx_ucs::{Error, Result};
 
 use crate::context::{AbiContext, fill_name};
 use crate::request;
@@ -28,6 +31,10 @@ use crate::types::*;
 /// The token of a header receive is its request's address with this bit set (table tokens are
 /// small indices, never with it).
 pub const HEADER_TOKEN: u64 = 1 << 63;
+
+/// The token in [`AbiWorker::ready`] that says endpoints failed ([`AbiWorker::failed`]): a
+/// header token no request has (requests are aligned: bit 0 of their address is clear).
+pub const EP_FAILED_TOKEN: u64 = HEADER_TOKEN | 1;
 
 /// The token of the header receive whose request is `user`.
 #[inline(always)]
@@ -48,6 +55,24 @@ pub struct AbiWorker {
     pub ended: RefCell<Vec<(u64, Result<Completion>)>>,
     /// The last host range this worker's posts hit ([`crate::memtype`]).
     pub last_host: crate::memtype::LastHost,
+    /// The error handlers of the open endpoints that have one, by rucx endpoint (several
+    /// `ucp_ep_h` may share one: endpoints created to the same worker address).
+    pub err_handlers: RefCell<HashMap<EpId, Vec<EpErrHandler>>>,
+    /// Endpoints that failed and have a handler, to report from the next `ucp_worker_progress`
+    /// (after the ends of their requests); [`EP_FAILED_TOKEN`] in `ready` says there are some.
+    pub failed: RefCell<Vec<(EpId, Error)>>,
+    /// Cleared when the worker is destroyed, before its rucx worker (whose drop may progress):
+    /// the rucx error handlers, which point back to this worker, then do nothing.
+    pub watching: Arc<AtomicBool>,
+}
+
+/// An endpoint's error handler (`ucp_err_handler_t`, with `ucp_ep_params_t::user_data` as its
+/// argument when both were given, as UCX does).
+#[derive(Debug, Clone, Copy)]
+pub struct EpErrHandler {
+    pub ep: *mut crate::endpoint::AbiEp,
+    pub cb: ErrHandlerCb,
+    pub arg: *mut c_void,
 }
 
 /// How a request's end is told to its caller.
@@ -134,25 +159,44 @@ impl AbiWorker {
         unsafe { &*self.ctx }
     }
 
-    /// Progress once and deliver what ended; the number of events.
+    /// `ucp_worker_progress`: progress once and deliver what ended, then report the endpoints
+    /// that failed to their error handlers; the number of events.
     #[inline(always)]
     pub fn progress(&self) -> usize {
+        self.progress_with::<true>()
+    }
+
+    /// Progress once and deliver what ended, but keep endpoint failures for the next
+    /// `ucp_worker_progress` (for the calls that progress inside: flush, close).
+    pub fn progress_quiet(&self) -> usize {
+        self.progress_with::<false>()
+    }
+
+    #[inline(always)]
+    fn progress_with<const REPORT: bool>(&self) -> usize {
         let n = self.worker.progress();
         if self.ready.borrow().is_empty() && !self.worker.has_completed() {
             return n;
         }
-        n + self.deliver_ended()
+        n + self.deliver_ended::<REPORT>()
     }
 
-    /// Deliver what ended (outside progress, or queued by the rucx worker); how many.
+    /// Deliver what ended (outside progress, or queued by the rucx worker); how many. Endpoint
+    /// failures are reported after the ends of the requests (UCX's order: a failed endpoint's
+    /// requests are purged, with the error, before its error handler is called), when `REPORT`.
     #[inline(never)]
-    fn deliver_ended(&self) -> usize {
+    fn deliver_ended<const REPORT: bool>(&self) -> usize {
         let mut n = 0;
         if !self.ready.borrow().is_empty() {
             let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
+            let mut failures = false;
             // Read in place, then cleared: the ends (large, for their errors) are not moved.
             for &(token, ref res) in ready.iter() {
                 if token & HEADER_TOKEN != 0 {
+                    if token == EP_FAILED_TOKEN {
+                        failures = true;
+                        continue;
+                    }
                     deliver_header(token, res);
                     n += 1;
                     continue;
@@ -165,11 +209,31 @@ impl AbiWorker {
             }
             ready.clear();
             // Keep the list's memory unless a callback queued more meanwhile.
-            let mut r = self.ready.borrow_mut();
-            if r.is_empty() {
-                *r = ready;
+            {
+                let mut r = self.ready.borrow_mut();
+                if r.is_empty() {
+                    *r = ready;
+                }
+            }
+            if failures {
+                n += self.deliver_queued();
+                if REPORT {
+                    n += self.report_failures();
+                } else {
+                    self.ready
+                        .borrow_mut()
+                        .push((EP_FAILED_TOKEN, Err(Error::Canceled)));
+                }
+                return n;
             }
         }
+        n + self.deliver_queued()
+    }
+
+    /// Deliver the ends the rucx worker queued; how many.
+    #[inline(always)]
+    fn deliver_queued(&self) -> usize {
+        let mut n = 0;
         // The ends the rucx worker queued, taken all at once (the lists trade places).
         let mut ended = {
             let mut slot = self.ended.borrow_mut();
@@ -209,6 +273,48 @@ impl AbiWorker {
         n
     }
 
+    /// Call the error handlers of the endpoints that failed, once each, with nothing of the
+    /// worker borrowed (a handler may close its endpoint, or another, or progress); how many.
+    #[inline(never)]
+    fn report_failures(&self) -> usize {
+        let mut n = 0;
+        let failed = std::mem::take(&mut *self.failed.borrow_mut());
+        for (id, err) in failed {
+            let status = failure_status(&err);
+            // One handler at a time, taken out before its call: one that an earlier handler
+            // closed is gone by then, and each is called once.
+            loop {
+                let h = {
+                    let mut hs = self.err_handlers.borrow_mut();
+                    let Some(list) = hs.get_mut(&id) else { break };
+                    let h = list.pop();
+                    if list.is_empty() {
+                        hs.remove(&id);
+                    }
+                    h
+                };
+                let Some(h) = h else { break };
+                // SAFETY: the caller's handler, for its endpoint, still open (closing an
+                // endpoint removes its handler).
+                unsafe { (h.cb)(h.arg, h.ep.cast(), status) };
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// A rucx endpoint failed (called by its rucx error handler, from rucx's progress): keep
+    /// it for the next `ucp_worker_progress` if a `ucp_ep_h` on it has a handler.
+    pub fn note_failure(&self, id: EpId, err: &Error) {
+        if !self.err_handlers.borrow().contains_key(&id) {
+            return;
+        }
+        self.failed.borrow_mut().push((id, err.clone()));
+        self.ready
+            .borrow_mut()
+            .push((EP_FAILED_TOKEN, Err(Error::Canceled)));
+    }
+
     /// Cancel the receive whose request is `user`, if it has not matched. Its end (canceled)
     /// is delivered by progress.
     pub fn cancel(&self, user: *mut c_void) {
@@ -235,6 +341,20 @@ impl AbiWorker {
     /// True while any send is in flight (for flush).
     pub fn sends_in_flight(&self) -> bool {
         self.ops.borrow().sends > 0
+    }
+}
+
+/// The status an endpoint's error handler is called with: `UCS_ERR_ENDPOINT_TIMEOUT` for a
+/// peer that answered nothing within `RUCX_PEER_TIMEOUT` (rucx names that setting in the
+/// failure), `UCS_ERR_CONNECTION_RESET` for the rest (a broken connection, a peer process
+/// gone, a peer that closed its endpoint), as UCX reports them.
+pub fn failure_status(e: &Error) -> Status {
+    match e {
+        Error::Timeout { .. } => UCS_ERR_ENDPOINT_TIMEOUT,
+        Error::EndpointFailure { reason, .. } if reason.contains("RUCX_PEER_TIMEOUT") => {
+            UCS_ERR_ENDPOINT_TIMEOUT
+        }
+        _ => UCS_ERR_CONNECTION_RESET,
     }
 }
 
@@ -316,6 +436,9 @@ pub unsafe extern "C" fn ucp_worker_create(
                 ready: RefCell::new(Vec::new()),
                 ended: RefCell::new(Vec::new()),
                 last_host: Default::default(),
+                err_handlers: RefCell::new(HashMap::new()),
+                failed: RefCell::new(Vec::new()),
+                watching: Arc::new(AtomicBool::new(true)),
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
@@ -341,6 +464,8 @@ pub unsafe extern "C" fn ucp_worker_destroy(worker: *mut AbiWorker) {
     }
     // SAFETY: made by `Box::into_raw` in `ucp_worker_create`, destroyed once.
     let w = unsafe { Box::from_raw(worker) };
+    // The rucx worker's drop may progress: its error handlers must not reach this one, gone.
+    w.watching.store(false, Ordering::Relaxed);
     let AbiWorker { worker, ops, .. } = *w;
     // The worker's drop cancels what it can and waits for what a peer may still be writing.
     drop(worker);
@@ -484,7 +609,7 @@ pub extern "C" fn ucp_worker_fence(worker: *const AbiWorker) -> Status {
 /// Progress until no send of this worker is in flight.
 pub(crate) fn flush(w: &AbiWorker) {
     while w.sends_in_flight() {
-        w.progress();
+        w.progress_quiet();
     }
 }
 

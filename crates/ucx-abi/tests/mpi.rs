@@ -265,3 +265,62 @@ fn killed_rank_ends_the_job() {
     );
     assert_rucx_loaded(&job, 2);
 }
+
+/// `tests/c/ucp_err.c`, the ucp API itself (no MPI), built with `cc` against rucx's
+/// libraries: two processes exchange worker addresses over pipes and create endpoints with an
+/// error handler; the child exits while the parent's 4 MiB send to it is in flight; the
+/// parent's handler is called once (from progress, with its endpoint, its argument and
+/// `UCS_ERR_CONNECTION_RESET`), closes the endpoint (forced) and the parent exits 0. Over TCP
+/// (the connection closes) and over shared memory (the process check sees the child gone).
+#[test]
+fn ucp_error_handler_when_the_peer_exits() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let s = setup();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/ucp_err.c");
+    let exe = s.dir.join("ucp_err");
+    run_ok(
+        Command::new("cc")
+            .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .arg("-L")
+            .arg(&s.dir)
+            .args(["-l:libucp.so.0", "-l:libucs.so.0"]),
+        "cc ucp_err.c",
+    );
+    for tls in ["tcp", "posix"] {
+        let start = Instant::now();
+        // The program ends itself (alarm) if the handler never comes.
+        let out = Command::new(&exe)
+            .env("LD_LIBRARY_PATH", &s.dir)
+            .env("RUCX_ABI_ANNOUNCE", "y")
+            .env("RUCX_TLS", tls)
+            .stdin(Stdio::null())
+            .output()
+            .expect("ucp_err runs");
+        let job = Job {
+            ok: out.status.success(),
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            took: start.elapsed(),
+        };
+        println!(
+            "ucp_err over {tls}: exit {:?} in {:?}\n{}{}",
+            job.code, job.took, job.stdout, job.stderr
+        );
+        assert!(
+            job.ok,
+            "ucp_err over {tls} failed:\n{}\n{}",
+            job.stdout, job.stderr
+        );
+        assert!(job.stdout.contains("ucp_err OK"), "{}", job.stdout);
+        assert!(
+            job.stdout
+                .contains("handler called once with Connection reset by remote peer"),
+            "{}",
+            job.stdout
+        );
+        assert_rucx_loaded(&job, 2);
+    }
+}
