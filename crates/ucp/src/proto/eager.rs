@@ -38,7 +38,7 @@ impl State {
 
     pub(crate) fn start_send(&mut self, id: u64) {
         let (p, proto, len, addr) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.peer, s.proto, s.len, s.addr),
+            ReqKind::Send(s) => (s.head.peer, s.head.proto, s.head.len, s.head.addr),
             _ => unreachable!("start_send on a send request"),
         };
         self.count(proto.name());
@@ -190,7 +190,7 @@ impl State {
     pub(crate) fn reselect_send(&mut self, id: u64, p: usize, len: usize) -> Proto {
         self.refresh_plan(p);
         let (mem, dev, proto, op) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.mem, s.dev, s.proto, s.op),
+            ReqKind::Send(s) => (s.head.mem, s.head.dev, s.head.proto, s.head.op),
             _ => return Proto::EagerBcopyMulti,
         };
         self.peers[p]
@@ -203,7 +203,7 @@ impl State {
     /// the context demotes the domain and the error is returned for re-planning.
     pub(crate) fn register_send(&mut self, id: u64, lane: usize) -> Result<()> {
         let head = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => s.head(),
+            ReqKind::Send(s) => s.head,
             _ => return Ok(()),
         };
         register_send(self, id, &head, lane).map(|_| ())

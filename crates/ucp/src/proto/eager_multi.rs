@@ -222,7 +222,7 @@ impl State {
         else {
             return Ok(true);
         };
-        let p = s.peer;
+        let p = s.head.peer;
         let put_lane = match &s.state {
             SendProto::Rndv(rv)
                 if rv.deferred && rv.rreq.is_none() && rv.wait == SendWait::Posting =>

@@ -121,7 +121,7 @@ impl State {
         else {
             return false;
         };
-        let (p, proto, wait, posted) = (s.peer, s.proto, s.wait(), s.posted());
+        let (p, proto, wait, posted) = (s.head.peer, s.head.proto, s.wait(), s.posted());
         let untouched = s.rndv().is_none_or(|rv| rv.untouched());
         let queue = &mut self.peers[p].queue;
         // A stream send: its bytes belong to the stream, whose order cannot skip them.
@@ -206,7 +206,7 @@ impl State {
             CancelStep::Dropped => {
                 if matches!(
                     self.reqs.get(&sreq),
-                    Some(Req { kind: ReqKind::Send(s), result: None, .. }) if s.peer == p
+                    Some(Req { kind: ReqKind::Send(s), result: None, .. }) if s.head.peer == p
                 ) {
                     self.finish(sreq, Err(Error::Canceled));
                     self.count("send canceled");
@@ -230,10 +230,10 @@ impl State {
         match &r.kind {
             ReqKind::Send(s) => format!(
                 "a {} send of {} bytes (tag {:#x}) to {}, {}",
-                s.proto.name(),
-                s.len,
-                s.tag,
-                peer(s.peer),
+                s.head.proto.name(),
+                s.head.len,
+                s.head.tag,
+                peer(s.head.peer),
                 match s.wait() {
                     SendWait::Posting => "being posted",
                     SendWait::Receiver => "waiting for the receiver",

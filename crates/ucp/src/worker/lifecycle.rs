@@ -297,7 +297,7 @@ impl State {
             .iter()
             .filter(|(_, r)| r.result.is_none())
             .filter(|(_, r)| match &r.kind {
-                ReqKind::Send(s) => s.peer == p,
+                ReqKind::Send(s) => s.head.peer == p,
                 ReqKind::Recv(rs) => rs.sender == Some(p),
                 ReqKind::Rma(rm) => rm.peer == p,
             })
@@ -310,7 +310,7 @@ impl State {
         self.reqs.iter().any(|(_, r)| {
             r.outstanding > 0
                 && match &r.kind {
-                    ReqKind::Send(s) => s.peer == p,
+                    ReqKind::Send(s) => s.head.peer == p,
                     ReqKind::Recv(rs) => rs.sender == Some(p),
                     ReqKind::Rma(rm) => rm.peer == p,
                 }

@@ -90,7 +90,7 @@ impl State {
     /// not matched yet are bound to none.
     fn bound_peer(kind: &ReqKind) -> Option<usize> {
         match kind {
-            ReqKind::Send(s) => Some(s.peer),
+            ReqKind::Send(s) => Some(s.head.peer),
             ReqKind::Recv(rs) => rs.sender,
             ReqKind::Rma(rm) => Some(rm.peer),
         }

@@ -61,7 +61,7 @@ impl State {
                             kind: ReqKind::Send(s),
                             result: None,
                             ..
-                        }) => s.addr,
+                        }) => s.head.addr,
                         // Finished otherwise (endpoint failure): nothing more to send.
                         _ => continue,
                     };

@@ -178,21 +178,11 @@ pub(crate) enum SendWait {
     Completions,
 }
 
-/// A send request: what every send protocol has, and the state of the protocol moving it
-/// ([`SendProto`]).
+/// A send request: what every send protocol has ([`SendHead`]), and the state of the protocol
+/// moving it ([`SendProto`]).
 pub(crate) struct SendState {
-    pub(crate) peer: usize,
-    pub(crate) addr: usize,
-    pub(crate) len: usize,
-    pub(crate) tag: Tag,
-    /// The protocol the plan chose (re-selected from a new plan after a registration failure).
-    pub(crate) proto: Proto,
-    /// The operation, whose table of the plan the protocol is selected from (and re-selected
-    /// from after a registration failure): a tag send, a synchronous one, or a stream send.
-    pub(crate) op: Op,
-    /// Memory type and device of the buffer.
-    pub(crate) mem: MemoryType,
-    pub(crate) dev: Option<u32>,
+    /// Peer, buffer, tag, protocol, operation, memory type and device.
+    pub(crate) head: SendHead,
     /// The protocol moving the message, and its own state.
     pub(crate) state: SendProto,
 }
@@ -241,14 +231,16 @@ impl SendState {
         dev: Option<u32>,
     ) -> Self {
         SendState {
-            peer,
-            addr,
-            len,
-            tag,
-            proto,
-            op,
-            mem,
-            dev,
+            head: SendHead {
+                peer,
+                addr,
+                len,
+                tag,
+                proto,
+                op,
+                mem,
+                dev,
+            },
             state: SendProto::of(proto),
         }
     }
@@ -257,7 +249,7 @@ impl SendState {
     /// protocol is of another kind, and is kept when it is of the same kind (a rendezvous
     /// re-selected keeps what it has).
     pub(crate) fn set_proto(&mut self, proto: Proto) {
-        self.proto = proto;
+        self.head.proto = proto;
         let same = matches!(
             (&self.state, SendProto::of(proto)),
             (SendProto::Copied, SendProto::Copied)
@@ -303,21 +295,6 @@ impl SendState {
     #[inline]
     pub(crate) fn stage(&self) -> Option<&StageSend> {
         self.rndv().and_then(|rv| rv.stage.as_deref())
-    }
-
-    /// The common part, copied (what a protocol's state machine reads of its request).
-    #[inline]
-    pub(crate) fn head(&self) -> SendHead {
-        SendHead {
-            peer: self.peer,
-            addr: self.addr,
-            len: self.len,
-            tag: self.tag,
-            proto: self.proto,
-            op: self.op,
-            mem: self.mem,
-            dev: self.dev,
-        }
     }
 }
 
@@ -672,7 +649,7 @@ impl State {
             Some(Req {
                 kind:
                     ReqKind::Send(SendState {
-                        peer,
+                        head: SendHead { peer, .. },
                         state: SendProto::Frags(f),
                         ..
                     }),
@@ -685,7 +662,7 @@ impl State {
             Some(Req {
                 kind:
                     ReqKind::Send(SendState {
-                        peer,
+                        head: SendHead { peer, .. },
                         state: SendProto::Rndv(rv),
                         ..
                     }),
@@ -832,7 +809,7 @@ impl State {
 
     pub(crate) fn send_tag(&self, id: u64) -> Tag {
         match &self.reqs[&id].kind {
-            ReqKind::Send(s) => s.tag,
+            ReqKind::Send(s) => s.head.tag,
             _ => 0,
         }
     }
@@ -841,7 +818,7 @@ impl State {
 /// The peer of a request.
 pub(crate) fn p_of(r: &Req) -> usize {
     match &r.kind {
-        ReqKind::Send(s) => s.peer,
+        ReqKind::Send(s) => s.head.peer,
         ReqKind::Recv(rs) => rs.rndv().map_or(0, |v| v.peer),
         ReqKind::Rma(rm) => rm.peer,
     }

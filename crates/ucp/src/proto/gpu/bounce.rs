@@ -55,9 +55,9 @@ pub(crate) trait BounceSendIo: BounceIo {
     /// row), if that row is one.
     fn rndv_row(&self, p: usize, op: Op, key: MemKey) -> Option<Proto>;
 
-    /// Start send `head` (host memory) of `proto`: its request. An eager protocol copies the
-    /// bytes out before this returns.
-    fn start_host_send(&mut self, head: SendState) -> u64;
+    /// Start send `send` (host memory) of its protocol: its request. An eager protocol copies
+    /// the bytes out before this returns.
+    fn start_host_send(&mut self, send: SendState) -> u64;
 }
 
 /// Send GPU buffer `from` to peer `p` (operation `op`, `tag`) through a pinned bounce fragment:
@@ -75,10 +75,10 @@ pub(crate) fn send_bounce(
     match bounce_out(io, from) {
         Ok((frag, host)) => {
             let hproto = io.host_proto(p, op, len).unwrap_or(Proto::EagerBcopy);
-            let head = SendState::new(p, host, len, tag, hproto, op, MemoryType::Host, None);
+            let send = SendState::new(p, host, len, tag, hproto, op, MemoryType::Host, None);
             io.count(Proto::EagerBounce.name());
             // Eager protocols copy the bytes out before returning.
-            let id = io.start_host_send(head);
+            let id = io.start_host_send(send);
             io.release_bounce(frag);
             return Ok(Bounced::Sent(Posted::Pending(id)));
         }
@@ -105,8 +105,8 @@ impl BounceSendIo for CopyLane<'_> {
             .filter(|p| p.is_rndv())
     }
 
-    fn start_host_send(&mut self, head: SendState) -> u64 {
-        let id = self.st.new_req(ReqKind::Send(head));
+    fn start_host_send(&mut self, send: SendState) -> u64 {
+        let id = self.st.new_req(ReqKind::Send(send));
         self.st.start_send(id);
         id
     }
@@ -177,7 +177,8 @@ mod tests {
             let at = G + i * 0x10_000;
             io.fill(at, &data);
             let id = sent_id(send_bounce(&mut io, 2, gpu(at, len), 7, Op::Tag).unwrap());
-            let (head, bytes) = io.sent.last().expect("sent");
+            let (send, bytes) = io.sent.last().expect("sent");
+            let head = &send.head;
             assert_eq!(id, 100 + io.sent.len() as u64);
             assert_eq!((head.peer, head.addr, head.len), (2, FRAG_BASE, len));
             assert_eq!(
@@ -206,12 +207,12 @@ mod tests {
         io.host_proto = Some(Proto::EagerSync);
         sent_id(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::TagSync).unwrap());
         assert_eq!(
-            (io.sent[0].0.proto, io.sent[0].0.op),
+            (io.sent[0].0.head.proto, io.sent[0].0.head.op),
             (Proto::EagerSync, Op::TagSync)
         );
         io.host_proto = None;
         sent_id(send_bounce(&mut io, 0, gpu(G, 10), 1, Op::Tag).unwrap());
-        assert_eq!(io.sent[1].0.proto, Proto::EagerBcopy);
+        assert_eq!(io.sent[1].0.head.proto, Proto::EagerBcopy);
     }
 
     /// A copy pushed back is posted again after progress, and the message still bounces.

@@ -536,7 +536,7 @@ impl State {
                 kind: ReqKind::Send(s),
                 result: None,
                 ..
-            }) if s.stage().is_some() => Some(s.peer),
+            }) if s.stage().is_some() => Some(s.head.peer),
             _ => None,
         }
     }
@@ -550,7 +550,7 @@ impl State {
                 kind: ReqKind::Send(s),
                 result: None,
                 ..
-            }) if s.peer == p && s.rndv().is_some() => {}
+            }) if s.head.peer == p && s.rndv().is_some() => {}
             _ => {
                 self.answer_for_gone_send(p, sreq, rreq);
                 return;

@@ -96,11 +96,11 @@ impl State {
     /// that memory type, else described for the local side of a copy when the domain reaches it
     /// that way (cuda_ipc and host memory: registered for this request alone, never cached).
     pub(crate) fn register_put_source(&mut self, id: u64, lane: usize) -> Result<()> {
-        let (addr, len, mem, dev) = match &self.reqs[&id].kind {
-            ReqKind::Send(s) => (s.addr, s.len, s.mem, s.dev),
+        let from = match &self.reqs[&id].kind {
+            ReqKind::Send(s) => s.head.region(),
             _ => return Ok(()),
         };
-        let md = self.slots[lane].md;
+        let (md, mem) = (self.slots[lane].md, from.mem_type);
         let attr = self.ctx.domain(md).attr();
         if attr.reg_mem_types().has(mem) || !attr.access_mem_types().has(mem) {
             return self.register_send(id, lane);
@@ -108,10 +108,8 @@ impl State {
         let g = self.ctx.register_uncached(
             md,
             MemRegion {
-                addr,
-                len: len.max(1),
-                mem_type: mem,
-                device: dev,
+                len: from.len.max(1),
+                ..from
             },
         )?;
         if let Some(r) = self.reqs.get_mut(&id) {

@@ -374,9 +374,9 @@ impl BounceSendIo for CopyFake {
         self.rndv_row
     }
 
-    fn start_host_send(&mut self, head: SendState) -> u64 {
-        let bytes = self.bytes(head.addr, head.len);
-        self.sent.push((head, bytes));
+    fn start_host_send(&mut self, send: SendState) -> u64 {
+        let bytes = self.bytes(send.head.addr, send.head.len);
+        self.sent.push((send, bytes));
         100 + self.sent.len() as u64
     }
 }

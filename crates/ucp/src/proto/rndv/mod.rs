@@ -341,7 +341,7 @@ impl State {
                     kind: ReqKind::Send(s),
                     result: None,
                     ..
-                }) if s.peer == p => Some(sreq),
+                }) if s.head.peer == p => Some(sreq),
                 _ => None,
             }
         };
@@ -379,7 +379,7 @@ impl State {
                 kind: ReqKind::Send(s),
                 result: Some(res),
                 ..
-            }) if s.peer == p => match res {
+            }) if s.head.peer == p => match res {
                 Ok(_) => return,
                 Err(e) => e.to_string(),
             },

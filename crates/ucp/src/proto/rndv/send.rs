@@ -9,16 +9,21 @@
 use crate::proto::io::SendIo;
 use crate::worker::prelude::*;
 
-/// What every send has, copied out of its request for a protocol step (which may change the
-/// protocol, when re-selected, and the length, capped by the receiver).
+/// What every send has: the common part of its request ([`SendState`]), which the protocols'
+/// steps read (and may change: the protocol, when re-selected, and the length, capped by the
+/// receiver).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SendHead {
     pub(crate) peer: usize,
     pub(crate) addr: usize,
     pub(crate) len: usize,
     pub(crate) tag: Tag,
+    /// The protocol the plan chose (re-selected from a new plan after a registration failure).
     pub(crate) proto: Proto,
+    /// The operation, whose table of the plan the protocol is selected from (and re-selected
+    /// from after a registration failure): a tag send, a synchronous one, or a stream send.
     pub(crate) op: Op,
+    /// Memory type and device of the buffer.
     pub(crate) mem: MemoryType,
     pub(crate) dev: Option<u32>,
 }
@@ -396,8 +401,9 @@ impl RndvSend {
 /// The worker's side: run a send's protocol steps on its state and do what they say.
 impl State {
     /// Run `step` on send `id`'s protocol state (taken out of the request while it runs, so
-    /// that it acts on the worker through [`SendIo`]); the protocol and length it leaves in the
-    /// head are the request's. `None`: not a send.
+    /// that it acts on the worker through [`SendIo`]) and on a copy of its [`SendHead`]; the
+    /// protocol and length it leaves in that copy are written back to the request's. `None`:
+    /// not a send.
     pub(crate) fn with_send<R>(
         &mut self,
         id: u64,
@@ -410,7 +416,7 @@ impl State {
         else {
             return None;
         };
-        let mut head = s.head();
+        let mut head = s.head;
         let mut sp = std::mem::replace(&mut s.state, SendProto::Copied);
         let out = step(&mut sp, &mut head, self);
         if let Some(Req {
@@ -419,8 +425,8 @@ impl State {
         }) = self.reqs.get_mut(&id)
         {
             s.state = sp;
-            s.proto = head.proto;
-            s.len = head.len;
+            s.head.proto = head.proto;
+            s.head.len = head.len;
         }
         Some(out)
     }
@@ -463,7 +469,7 @@ impl State {
                     ..
                 }) = self.reqs.get(&id)
                 {
-                    self.peers[s.peer].queue.push_back(Pending::Stream(id));
+                    self.peers[s.head.peer].queue.push_back(Pending::Stream(id));
                 }
             }
             SendNext::Complete => {
@@ -472,7 +478,7 @@ impl State {
                     ..
                 }) = self.reqs.get(&id)
                 {
-                    let (len, tag) = (s.len, s.tag);
+                    let (len, tag) = (s.head.len, s.head.tag);
                     self.finish(
                         id,
                         Ok(Completion {
@@ -489,7 +495,7 @@ impl State {
                     Some(Req {
                         kind: ReqKind::Send(s),
                         ..
-                    }) => self.peers[s.peer].remote.describe(),
+                    }) => self.peers[s.head.peer].remote.describe(),
                     _ => return,
                 };
                 self.finish(id, Err(Error::PeerAborted { peer, reason }));
@@ -541,7 +547,7 @@ impl State {
             Some(Req {
                 kind:
                     ReqKind::Send(SendState {
-                        peer,
+                        head: SendHead { peer, .. },
                         state: SendProto::Rndv(rv),
                         ..
                     }),
@@ -589,7 +595,7 @@ impl State {
                 kind: ReqKind::Send(s),
                 result: None,
                 ..
-            }) if s.peer == p => match s.state {
+            }) if s.head.peer == p => match s.state {
                 SendProto::Rndv(_) => None,
                 _ if ok => Some(SendNext::Complete),
                 _ => Some(SendNext::Aborted(
