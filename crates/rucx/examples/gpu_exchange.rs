@@ -232,6 +232,7 @@ fn run() -> Result<(), String> {
     let next = (rank + 1) % size;
     let prev = (rank + size - 1) % size;
     let to = job.ep(next);
+    let from = job.ep(prev);
     let (am, rma) = w.lanes(to).map_err(|e| e.to_string())?;
     println!(
         "rank {rank}: GPU {dev} of {ndev}; {:?} -> {:?}; transports {}; lanes: am {am}, rma {}",
@@ -282,7 +283,7 @@ fn run() -> Result<(), String> {
         let (sent, got) = w.scope(|s| {
             let r = s.tag_recv(rb.recv_buf(cap), tag, TAG_MASK_FULL);
             let sent = s.tag_send(to, sb.send_buf(n), tag).wait();
-            (sent, r.wait())
+            (sent, recv_from(w, r, from))
         });
         let el = t.elapsed();
         let outcome = match (sent, got) {
@@ -374,7 +375,7 @@ fn run() -> Result<(), String> {
                 s.tag_send(to, sb.send_buf(a.bw), tag).wait()?;
             }
             match r {
-                Some(r) => r.wait().map(|_| ()),
+                Some(r) => recv_from(w, r, from).map(|_| ()),
                 None => Ok(()),
             }
         })
@@ -460,6 +461,30 @@ fn report(rank: usize, job: &Job) {
     }
     for r in job.context().refusals() {
         println!("rank {rank}: refused buffer: {r} ({})", r.knob);
+    }
+}
+
+/// Wait for a receive whose message only rank `from` sends. A tag receive, which any peer
+/// could match, does not end when one peer fails; a peer that gave up (it ended with an error
+/// of its own and exited) never sends, so give up too once its endpoint failed (what an MPI
+/// job's launcher does by ending the job). A message that arrived before the failure is still
+/// taken: the progress that reports the failure has delivered everything before it.
+fn recv_from(
+    w: &rucx::Worker,
+    r: rucx::ucp::Request<'_>,
+    from: rucx::EpId,
+) -> rucx::Result<rucx::Completion> {
+    loop {
+        w.progress();
+        if let Some(res) = r.test() {
+            return res;
+        }
+        if let Some(reason) = w.ep_error(from) {
+            return Err(rucx::Error::EndpointFailure {
+                peer: format!("the sending rank ({from:?})"),
+                reason: format!("{reason}; the receive cannot be matched any more"),
+            });
+        }
     }
 }
 
