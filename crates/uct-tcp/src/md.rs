@@ -311,9 +311,13 @@ impl MemoryDomain for TcpMd {
                 "tcp sends and receives with the CPU, so it registers host memory only".into(),
             ));
         }
-        if region.len == 0 || region.addr == 0 || region.addr.checked_add(region.len).is_none() {
+        // An empty region is registered like any other (as posix does): its key packs and
+        // unpacks, a zero-byte access at its base is served, and any byte is out of bounds.
+        // An empty `Vec`'s pointer dangles just above 0, so only a nonempty region at 0 is
+        // refused as null.
+        if region.addr.checked_add(region.len).is_none() || (region.addr == 0 && region.len > 0) {
             return Err(Error::InvalidParam(format!(
-                "cannot register {:#x}+{} with tcp: empty, null or wrapping region",
+                "cannot register {:#x}+{} with tcp: null or wrapping region",
                 region.addr, region.len
             )));
         }
@@ -359,10 +363,9 @@ impl MemoryDomain for TcpMd {
         .map_err(|e| bad(e.to_string()))?;
         r.finish().map_err(|e| bad(e.to_string()))?;
         let [md_id, reg_id, base, len] = parsed;
-        if len == 0 || base == 0 || base.checked_add(len).is_none() {
-            return Err(bad(format!(
-                "region {base:#x}+{len} is empty, null or wraps"
-            )));
+        // Empty regions are keyed like any other (see `mem_reg`).
+        if base.checked_add(len).is_none() || (base == 0 && len > 0) {
+            return Err(bad(format!("region {base:#x}+{len} is null or wraps")));
         }
         if reg_id == 0 {
             return Err(bad("registration id 0 is never issued".into()));
@@ -460,7 +463,50 @@ mod tests {
             RegErrorKind::UnsupportedMemoryType
         );
         // SAFETY: rejected before use.
-        assert!(unsafe { md.mem_reg(MemRegion::host(0x1000, 0)) }.is_err());
+        assert!(unsafe { md.mem_reg(MemRegion::host(0, 64)) }.is_err());
+        // SAFETY: rejected before use.
+        assert!(unsafe { md.mem_reg(MemRegion::host(usize::MAX - 10, 64)) }.is_err());
+    }
+
+    /// An empty region (an empty `Vec`, whose pointer dangles just above 0) registers, its
+    /// key packs and unpacks, a zero-byte access at its base is served, and any byte through
+    /// it is refused as outside the registration, by the key and by the table.
+    #[test]
+    fn an_empty_region_registers_and_refuses_every_byte() {
+        let md = md();
+        let mut empty: Vec<u8> = Vec::new();
+        let r = MemRegion::of_slice(&empty);
+        assert_eq!(r.len, 0);
+        // SAFETY: zero bytes; nothing is read or written through the handle.
+        let h = unsafe { md.mem_reg(r) }.unwrap();
+        assert_eq!(md.live_registrations(), 1);
+        let packed = md.mkey_pack(&h).unwrap();
+        assert_eq!(packed.len(), RKEY_PACKED_SIZE);
+        let rk = md.rkey_unpack(&packed).unwrap();
+        assert_eq!((rk.base(), rk.len()), (r.addr as u64, 0));
+        let k = *rk.inner::<TcpRkey>().unwrap();
+        let base = rk.base();
+        rk.check(base, 0).unwrap();
+        assert!(rk.check(base, 1).is_err());
+        md.table.write(k.md_id, k.reg_id, base, b"").unwrap();
+        let mut out = Vec::new();
+        md.table
+            .read_into(k.md_id, k.reg_id, base, 0, &mut out)
+            .unwrap();
+        assert!(out.is_empty());
+        let e = md.table.write(k.md_id, k.reg_id, base, b"x").unwrap_err();
+        assert!(e.contains("outside registration"), "{e}");
+        assert!(
+            md.table
+                .read_into(k.md_id, k.reg_id, base, 1, &mut out)
+                .is_err()
+        );
+        assert!(md.table.write(k.md_id, k.reg_id, base + 1, b"").is_err());
+        assert!(out.is_empty());
+        drop(h);
+        assert_eq!(md.live_registrations(), 0);
+        empty.push(1);
+        assert_eq!(empty, [1]);
     }
 
     #[test]
@@ -489,6 +535,14 @@ mod tests {
         assert!(
             md.rkey_unpack(&rkey::pack(COMPONENT, &p)).is_err(),
             "wrapping region"
+        );
+        let mut p = Vec::new();
+        for w in [1u64, 1, 0, 100] {
+            p.extend_from_slice(&w.to_le_bytes());
+        }
+        assert!(
+            md.rkey_unpack(&rkey::pack(COMPONENT, &p)).is_err(),
+            "null region"
         );
     }
 

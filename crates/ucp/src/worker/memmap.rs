@@ -299,9 +299,13 @@ mod tests {
     use crate::Worker;
 
     fn posix_pair() -> (Worker, Worker, crate::EpId) {
+        pair("posix")
+    }
+
+    fn pair(tls: &str) -> (Worker, Worker, crate::EpId) {
         let mut tables = rucx_transports::config_tables();
         tables.push(crate::CONFIG);
-        let cfg = rucx_ucs::Config::from_vars(&tables, [("RUCX_TLS", "posix")]).unwrap();
+        let cfg = rucx_ucs::Config::from_vars(&tables, [("RUCX_TLS", tls)]).unwrap();
         let ctx = crate::Context::new(&rucx_transports::registry(), cfg).unwrap();
         let (a, b) = (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap());
         let ab = a.connect(&b.address()).unwrap();
@@ -345,5 +349,55 @@ mod tests {
         );
         drop((m, full));
         assert_eq!(region, src);
+    }
+
+    fn finish(a: &Worker, b: &Worker, r: crate::Request<'_>) -> rucx_ucs::Result<()> {
+        let t = std::time::Instant::now();
+        while r.test().is_none() {
+            assert!(t.elapsed().as_secs() < 30, "request hangs");
+            a.progress();
+            b.progress();
+        }
+        r.wait().map(|_| ())
+    }
+
+    /// tcp maps an empty buffer as posix does (it refused it with `Unsupported`): the map has
+    /// tcp's key, the key packs and unpacks, a zero-byte put and get through it complete,
+    /// one byte through it is refused as out of bounds and lands nowhere, and a real region
+    /// still takes a put and a get by tcp.
+    #[test]
+    fn tcp_maps_an_empty_buffer() {
+        let (a, b, ab) = pair("tcp");
+        let mut empty: Vec<u8> = Vec::new();
+        let m = b.mem_map(&mut empty[..]).unwrap();
+        assert_eq!(m.domains(), ["tcp"]);
+        let key = a.rkey_unpack(ab, &m.pack_rkey()).unwrap();
+        let mut region = vec![0u8; 4096];
+        let full = b.mem_map(&mut region[..]).unwrap();
+        let full_key = a.rkey_unpack(ab, &full.pack_rkey()).unwrap();
+        let src = vec![9u8; 4096];
+        let mut back = vec![0u8; 4096];
+        let mut nothing: [u8; 0] = [];
+        let mut one = [5u8; 1];
+        a.scope(|s| {
+            finish(&a, &b, s.put(ab, &[][..], m.address(), &key)).unwrap();
+            finish(&a, &b, s.get(ab, &mut nothing[..], m.address(), &key)).unwrap();
+            let e = finish(&a, &b, s.put(ab, &[7u8][..], m.address(), &key)).unwrap_err();
+            assert!(!e.is_retryable(), "{e:?}");
+            let e = finish(&a, &b, s.get(ab, &mut one[..], m.address(), &key)).unwrap_err();
+            assert!(!e.is_retryable(), "{e:?}");
+            finish(&a, &b, s.put(ab, &src[..], full.address(), &full_key)).unwrap();
+            finish(&a, &b, s.get(ab, &mut back[..], full.address(), &full_key)).unwrap();
+        });
+        assert_eq!(one, [5], "a refused get wrote nothing");
+        assert!(
+            a.context_demotions().is_empty(),
+            "{:?}",
+            a.context_demotions()
+        );
+        drop((m, full));
+        assert!(empty.is_empty());
+        assert_eq!(region, src);
+        assert_eq!(back, src);
     }
 }
