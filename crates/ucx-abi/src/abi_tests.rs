@@ -1033,6 +1033,35 @@ unsafe extern "C" fn failed_send_cb(req: *mut c_void, status: Status, _: *mut c_
         .push(("send", req as usize, 0, status));
 }
 
+/// Send `data` on `a` (an endpoint of `w[0]`) into `got` on `w[1]` with tag 1, progressing both
+/// until the receive ended (and the send, when it did not end in place); the receive must end
+/// `UCS_OK`. Both requests are freed.
+///
+/// # Safety
+/// Live workers and endpoint; `got` at least as long as `data`.
+unsafe fn one_message(w: [*mut AbiWorker; 2], a: *mut AbiEp, data: &[u8], got: &mut [u8]) {
+    // SAFETY: the caller's promise; the buffers outlive the requests, which end here.
+    unsafe {
+        let n = data.len();
+        let s = ucp_tag_send_nb(a, data.as_ptr().cast(), n, 1 << 3, 1, None);
+        let r = ucp_tag_recv_nb(w[1], got.as_mut_ptr().cast(), n, 1 << 3, 1, u64::MAX, None);
+        for _ in 0..2_000_000 {
+            if ucp_request_check_status(r) != UCS_INPROGRESS
+                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
+            {
+                break;
+            }
+            ucp_worker_progress(w[0]);
+            ucp_worker_progress(w[1]);
+        }
+        assert_eq!(ucp_request_check_status(r), UCS_OK);
+        ucp_request_free(r);
+        if ptr_is_ptr(s) {
+            ucp_request_free(s);
+        }
+    }
+}
+
 /// An endpoint to `to`'s worker from `from`, with an error handler when `arg` is given (and
 /// `user_data`, which then is the handler's argument).
 ///
@@ -1109,23 +1138,8 @@ fn a_failed_peer_calls_each_error_handler_once_from_progress() {
         // Wire up with one message.
         let data = [7u8; 8];
         let mut got = [0u8; 8];
-        let s = ucp_tag_send_nb(a, data.as_ptr().cast(), 8, 1 << 3, 1, None);
-        let r = ucp_tag_recv_nb(w[1], got.as_mut_ptr().cast(), 8, 1 << 3, 1, u64::MAX, None);
-        for _ in 0..2_000_000 {
-            if ucp_request_check_status(r) != UCS_INPROGRESS
-                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
-            {
-                break;
-            }
-            ucp_worker_progress(w[0]);
-            ucp_worker_progress(w[1]);
-        }
-        assert_eq!(ucp_request_check_status(r), UCS_OK);
+        one_message(w, a, &data, &mut got);
         assert_eq!(got, data);
-        ucp_request_free(r);
-        if ptr_is_ptr(s) {
-            ucp_request_free(s);
-        }
         // A rendezvous send the peer never takes: pending when the peer goes.
         let big = vec![3u8; 4 << 20];
         let mut sp = nbx(UCP_OP_ATTR_FIELD_CALLBACK);
@@ -1202,22 +1216,7 @@ fn a_silent_peer_is_reported_as_an_endpoint_timeout() {
         let back = ep_to(w[1], w[0], None, None);
         let data = [1u8; 8];
         let mut got = [0u8; 8];
-        let s = ucp_tag_send_nb(a, data.as_ptr().cast(), 8, 1 << 3, 1, None);
-        let r = ucp_tag_recv_nb(w[1], got.as_mut_ptr().cast(), 8, 1 << 3, 1, u64::MAX, None);
-        for _ in 0..2_000_000 {
-            if ucp_request_check_status(r) != UCS_INPROGRESS
-                && (!ptr_is_ptr(s) || ucp_request_check_status(s) != UCS_INPROGRESS)
-            {
-                break;
-            }
-            ucp_worker_progress(w[0]);
-            ucp_worker_progress(w[1]);
-        }
-        assert_eq!(ucp_request_check_status(r), UCS_OK);
-        ucp_request_free(r);
-        if ptr_is_ptr(s) {
-            ucp_request_free(s);
-        }
+        one_message(w, a, &data, &mut got);
         let big = vec![3u8; 4 << 20];
         let mut sp = nbx(UCP_OP_ATTR_FIELD_CALLBACK);
         sp.cb.send = Some(failed_send_cb);
