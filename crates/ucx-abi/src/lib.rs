@@ -20,18 +20,25 @@
 //! rucx worker behind them (`UCS_THREAD_MODE_SINGLE`); Open MPI then refuses
 //! `MPI_THREAD_MULTIPLE` itself.
 
+mod am;
 mod config;
 mod context;
 mod datatype;
 mod endpoint;
 mod engine;
+mod extra;
+mod listener;
 mod memtype;
+mod nbx;
 mod refused;
 mod request;
 pub mod status;
+mod stream;
 mod tag;
 pub mod types;
+mod types_more;
 mod ucm;
+mod wait;
 
 #[cfg(test)]
 mod abi_tests;

@@ -48,6 +48,7 @@ pub(crate) mod prelude;
 pub(crate) mod procwatch;
 mod query;
 mod queue;
+mod queued_more;
 #[cfg(test)]
 mod queued_tests;
 mod recv;

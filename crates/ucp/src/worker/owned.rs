@@ -285,7 +285,7 @@ impl Worker {
     }
 
     /// Report a just-posted queued request that ended, or register it.
-    fn adopt_queued(&self, posted: Result<Posted>, token: u64) -> Queued {
+    pub(super) fn adopt_queued(&self, posted: Result<Posted>, token: u64) -> Queued {
         let id = match posted {
             Err(e) => return Queued::Ended(Err(e)),
             Ok(Posted::Done(c)) => return Queued::Ended(Ok(c)),

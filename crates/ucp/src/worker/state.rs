@@ -323,7 +323,11 @@ pub(crate) enum RecvProto {
     /// Filled from the peer's byte stream, not matched by tag. Into GPU memory, the stream
     /// fills `bounce`, a host buffer of the receive's size, copied to the GPU buffer (by the
     /// copy lane, registered in `dev_memh`) once full.
-    Stream { bounce: Option<Vec<u8>> },
+    /// `partial`: complete with the bytes at hand as soon as there is one (host memory only).
+    Stream {
+        bounce: Option<Vec<u8>>,
+        partial: bool,
+    },
     /// A full stream receive into GPU memory whose host bytes are being copied on to the GPU
     /// through pinned staging slots (`proto/memcopy.rs`); completes when every copy finished.
     Landing(Box<crate::proto::memcopy::Landing>),
@@ -511,6 +515,9 @@ pub(crate) struct StreamReqs<'a> {
     /// GPU stream receives filled in their host buffer, to copy on and complete
     /// ([`State::land_gpu_streams`]).
     pub(crate) landed: Vec<u64>,
+    /// Receives that ended (filled or canceled): their owners are told
+    /// ([`State::note_stream_ends`]), so an owned or queued receive is handed back.
+    pub(crate) ended: Vec<u64>,
 }
 
 impl<'a> StreamReqs<'a> {
@@ -519,6 +526,7 @@ impl<'a> StreamReqs<'a> {
             reqs,
             peer,
             landed: Vec::new(),
+            ended: Vec::new(),
         }
     }
 }
@@ -529,7 +537,10 @@ impl StreamRecvs for StreamReqs<'_> {
             Some(Req {
                 kind:
                     ReqKind::Recv(RecvState {
-                        proto: RecvProto::Stream { bounce: Some(b) },
+                        proto:
+                            RecvProto::Stream {
+                                bounce: Some(b), ..
+                            },
                         received,
                         ..
                     }),
@@ -550,19 +561,31 @@ impl StreamRecvs for StreamReqs<'_> {
         }
     }
 
-    fn filled(&mut self, id: u64, n: usize, full: bool) {
+    fn filled(&mut self, id: u64, n: usize, full: bool) -> bool {
         if let Some(r) = self.reqs.get_mut(&id)
             && let ReqKind::Recv(rs) = &mut r.kind
         {
             rs.received += n;
-            if full && matches!(rs.proto, RecvProto::Stream { bounce: Some(_) }) {
+            let partial = matches!(rs.proto, RecvProto::Stream { partial: true, .. });
+            if full
+                && matches!(
+                    rs.proto,
+                    RecvProto::Stream {
+                        bounce: Some(_),
+                        ..
+                    }
+                )
+            {
                 // Complete once the bytes are copied on to the GPU.
                 self.landed.push(id);
-            } else if full && r.result.is_none() {
-                r.result = Some(Ok(Completion::from_peer(rs.cap, EpId(self.peer))));
+            } else if (full || (partial && rs.received > 0)) && r.result.is_none() {
+                r.result = Some(Ok(Completion::from_peer(rs.received, EpId(self.peer))));
                 r.guards.clear();
+                self.ended.push(id);
+                return true;
             }
         }
+        full
     }
 
     fn cancel(&mut self, id: u64) -> Vec<u8> {
@@ -571,7 +594,9 @@ impl StreamRecvs for StreamReqs<'_> {
         };
         let taken = match &r.kind {
             ReqKind::Recv(RecvState {
-                proto: RecvProto::Stream { bounce: Some(b) },
+                proto: RecvProto::Stream {
+                    bounce: Some(b), ..
+                },
                 received,
                 ..
             }) if r.result.is_none() => b[..*received].to_vec(),
@@ -586,6 +611,7 @@ impl StreamRecvs for StreamReqs<'_> {
         if r.result.is_none() {
             r.result = Some(Err(Error::Canceled));
             r.guards.clear();
+            self.ended.push(id);
         }
         taken
     }
@@ -605,6 +631,13 @@ impl State {
     /// End request `id` successfully: `len` bytes moved (no tag, no sender).
     pub(crate) fn finish_ok(&mut self, id: u64, len: usize) {
         self.finish(id, Ok(Completion::done(len)));
+    }
+
+    /// Tell the owners of stream receives that ended in a [`StreamReqs`] pass.
+    pub(crate) fn note_stream_ends(&mut self, ended: &[u64]) {
+        for &id in ended {
+            self.owned.note_done(id);
+        }
     }
 
     pub(crate) fn finish(&mut self, id: u64, res: Result<Completion>) {
