@@ -500,6 +500,53 @@ mod tests {
         w.tag_send_wait(ep, b"bye", 2).unwrap();
     }
 
+    /// `next_request` until a request comes (progressing nothing: the server's side of the
+    /// handshake needs no worker), failing the test after 30 s.
+    fn next_request(l: &Listener) -> ConnRequest {
+        let t = Instant::now();
+        loop {
+            if let Some(r) = l.next_request().unwrap() {
+                return r;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "no request");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_request_is_accepted_on_another_worker_or_rejected_and_the_client_told() {
+        let (lw, dw) = (worker(), worker());
+        let l = lw.listen("127.0.0.1:0").unwrap();
+        let at = l.local_addr();
+        let t = client(at);
+        let r = next_request(&l);
+        assert_eq!(r.client_addr().ip(), at.ip());
+        assert!(crate::address::WorkerAddress::unpack(r.peer_address()).is_ok());
+        // Accepted on the data worker: the client's messages arrive there.
+        let ep = r.accept(&dw).unwrap();
+        serve_one(&dw, ep);
+        t.join().unwrap();
+        // Rejected, explicitly or by dropping the request: the client's connect says so.
+        for explicit in [true, false] {
+            let c = std::thread::spawn(move || {
+                worker()
+                    .connect_sockaddr(at, Duration::from_secs(30))
+                    .unwrap_err()
+            });
+            let r = next_request(&l);
+            if explicit {
+                r.reject();
+            } else {
+                drop(r);
+            }
+            let e = c.join().unwrap();
+            assert!(
+                matches!(&e, Error::PeerAborted { reason, .. } if reason.contains("rejected")),
+                "{e}"
+            );
+        }
+    }
+
     #[test]
     fn a_silent_peer_holds_up_nobody_and_is_dropped_at_its_deadline() {
         let w = worker();

@@ -127,6 +127,9 @@ impl Target {
             recv_attr: UCP_AM_RECV_ATTR_FIELD_REPLY_EP | attr,
             reply_ep: reply.cast(),
         };
+        // Kept before the call: the handler may fetch the payload from inside it
+        // (`ucp_am_recv_data_nbx`), which takes it from there.
+        w.extra.am.kept.borrow_mut().push(kept);
         // SAFETY: the caller's handler, with the message's header and payload, valid for the
         // call (and after it, when it keeps the payload).
         let status = unsafe {
@@ -139,10 +142,11 @@ impl Target {
                 &param,
             )
         };
-        if status == UCS_INPROGRESS {
-            w.extra.am.kept.borrow_mut().push(kept);
+        if status != UCS_INPROGRESS {
+            // Not kept by the handler: dropped (a remote payload dropped unfetched releases
+            // its sender), unless the handler fetched it already.
+            drop(w.extra.am.take(data));
         }
-        // Otherwise dropped: a remote payload dropped unfetched releases its sender.
     }
 }
 

@@ -11,6 +11,9 @@
 //!   `request_size` area, this library's header sits right before it), completion and callbacks;
 //! - `tag`, `datatype`: tag send/receive/probe in their nb, nbr and nbx forms, contiguous and
 //!   generic datatypes;
+//! - `listener`, `stream`, `am`, `wait` (with `nbx`, `extra`, `types_more`): client/server
+//!   connection establishment, streams, active messages and wake-up, what UCX's own examples
+//!   (`ucp_hello_world`, `ucp_client_server`) call;
 //! - `refused`: the remote-memory and atomic functions of osc/spml, exported so that the
 //!   components load, each returning `UCS_ERR_UNSUPPORTED`;
 //! - `ucm`: the memory-event hooks Open MPI's common/ucx calls.
@@ -42,6 +45,8 @@ mod wait;
 
 #[cfg(test)]
 mod abi_tests;
+#[cfg(test)]
+mod cs_tests;
 mod worker;
 
 pub use request::HEADER_SIZE;

@@ -48,11 +48,25 @@ pub struct AbiConnRequest {
 #[derive(Debug, Default)]
 pub struct Listeners {
     open: std::cell::RefCell<Vec<*mut AbiListener>>,
+    /// `open` is not empty (one load on every progress call, no borrow).
+    any: std::cell::Cell<bool>,
 }
 
 impl Listeners {
+    #[inline(always)]
     pub fn any(&self) -> bool {
-        !self.open.borrow().is_empty()
+        self.any.get()
+    }
+
+    fn add(&self, l: *mut AbiListener) {
+        self.open.borrow_mut().push(l);
+        self.any.set(true);
+    }
+
+    fn remove(&self, l: *mut AbiListener) {
+        let mut open = self.open.borrow_mut();
+        open.retain(|&p| p != l);
+        self.any.set(!open.is_empty());
     }
 
     pub fn fds(&self) -> Vec<RawFd> {
@@ -305,7 +319,7 @@ pub unsafe extern "C" fn ucp_listener_create(
                 conn,
                 accept,
             }));
-            w.extra.listeners.open.borrow_mut().push(lp);
+            w.extra.listeners.add(lp);
             w.extra.wake.watch(fd);
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *listener_p = lp };
@@ -339,11 +353,7 @@ pub unsafe extern "C" fn ucp_listener_destroy(listener: *mut AbiListener) {
     let l = unsafe { Box::from_raw(listener) };
     // SAFETY: a worker outlives its listeners (UCX's rule).
     let w = unsafe { &*l.worker };
-    w.extra
-        .listeners
-        .open
-        .borrow_mut()
-        .retain(|&p| p != listener);
+    w.extra.listeners.remove(listener);
     w.extra.wake.unwatch(l.l.as_raw_fd());
 }
 
