@@ -36,7 +36,7 @@ unsafe extern "C" fn on_send(_: *mut c_void, status: Status, data: *mut c_void) 
     SENDS.lock().unwrap().push((status, data as usize));
 }
 
-fn context(tls: &std::ffi::CStr) -> *mut AbiContext {
+pub fn context(tls: &std::ffi::CStr) -> *mut AbiContext {
     let mut cfg: *mut AbiConfig = std::ptr::null_mut();
     // SAFETY: all-zero is a valid ucp_params_t.
     let mut params: UcpParams = unsafe { std::mem::zeroed() };
@@ -59,7 +59,7 @@ fn context(tls: &std::ffi::CStr) -> *mut AbiContext {
     ctx
 }
 
-fn worker(ctx: *mut AbiContext) -> *mut AbiWorker {
+pub fn worker(ctx: *mut AbiContext) -> *mut AbiWorker {
     let mut w = std::ptr::null_mut();
     // SAFETY: a live context; all-zero params are valid.
     unsafe {

@@ -30,6 +30,7 @@ mod datatype;
 mod endpoint;
 mod engine;
 mod extra;
+mod info;
 mod listener;
 mod memtype;
 mod nbx;
