@@ -179,8 +179,8 @@ impl AbiWorker {
 
     #[inline(always)]
     fn progress_with<const REPORT: bool>(&self) -> usize {
-        let n = self.worker.progress();
-        if self.ready.borrow().is_empty() && !self.worker.has_completed() {
+        let (n, completed) = self.worker.progress_queued();
+        if !completed && self.ready.borrow().is_empty() {
             return n;
         }
         n + self.deliver_ended::<REPORT>()

@@ -72,6 +72,12 @@ impl Registry {
         }
     }
 
+    /// Ends of queued requests wait to be taken.
+    #[inline]
+    pub(super) fn has_completed(&self) -> bool {
+        !self.completed.is_empty()
+    }
+
     /// Something to hand back.
     #[inline]
     pub(super) fn has_work(&self) -> bool {
@@ -312,7 +318,7 @@ impl Worker {
     /// Whether ends of queued requests wait to be taken ([`take_completed`](Self::take_completed)).
     #[inline]
     pub fn has_completed(&self) -> bool {
-        !self.st.borrow().owned.completed.is_empty()
+        self.st.borrow().owned.has_completed()
     }
 
     /// Move the ends of queued requests not taken yet, in the order they ended (token and

@@ -462,6 +462,10 @@ pub(crate) struct State {
     pub(crate) plan_gen: u64,
     /// Protocol counters, by static name (a handful; a linear scan beats a map).
     pub(crate) counters: Vec<(&'static str, u64)>,
+    /// Eager-short sends that left in place ([`Worker::tag_send_inline`](crate::Worker::tag_send_inline)): counted apart, one
+    /// add on that path, and reported under the protocol's name by
+    /// [`Worker::counters`](crate::Worker::counters).
+    pub(crate) inline_short: u64,
     /// The owner is leaving (`Worker::set_closing`): a peer's end is not warned about.
     pub(crate) closing: bool,
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
