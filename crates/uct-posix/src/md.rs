@@ -62,8 +62,8 @@ pub struct PosixMd {
     shared: Mutex<BTreeMap<usize, Weak<PosixShared>>>,
     /// This process's id (packed into every key; `getpid` is a system call).
     pid: u32,
-    /// Keys unpacked lately, with what they unpacked to, in [`UNPACKED_SLOTS`] slots (sets of
-    /// two) chosen by a hash of the bytes. Unpacking is a pure function of the bytes (no mapping is made until
+    /// Keys unpacked lately, with what they unpacked to, in [`UNPACKED_SLOTS`] slots chosen by
+    /// a hash of the bytes. Unpacking is a pure function of the bytes (no mapping is made until
     /// an access), and a peer that sends from one buffer, or receives into a few, sends the
     /// same keys with every rendezvous: an equal key is answered from its slot, without parsing
     /// it again or the four allocations of a fresh [`RemoteKey`] (about a tenth of either
@@ -71,13 +71,11 @@ pub struct PosixMd {
     unpacked: Mutex<Vec<Option<Unpacked>>>,
 }
 
-/// A key's bytes, what they unpacked to, and whether it was used after the other way of its
-/// set.
-type Unpacked = (Vec<u8>, RemoteKey, bool);
+/// A key's bytes and what they unpacked to.
+type Unpacked = (Vec<u8>, RemoteKey);
 
 /// Slots of [`PosixMd`]'s unpacked keys: more than a window of receive buffers (16 by default
-/// in the benchmarks), whose keys a sender unpacks in turn; in sets of two (a slot chosen by
-/// the hash alone lost about one key in eight to a collision with 16 keys in turn).
+/// in the benchmarks), whose keys a sender unpacks in turn.
 const UNPACKED_SLOTS: usize = 64;
 
 /// The slot of `packed` among [`UNPACKED_SLOTS`]: a multiplicative hash of its words (keys of
@@ -268,21 +266,12 @@ impl MemoryDomain for PosixMd {
     }
 
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey> {
-        // Two ways per set: the slot the hash picks and its neighbour.
-        let first = key_slot(packed) & !1;
+        let slot = key_slot(packed);
         let mut seen = self.unpacked.lock().unwrap_or_else(|p| p.into_inner());
-        for way in [first, first + 1] {
-            if let Some((bytes, key, used)) = &mut seen[way]
-                && bytes.as_slice() == packed
-            {
-                *used = true;
-                let key = key.clone();
-                // The other way is the one to replace next.
-                if let Some((_, _, u)) = &mut seen[way ^ 1] {
-                    *u = false;
-                }
-                return Ok(key);
-            }
+        if let Some((bytes, key)) = &seen[slot]
+            && bytes.as_slice() == packed
+        {
+            return Ok(key.clone());
         }
         // The envelope's name tells the two kinds apart (no failed parse, and its formatted
         // error, per key of a shared segment).
@@ -292,25 +281,14 @@ impl MemoryDomain for PosixMd {
             RkeyData::unpack(packed)?
         };
         let key = RemoteKey::new(NAME, k.base, k.len, Arc::new(k));
-        // An empty way, else the one not used since the other was.
-        let way = match (&seen[first], &seen[first + 1]) {
-            (None, _) => first,
-            (_, None) => first + 1,
-            (Some((_, _, true)), _) => first + 1,
-            _ => first,
-        };
-        if let Some((_, _, u)) = &mut seen[way ^ 1] {
-            *u = false;
-        }
-        match &mut seen[way] {
+        match &mut seen[slot] {
             // The slot's buffer is reused, not reallocated, when the new key is no longer.
-            Some((bytes, k, used)) => {
+            Some((bytes, k)) => {
                 bytes.clear();
                 bytes.extend_from_slice(packed);
                 *k = key.clone();
-                *used = true;
             }
-            empty => *empty = Some((packed.to_vec(), key.clone(), true)),
+            empty => *empty = Some((packed.to_vec(), key.clone())),
         }
         Ok(key)
     }
