@@ -8,7 +8,11 @@
 //! pays no system call per progress for it. A caller that sleeps on this interface alone
 //! (`arm_and_wait`) sleeps in the `epoll_wait` that names the ready sockets, and the next
 //! progress handles those without asking again; while it keeps sleeping between messages,
-//! progress asks epoll rather than `poll(2)` over every socket.
+//! progress asks epoll rather than `poll(2)` over every socket. With a single established
+//! connection that only waits for input, progress reads it without asking which sockets are
+//! ready (`speculative`), and when that read finds nothing and no endpoint asked for
+//! attention, the call ends there: one `recvfrom` and no lock (`Receiver::read_ahead`), the
+//! whole of what a polling caller spins on between messages.
 //!
 //! Each connection has two halves with different owners: the interface owns the receiving
 //! half (`proto::Receiver`) and reads without a lock; the connection object
@@ -590,9 +594,21 @@ impl Iface for TcpIface {
             // no frame held back, no deadline, no merge).
             return 0;
         }
+        let speculate = self.speculative();
+        if let Some(key) = speculate
+            && !self.kick.pending()
+            && self.again.is_empty()
+            && self.work.is_empty()
+            && let Some(s) = self.slots.get_mut(key).and_then(Option::as_mut)
+            && !s.rx.read_ahead(&mut s.sock, &self.table)
+        {
+            // The lone connection had nothing, and nothing else waits (no endpoint asked for
+            // attention, no frames are held back, no deadline runs): done, without the
+            // connection's lock. This is the call a polling caller spins on between messages.
+            return 0;
+        }
         let mut work = std::mem::take(&mut self.work);
         let mut accept = false;
-        let speculate = self.speculative();
         let by_epoll = self.readiness_by_epoll();
         self.poll_next = false;
         match speculate {

@@ -95,6 +95,9 @@ pub(crate) struct Receiver<S> {
     direct_get: Option<DirectGet>,
     /// Where the body of a refused `Put` is received and dropped.
     scratch: Vec<u8>,
+    /// The outcome of a read made before this progress step ([`read_ahead`](Self::read_ahead)),
+    /// taken by the step as its first read.
+    ahead: Option<io::Result<Fill>>,
 }
 
 /// Copy `data` to bytes `[off, off + data.len())` of the buffers `dst` laid end to end.
@@ -135,6 +138,38 @@ impl<S: OwnedSock> Receiver<S> {
             direct: None,
             direct_get: None,
             scratch: Vec::new(),
+            ahead: None,
+        }
+    }
+
+    /// Read once from `sock` ahead of a progress step, without the connection's lock: into the
+    /// receive buffer, or straight into the destination of the `Put` or get answer whose body
+    /// is being received. Returns false when nothing arrived (the step has nothing to do and
+    /// need not run); otherwise the step that follows ([`progress`](Self::progress)) takes the
+    /// outcome as its first read. Only for a connection whose frames are not held back (no
+    /// `Joined` pending), as the interface's lone-connection speculation reads it.
+    pub(crate) fn read_ahead<R: RawRecv>(&mut self, sock: &mut R, table: &RegTable) -> bool {
+        if self.ahead.is_some() || self.joined.is_some() || self.wait.is_some() {
+            // The step decides whether to read at all.
+            return true;
+        }
+        match self.read_once(sock, table) {
+            Ok(Fill::WouldBlock) => false,
+            r => {
+                self.ahead = Some(r);
+                true
+            }
+        }
+    }
+
+    /// One read: the direct body being received, or else the receive buffer.
+    fn read_once<R: RawRecv>(&mut self, sock: &mut R, table: &RegTable) -> io::Result<Fill> {
+        if self.direct.is_some() {
+            self.recv_direct(sock, table)
+        } else if self.direct_get.is_some() {
+            self.recv_direct_get(sock)
+        } else {
+            self.rx.fill(sock)
         }
     }
 
@@ -152,23 +187,21 @@ impl<S: OwnedSock> Receiver<S> {
         sink: &mut dyn FnMut(Event<'_>),
         out: &mut Vec<Owned>,
     ) -> Progress {
+        let mut ahead = self.ahead.take();
         let may_read = lock(conn).begin(ready.output, now);
         let mut delivered = 0;
         if may_read {
             // Frames already buffered first (they may have waited for back-pressure to end).
             let (n, mut go) = self.handle_frames(conn, table, sink);
             delivered += n;
-            if ready.input {
+            if ready.input || ahead.is_some() {
                 for _ in 0..READS_PER_PROGRESS {
                     if !go {
                         break;
                     }
-                    let read = if self.direct.is_some() {
-                        self.recv_direct(sock, table)
-                    } else if self.direct_get.is_some() {
-                        self.recv_direct_get(sock)
-                    } else {
-                        self.rx.fill(sock)
+                    let read = match ahead.take() {
+                        Some(r) => r,
+                        None => self.read_once(sock, table),
                     };
                     let more = match read {
                         Ok(Fill::Data(_)) => true,
@@ -203,6 +236,12 @@ impl<S: OwnedSock> Receiver<S> {
                 }
             }
         }
+        if let Some(r @ (Ok(Fill::Eof) | Err(_))) = ahead {
+            // Read ahead, but this step did not get to reading (its answers pile up since, or
+            // frames are held back): the bytes are buffered, and the end of the stream or the
+            // error waits for the step that reads next.
+            self.ahead = Some(r);
+        }
         let after = lock(conn).finish(now, out);
         Progress {
             delivered,
@@ -210,7 +249,10 @@ impl<S: OwnedSock> Receiver<S> {
             read: after.read,
             write: after.write,
             timed: after.timed,
-            again: after.read && (self.wait.is_some() || matches!(self.rx.frame(), Ok(Some(_)))),
+            again: after.read
+                && (self.wait.is_some()
+                    || self.ahead.is_some()
+                    || matches!(self.rx.frame(), Ok(Some(_)))),
         }
     }
 

@@ -104,6 +104,18 @@ impl End {
         self.step_with(BOTH)
     }
 
+    /// A step as the interface takes one on its lone connection without a readiness check:
+    /// a read ahead, then (unless it found nothing) the step, told the socket is readable.
+    fn step_ahead(&mut self) -> Option<rx::Progress> {
+        let table = self.md.table();
+        self.rx.read_ahead(&mut self.reader, &table).then(|| {
+            self.step_with(Ready {
+                input: true,
+                output: false,
+            })
+        })
+    }
+
     /// The completion of `token`, if it came.
     fn completion(&mut self, token: u64) -> Option<rucx_ucs::Result<()>> {
         let i = self
@@ -340,6 +352,33 @@ fn a_stream_cut_in_the_middle_of_a_frame_fails_at_its_end() {
     raw.shutdown(std::net::Shutdown::Write);
     b.step();
     assert!(b.ams.is_empty());
+    assert_eq!(
+        b.failure().as_deref(),
+        Some("the peer closed the connection")
+    );
+    assert!(b.ep_error().unwrap().contains("closed"));
+}
+
+#[test]
+fn a_read_ahead_that_finds_nothing_skips_the_step_and_one_that_finds_the_end_fails() {
+    let (mut raw, mut b) = raw_to_b();
+    b.c().ep = Some(3);
+    assert!(b.step_ahead().is_none(), "nothing arrived: no step");
+    raw.inject(&wire::hello_frame(A));
+    raw.inject(&am_frame(1, &[7; 100]));
+    let p = b.step_ahead().expect("the hello and a message arrived");
+    assert!(p.read && !p.gone && b.rx.hello, "{p:?}");
+    assert_eq!(b.ams, vec![(1, vec![7; 100])]);
+    assert!(b.step_ahead().is_none());
+    raw.inject(&am_frame(2, b"last"));
+    raw.shutdown(std::net::Shutdown::Write);
+    b.step_ahead().expect("a message");
+    assert_eq!(b.ams.last(), Some(&(2, b"last".to_vec())));
+    assert!(
+        b.failure().is_none(),
+        "the read drained the socket: no second read"
+    );
+    b.step_ahead().expect("the end of the stream");
     assert_eq!(
         b.failure().as_deref(),
         Some("the peer closed the connection")
@@ -621,14 +660,16 @@ proptest! {
 
     /// A valid stream (hello, active messages, puts large and small, a refused put, flushes,
     /// a get request) gives the same messages, answers, memory and state however it is cut
-    /// into reads.
+    /// into reads, and whether each step reads ahead (the interface's lone-connection read)
+    /// or is told the socket is ready.
     #[test]
     fn any_split_of_a_valid_stream_gives_the_same_result(
         sizes in proptest::collection::vec(0usize..6000, 1..8),
         cuts in proptest::collection::vec(0usize..60_000, 0..24),
+        ahead in any::<bool>(),
     ) {
         let mut target = vec![0u8; 8192];
-        let mut run = |cuts: &[usize]| -> (Outcome, Vec<u8>) {
+        let mut run = |cuts: &[usize], ahead: bool| -> (Outcome, Vec<u8>) {
             let (mut raw, mut b) = raw_to_b();
             target.fill(0);
             let base = target.as_ptr() as u64;
@@ -656,7 +697,13 @@ proptest! {
                 let c = c.clamp(at, stream.len());
                 raw.inject(&stream[at..c]);
                 at = c;
-                b.step();
+                if ahead {
+                    // The interface's lone-connection read: straight into the buffer or the
+                    // destination, the step only when something arrived.
+                    b.step_ahead();
+                } else {
+                    b.step();
+                }
             }
             for _ in 0..4 {
                 b.step();
@@ -665,14 +712,14 @@ proptest! {
             drop(th);
             ((b.ams.clone(), answers, b.failure()), target.clone())
         };
-        let (whole, whole_mem) = run(&[]);
+        let (whole, whole_mem) = run(&[], false);
         prop_assert!(whole.2.is_none(), "{:?}", whole.2);
         prop_assert_eq!(whole.0.len(), sizes.len());
         let answers = frames(&whole.1);
         // Hello, then per round: ack, refusal, ack; then the get's data.
         prop_assert_eq!(answers.len(), 2 + sizes.len() * 3);
         prop_assert_eq!(answers.last().unwrap().0.kind, Kind::GetRep);
-        let (split, split_mem) = run(&cuts);
+        let (split, split_mem) = run(&cuts, ahead);
         prop_assert_eq!(&split, &whole);
         prop_assert!(split_mem == whole_mem);
     }
