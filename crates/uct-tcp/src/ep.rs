@@ -228,10 +228,16 @@ impl Endpoint for TcpEndpoint {
 
     fn flush(&mut self, token: u64) -> Result<OpStatus> {
         {
-            let c = self.conn();
+            let mut c = self.conn();
             c.usable()?;
             if c.ops.all_answered() {
                 return Ok(OpStatus::Done);
+            }
+            // Nothing posted since the last request: its answer (the peer answers in order)
+            // completes the flush too, with no `Flush` frame and no answer of its own on the
+            // wire (a rendezvous write and its flush: one frame each way, not two).
+            if c.ops.flush_behind_last(token) {
+                return Ok(OpStatus::InProgress);
             }
         }
         let op = self.conn().ops.next_op();

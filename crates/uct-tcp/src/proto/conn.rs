@@ -458,14 +458,28 @@ impl<S: OwnedSock> Conn<S> {
                 Some(t) => self.completions.push(Owned::Completion(t, Err(err))),
                 // put_short has no completion: the endpoint is the only place to report it.
                 None if !p.orphan => {
-                    return Err(Reply::Fail(format!("peer refused a put_short: {reason}")));
+                    let why = format!("peer refused a put_short: {reason}");
+                    // The connection fails: the flushes behind it with it.
+                    for t in p.flushes {
+                        let e = self.failure(&why);
+                        self.completions.push(Owned::Completion(t, Err(e)));
+                    }
+                    return Err(Reply::Fail(why));
                 }
                 None => {}
             }
         } else if let Some(t) = p.token {
             self.completions.push(Owned::Completion(t, Ok(())));
         }
+        // The peer processed everything up to this request: the flushes behind it are done
+        // (whether or not it refused the request itself).
+        self.complete_flushes(p.flushes);
         Ok(())
+    }
+
+    fn complete_flushes(&mut self, flushes: Vec<u64>) {
+        self.completions
+            .extend(flushes.into_iter().map(|t| Owned::Completion(t, Ok(()))));
     }
 
     /// Queue the answer to a `Put` of `len` bytes at `addr`.
@@ -494,8 +508,11 @@ impl<S: OwnedSock> Conn<S> {
     /// A get answer was received straight into the get's buffers: complete the get (unless
     /// the connection failed meanwhile and completed it with the error).
     pub(crate) fn finish_get(&mut self, op: u64) {
-        if let Some(t) = self.ops.finish(op).and_then(|p| p.token) {
-            self.completions.push(Owned::Completion(t, Ok(())));
+        if let Some(p) = self.ops.finish(op) {
+            if let Some(t) = p.token {
+                self.completions.push(Owned::Completion(t, Ok(())));
+            }
+            self.complete_flushes(p.flushes);
         }
     }
 

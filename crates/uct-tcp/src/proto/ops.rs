@@ -1,6 +1,7 @@
 //! Our endpoint's requests (`Put`, `GetReq`, `Flush`) waiting for the peer's answers. The peer
 //! answers in request order, so an answer must name the oldest outstanding request and be of
-//! a kind that answers it; anything else is a protocol violation.
+//! a kind that answers it; anything else is a protocol violation. A flush posted right after a
+//! request (nothing in between) waits for that request's answer instead of sending a `Flush`.
 
 use std::collections::VecDeque;
 
@@ -19,6 +20,10 @@ pub(crate) struct PendingOp {
     /// The endpoint that posted it is gone: its answer is consumed silently.
     pub(crate) orphan: bool,
     pub(crate) kind: PendKind,
+    /// Tokens of flushes posted right after this request (nothing between): the peer answers
+    /// in order, so once this request is answered, everything posted before the flush was
+    /// processed, and the flush completes without a `Flush` frame of its own.
+    pub(crate) flushes: Vec<u64>,
 }
 
 /// What a request was.
@@ -86,6 +91,7 @@ impl Requests {
             token,
             orphan: false,
             kind,
+            flushes: Vec::new(),
         });
         self.next_op += 1;
         op
@@ -99,6 +105,19 @@ impl Requests {
     /// Everything posted was processed by the peer (a flush has nothing to wait for).
     pub(crate) fn all_answered(&self) -> bool {
         self.posted == self.acked && self.pending.is_empty()
+    }
+
+    /// A flush with nothing posted after the last outstanding request: it waits for that
+    /// request's answer (returns true) instead of a `Flush` of its own. False when something
+    /// was posted since (an active message) or nothing is outstanding.
+    pub(crate) fn flush_behind_last(&mut self, token: u64) -> bool {
+        match self.pending.back_mut() {
+            Some(p) if p.posted == self.posted => {
+                p.flushes.push(token);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Check that an answer of `kind` naming `op` (with `data` bytes of get data) answers the
@@ -169,13 +188,16 @@ impl Requests {
     pub(crate) fn orphan_all(&mut self) {
         for p in self.pending.iter_mut() {
             p.token = None;
+            p.flushes.clear();
             p.orphan = true;
         }
     }
 
     /// Remove every waiting request (the connection failed); returns their tokens.
     pub(crate) fn drain_tokens(&mut self) -> impl Iterator<Item = u64> + '_ {
-        self.pending.drain(..).filter_map(|p| p.token)
+        self.pending
+            .drain(..)
+            .flat_map(|p| p.token.into_iter().chain(p.flushes))
     }
 }
 

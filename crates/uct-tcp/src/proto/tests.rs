@@ -474,6 +474,60 @@ fn puts_gets_and_flushes_are_answered_in_order_through_tiny_reads() {
 }
 
 #[test]
+fn a_flush_right_behind_a_request_completes_with_its_answer() {
+    let (mut a, mut b) = pair(1 << 20, usize::MAX);
+    a.c().ep = Some(1);
+    let mut target = vec![0u8; 1000];
+    let base = target.as_ptr() as u64;
+    let (th, _rkey, k) = expose(&a, &b, &mut target);
+    let put = |a: &End, token: u64, at: u64| {
+        let op = a.c().ops.next_op();
+        let head = wire::put_head(op, k.md_id, k.reg_id, at, 10);
+        a.c()
+            .request(
+                &[Part::Bytes(&head), Part::Bytes(&[5u8; 10])],
+                Some(token),
+                PendKind::Put,
+            )
+            .unwrap();
+    };
+    put(&a, 10, base);
+    let op = a.c().ops.next_op();
+    assert!(a.c().ops.flush_behind_last(11));
+    assert!(
+        a.c().ops.flush_behind_last(12),
+        "two flushes behind one put"
+    );
+    assert_eq!(a.c().ops.next_op(), op, "no request of their own");
+    complete(&mut a, &mut b, 11).unwrap();
+    assert!(matches!(a.completion(10), Some(Ok(()))));
+    assert!(matches!(a.completion(12), Some(Ok(()))));
+    assert!(a.c().ops.all_answered() && target[..10] == [5; 10]);
+    // Refused (past the registration): the put fails, the flush behind it completes.
+    put(&a, 13, base + 995);
+    assert!(a.c().ops.flush_behind_last(14));
+    complete(&mut a, &mut b, 14).unwrap();
+    assert!(matches!(a.completion(13), Some(Err(_))));
+    // An active message after the put: the flush needs a request of its own.
+    put(&a, 15, base);
+    a.am(3, b"x");
+    assert!(!a.c().ops.flush_behind_last(16));
+    complete(&mut a, &mut b, 15).unwrap();
+    assert!(
+        !a.c().ops.all_answered(),
+        "the message is not known processed"
+    );
+    // The connection fails with a flush waiting: it fails too.
+    put(&a, 17, base);
+    assert!(a.c().ops.flush_behind_last(18));
+    a.c().fail("cut");
+    a.step();
+    assert!(matches!(a.completion(17), Some(Err(_))));
+    assert!(matches!(a.completion(18), Some(Err(_))));
+    drop(th);
+}
+
+#[test]
 fn a_refused_access_fails_the_operation_not_the_connection() {
     let (mut a, mut b) = pair(1 << 20, usize::MAX);
     a.c().ep = Some(1);
