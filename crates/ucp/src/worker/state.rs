@@ -154,7 +154,11 @@ pub(crate) struct Peer {
     pub(crate) needs_lanes: bool,
     /// The peer's interfaces this worker reaches, by local interface index.
     pub(crate) targets: Vec<(usize, IfaceEntry)>,
+    /// Why it ended (failed or closed), once it did.
     pub(crate) failed: Option<String>,
+    /// The error its requests ended with when it failed ([`State::fail_peer_with`]): a peer
+    /// timeout stays one for requests posted later.
+    pub(crate) failure: Option<Error>,
     pub(crate) queue: VecDeque<Pending>,
     pub(crate) next_msg: u64,
     /// The receive side of the byte stream from this peer.
@@ -511,6 +515,8 @@ pub(crate) struct StreamReqs<'a> {
     /// GPU stream receives filled in their host buffer, to copy on and complete
     /// ([`State::land_gpu_streams`]).
     pub(crate) landed: Vec<u64>,
+    /// Why the stream ended, for receives it ends early ([`StreamRecvs::end`]).
+    pub(crate) cause: Option<Error>,
 }
 
 impl<'a> StreamReqs<'a> {
@@ -519,7 +525,14 @@ impl<'a> StreamReqs<'a> {
             reqs,
             peer,
             landed: Vec::new(),
+            cause: None,
         }
+    }
+
+    /// For a stream that ended (or ends now) because of `cause`.
+    pub(crate) fn ended_by(mut self, cause: Error) -> Self {
+        self.cause = Some(cause);
+        self
     }
 }
 
@@ -588,6 +601,38 @@ impl StreamRecvs for StreamReqs<'_> {
             r.guards.clear();
         }
         taken
+    }
+
+    fn end(&mut self, id: u64) -> Vec<u8> {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Vec::new();
+        };
+        let ReqKind::Recv(rs) = &mut r.kind else {
+            return Vec::new();
+        };
+        if r.result.is_some() {
+            return Vec::new();
+        }
+        // A GPU receive's bytes are in its host buffer, not yet in the caller's: they go back
+        // to the stream (a later receive gets them) and the receive holds none.
+        let back = match &rs.proto {
+            RecvProto::Stream { bounce: Some(b) } => {
+                let back = b[..rs.received].to_vec();
+                rs.received = 0;
+                back
+            }
+            _ => Vec::new(),
+        };
+        let cause = self.cause.clone().unwrap_or_else(|| {
+            Error::Internal(format!("stream receive {id:#x} ended with no cause"))
+        });
+        r.result = Some(Err(Error::StreamIncomplete {
+            received: rs.received,
+            wanted: rs.cap,
+            cause: Box::new(cause),
+        }));
+        r.guards.clear();
+        back
     }
 }
 
@@ -731,16 +776,25 @@ impl State {
             });
         }
         match &peer.failed {
-            Some(reason) => Err(Error::EndpointFailure {
-                peer: peer.remote.describe(),
-                reason: reason.clone(),
-            }),
+            Some(_) => Err(self.failure_of(p)),
             None if !peer.connected => Err(Error::NoResource(format!(
                 "endpoint ep{p} to {} is still being wired up",
                 peer.remote.describe()
             ))),
             None => Ok(()),
         }
+    }
+
+    /// The error a request on ended peer `p` gets: the failure itself (typed: a peer timeout
+    /// stays [`Error::PeerTimeout`]), else [`Error::EndpointFailure`] with the reason it ended.
+    pub(crate) fn failure_of(&self, p: usize) -> Error {
+        let peer = &self.peers[p];
+        peer.failure
+            .clone()
+            .unwrap_or_else(|| Error::EndpointFailure {
+                peer: peer.remote.describe(),
+                reason: peer.failed.clone().unwrap_or_default(),
+            })
     }
 
     pub(crate) fn next_msg(&mut self, p: usize) -> u64 {
