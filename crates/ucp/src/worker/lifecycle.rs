@@ -390,7 +390,7 @@ impl State {
             {
                 return Some(Ok(DONE));
             }
-            return Some(Err(self.failure_of(p)));
+            return Some(Err(self.failed_error(p)));
         }
         loop {
             match c.phase {

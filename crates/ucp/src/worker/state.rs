@@ -724,7 +724,13 @@ impl State {
         };
         // A broken endpoint fails the peer's requests on its side by itself.
         let notify = !matches!(e, Error::EndpointFailure { .. });
-        let reason = e.to_string();
+        let reason = match &e {
+            // What the peer's request will say: "<this worker> ended the transfer: ...".
+            Error::Canceled => "it was canceled on that side (the request canceled, its endpoint \
+                                force-closed, or its worker dropped)"
+                .to_string(),
+            e => e.to_string(),
+        };
         self.set_result(id, Err(e));
         match notice {
             Some((p, _, _, true))
@@ -768,12 +774,8 @@ impl State {
             .peers
             .get(p)
             .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
-        if let Some(c) = peer.closed {
-            return Err(Error::EndpointClosed {
-                ep: format!("ep{p}"),
-                peer: peer.remote.describe(),
-                by: c.describe().into(),
-            });
+        if peer.closed.is_some() {
+            return Err(self.failure_of(p));
         }
         match &peer.failed {
             Some(_) => Err(self.failure_of(p)),
@@ -785,9 +787,25 @@ impl State {
         }
     }
 
-    /// The error a request on ended peer `p` gets: the failure itself (typed: a peer timeout
-    /// stays [`Error::PeerTimeout`]), else [`Error::EndpointFailure`] with the reason it ended.
+    /// The error a request on ended peer `p` gets: [`Error::EndpointClosed`] (by whom) for a
+    /// closed endpoint, else the failure itself (typed: a peer timeout stays
+    /// [`Error::PeerTimeout`]), else [`Error::EndpointFailure`] with the reason it ended.
     pub(crate) fn failure_of(&self, p: usize) -> Error {
+        let peer = &self.peers[p];
+        if let Some(c) = peer.closed {
+            // Closed (by either side), not failed: say so, and by whom.
+            return Error::EndpointClosed {
+                ep: format!("ep{p}"),
+                peer: peer.remote.describe(),
+                by: c.describe().into(),
+            };
+        }
+        self.failed_error(p)
+    }
+
+    /// The error peer `p` failed with ([`State::fail_peer_with`]), else
+    /// [`Error::EndpointFailure`] with the reason it ended.
+    pub(crate) fn failed_error(&self, p: usize) -> Error {
         let peer = &self.peers[p];
         peer.failure
             .clone()
