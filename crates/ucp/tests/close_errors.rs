@@ -97,3 +97,41 @@ fn a_transfer_ended_by_the_senders_worker_drop_says_how() {
     });
     assert!(g1 == small);
 }
+
+/// An `EpId` of another worker (a user's mix-up) is refused by every call, saying that an
+/// `EpId` belongs to the worker that made it (it said only "endpoint ep2 does not exist").
+#[test]
+fn an_endpoint_of_another_worker_is_refused_saying_whose_it_is() {
+    let (a, b, _ab, _ba) = pair();
+    let extra = [
+        Worker::new(&context()).unwrap(),
+        Worker::new(&context()).unwrap(),
+    ];
+    let mut last = None;
+    for w in &extra {
+        last = Some(a.connect(&w.address()).unwrap());
+    }
+    let foreign = last.unwrap();
+    let says = |e: Error| match e {
+        Error::InvalidParam(m) => {
+            assert!(m.contains("does not exist on this worker"), "{m}");
+            assert!(
+                m.contains("valid only on the worker whose connect made it"),
+                "{m}"
+            );
+        }
+        other => panic!("{other:?}"),
+    };
+    let mut g = [0u8; 4];
+    b.scope(|s| {
+        says(s.tag_send(foreign, &[1u8][..], 1).wait().unwrap_err());
+        says(s.stream_recv(foreign, &mut g[..]).wait().unwrap_err());
+    });
+    says(
+        b.close(foreign, CloseMode::Force)
+            .test()
+            .unwrap()
+            .unwrap_err(),
+    );
+    says(b.set_ep_error_handler(foreign, |_, _, _| {}).unwrap_err());
+}

@@ -144,9 +144,7 @@ impl Worker {
         {
             let mut st = self.st.borrow_mut();
             let Some(peer) = st.peers.get(p) else {
-                req.end_now(Err(Error::InvalidParam(format!(
-                    "endpoint {ep} does not exist"
-                ))));
+                req.end_now(Err(no_such_ep(p)));
                 return req;
             };
             if let Some(c) = peer.closed {
@@ -223,7 +221,7 @@ impl Worker {
     ) -> Result<()> {
         let mut st = self.st.borrow_mut();
         if ep.0 >= st.peers.len() {
-            return Err(Error::InvalidParam(format!("endpoint {ep} does not exist")));
+            return Err(no_such_ep(ep.0));
         }
         st.life.ep_handlers.insert(ep.0, Box::new(h));
         Ok(())

@@ -158,9 +158,7 @@ impl Worker {
         let mut st = self.st.borrow_mut();
         let p = ep.0;
         if p >= st.peers.len() {
-            return Err(Error::InvalidParam(format!(
-                "endpoint ep{p} does not exist"
-            )));
+            return Err(no_such_ep(p));
         }
         let (addr, cap) = (buf.addr, buf.len);
         let (mem, dev) = match buf.mem {

@@ -770,10 +770,7 @@ impl State {
     /// Why endpoint `p` cannot take operations ([`check_peer`](Self::check_peer)'s errors).
     #[cold]
     fn peer_unusable(&self, p: usize) -> Result<()> {
-        let peer = self
-            .peers
-            .get(p)
-            .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
+        let peer = self.peers.get(p).ok_or_else(|| no_such_ep(p))?;
         if peer.closed.is_some() {
             return Err(self.failure_of(p));
         }
@@ -885,6 +882,16 @@ impl State {
             _ => 0,
         }
     }
+}
+
+/// The error for an endpoint index this worker never made (most likely an `EpId` of another
+/// worker).
+#[cold]
+pub(crate) fn no_such_ep(p: usize) -> Error {
+    Error::InvalidParam(format!(
+        "endpoint ep{p} does not exist on this worker (an EpId is valid only on the worker whose \
+         connect made it)"
+    ))
 }
 
 /// The peer of a request.
