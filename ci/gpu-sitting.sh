@@ -34,10 +34,18 @@ if has matrix; then
   echo "matrix: $(grep -c '^=== ok' /tmp/matrix.$$) ok, $(grep -c '^=== FAILED' /tmp/matrix.$$) failed"
 fi
 if has figures; then
+  # The small-message floors of this machine (plain CUDA, tools/gpu-floor/floor.c): one copy
+  # in one process, and two processes on GPU 0 ping-ponging through a cuda_ipc mapping.
+  if [ -x /usr/local/cuda/bin/nvcc ] && /usr/local/cuda/bin/nvcc -O2 -o /tmp/floor.$$ \
+       "$(dirname "$0")/../tools/gpu-floor/floor.c" -lcuda; then
+    for s in 8 4096; do /tmp/floor.$$ single $s 2000; /tmp/floor.$$ pingpong $s 2000; done
+  else
+    echo "--- no nvcc: small-message floors not measured"
+  fi
   for P in "$B" ${BASE:+"$BASE"}; do
     echo "=== figures of $P"
     pt="$P/rucx-perftest"
-    for args in "-m cuda -t tag_bw -s 64M" "-m host,cuda -t tag_bw -s 64M" "--pin-host -m host,cuda -t tag_bw -s 64M" \
+    for args in "-m cuda -t tag_lat -s 8" "-m cuda -t tag_lat -s 4096" "-m cuda -t tag_bw -s 64M" "-m host,cuda -t tag_bw -s 64M" "--pin-host -m host,cuda -t tag_bw -s 64M" \
                 "-m cuda,host -t tag_bw -s 64M" "--pin-host -m cuda,host -t tag_bw -s 64M" \
                 "-m cuda -t ucp_put_bw -s 64M" "-m cuda -t ucp_get -s 64M" "-m cuda,host -t ucp_put_bw -s 64M" \
                 "-m cuda -t stream_bw -s 64M" "-m cuda,host -t am_bw -s 64M"; do

@@ -13,6 +13,11 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libclang[-.0-9]*\.so'; then need+=(libcl
 # The C ABI's tests run unmodified MPI programs under Open MPI's pml ucx (crates/ucx-abi).
 command -v mpirun >/dev/null || need+=(openmpi-bin)
 command -v mpicc >/dev/null || need+=(libopenmpi-dev)
+# The C ABI's tests build UCX's own examples (ucp_hello_world, ucp_client_server) from the
+# package's sources, with its headers, and run them over rucx (crates/ucx-abi/tests/examples.rs).
+if [ ! -f /usr/share/doc/libucx-dev/examples/ucp_client_server.c ] || [ ! -f /usr/include/ucp/api/ucp.h ]; then
+  need+=(libucx-dev)
+fi
 for pkg in ${RUCX_EXTRA_PACKAGES:-}; do need+=("$pkg"); done
 
 if [ ${#need[@]} -gt 0 ]; then

@@ -129,6 +129,86 @@ fn read_step(got: &mut Vec<u8>, from: SocketAddr, r: &mut impl Read) -> Result<S
 }
 
 impl Listener {
+    /// The next peer whose handshake is complete, if any, not answered yet: never blocks.
+    /// [`ConnRequest::accept`] makes its endpoint on any worker (UCX's connection request,
+    /// which a server accepts on a worker of its choice), [`ConnRequest::reject`] turns it
+    /// away. Errors as for [`Worker::accept`].
+    pub fn next_request(&self) -> Result<Option<ConnRequest>> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        for _ in 0..ACCEPT_BATCH {
+            match self.sock.accept() {
+                Ok((s, from)) => {
+                    s.set_nonblocking(true)
+                        .and_then(|()| self.set.add(s.as_raw_fd(), 0))
+                        .map_err(|e| {
+                            Error::io(
+                                format!("listener on {}: the connection from {from}", self.addr),
+                                e,
+                            )
+                        })?;
+                    pending.push(Handshake {
+                        sock: s,
+                        from,
+                        got: Vec::new(),
+                        deadline: Instant::now() + self.timeout,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("listener on {}: accepting a connection", self.addr),
+                        e,
+                    ));
+                }
+            }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < pending.len() {
+            match pending[i].step() {
+                Ok(Step::More) if now >= pending[i].deadline => {
+                    let h = pending.swap_remove(i);
+                    return Err(Error::Timeout {
+                        after: self.timeout,
+                        what: format!(
+                            "connection manager: the worker address of the peer at {} ({} bytes \
+                             of it so far; Listener::set_handshake_timeout)",
+                            h.from,
+                            h.got.len()
+                        ),
+                    });
+                }
+                Ok(Step::More) => i += 1,
+                Ok(Step::Done(peer)) => {
+                    let h = pending.swap_remove(i);
+                    // Its socket leaves the set: the request is answered on it, not read.
+                    let _ = self.set.remove(h.sock.as_raw_fd());
+                    crate::address::WorkerAddress::unpack(&peer).map_err(|e| {
+                        Error::InvalidAddress(format!(
+                            "connection manager: the worker address of the peer at {}: {e}",
+                            h.from
+                        ))
+                    })?;
+                    return Ok(Some(ConnRequest {
+                        sock: h.sock,
+                        from: h.from,
+                        peer,
+                    }));
+                }
+                Err(e) => {
+                    pending.swap_remove(i);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// The bound address (with the port chosen by the system when asked for port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
@@ -163,6 +243,93 @@ impl AsRawFd for Listener {
     }
 }
 
+/// The announced length that says "rejected" instead of an address.
+const REJECTED: u32 = u32::MAX;
+
+/// A peer that connected to a [`Listener`] and sent its whole worker address, waiting for an
+/// answer ([`Listener::next_request`]): [`accept`](Self::accept) it on a worker, or
+/// [`reject`](Self::reject) it. Dropped unanswered, it is rejected.
+#[derive(Debug)]
+pub struct ConnRequest {
+    sock: TcpStream,
+    from: SocketAddr,
+    peer: Vec<u8>,
+}
+
+impl ConnRequest {
+    /// The peer's socket address (as the listener saw the connection come from).
+    pub fn client_addr(&self) -> SocketAddr {
+        self.from
+    }
+
+    /// The peer's packed worker address.
+    pub fn peer_address(&self) -> &[u8] {
+        &self.peer
+    }
+
+    /// Connect `w` to the peer and answer it with `w`'s address: the endpoint. The endpoint
+    /// comes first: the peer, once it has our address, may send, close and exit at once, and
+    /// its transports (a posix segment) may be gone by the time we would open them.
+    pub fn accept(mut self, w: &Worker) -> Result<EpId> {
+        let from = self.from;
+        let ep = w.connect(&self.peer)?;
+        // Our address is far smaller than a fresh socket's send buffer: it goes at once or the
+        // peer is gone.
+        let msg = addr_message(&w.address());
+        let e = match write_all_now(&mut self.sock, &msg) {
+            Ok(()) => return Ok(ep),
+            Err(e) => Error::io(
+                format!("connection manager: sending this worker's address to {from}"),
+                e,
+            ),
+        };
+        // The peer will not know us: the endpoint goes (the close runs on in progress).
+        drop(w.close(ep, crate::CloseMode::Force));
+        Err(e)
+    }
+
+    /// Turn the peer away: its [`Worker::connect_sockaddr`] fails with
+    /// [`Error::PeerAborted`] saying it was rejected.
+    pub fn reject(mut self) {
+        self.send_reject();
+    }
+
+    fn send_reject(&mut self) {
+        let mut b = MAGIC.to_vec();
+        b.extend_from_slice(&REJECTED.to_le_bytes());
+        // The peer may be gone already: then there is nobody to tell.
+        let _ = write_all_now(&mut self.sock, &b);
+        self.peer.clear();
+    }
+}
+
+impl Drop for ConnRequest {
+    fn drop(&mut self) {
+        if !self.peer.is_empty() {
+            self.send_reject();
+        }
+    }
+}
+
+/// Write `b` whole on a non-blocking socket whose send buffer has room for it (a fresh
+/// connection's does): a short write is an error.
+fn write_all_now(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
+    let sent = loop {
+        match s.write(b) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => break r?,
+        }
+    };
+    if sent == b.len() {
+        Ok(())
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::WriteZero,
+            format!("the peer took {sent} of {} bytes", b.len()),
+        ))
+    }
+}
+
 fn send_addr(s: &mut TcpStream, addr: &[u8]) -> Result<()> {
     s.write_all(&addr_message(addr))
         .map_err(|e| Error::io("connection manager: sending the worker address", e))
@@ -185,6 +352,14 @@ fn recv_addr(s: &mut TcpStream) -> Result<Vec<u8>> {
         ));
     }
     let n = u32::from_le_bytes([m[8], m[9], m[10], m[11]]);
+    if n == REJECTED {
+        return Err(Error::PeerAborted {
+            peer: s
+                .peer_addr()
+                .map_or_else(|_| "the server".into(), |a| a.to_string()),
+            reason: "connection request rejected by the server".into(),
+        });
+    }
     if n > MAX_ADDR {
         return Err(Error::InvalidAddress(format!(
             "connection manager: a {n}-byte worker address"
@@ -218,112 +393,18 @@ impl Worker {
     /// connections waiting in the kernel, reads what the peers in handshake sent so far, and,
     /// for a peer whose whole address arrived, sends this worker's address and returns the
     /// endpoint to it. `Ok(None)`: nobody is ready (sleep on the listener's descriptor, see
-    /// [`Listener`]).
+    /// [`Listener`]). [`Listener::next_request`] is the same in two steps: the endpoint may
+    /// then be made on another worker, or the peer turned away.
     ///
     /// An error concerns one connecting peer, which was dropped (not a rucx worker, an address
     /// too long or malformed, the connection closed or broken, no whole address within the
     /// handshake timeout), or, rarely, the listening socket (`accept(2)` failed, e.g. out of
     /// descriptors). Either way the listener stays usable: log the error and call again.
     pub fn accept(&self, l: &Listener) -> Result<Option<EpId>> {
-        let mut pending = l.pending.lock().unwrap_or_else(|p| p.into_inner());
-        for _ in 0..ACCEPT_BATCH {
-            match l.sock.accept() {
-                Ok((s, from)) => {
-                    s.set_nonblocking(true)
-                        .and_then(|()| l.set.add(s.as_raw_fd(), 0))
-                        .map_err(|e| {
-                            Error::io(
-                                format!("listener on {}: the connection from {from}", l.addr),
-                                e,
-                            )
-                        })?;
-                    pending.push(Handshake {
-                        sock: s,
-                        from,
-                        got: Vec::new(),
-                        deadline: Instant::now() + l.timeout,
-                    });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
-                    ) => {}
-                Err(e) => {
-                    return Err(Error::io(
-                        format!("listener on {}: accepting a connection", l.addr),
-                        e,
-                    ));
-                }
-            }
+        match l.next_request()? {
+            Some(r) => r.accept(self).map(Some),
+            None => Ok(None),
         }
-        let now = Instant::now();
-        let mut i = 0;
-        while i < pending.len() {
-            match pending[i].step() {
-                Ok(Step::More) if now >= pending[i].deadline => {
-                    let h = pending.swap_remove(i);
-                    return Err(Error::Timeout {
-                        after: l.timeout,
-                        what: format!(
-                            "connection manager: the worker address of the peer at {} ({} bytes \
-                             of it so far; Listener::set_handshake_timeout)",
-                            h.from,
-                            h.got.len()
-                        ),
-                    });
-                }
-                Ok(Step::More) => i += 1,
-                Ok(Step::Done(peer)) => {
-                    let h = pending.swap_remove(i);
-                    drop(pending);
-                    return self.finish_handshake(h, &peer).map(Some);
-                }
-                Err(e) => {
-                    pending.swap_remove(i);
-                    return Err(e);
-                }
-            }
-        }
-        Ok(None)
-    }
-
-    /// A peer's whole address arrived: check it, connect, answer with ours. The endpoint comes
-    /// first: the peer, once it has our address, may send, close and exit at once, and its
-    /// transports (a posix segment) may be gone by the time we would open them.
-    fn finish_handshake(&self, mut h: Handshake, peer: &[u8]) -> Result<EpId> {
-        let from = h.from;
-        crate::address::WorkerAddress::unpack(peer).map_err(|e| {
-            Error::InvalidAddress(format!(
-                "connection manager: the worker address of the peer at {from}: {e}"
-            ))
-        })?;
-        let ep = self.connect(peer)?;
-        // Our address is far smaller than a fresh socket's send buffer: it goes at once or the
-        // peer is gone.
-        let msg = addr_message(&self.address());
-        let sent = loop {
-            match h.sock.write(&msg) {
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                r => break r,
-            }
-        };
-        let e = match sent {
-            Ok(n) if n == msg.len() => return Ok(ep),
-            Ok(n) => Error::InvalidAddress(format!(
-                "connection manager: the peer at {from} took {n} of the {} bytes of this \
-                 worker's address",
-                msg.len()
-            )),
-            Err(e) => Error::io(
-                format!("connection manager: sending this worker's address to {from}"),
-                e,
-            ),
-        };
-        // The peer will not know us: the endpoint goes (the close runs on in progress).
-        drop(self.close(ep, crate::CloseMode::Force));
-        Err(e)
     }
 
     /// Connect to a peer listening on `addr`, waiting at most `timeout` for it to answer.
@@ -417,6 +498,53 @@ mod tests {
         let c = w.tag_recv_wait(&mut b, 1, crate::TAG_MASK_FULL).unwrap();
         assert_eq!((c.sender, &b), (Some(ep), b"hello"));
         w.tag_send_wait(ep, b"bye", 2).unwrap();
+    }
+
+    /// `next_request` until a request comes (progressing nothing: the server's side of the
+    /// handshake needs no worker), failing the test after 30 s.
+    fn next_request(l: &Listener) -> ConnRequest {
+        let t = Instant::now();
+        loop {
+            if let Some(r) = l.next_request().unwrap() {
+                return r;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "no request");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_request_is_accepted_on_another_worker_or_rejected_and_the_client_told() {
+        let (lw, dw) = (worker(), worker());
+        let l = lw.listen("127.0.0.1:0").unwrap();
+        let at = l.local_addr();
+        let t = client(at);
+        let r = next_request(&l);
+        assert_eq!(r.client_addr().ip(), at.ip());
+        assert!(crate::address::WorkerAddress::unpack(r.peer_address()).is_ok());
+        // Accepted on the data worker: the client's messages arrive there.
+        let ep = r.accept(&dw).unwrap();
+        serve_one(&dw, ep);
+        t.join().unwrap();
+        // Rejected, explicitly or by dropping the request: the client's connect says so.
+        for explicit in [true, false] {
+            let c = std::thread::spawn(move || {
+                worker()
+                    .connect_sockaddr(at, Duration::from_secs(30))
+                    .unwrap_err()
+            });
+            let r = next_request(&l);
+            if explicit {
+                r.reject();
+            } else {
+                drop(r);
+            }
+            let e = c.join().unwrap();
+            assert!(
+                matches!(&e, Error::PeerAborted { reason, .. } if reason.contains("rejected")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -176,6 +176,17 @@ impl EventSet {
         Ok(())
     }
 
+    /// Stop watching `fd` (added with [`add`](Self::add), still open).
+    pub fn remove(&self, fd: RawFd) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: a valid (ignored) event; both descriptors are open.
+        let rc = unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Wait until a member is readable or `timeout` passed (`None`: no limit); returns whether
     /// one is. An interrupted wait (a signal) returns `Ok(false)`.
     pub fn wait(&self, timeout: Option<Duration>) -> io::Result<bool> {
@@ -237,6 +248,21 @@ mod tests {
         assert!(e.drain());
         assert!(!e.drain(), "one drain resets the counter");
         assert!(!set.wait(Some(Duration::ZERO)).unwrap());
+    }
+
+    #[test]
+    fn a_removed_member_no_longer_shows_and_a_second_removal_fails() {
+        let e = EventFd::new().unwrap();
+        let set = EventSet::new().unwrap();
+        set.add(e.fd(), 1).unwrap();
+        e.signal();
+        assert!(set.wait(Some(Duration::ZERO)).unwrap());
+        set.remove(e.fd()).unwrap();
+        assert!(
+            !set.wait(Some(Duration::ZERO)).unwrap(),
+            "still readable, not a member"
+        );
+        assert!(set.remove(e.fd()).is_err());
     }
 
     #[test]

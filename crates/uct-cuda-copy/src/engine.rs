@@ -33,7 +33,7 @@ use rucx_ucs::event::EventFd;
 use rucx_ucs::{Error, Result};
 use rucx_uct::{Event, OpStatus};
 
-use crate::pageable::{Job, STAGE_MIN, Stager};
+use crate::pageable::{Dir, Job, STAGE_MIN, Stager};
 use rucx_cuda::{PtrKind, classify};
 use std::sync::Arc;
 
@@ -196,7 +196,7 @@ pub struct CopyEngine {
     /// `State::flushes`, written under the lock): progress of an idle engine reads this and
     /// takes no lock (a worker progresses every interface in a tight loop, copies or not).
     queued: AtomicUsize,
-    /// Helper threads for host-to-device copies out of pageable memory (`None`: the driver
+    /// Helper threads for copies between pageable memory and the GPU (`None`: the driver
     /// stages them on the posting thread).
     stager: Option<Stager>,
 }
@@ -237,7 +237,7 @@ impl CopyEngine {
         }
     }
 
-    /// Stage host-to-device copies of at least [`STAGE_MIN`] bytes out of pageable host memory
+    /// Stage copies of at least [`STAGE_MIN`] bytes between pageable host memory and the GPU
     /// through `threads` helper threads (0: leave them to the driver); see
     /// [`crate::pageable`].
     pub fn with_pageable_threads(mut self, threads: usize) -> CopyEngine {
@@ -245,15 +245,21 @@ impl CopyEngine {
         self
     }
 
-    /// Whether `copies` is one host-to-device copy out of pageable memory for the stager.
-    fn stages(&self, copies: &[CopyOp]) -> bool {
+    /// Whether `copies` is one copy between pageable host memory and the GPU that the stager
+    /// takes, and which way.
+    fn stages(&self, copies: &[CopyOp]) -> Option<Dir> {
         let [c] = copies else {
-            return false;
+            return None;
         };
-        self.stager.is_some()
-            && c.len >= STAGE_MIN
-            && classify(c.src as usize, c.len).is_ok_and(|i| i.kind == PtrKind::HostPageable)
-            && classify(c.dst as usize, c.len).is_ok_and(|i| i.kind == PtrKind::Cuda)
+        if self.stager.is_none() || c.len < STAGE_MIN {
+            return None;
+        }
+        let kind = |a: u64| classify(a as usize, c.len).ok().map(|i| i.kind);
+        match (kind(c.src)?, kind(c.dst)?) {
+            (PtrKind::HostPageable, PtrKind::Cuda) => Some(Dir::ToDevice),
+            (PtrKind::Cuda, PtrKind::HostPageable) => Some(Dir::ToHost),
+            _ => None,
+        }
     }
 
     /// Publish how much waits to be reported (called with the lock held, after a change).
@@ -336,13 +342,13 @@ impl CopyEngine {
                 st.inflight
             )));
         }
-        if self.stages(copies)
+        if let Some(dir) = self.stages(copies)
             && let Some(stager) = &self.stager
         {
             let c = copies[0];
             // SAFETY: forwarded to this function's contract; `keep` stays with the pending
             // entry until the job has ended.
-            let job = unsafe { stager.submit(key.device, c.dst, c.src, c.len) }?;
+            let job = unsafe { stager.submit(dir, key.device, c.dst, c.src, c.len) }?;
             let seq = st.next_seq;
             let lane = st.lane(key)?;
             lane.pending.push_back(Pending {

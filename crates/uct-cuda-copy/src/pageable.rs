@@ -1,13 +1,16 @@
-//! Host-to-device copies out of pageable host memory, staged by helper threads.
+//! Copies between pageable host memory and the GPU, staged by helper threads.
 //!
-//! A plain copy from pageable memory is staged by the driver on the calling thread: one core
-//! copies into the driver's pinned buffers while the DMA runs, so it goes at one core's copy
-//! rate (8.6 GB/s on an H200 host against 55 GB/s from pinned memory, 2026-12-01). The
-//! [`Stager`] splits such a copy into chunks and hands them round-robin to its threads; each
-//! thread copies a chunk into one of its two pinned slots and queues the host-to-device copy
-//! from that slot on its own stream, so several cores copy while the copy engines move earlier
-//! chunks (27 GB/s with 4 threads in the same sitting). A [`Job`] counts the chunks still
-//! running; the engine reports the operation once it reaches zero.
+//! A plain copy from or to pageable memory is staged by the driver on the calling thread: one
+//! core copies between the caller's pages and the driver's pinned buffers while the DMA runs,
+//! so it goes at one core's copy rate (8.6 GB/s host-to-device on an H200 host against 55 GB/s
+//! from pinned memory, 2026-12-01; 6-13 GB/s device-to-host). The [`Stager`] splits such a copy
+//! into chunks and hands them round-robin to its threads, each with its own stream and two
+//! pinned slots. Host to device: a thread copies a chunk into a slot and queues the DMA from it.
+//! Device to host: a thread queues the DMA into a slot and, once it has finished (when the slot
+//! is needed again, or nothing else is queued), copies the slot into the pageable destination,
+//! while the DMA into its other slot runs. Several cores copy while the copy engines move the
+//! other chunks (27 GB/s host-to-device with 4 threads in the same sitting). A [`Job`] counts
+//! the chunks still running; the engine reports the operation once it reaches zero.
 //!
 //! Threads start on the first job and end when the stager is dropped (after finishing what
 //! they hold).
@@ -27,6 +30,15 @@ pub const CHUNK_MAX: usize = 4 << 20;
 const CHUNK_MIN: usize = 256 << 10;
 /// Copies shorter than this are left to the driver.
 pub const STAGE_MIN: usize = 1 << 20;
+
+/// Which way a staged copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dir {
+    /// Pageable host memory into device memory.
+    ToDevice,
+    /// Device memory into pageable host memory.
+    ToHost,
+}
 
 /// The chunks of one staged copy still running, and the first error.
 #[derive(Debug)]
@@ -56,6 +68,7 @@ impl Job {
 
 struct Chunk {
     job: Arc<Job>,
+    dir: Dir,
     device: u32,
     dst: u64,
     src: u64,
@@ -96,19 +109,27 @@ impl Stager {
         }
     }
 
-    /// Copy `len` bytes of pageable host memory at `src` to device memory at `dst` (on GPU
-    /// `device`'s side of the unified address space) through the helper threads.
+    /// Copy `len` bytes from `src` to `dst` through the helper threads: pageable host memory
+    /// into device memory ([`Dir::ToDevice`]) or device memory into pageable host memory
+    /// ([`Dir::ToHost`]), the device memory on GPU `device`'s side of the unified address space.
     ///
     /// # Safety
     /// `src..src+len` must stay readable and `dst..dst+len` writable, and neither touched by
     /// anyone else, until the returned job has ended ([`Job::result`] is `Some`).
-    pub unsafe fn submit(&self, device: u32, dst: u64, src: u64, len: usize) -> Result<Arc<Job>> {
+    pub unsafe fn submit(
+        &self,
+        dir: Dir,
+        device: u32,
+        dst: u64,
+        src: u64,
+        len: usize,
+    ) -> Result<Arc<Job>> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if inner.senders.is_empty() {
             for k in 0..self.threads {
                 let (tx, rx) = mpsc::channel::<Chunk>();
                 let h = std::thread::Builder::new()
-                    .name(format!("rucx-h2d-{k}"))
+                    .name(format!("rucx-pageable-{k}"))
                     .spawn(move || run(rx))
                     .map_err(|e| Error::io("starting a pageable-copy thread", e))?;
                 inner.senders.push(tx);
@@ -128,6 +149,7 @@ impl Stager {
             let off = k * chunk;
             let c = Chunk {
                 job: job.clone(),
+                dir,
                 device,
                 dst: dst + off as u64,
                 src: src + off as u64,
@@ -155,12 +177,18 @@ impl Drop for Stager {
     }
 }
 
+/// A chunk whose copy uses a slot, and for a copy into the slot (device to host) the host
+/// destination and length its bytes go to once it finished.
+type InSlot = (Arc<Job>, Option<(u64, usize)>);
+
 /// A thread's stream, pinned slots and their copies in flight on one device.
 struct Slots {
     stream: Stream,
     bufs: [PinnedHostBuffer; 2],
     events: [Event; 2],
-    pending: [Option<Arc<Job>>; 2],
+    /// The chunk each slot's copy belongs to, and for a copy into the slot (device to host)
+    /// where its bytes go once it finished.
+    pending: [Option<InSlot>; 2],
     next: usize,
 }
 
@@ -179,10 +207,23 @@ impl Slots {
         })
     }
 
-    /// Wait for slot `b`'s copy and end its chunk.
+    /// Wait for slot `b`'s copy, move its bytes on if it filled the slot, and end its chunk.
     fn settle(&mut self, b: usize) {
-        if let Some(job) = self.pending[b].take() {
-            job.chunk_done(self.events[b].synchronize());
+        if let Some((job, out)) = self.pending[b].take() {
+            let r = self.events[b].synchronize();
+            if let (Ok(()), Some((dst, len))) = (&r, out) {
+                // SAFETY: the copy into the slot (`len <= CHUNK_MAX` bytes) was just waited
+                // for; `dst..dst+len` is writable host memory no one else touches until the job
+                // ends (`submit`'s contract).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.bufs[b].ptr() as *const u8,
+                        dst as *mut u8,
+                        len,
+                    )
+                };
+            }
+            job.chunk_done(r);
         }
     }
 
@@ -198,16 +239,32 @@ impl Slots {
         self.next ^= 1;
         self.settle(b);
         let slot = self.bufs[b].ptr();
-        // SAFETY: `src..src+len` is readable host memory kept alive until the job ends
-        // (`submit`'s contract); the slot holds `CHUNK_MAX >= len` bytes and no copy reads it
-        // (its last one was waited for above).
-        unsafe { std::ptr::copy_nonoverlapping(c.src as *const u8, slot as *mut u8, c.len) };
-        // SAFETY: the slot stays allocated and unwritten until its event is waited for; the
-        // destination is writable device memory kept alive until the job ends.
-        let r = unsafe { memcpy_async(c.dst, slot, c.len, &self.stream) }
-            .and_then(|()| self.events[b].record(&self.stream));
+        let (queued, out) = match c.dir {
+            Dir::ToDevice => {
+                // SAFETY: `src..src+len` is readable host memory kept alive until the job ends
+                // (`submit`'s contract); the slot holds `CHUNK_MAX >= len` bytes and no copy
+                // reads it (its last one was waited for above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(c.src as *const u8, slot as *mut u8, c.len)
+                };
+                // SAFETY: the slot stays allocated and unwritten until its event is waited for;
+                // the destination is writable device memory kept alive until the job ends.
+                (
+                    unsafe { memcpy_async(c.dst, slot, c.len, &self.stream) },
+                    None,
+                )
+            }
+            // SAFETY: the source is readable device memory kept alive until the job ends; the
+            // slot holds `CHUNK_MAX >= len` bytes, no copy uses it (its last one was waited
+            // for above) and it is read only once this copy's event was waited for.
+            Dir::ToHost => (
+                unsafe { memcpy_async(slot, c.src, c.len, &self.stream) },
+                Some((c.dst, c.len)),
+            ),
+        };
+        let r = queued.and_then(|()| self.events[b].record(&self.stream));
         match r {
-            Ok(()) => self.pending[b] = Some(c.job),
+            Ok(()) => self.pending[b] = Some((c.job, out)),
             Err(e) => {
                 // Whatever was queued finishes before the slot is used again.
                 let _ = self.stream.synchronize();

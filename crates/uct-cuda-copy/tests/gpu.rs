@@ -566,6 +566,87 @@ fn pageable_host_to_device_through_helper_threads() {
     println!("pageable host -> device through helper threads: ok");
 }
 
+/// Copies out of the GPU into pageable host memory through the engine's helper threads: a
+/// 9 MiB + 13 B copy in chunks across 3 threads, a second one behind it into the same host
+/// buffer's next bytes, one under the staging size (left to the driver), and a flush that
+/// reports after all; every byte and the guard bytes around them checked, also with the
+/// helper threads off.
+#[test]
+fn device_to_pageable_host_through_helper_threads() {
+    use rucx_cuda::{DeviceBuffer, Stream, memcpy_async};
+    use rucx_uct_cuda_copy::engine::{CopyEngine, CopyOp, LaneKey};
+    let Some(_) = gpus() else { return };
+    let ctx = driver().unwrap().context(0).unwrap();
+    for threads in [3, 0] {
+        let engine = CopyEngine::new(16).with_pageable_threads(threads);
+        let len = (9 << 20) + 13;
+        let small = 100_000;
+        let total = 2 * len + small;
+        let src = pattern(total, 51);
+        let dev = DeviceBuffer::new(ctx, total).unwrap();
+        let s = Stream::new(ctx).unwrap();
+        // SAFETY: both buffers live, synchronized below.
+        unsafe { memcpy_async(dev.ptr(), src.as_ptr() as u64, total, &s) }.unwrap();
+        s.synchronize().unwrap();
+        let guard = 4096;
+        let mut host = vec![0xA5u8; total + 2 * guard];
+        let at = host.as_mut_ptr() as u64 + guard as u64;
+        let key = LaneKey { device: 0, lane: 0 };
+        let ops = [(0usize, len), (len, len), (2 * len, small)];
+        let mut pending = Vec::new();
+        for (t, (off, n)) in ops.iter().enumerate() {
+            let c = [CopyOp {
+                dst: at + *off as u64,
+                src: dev.ptr() + *off as u64,
+                len: *n,
+            }];
+            // SAFETY: the host vector and the device buffer outlive the copies (waited for
+            // below); nothing touches the host bytes meanwhile.
+            let st = unsafe { engine.post(key, &c, t as u64, vec![]) }.unwrap();
+            if st == OpStatus::InProgress {
+                pending.push(t as u64);
+            }
+        }
+        let ft = 99;
+        if engine.flush(ft).unwrap() == OpStatus::InProgress {
+            pending.push(ft);
+        }
+        let mut order = Vec::new();
+        let t0 = Instant::now();
+        while order.len() < pending.len() {
+            engine.progress(&mut |ev| {
+                if let Event::Completion { token, result } = ev {
+                    result.unwrap();
+                    order.push(token);
+                }
+            });
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "copies hang: {order:?}"
+            );
+        }
+        assert_eq!(
+            order.last(),
+            Some(&ft),
+            "the flush after every copy: {order:?}"
+        );
+        same(
+            &format!("device -> pageable, {threads} threads"),
+            &host[guard..guard + total],
+            &src,
+        );
+        assert!(
+            host[..guard]
+                .iter()
+                .chain(&host[guard + total..])
+                .all(|&b| b == 0xA5),
+            "bytes around the destination written ({threads} threads)"
+        );
+        drop(engine);
+    }
+    println!("device -> pageable host through helper threads: ok");
+}
+
 /// An operation whose second copy cannot be queued: the post returns the error only after its
 /// first copy (256 MiB from the GPU into pinned host memory, some milliseconds) finished, so a
 /// caller that fails its request and hands the buffers back at once hands back memory nothing

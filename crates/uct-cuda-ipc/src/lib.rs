@@ -68,10 +68,11 @@ pub static CONFIG: &[OptionSpec] = &[
         name: "CUDA_IPC_PAGEABLE_THREADS",
         kind: OptKind::UintIn(Bounds::new(0, 64)),
         default: "4",
-        help: "Helper threads that copy pageable host memory into pinned chunks for cuda_ipc \
-               writes of at least 1 MiB into GPU memory, while the copy engines move earlier \
-               chunks (0 to 64; each thread pins two 4 MiB slots per GPU on first use; 0: the \
-               driver stages them on the posting thread, at one core's copy rate).",
+        help: "Helper threads that stage cuda_ipc copies of at least 1 MiB between pageable \
+               host memory and GPU memory through pinned chunks (writes into the GPU and reads \
+               out of it), copying one chunk while the copy engines move others (0 to 64; each \
+               thread pins two 4 MiB slots per GPU on first use; 0: the driver stages them on \
+               the posting thread, at one core's copy rate).",
     },
 ];
 

@@ -8,7 +8,7 @@
 //! Every interface owns a *receive segment*: an anonymous shared file (`memfd_create`, sealed
 //! against resizing, or `shm_open` unlinked at once when memfd is not available or
 //! `RUCX_POSIX_SEGMENT=shm`), mode 0600, mapped with memmap2. It holds a lock-free multi-producer single-consumer ring of
-//! fixed-size cells (default 256 cells of 8 KiB, 32 bytes of each are the cell header; see
+//! fixed-size cells (default 256 cells of 8 KiB, 16 bytes of each are the cell header; see
 //! [`ring`] for the layout and the ordering protocol). Senders map the peer's segment by opening
 //! `/proc/<pid>/fd/<fd>` (both numbers come from the interface address) and copy each message
 //! into one cell: `am_short` (8-byte header + payload), `am_bcopy` (packed in place) and

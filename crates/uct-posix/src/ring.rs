@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! offset   0  magic      u64   "RUCXPSX1"
-//!          8  version    u32
+//!          8  version    u32   3
 //!         12  cell_size  u32   bytes per cell, header included, multiple of 64
 //!         16  cell_count u32   power of two
 //!         20  owner_pid  u32
@@ -16,26 +16,41 @@
 //!         64  head       u64   (atomic, own cache line) next position producers claim
 //!        128  cells[cell_count]
 //! cell:    0  seq        u64   (atomic) state of the cell, see below
-//!          8  meta       u64   (atomic) length | am id << 32 | flags << 40
-//!         16  writer     u32   (atomic) pid of the producer that claimed the cell
-//!         32  data       cell_size - 32 bytes
+//!          8  meta       u64   (atomic) 0 when free, else the claim and the message:
+//!                              length (bits 0-20) | nop (21) | claimed (22, always set)
+//!                              | am id (24-31) | pid of the producer (32-63)
+//!         16  data       cell_size - 16 bytes
 //! ```
+//!
+//! A cell's first cache line holds its header and the first 48 bytes of its data: a message
+//! of up to 48 bytes (an eager tag message of 32 bytes: the tag, the source id and the
+//! payload) is one line, which the producer writes and the consumer reads, and the line
+//! itself says that it is ready (there is no shared counter for the consumer to read).
+//! Version 2 had a 32-byte header (the producer's pid in a word of its own) and 32 bytes of
+//! data in the first line; the version word makes either side refuse the other's segment.
 //!
 //! # Protocol
 //!
 //! Bounded-queue sequencing per cell, with the claim recorded in the cell. Cell `i` starts
-//! with `seq = i` and `writer = 0`. A producer reads `pos = head`; the cell `pos % count` is free
-//! for it when `seq == pos`. It claims the cell by a compare-and-swap of the cell's `writer`
-//! from 0 to its pid, then checks `seq == pos` (else it gives the claim back and retries, or
-//! reports a full ring), advances `head` to `pos + 1`, writes the data and the meta word, and
-//! publishes with `seq = pos + 1` (release). A cell with `seq < pos` still holds an unconsumed message from the
-//! previous lap: the ring is full and the producer returns `NoResource` (it never waits and never
-//! overwrites). The consumer keeps its own `tail`; the cell at `tail` is ready when
-//! `seq == tail + 1` (acquire); once the data is handed out it frees the cell for the next lap
-//! with `seq = tail + count` and then `writer = 0` (both release). It frees the last cell of a
-//! [`Ring::receive`] call at the start of the next call (or before sleeping), not at once: the
-//! free is a store to the line the producer wrote, and while it waits for that line it would
-//! hold up the consumer's next atomic instruction (the claim of its answer, in a ping-pong).
+//! with `seq = i` and `meta = 0`. A producer reads `pos = head`; the cell `pos % count` is free
+//! for it when `seq == pos`. It claims the cell by a compare-and-swap of the cell's `meta`
+//! from 0 to its claim word (its pid and the claimed bit), then checks `seq == pos` (else it
+//! gives the claim back and retries, or reports a full ring), advances `head` to `pos + 1`
+//! (a plain store: holding the claim of a cell whose `seq` is `pos`, no other producer can be
+//! at `pos`, so `head` is `pos`), writes the data and the meta word (the claim plus length
+//! and id), and publishes with `seq = pos + 1` (release). So a send is one atomic
+//! read-modify-write, on the line it writes anyway. A cell with `seq < pos` still holds an
+//! unconsumed message from the previous lap: the ring is full and the producer returns
+//! `NoResource` (it never waits and never overwrites). The consumer keeps its own `tail`; the
+//! cell at `tail` is ready when `seq == tail + 1` (acquire); once the data is handed out it
+//! frees the cell for the next lap with `seq = tail + count` and then `meta = 0` (both
+//! release). It frees the last cell of a [`Ring::receive`] call at the start of the next call
+//! (or before sleeping), not at once: the free is a store to the line the producer wrote, and
+//! while it waits for that line it would hold up the consumer's next atomic instruction (the
+//! claim of its answer, in a ping-pong).
+//!
+//! Whatever a peer writes into the segment, the consumer reads only inside it: a position is
+//! masked to a cell, and a length beyond the cell or an id out of range drops the message.
 //!
 //! Because the claim itself names the producer, a producer that dies between claiming and
 //! publishing leaves its pid in the cell: the consumer notices a cell at `tail` claimed for over
@@ -44,14 +59,15 @@
 //!
 //! # Wake-ups
 //!
-//! An owner about to sleep arms the ring ([`Ring::arm`]): it sets `armed` and then reads
-//! `head`; if `head` moved past its `tail` (a message is published or being written) it
-//! disarms and reports busy. A producer, after publishing, reads `armed`
+//! An owner about to sleep arms the ring ([`Ring::arm`]): it sets `armed` and then reads the
+//! `meta` word of the cell at its `tail`; if it is not 0 (a message is published or being
+//! written there) it disarms and reports busy. A producer, after publishing, reads `armed`
 //! ([`Ring::take_wakeup`]) and, when set, clears it and writes a byte to the owner's wake-up
-//! pipe. Both the owner's store-then-load and the producer's claim of `head` (a
-//! compare-and-swap) followed by its load of `armed` are sequentially consistent, so either the
-//! owner sees the claim or the producer sees the flag: no message is left behind a sleeping
-//! owner. A producer that finds the flag clear, the common case, pays one load.
+//! pipe. The owner's store-then-load and the producer's claim (a compare-and-swap) followed
+//! by its load of `armed` are sequentially consistent, so either the owner sees the claim or
+//! the producer sees the flag: no message is left behind a sleeping owner. (A producer
+//! claiming a later cell follows a claim of the cell at `tail`, which stays set until the
+//! owner frees it.) A producer that finds the flag clear, the common case, pays one load.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -66,11 +82,11 @@ use crate::sys;
 /// Segment magic.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"RUCXPSX1");
 /// Layout version.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Bytes before the first cell.
 pub const HEADER_SIZE: usize = 128;
 /// Bytes of a cell before its data.
-pub const CELL_HEADER: usize = 32;
+pub const CELL_HEADER: usize = 16;
 /// Smallest cell.
 pub const MIN_CELL_SIZE: u32 = 128;
 /// Largest cell.
@@ -97,13 +113,20 @@ const OFF_HEAD: usize = 64;
 
 const C_SEQ: usize = 0;
 const C_META: usize = 8;
-const C_WRITER: usize = 16;
 
 /// Claim attempts before a contended send gives up with "no resources".
 const CLAIM_ATTEMPTS: usize = 256;
 
-/// Flag in a cell's meta word: the cell carries no message (its producer gave up).
-const FLAG_NOP: u64 = 1;
+/// Meta word: the message length (a cell's data is below 2^20 bytes).
+const META_LEN_MASK: u64 = (1 << 21) - 1;
+/// Meta word: the cell carries no message (its producer gave up).
+const META_NOP: u64 = 1 << 21;
+/// Meta word: claimed (set by every claim, so a claimed cell's meta is never 0).
+const META_CLAIMED: u64 = 1 << 22;
+/// Meta word: where the active message id starts (8 bits).
+const META_ID_SHIFT: u32 = 24;
+/// Meta word: where the producer's pid starts (32 bits).
+const META_PID_SHIFT: u32 = 32;
 
 /// Shape of a ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,11 +186,33 @@ pub struct Ring {
     map: MmapRaw,
     geo: Geometry,
     mask: u64,
-    // This process's pid, cached: it is stored in every claim.
-    my_pid: u32,
+    // The mapping's base, cached (`MmapRaw` reads it through a field of its own).
+    base: *mut u8,
+    // Data bytes per cell, cached.
+    cap: usize,
+    // This process's claim word: its pid and the claimed bit, stored in every claim.
+    claim: u64,
 }
 
+// SAFETY: `base` points into `map`, which the ring owns; every access through it is atomic or
+// guarded by the ring's protocol (a claimed cell's data by its producer, a published one by the
+// consumer), exactly as for `MmapRaw`, which is Send and Sync.
+unsafe impl Send for Ring {}
+// SAFETY: as for Send.
+unsafe impl Sync for Ring {}
+
 impl Ring {
+    fn new(map: MmapRaw, geo: Geometry) -> Ring {
+        Ring {
+            base: map.as_mut_ptr(),
+            map,
+            geo,
+            mask: u64::from(geo.cell_count) - 1,
+            cap: geo.capacity(),
+            claim: (u64::from(sys::my_pid()) << META_PID_SHIFT) | META_CLAIMED,
+        }
+    }
+
     /// Initialize a fresh mapping as an empty ring. The mapping must be exactly
     /// `geo.segment_size()` bytes, zero-filled, and not yet visible to anybody else.
     pub fn init(map: MmapRaw, geo: Geometry, id: SegIdentity, wake_fd: u32) -> Result<Ring> {
@@ -179,12 +224,7 @@ impl Ring {
                 geo.segment_size()
             )));
         }
-        let ring = Ring {
-            map,
-            geo,
-            mask: u64::from(geo.cell_count) - 1,
-            my_pid: sys::my_pid(),
-        };
+        let ring = Ring::new(map, geo);
         ring.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
         ring.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
         ring.u32_at(OFF_CELL_SIZE)
@@ -204,7 +244,6 @@ impl Ring {
             ring.u64_at(c + C_SEQ)
                 .store(u64::from(i), Ordering::Relaxed);
             ring.u64_at(c + C_META).store(0, Ordering::Relaxed);
-            ring.u32_at(c + C_WRITER).store(0, Ordering::Relaxed);
         }
         // Publish the initialized header to whoever maps the segment later.
         std::sync::atomic::fence(Ordering::Release);
@@ -222,12 +261,7 @@ impl Ring {
                 geo.segment_size()
             )));
         }
-        let ring = Ring {
-            map,
-            geo,
-            mask: u64::from(geo.cell_count) - 1,
-            my_pid: sys::my_pid(),
-        };
+        let ring = Ring::new(map, geo);
         std::sync::atomic::fence(Ordering::Acquire);
         let found = (
             ring.u64_at(OFF_MAGIC).load(Ordering::Relaxed),
@@ -250,8 +284,8 @@ impl Ring {
         if found != want {
             return Err(Error::InvalidAddress(format!(
                 "posix: the segment found at pid {} does not match its address (stale address, \
-                 reused pid, or a different rucx version)",
-                id.owner_pid
+                 reused pid, or a different rucx version: layout {} here, {} there)",
+                id.owner_pid, VERSION, found.1
             )));
         }
         Ok(ring)
@@ -262,23 +296,26 @@ impl Ring {
         self.geo
     }
 
+    #[inline(always)]
     fn cell_off(&self, pos: u64) -> usize {
         HEADER_SIZE + (pos & self.mask) as usize * self.geo.cell_size as usize
     }
 
+    #[inline(always)]
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
         // SAFETY: every caller passes an 8-aligned offset inside the mapping (header fields and
         // cell words at fixed offsets; the mapping is page aligned and its size was checked
         // against the geometry). The mapping lives as long as `self`, and every access to these
         // words, in any process, is atomic.
-        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+        unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
 
+    #[inline(always)]
     fn u32_at(&self, off: usize) -> &AtomicU32 {
         debug_assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
         // SAFETY: as in `u64_at`, for 4-aligned 32-bit words.
-        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
+        unsafe { &*(self.base.add(off) as *const AtomicU32) }
     }
 
     /// True once the owner closed its interface.
@@ -297,14 +334,17 @@ impl Ring {
     }
 
     /// Owner: ask producers for a wake-up at the next message, freeing the cells it delivered
-    /// first. False (and not armed) when a message at or after the cursor's tail is published
-    /// or being written: receive first.
+    /// first. False (and not armed) when a message at the cursor's tail is published or being
+    /// written: receive first.
     pub fn arm(&self, cur: &mut Cursor) -> bool {
         self.give_back(cur);
-        let tail = cur.tail;
         let armed = self.u32_at(OFF_ARMED);
         armed.store(1, Ordering::SeqCst);
-        if self.u64_at(OFF_HEAD).load(Ordering::SeqCst) != tail {
+        if self
+            .u64_at(self.cell_off(cur.tail) + C_META)
+            .load(Ordering::SeqCst)
+            != 0
+        {
             armed.store(0, Ordering::Relaxed);
             return false;
         }
@@ -339,10 +379,12 @@ impl Ring {
             let pos = head.load(Ordering::Acquire);
             let off = self.cell_off(pos);
             let seq = self.u64_at(off + C_SEQ);
-            let writer = self.u32_at(off + C_WRITER);
+            let meta = self.u64_at(off + C_META);
             // Claim first (one exclusive access to the cell's line), look afterwards.
-            if writer
-                .compare_exchange(0, self.my_pid, Ordering::Acquire, Ordering::Relaxed)
+            // Sequentially consistent for the wake-up handshake (module docs); the same
+            // instruction as AcqRel on x86.
+            if meta
+                .compare_exchange(0, self.claim, Ordering::SeqCst, Ordering::Relaxed)
                 .is_err()
             {
                 // Held: an unconsumed message of the previous lap (full), or another producer
@@ -353,24 +395,15 @@ impl Ring {
                 std::hint::spin_loop();
                 continue;
             }
-            // Claimed. Free for `pos`? Then nobody can have moved `head` past `pos`.
+            // Claimed. Free for `pos`? Then no other producer can be at `pos` (it would hold
+            // the claim, or have published: `seq` would be `pos + 1`), so `head` is `pos`.
             let diff = seq.load(Ordering::Acquire).wrapping_sub(pos) as i64;
-            if diff == 0
-                && head
-                    .compare_exchange(
-                        pos,
-                        pos.wrapping_add(1),
-                        // Sequentially consistent for the wake-up handshake (module docs);
-                        // the same instruction as AcqRel on x86.
-                        Ordering::SeqCst,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-            {
+            if diff == 0 {
+                head.store(pos.wrapping_add(1), Ordering::Release);
                 return self.fill_claimed(pos, off, fill).map(Some);
             }
             // Free for a later lap (our `head` was stale) or not ours: give it back.
-            writer.store(0, Ordering::Release);
+            meta.store(0, Ordering::Release);
             if diff < 0 {
                 return Ok(None);
             }
@@ -378,6 +411,7 @@ impl Ring {
         Ok(None)
     }
 
+    #[inline(always)]
     fn fill_claimed<F>(&self, pos: u64, off: usize, fill: F) -> Result<usize>
     where
         F: FnOnce(&mut [u8]) -> Result<(AmId, usize)>,
@@ -386,24 +420,22 @@ impl Ring {
             ring: self,
             pos,
             off,
-            meta: FLAG_NOP << 40,
+            meta: self.claim | META_NOP,
         };
-        let cap = self.geo.capacity();
-        // SAFETY: the claim (our pid swapped into the cell's `writer` while its sequence equalled
-        // `pos`, then `head` moved from `pos`) gives this producer sole ownership of the cell's
-        // data area until it publishes: the consumer does not read it before `seq == pos + 1`,
-        // and other producers cannot claim a cell whose `writer` is set. The area lies inside the
-        // mapping, which outlives this borrow.
-        let data = unsafe {
-            std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off + CELL_HEADER), cap)
-        };
+        let cap = self.cap;
+        // SAFETY: the claim (our claim word swapped into the cell's `meta` while its sequence
+        // equalled `pos`) gives this producer sole ownership of the cell's data area until it
+        // publishes: the consumer does not read it before `seq == pos + 1`, and other producers
+        // cannot claim a cell whose `meta` is set. The area lies inside the mapping, which
+        // outlives this borrow.
+        let data = unsafe { std::slice::from_raw_parts_mut(self.base.add(off + CELL_HEADER), cap) };
         let (id, len) = fill(data)?;
         if len > cap || usize::from(id) >= AM_ID_MAX {
             return Err(Error::Internal(format!(
                 "posix: message of {len} bytes with id {id} does not fit a cell"
             )));
         }
-        guard.meta = len as u64 | (u64::from(id) << 32);
+        guard.meta = self.claim | len as u64 | (u64::from(id) << META_ID_SHIFT);
         drop(guard);
         Ok(len)
     }
@@ -418,45 +450,37 @@ impl Ring {
     /// while the consumer polls, the store is off the ping-pong's critical path.
     #[inline]
     pub fn receive<F: FnMut(AmId, &[u8])>(&self, cur: &mut Cursor, max: usize, f: &mut F) -> usize {
-        if self.is_idle(cur) {
-            return 0;
-        }
-        self.give_back(cur);
         let mut n = 0;
-        while n < max {
-            let off = self.cell_off(cur.tail);
-            let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
-            if seq != cur.tail.wrapping_add(1) {
-                break;
-            }
+        let mut off = self.cell_off(cur.tail);
+        while n < max
+            && self.u64_at(off + C_SEQ).load(Ordering::Acquire) == cur.tail.wrapping_add(1)
+        {
             // Free the cell delivered before this one (a batch frees as it goes).
             self.give_back(cur);
             let meta = self.u64_at(off + C_META).load(Ordering::Relaxed);
-            let len = (meta & 0xffff_ffff) as usize;
-            let id = ((meta >> 32) & 0xff) as u8;
-            let flags = meta >> 40;
-            if flags & FLAG_NOP == 0 {
-                if len <= self.geo.capacity() && usize::from(id) < AM_ID_MAX {
+            let len = (meta & META_LEN_MASK) as usize;
+            let id = (meta >> META_ID_SHIFT) as u8;
+            if meta & META_NOP == 0 {
+                if len <= self.cap && usize::from(id) < AM_ID_MAX {
                     // SAFETY: the acquire load saw the producer's release of `seq = tail + 1`,
                     // so the cell's data is fully written and no producer touches the cell again
                     // until we free it (at the earliest in the next iteration or call, after
                     // `f` returned); `len` was checked against the cell capacity.
                     let data = unsafe {
-                        std::slice::from_raw_parts(
-                            self.map.as_mut_ptr().add(off + CELL_HEADER),
-                            len,
-                        )
+                        std::slice::from_raw_parts(self.base.add(off + CELL_HEADER), len)
                     };
                     f(id, data);
                     n += 1;
                 } else {
-                    tracing::warn!(
-                        "posix: dropped a malformed message (id {id}, {len} bytes) from pid {}",
-                        self.u32_at(off + C_WRITER).load(Ordering::Relaxed)
-                    );
+                    dropped_malformed(meta);
                 }
             }
             cur.tail = cur.tail.wrapping_add(1);
+            off = self.cell_off(cur.tail);
+        }
+        if n == 0 {
+            // Nothing ready: free the last delivered cell while the caller polls.
+            self.give_back(cur);
         }
         n
     }
@@ -484,20 +508,21 @@ impl Ring {
         }
     }
 
+    #[inline(always)]
     fn release(&self, off: usize, pos: u64) {
         self.u64_at(off + C_SEQ).store(
             pos.wrapping_add(u64::from(self.geo.cell_count)),
             Ordering::Release,
         );
-        self.u32_at(off + C_WRITER).store(0, Ordering::Release);
+        self.u64_at(off + C_META).store(0, Ordering::Release);
     }
 
     /// Consumer: if the cell at `tail` is claimed but unpublished, the pid that claimed it.
     pub fn stalled_writer(&self, tail: u64) -> Option<u32> {
         let off = self.cell_off(tail);
         let seq = self.u64_at(off + C_SEQ).load(Ordering::Acquire);
-        let writer = self.u32_at(off + C_WRITER).load(Ordering::Acquire);
-        (seq == tail && writer != 0).then_some(writer)
+        let meta = self.u64_at(off + C_META).load(Ordering::Acquire);
+        (seq == tail && meta != 0).then_some((meta >> META_PID_SHIFT) as u32)
     }
 
     /// Consumer: give up on the cell at the cursor's tail, whose writer died after claiming it, and move
@@ -515,6 +540,19 @@ impl Ring {
         cur.tail = cur.tail.wrapping_add(1);
         cur.freed = cur.tail;
     }
+}
+
+/// Log a published cell whose meta word no message can have (a hostile or broken peer); kept
+/// out of line, off the receive loop.
+#[cold]
+#[inline(never)]
+fn dropped_malformed(meta: u64) {
+    tracing::warn!(
+        "posix: dropped a malformed message (id {}, {} bytes) from pid {}",
+        (meta >> META_ID_SHIFT) as u8,
+        meta & META_LEN_MASK,
+        meta >> META_PID_SHIFT
+    );
 }
 
 /// The consumer's place in its ring: the next cell to read (`tail`) and the first cell read but
@@ -542,6 +580,7 @@ struct Publish<'a> {
 }
 
 impl Drop for Publish<'_> {
+    #[inline(always)]
     fn drop(&mut self) {
         self.ring
             .u64_at(self.off + C_META)
@@ -616,6 +655,14 @@ mod tests {
 
     fn anon(size: usize) -> std::fs::File {
         sys::create_shared_file(sys::SegmentBacking::Memfd, size as u64).unwrap()
+    }
+
+    /// Write a claim by `pid` into the cell of `pos`, as a producer's compare-and-swap does.
+    fn claim_as(r: &Ring, pos: u64, pid: u32) {
+        r.u64_at(r.cell_off(pos) + C_META).store(
+            (u64::from(pid) << META_PID_SHIFT) | META_CLAIMED,
+            Ordering::Relaxed,
+        );
     }
 
     fn put(r: &Ring, id: AmId, data: &[u8]) -> Option<usize> {
@@ -846,9 +893,7 @@ mod tests {
         for head_moved in [false, true] {
             let r = ring(4, 128);
             // A producer claimed position 0 and died, before or after moving `head`.
-            let off = r.cell_off(0);
-            r.u32_at(off + C_WRITER)
-                .store(u32::MAX - 1, Ordering::Relaxed);
+            claim_as(&r, 0, u32::MAX - 1);
             if head_moved {
                 r.u64_at(OFF_HEAD).store(1, Ordering::Relaxed);
                 assert_eq!(put(&r, 1, b"later"), Some(5));
@@ -883,14 +928,105 @@ mod tests {
     #[test]
     fn live_claim_is_not_skipped() {
         let r = ring(4, 128);
-        let off = r.cell_off(0);
-        r.u32_at(off + C_WRITER)
-            .store(sys::my_pid(), Ordering::Relaxed);
+        claim_as(&r, 0, sys::my_pid());
         let mut tail = Cursor::default();
         let mut w = StallWatch {
             since: Some((0, Instant::now() - STALL_LIMIT)),
         };
         assert!(!w.check(&r, &mut tail));
         assert_eq!(tail.tail(), 0);
+    }
+
+    #[test]
+    fn a_message_of_48_bytes_is_the_cells_first_cache_line() {
+        let r = ring(4, 128);
+        let msg: Vec<u8> = (1..=48).collect();
+        assert_eq!(put(&r, 7, &msg), Some(48));
+        let off = r.cell_off(0);
+        assert_eq!(off % 64, 0, "cells start on a cache line");
+        // Header (seq, meta) and all 48 bytes lie in the line at `off`.
+        assert_eq!(r.u64_at(off + C_SEQ).load(Ordering::Relaxed), 1);
+        let meta = r.u64_at(off + C_META).load(Ordering::Relaxed);
+        assert_eq!(meta & META_LEN_MASK, 48);
+        assert_eq!((meta >> META_ID_SHIFT) as u8, 7);
+        assert_eq!((meta >> META_PID_SHIFT) as u32, sys::my_pid());
+        assert_ne!(meta & META_CLAIMED, 0);
+        for (i, b) in msg.iter().enumerate() {
+            // SAFETY: inside the mapping (a 128-byte cell at `off`); nobody writes it now.
+            let got = unsafe { *r.base.add(off + CELL_HEADER + i) };
+            assert_eq!(got, *b, "byte {i}");
+        }
+        assert!(off + CELL_HEADER + 48 <= off + 64);
+        let mut got = Vec::new();
+        assert_eq!(
+            r.receive(&mut Cursor::default(), 8, &mut |_, d| got.push(d.to_vec())),
+            1
+        );
+        assert_eq!(got, vec![msg]);
+    }
+
+    #[test]
+    fn garbage_in_a_cell_is_dropped_not_read_past_the_cell() {
+        let r = ring(4, 128);
+        let cap = r.geometry().capacity() as u64;
+        // A hostile peer publishes cells with a length past the cell, an id out of range,
+        // and every bit set; then a good message follows.
+        let bad = [
+            META_CLAIMED | (cap + 1),
+            META_CLAIMED | (u64::from(AM_ID_MAX as u8) << META_ID_SHIFT) | 4,
+            !META_NOP,
+        ];
+        for (pos, meta) in bad.iter().enumerate() {
+            let off = r.cell_off(pos as u64);
+            r.u64_at(off + C_META).store(*meta, Ordering::Relaxed);
+            r.u64_at(off + C_SEQ)
+                .store(pos as u64 + 1, Ordering::Release);
+        }
+        r.u64_at(OFF_HEAD).store(3, Ordering::Relaxed);
+        assert_eq!(put(&r, 2, b"good"), Some(4));
+        let mut tail = Cursor::default();
+        let mut got = Vec::new();
+        assert_eq!(
+            r.receive(&mut tail, 8, &mut |id, d| got.push((id, d.to_vec()))),
+            1
+        );
+        assert_eq!(got, vec![(2, b"good".to_vec())]);
+        assert_eq!(tail.tail(), 4);
+        // A garbage `head` only picks another cell of the ring.
+        r.u64_at(OFF_HEAD).store(u64::MAX - 1, Ordering::Relaxed);
+        r.give_back(&mut tail);
+        let _ = put(&r, 1, b"x");
+    }
+
+    #[test]
+    fn arm_is_refused_while_the_cell_at_the_tail_is_only_claimed() {
+        let r = ring(4, 128);
+        let mut tail = Cursor::default();
+        claim_as(&r, 0, sys::my_pid());
+        assert!(
+            !r.arm(&mut tail),
+            "a claimed cell is a message being written"
+        );
+        r.u64_at(r.cell_off(0) + C_META).store(0, Ordering::Relaxed);
+        assert!(r.arm(&mut tail));
+        r.disarm();
+    }
+
+    #[test]
+    fn a_segment_of_another_layout_version_is_refused() {
+        let geo = Geometry {
+            cell_count: 4,
+            cell_size: 128,
+        };
+        let f = anon(geo.segment_size());
+        let id = SegIdentity {
+            owner_pid: sys::my_pid(),
+            seg_id: 5,
+            token: 6,
+        };
+        let owner = Ring::init(MmapRaw::map_raw(&f).unwrap(), geo, id, 0).unwrap();
+        owner.u32_at(OFF_VERSION).store(2, Ordering::Relaxed);
+        let e = Ring::attach(MmapRaw::map_raw(&f).unwrap(), geo, id).unwrap_err();
+        assert!(e.to_string().contains("layout 3 here, 2 there"), "{e}");
     }
 }

@@ -757,10 +757,11 @@ fn bad_input_is_refused() {
             ucp_ep_create(pair.w[0], &ep_params, &mut ep),
             UCS_ERR_INVALID_ADDR
         );
+        // By socket address, without one.
         ep_params.field_mask = UCP_EP_PARAM_FIELD_SOCK_ADDR;
         assert_eq!(
             ucp_ep_create(pair.w[0], &ep_params, &mut ep),
-            UCS_ERR_UNSUPPORTED
+            UCS_ERR_INVALID_PARAM
         );
     }
 }

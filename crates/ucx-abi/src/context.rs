@@ -24,10 +24,11 @@ pub struct AbiContext {
     pub host_only: bool,
 }
 
-/// Features this library serves: tag matching only. RMA, atomics, streams, active messages
-/// and wakeup are refused at init (`UCS_ERR_UNSUPPORTED`), so Open MPI's osc/spml components
-/// step aside instead of failing later.
-const FEATURES_SERVED: u64 = UCP_FEATURE_TAG;
+/// Features this library serves: tag matching, streams, active messages and wake-up (event
+/// descriptors). RMA and atomics are refused at init (`UCS_ERR_UNSUPPORTED`), so Open MPI's
+/// osc/spml components step aside instead of failing later.
+const FEATURES_SERVED: u64 =
+    UCP_FEATURE_TAG | UCP_FEATURE_STREAM | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
 
 /// `void ucp_get_version(unsigned *major, unsigned *minor, unsigned *release)`.
 ///
@@ -109,7 +110,8 @@ pub unsafe extern "C" fn ucp_init_version(
     };
     if features & !FEATURES_SERVED != 0 {
         tracing::info!(
-            "ucp_init: features {features:#x} refused: rucx's libucp serves tag matching only"
+            "ucp_init: features {features:#x} refused: rucx's libucp serves tag matching, streams, \
+             active messages and wake-up"
         );
         return UCS_ERR_UNSUPPORTED;
     }

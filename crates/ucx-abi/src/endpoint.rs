@@ -65,8 +65,8 @@ unsafe fn unpack_address<'a>(p: *const c_void) -> Option<&'a [u8]> {
 }
 
 /// `ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params, ucp_ep_h
-/// *ep_p)`: by remote worker address only (client/server by socket address is refused with
-/// `UCS_ERR_UNSUPPORTED`). Error handling modes `NONE` and `PEER` are accepted (others are
+/// *ep_p)`: by remote worker address, or client/server by socket address or connection
+/// request (`crate::listener`). Error handling modes `NONE` and `PEER` are accepted (others are
 /// refused); an error handler is called as the module says.
 ///
 /// # Safety
@@ -85,15 +85,12 @@ pub unsafe extern "C" fn ucp_ep_create(
     if ep_p.is_null() || p.field_mask & !UCP_EP_PARAM_FIELDS_KNOWN != 0 {
         return UCS_ERR_INVALID_PARAM;
     }
-    if p.field_mask
+    let client_server = p.field_mask
         & (UCP_EP_PARAM_FIELD_SOCK_ADDR
             | UCP_EP_PARAM_FIELD_CONN_REQUEST
             | UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR)
-        != 0
-    {
-        return UCS_ERR_UNSUPPORTED;
-    }
-    if p.field_mask & UCP_EP_PARAM_FIELD_REMOTE_ADDRESS == 0 {
+        != 0;
+    if !client_server && p.field_mask & UCP_EP_PARAM_FIELD_REMOTE_ADDRESS == 0 {
         return UCS_ERR_INVALID_PARAM;
     }
     if p.field_mask & UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE != 0
@@ -116,11 +113,20 @@ pub unsafe extern "C" fn ucp_ep_create(
     } else {
         None
     };
-    // SAFETY: the caller's promise on the address.
-    let Some(addr) = (unsafe { unpack_address(p.address) }) else {
-        return UCS_ERR_INVALID_ADDR;
+    let connected = if client_server {
+        // SAFETY: the caller's promise on the socket address or connection request.
+        match unsafe { crate::listener::connect(w, p) } {
+            Ok(id) => Ok(id),
+            Err(s) => return s,
+        }
+    } else {
+        // SAFETY: the caller's promise on the address.
+        let Some(addr) = (unsafe { unpack_address(p.address) }) else {
+            return UCS_ERR_INVALID_ADDR;
+        };
+        w.worker.connect(addr)
     };
-    match w.worker.connect(addr) {
+    match connected {
         Ok(id) => {
             let ep = Box::into_raw(Box::new(AbiEp { worker, id }));
             if let Some((cb, arg)) = handler {

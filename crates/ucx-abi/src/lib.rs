@@ -11,6 +11,9 @@
 //!   `request_size` area, this library's header sits right before it), completion and callbacks;
 //! - `tag`, `datatype`: tag send/receive/probe in their nb, nbr and nbx forms, contiguous and
 //!   generic datatypes;
+//! - `listener`, `stream`, `am`, `wait` (with `nbx`, `extra`, `types_more`): client/server
+//!   connection establishment, streams, active messages and wake-up, what UCX's own examples
+//!   (`ucp_hello_world`, `ucp_client_server`) call;
 //! - `refused`: the remote-memory and atomic functions of osc/spml, exported so that the
 //!   components load, each returning `UCS_ERR_UNSUPPORTED`;
 //! - `ucm`: the memory-event hooks Open MPI's common/ucx calls.
@@ -20,21 +23,31 @@
 //! rucx worker behind them (`UCS_THREAD_MODE_SINGLE`); Open MPI then refuses
 //! `MPI_THREAD_MULTIPLE` itself.
 
+mod am;
 mod config;
 mod context;
 mod datatype;
 mod endpoint;
 mod engine;
+mod extra;
+mod info;
+mod listener;
 mod memtype;
+mod nbx;
 mod refused;
 mod request;
 pub mod status;
+mod stream;
 mod tag;
 pub mod types;
+mod types_more;
 mod ucm;
+mod wait;
 
 #[cfg(test)]
 mod abi_tests;
+#[cfg(test)]
+mod cs_tests;
 mod worker;
 
 pub use request::HEADER_SIZE;

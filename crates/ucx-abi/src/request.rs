@@ -260,6 +260,7 @@ fn cb_words(cb: Callback) -> (u32, [usize; 2]) {
         Callback::SendNbx(g, d) => (2, [f(g.map(|g| g as usize)), d as usize]),
         Callback::Recv(g) => (3, [f(g.map(|g| g as usize)), 0]),
         Callback::RecvNbx(g, d) => (4, [f(g.map(|g| g as usize)), d as usize]),
+        Callback::Length(g, d) => (5, [f(g.map(|g| g as usize)), d as usize]),
     }
 }
 
@@ -276,6 +277,7 @@ fn cb_of(h: &Header) -> Callback {
             2 => Callback::SendNbx(std::mem::transmute::<usize, SendNbxCb>(f), d),
             3 => Callback::Recv(std::mem::transmute::<usize, RecvCb>(f)),
             4 => Callback::RecvNbx(std::mem::transmute::<usize, RecvNbxCb>(f), d),
+            5 => Callback::Length(std::mem::transmute::<usize, LengthCb>(f), d),
             _ => Callback::None,
         }
     }

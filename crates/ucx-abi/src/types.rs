@@ -5,6 +5,8 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
+pub use crate::types_more::*;
+
 /// `ucs_status_t`: a packed (one-byte) signed enum.
 pub type Status = i8;
 
@@ -292,6 +294,8 @@ pub struct TagRecvInfo {
 pub union ParamCb {
     pub send: SendNbxCb,
     pub recv: RecvNbxCb,
+    /// `recv_stream` and `recv_am` (the same type).
+    pub length: LengthCb,
     pub raw: *mut c_void,
 }
 

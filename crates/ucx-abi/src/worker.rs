@@ -64,6 +64,9 @@ pub struct AbiWorker {
     /// Cleared when the worker is destroyed, before its rucx worker (whose drop may progress):
     /// the rucx error handlers, which point back to this worker, then do nothing.
     pub watching: Arc<AtomicBool>,
+    /// What the client/server, stream, active-message and wake-up calls keep per worker
+    /// ([`crate::extra`]).
+    pub extra: crate::extra::Extra,
 }
 
 /// An endpoint's error handler (`ucp_err_handler_t`, with `ucp_ep_params_t::user_data` as its
@@ -83,6 +86,8 @@ pub enum Callback {
     SendNbx(SendNbxCb, *mut c_void),
     Recv(RecvCb),
     RecvNbx(RecvNbxCb, *mut c_void),
+    /// A stream receive's or an active message's data receive: the length received.
+    Length(LengthCb, *mut c_void),
 }
 
 /// An operation in flight: the request it completes, its callback, what to make of its
@@ -174,8 +179,8 @@ impl AbiWorker {
 
     #[inline(always)]
     fn progress_with<const REPORT: bool>(&self) -> usize {
-        let n = self.worker.progress();
-        if self.ready.borrow().is_empty() && !self.worker.has_completed() {
+        let (n, completed) = self.worker.progress_queued();
+        if !completed && self.ready.borrow().is_empty() {
             return n;
         }
         n + self.deliver_ended::<REPORT>()
@@ -398,6 +403,8 @@ fn run_callback(user: *mut c_void, cb: Callback, status: Status, mut info: TagRe
         Callback::Recv(Some(f)) => unsafe { f(user, status, &mut info) },
         // SAFETY: the caller's callback, for its live request `user`.
         Callback::RecvNbx(Some(f), data) => unsafe { f(user, status, &info, data) },
+        // SAFETY: the caller's callback, for its live request `user`.
+        Callback::Length(Some(f), data) => unsafe { f(user, status, info.length, data) },
         _ => {}
     }
 }
@@ -421,7 +428,10 @@ pub unsafe extern "C" fn ucp_worker_create(
     if worker_p.is_null() || p.field_mask & !UCP_WORKER_PARAM_FIELDS_KNOWN != 0 {
         return UCS_ERR_INVALID_PARAM;
     }
-    if p.field_mask & (UCP_WORKER_PARAM_FIELD_EVENTS | UCP_WORKER_PARAM_FIELD_EVENT_FD) != 0 {
+    // `events` is a hint (which completions wake the worker): every event does here. A
+    // descriptor of the caller's to add the worker's events to is refused (the worker's own,
+    // `ucp_worker_get_efd`, serves that).
+    if p.field_mask & UCP_WORKER_PARAM_FIELD_EVENT_FD != 0 {
         return UCS_ERR_UNSUPPORTED;
     }
     match Worker::new(&c.ctx) {
@@ -436,6 +446,7 @@ pub unsafe extern "C" fn ucp_worker_create(
                 err_handlers: RefCell::new(HashMap::new()),
                 failed: RefCell::new(Vec::new()),
                 watching: Arc::new(AtomicBool::new(true)),
+                extra: Default::default(),
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
@@ -477,7 +488,7 @@ pub unsafe extern "C" fn ucp_worker_destroy(worker: *mut AbiWorker) {
 pub unsafe extern "C" fn ucp_worker_progress(worker: *const AbiWorker) -> c_uint {
     // SAFETY: the caller's promise.
     match unsafe { worker.as_ref() } {
-        Some(w) => w.progress().min(c_uint::MAX as usize) as c_uint,
+        Some(w) => (w.progress() + w.extra.progress(w)).min(c_uint::MAX as usize) as c_uint,
         None => 0,
     }
 }

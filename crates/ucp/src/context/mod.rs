@@ -292,6 +292,7 @@ impl Context {
 
     /// Changes whenever the registration table changes; protocol tables built at an older
     /// epoch are stale.
+    #[inline]
     pub fn epoch(&self) -> u64 {
         self.inner.epoch.load(Ordering::Acquire)
     }

@@ -75,7 +75,7 @@ impl State {
                 continue;
             };
             let bounce = match &mut rs.proto {
-                RecvProto::Stream { bounce } => bounce.take(),
+                RecvProto::Stream { bounce, .. } => bounce.take(),
                 _ => None,
             };
             let Some(host) = bounce else {

@@ -63,8 +63,10 @@ pub(crate) trait StreamRecvs {
     /// The part of receive `id` still to fill (its buffer from the bytes it has to its end), or
     /// `None` when the receive ended otherwise (its endpoint failed).
     fn room(&mut self, id: u64) -> Option<&mut [u8]>;
-    /// `n` more bytes of receive `id` were written; `full`: it is complete.
-    fn filled(&mut self, id: u64, n: usize, full: bool);
+    /// `n` more bytes of receive `id` were written; `full`: its buffer is full. Returns whether
+    /// the receive is complete now (a full one is; a partial one, UCX's stream receive
+    /// without `WAITALL`, is as soon as it holds a byte).
+    fn filled(&mut self, id: u64, n: usize, full: bool) -> bool;
     /// The bytes receive `id` holds so far, and the receive ended as canceled.
     fn cancel(&mut self, id: u64) -> Vec<u8>;
     /// The stream ended before receive `id` was full: the receive ends early, reporting the
@@ -206,8 +208,7 @@ impl StreamRx {
             room[..n].copy_from_slice(&data[used..used + n]);
             let full = n == room.len();
             used += n;
-            io.filled(id, n, full);
-            if full {
+            if io.filled(id, n, full) {
                 self.waiting.pop_front();
             }
         }
@@ -272,6 +273,8 @@ mod tests {
         /// Receives that hold their bytes elsewhere (as a GPU receive its host buffer): at the
         /// end they give them back rather than keep them.
         gives_back: Vec<u64>,
+        /// Receives that complete with any byte.
+        partial: Vec<u64>,
     }
 
     impl StreamRecvs for Bufs {
@@ -282,14 +285,16 @@ mod tests {
             self.bufs.get_mut(&id).map(|(b, got)| &mut b[*got..])
         }
 
-        fn filled(&mut self, id: u64, n: usize, full: bool) {
+        fn filled(&mut self, id: u64, n: usize, full: bool) -> bool {
             let (b, got) = self.bufs.get_mut(&id).unwrap();
             *got += n;
             assert!(*got <= b.len());
             assert_eq!(full, *got == b.len());
-            if full {
+            let done = full || (*got > 0 && self.partial.contains(&id));
+            if done {
                 self.done.push(id);
             }
+            done
         }
 
         fn cancel(&mut self, id: u64) -> Vec<u8> {
@@ -437,6 +442,33 @@ mod tests {
         io.bufs.insert(2, (vec![0; 6], 0));
         rx.post(&mut io, 2);
         assert_eq!(&io.bufs[&2].0, b"012345");
+    }
+
+    #[test]
+    fn a_partial_receive_ends_with_the_bytes_at_hand_and_the_rest_goes_on() {
+        let mut rx = StreamRx::default();
+        let mut io = Bufs::default();
+        io.bufs.insert(1, (vec![0; 8], 0));
+        io.bufs.insert(2, (vec![0; 3], 0));
+        io.partial.push(1);
+        rx.post(&mut io, 1);
+        rx.post(&mut io, 2);
+        rx.arrive(&mut io, b"");
+        assert!(io.done.is_empty(), "no byte: not complete");
+        rx.arrive(&mut io, b"abcde");
+        // 1 takes what came (5 of its 8), then 2 waits for its 3.
+        assert_eq!(io.done, vec![1]);
+        assert_eq!((&io.bufs[&1].0[..5], io.bufs[&1].1), (&b"abcde"[..], 5));
+        rx.arrive(&mut io, b"fgh");
+        assert_eq!(io.done, vec![1, 2]);
+        assert_eq!(&io.bufs[&2].0, b"fgh");
+        // Posted with bytes buffered: complete at once with them.
+        rx.arrive(&mut io, b"ij");
+        io.bufs.insert(3, (vec![0; 4], 0));
+        io.partial.push(3);
+        rx.post(&mut io, 3);
+        assert_eq!(io.done, vec![1, 2, 3]);
+        assert_eq!((&io.bufs[&3].0[..2], io.bufs[&3].1), (&b"ij"[..], 2));
     }
 
     #[test]

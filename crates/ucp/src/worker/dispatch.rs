@@ -85,8 +85,11 @@ impl State {
                 let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
                 let mut io = StreamReqs::new(reqs, p);
                 peer.stream_rx.arrive(&mut io, data);
-                if !io.landed.is_empty() {
-                    let landed = io.landed;
+                let StreamReqs { ended, landed, .. } = io;
+                if !ended.is_empty() {
+                    self.note_stream_ends(&ended);
+                }
+                if !landed.is_empty() {
                     self.land_gpu_streams(p, landed);
                 }
             }

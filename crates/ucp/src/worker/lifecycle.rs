@@ -297,8 +297,10 @@ impl State {
     /// dropped.
     fn drop_stream(&mut self, p: usize, cause: Error) {
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        peer.stream_rx
-            .clear(&mut StreamReqs::new(reqs, p).ended_by(cause));
+        let mut io = StreamReqs::new(reqs, p).ended_by(cause);
+        peer.stream_rx.clear(&mut io);
+        let ended = io.ended;
+        self.note_stream_ends(&ended);
     }
 
     /// Pending requests bound to peer `p`: sends and remote memory access to it, receives

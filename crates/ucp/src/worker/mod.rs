@@ -48,6 +48,7 @@ pub(crate) mod prelude;
 pub(crate) mod procwatch;
 mod query;
 mod queue;
+mod queued_more;
 #[cfg(test)]
 mod queued_tests;
 mod recv;
@@ -315,6 +316,7 @@ impl Worker {
                 rx_aborted: 0,
                 frag,
                 counters: Vec::new(),
+                inline_short: 0,
                 plan_cfg: PlanConfig::from_config(cfg),
                 gpu_keys,
                 plan_gen: 0,
@@ -380,23 +382,32 @@ impl Worker {
         self.st.borrow_mut().am_send(ep, id, header, data)
     }
 
-    /// One progress pass (`progress` in `events.rs` adds waking awaited requests).
+    /// One progress pass (`progress` in `events.rs` adds waking awaited requests): the
+    /// events handled, and whether ends of queued requests wait to be taken
+    /// ([`take_completed`](Self::take_completed)).
     #[inline(always)]
-    fn progress_once(&self) -> usize {
-        let n = self.progress_events();
+    fn progress_once(&self) -> (usize, bool) {
+        let (n, quiet) = self.progress_events();
+        if let Some(completed) = quiet {
+            return (n, completed);
+        }
         // Owned requests that ended are handed back, closes stepped and endpoint failures
         // reported after the borrows are released (callbacks and handlers may post).
         let more = {
             let st = self.st.borrow();
             st.owned.has_work() || st.life.has_work()
         };
-        if more { n + self.after_progress() } else { n }
+        let n = if more { n + self.after_progress() } else { n };
+        (n, self.has_completed())
     }
 
     /// The interfaces' events and the worker's own due work. The usual pass (nothing queued,
     /// every peer settled) stays in this small function; the rest is out of line, so that the
-    /// idle poll pays no frame for it.
-    fn progress_events(&self) -> usize {
+    /// idle poll pays no frame for it. With the events, read under the same borrow of the
+    /// state: `Some(whether ends of queued requests wait)` when nothing is left for after the
+    /// pass, `None` when something is (owned requests, closes, active-message handlers that
+    /// ran: all is read again then).
+    fn progress_events(&self) -> (usize, Option<bool>) {
         let mut n = 0;
         {
             let mut ifaces = self.ifaces.borrow_mut();
@@ -445,10 +456,12 @@ impl Worker {
                 }
             }
             if st.am_inbox.is_empty() {
-                return n;
+                let after = st.owned.has_work() || st.life.has_work();
+                return (n, (!after).then(|| st.owned.has_completed()));
             }
         }
-        n + self.run_am_handlers()
+        // The handlers may post, end and close anything: everything is read again after them.
+        (n + self.run_am_handlers(), None)
     }
 
     /// Hand the active messages that arrived to their handlers; 1 when there were any.
@@ -604,12 +617,17 @@ impl Worker {
     /// How often each protocol ran (sends by protocol name, rendezvous receives by how the data
     /// came), for tests, tools and tuning.
     pub fn counters(&self) -> std::collections::BTreeMap<String, u64> {
-        self.st
-            .borrow()
+        let st = self.st.borrow();
+        let mut c: std::collections::BTreeMap<String, u64> = st
             .counters
             .iter()
             .map(|(k, v)| (k.to_string(), *v))
-            .collect()
+            .collect();
+        if st.inline_short > 0 {
+            *c.entry(crate::proto::Proto::EagerShort.name().to_string())
+                .or_default() += st.inline_short;
+        }
+        c
     }
 
     /// The lanes of `ep`: the active-message lane and the remote-memory-access lane (as

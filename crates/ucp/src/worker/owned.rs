@@ -72,6 +72,12 @@ impl Registry {
         }
     }
 
+    /// Ends of queued requests wait to be taken.
+    #[inline]
+    pub(super) fn has_completed(&self) -> bool {
+        !self.completed.is_empty()
+    }
+
     /// Something to hand back.
     #[inline]
     pub(super) fn has_work(&self) -> bool {
@@ -285,7 +291,7 @@ impl Worker {
     }
 
     /// Report a just-posted queued request that ended, or register it.
-    fn adopt_queued(&self, posted: Result<Posted>, token: u64) -> Queued {
+    pub(super) fn adopt_queued(&self, posted: Result<Posted>, token: u64) -> Queued {
         let id = match posted {
             Err(e) => return Queued::Ended(Err(e)),
             Ok(Posted::Done(c)) => return Queued::Ended(Ok(c)),
@@ -312,7 +318,7 @@ impl Worker {
     /// Whether ends of queued requests wait to be taken ([`take_completed`](Self::take_completed)).
     #[inline]
     pub fn has_completed(&self) -> bool {
-        !self.st.borrow().owned.completed.is_empty()
+        self.st.borrow().owned.has_completed()
     }
 
     /// Move the ends of queued requests not taken yet, in the order they ended (token and

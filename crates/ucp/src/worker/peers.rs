@@ -309,9 +309,11 @@ impl State {
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
         peer.failed = Some(reason.to_string());
         peer.queue.clear();
-        peer.stream_rx
-            .end(&mut StreamReqs::new(reqs, p).ended_by(err.clone()));
+        let mut io = StreamReqs::new(reqs, p).ended_by(err.clone());
+        peer.stream_rx.end(&mut io);
         let uuid = peer.remote.uuid;
+        let ended = io.ended;
+        self.note_stream_ends(&ended);
         let ids: Vec<u64> = self
             .reqs
             .iter()

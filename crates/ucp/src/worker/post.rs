@@ -155,6 +155,18 @@ impl Worker {
     /// Receive exactly `buf.len` bytes into `buf` (host or GPU memory) from the byte stream of
     /// `ep`.
     pub(crate) fn post_stream_recv(&self, ep: EpId, buf: RecvBuf<'_>) -> Result<u64> {
+        self.post_stream_recv_with(ep, buf, false)
+    }
+
+    /// [`post_stream_recv`](Self::post_stream_recv), or with `partial` a receive that
+    /// completes with the bytes at hand as soon as there is one (host memory; into GPU memory
+    /// it waits for all).
+    pub(crate) fn post_stream_recv_with(
+        &self,
+        ep: EpId,
+        buf: RecvBuf<'_>,
+        partial: bool,
+    ) -> Result<u64> {
         let mut st = self.st.borrow_mut();
         let p = ep.0;
         if p >= st.peers.len() {
@@ -178,6 +190,7 @@ impl Worker {
             sender: Some(p),
             dev_memh,
             proto: RecvProto::Stream {
+                partial: partial && stream_bounce.is_none(),
                 bounce: stream_bounce,
             },
             ..RecvState::tag(addr, cap, 0, mem, dev)
@@ -216,8 +229,11 @@ impl Worker {
             io = io.ended_by(c);
         }
         peer.stream_rx.post(&mut io, id);
-        if !io.landed.is_empty() {
-            let landed = io.landed;
+        let StreamReqs { ended, landed, .. } = io;
+        if !ended.is_empty() {
+            st.note_stream_ends(&ended);
+        }
+        if !landed.is_empty() {
             st.land_gpu_streams(p, landed);
         }
         Ok(id)

@@ -159,6 +159,14 @@ impl State {
             _ => return false,
         };
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        peer.stream_rx.cancel(&mut StreamReqs::new(reqs, p), rid)
+        let mut io = StreamReqs::new(reqs, p);
+        let canceled = peer.stream_rx.cancel(&mut io, rid);
+        // The canceled receive, and those behind it that its bytes filled.
+        let StreamReqs { ended, landed, .. } = io;
+        self.note_stream_ends(&ended);
+        if !landed.is_empty() {
+            self.land_gpu_streams(p, landed);
+        }
+        canceled
     }
 }

@@ -327,7 +327,11 @@ pub(crate) enum RecvProto {
     /// Filled from the peer's byte stream, not matched by tag. Into GPU memory, the stream
     /// fills `bounce`, a host buffer of the receive's size, copied to the GPU buffer (by the
     /// copy lane, registered in `dev_memh`) once full.
-    Stream { bounce: Option<Vec<u8>> },
+    /// `partial`: complete with the bytes at hand as soon as there is one (host memory only).
+    Stream {
+        bounce: Option<Vec<u8>>,
+        partial: bool,
+    },
     /// A full stream receive into GPU memory whose host bytes are being copied on to the GPU
     /// through pinned staging slots (`proto/memcopy.rs`); completes when every copy finished.
     Landing(Box<crate::proto::memcopy::Landing>),
@@ -462,6 +466,10 @@ pub(crate) struct State {
     pub(crate) plan_gen: u64,
     /// Protocol counters, by static name (a handful; a linear scan beats a map).
     pub(crate) counters: Vec<(&'static str, u64)>,
+    /// Eager-short sends that left in place ([`Worker::tag_send_inline`](crate::Worker::tag_send_inline)): counted apart, one
+    /// add on that path, and reported under the protocol's name by
+    /// [`Worker::counters`](crate::Worker::counters).
+    pub(crate) inline_short: u64,
     /// The owner is leaving (`Worker::set_closing`): a peer's end is not warned about.
     pub(crate) closing: bool,
     /// Endpoint of the memory-type copy lane (host <-> GPU copies in this process).
@@ -517,6 +525,9 @@ pub(crate) struct StreamReqs<'a> {
     pub(crate) landed: Vec<u64>,
     /// Why the stream ended, for receives it ends early ([`StreamRecvs::end`]).
     pub(crate) cause: Option<Error>,
+    /// Receives that ended (filled or canceled): their owners are told
+    /// ([`State::note_stream_ends`]), so an owned or queued receive is handed back.
+    pub(crate) ended: Vec<u64>,
 }
 
 impl<'a> StreamReqs<'a> {
@@ -526,6 +537,7 @@ impl<'a> StreamReqs<'a> {
             peer,
             landed: Vec::new(),
             cause: None,
+            ended: Vec::new(),
         }
     }
 
@@ -542,7 +554,10 @@ impl StreamRecvs for StreamReqs<'_> {
             Some(Req {
                 kind:
                     ReqKind::Recv(RecvState {
-                        proto: RecvProto::Stream { bounce: Some(b) },
+                        proto:
+                            RecvProto::Stream {
+                                bounce: Some(b), ..
+                            },
                         received,
                         ..
                     }),
@@ -563,19 +578,31 @@ impl StreamRecvs for StreamReqs<'_> {
         }
     }
 
-    fn filled(&mut self, id: u64, n: usize, full: bool) {
+    fn filled(&mut self, id: u64, n: usize, full: bool) -> bool {
         if let Some(r) = self.reqs.get_mut(&id)
             && let ReqKind::Recv(rs) = &mut r.kind
         {
             rs.received += n;
-            if full && matches!(rs.proto, RecvProto::Stream { bounce: Some(_) }) {
+            let partial = matches!(rs.proto, RecvProto::Stream { partial: true, .. });
+            if full
+                && matches!(
+                    rs.proto,
+                    RecvProto::Stream {
+                        bounce: Some(_),
+                        ..
+                    }
+                )
+            {
                 // Complete once the bytes are copied on to the GPU.
                 self.landed.push(id);
-            } else if full && r.result.is_none() {
-                r.result = Some(Ok(Completion::from_peer(rs.cap, EpId(self.peer))));
+            } else if (full || (partial && rs.received > 0)) && r.result.is_none() {
+                r.result = Some(Ok(Completion::from_peer(rs.received, EpId(self.peer))));
                 r.guards.clear();
+                self.ended.push(id);
+                return true;
             }
         }
+        full
     }
 
     fn cancel(&mut self, id: u64) -> Vec<u8> {
@@ -584,7 +611,9 @@ impl StreamRecvs for StreamReqs<'_> {
         };
         let taken = match &r.kind {
             ReqKind::Recv(RecvState {
-                proto: RecvProto::Stream { bounce: Some(b) },
+                proto: RecvProto::Stream {
+                    bounce: Some(b), ..
+                },
                 received,
                 ..
             }) if r.result.is_none() => b[..*received].to_vec(),
@@ -599,6 +628,7 @@ impl StreamRecvs for StreamReqs<'_> {
         if r.result.is_none() {
             r.result = Some(Err(Error::Canceled));
             r.guards.clear();
+            self.ended.push(id);
         }
         taken
     }
@@ -616,7 +646,9 @@ impl StreamRecvs for StreamReqs<'_> {
         // A GPU receive's bytes are in its host buffer, not yet in the caller's: they go back
         // to the stream (a later receive gets them) and the receive holds none.
         let back = match &rs.proto {
-            RecvProto::Stream { bounce: Some(b) } => {
+            RecvProto::Stream {
+                bounce: Some(b), ..
+            } => {
                 let back = b[..rs.received].to_vec();
                 rs.received = 0;
                 back
@@ -632,6 +664,7 @@ impl StreamRecvs for StreamReqs<'_> {
             cause: Box::new(cause),
         }));
         r.guards.clear();
+        self.ended.push(id);
         back
     }
 }
@@ -650,6 +683,13 @@ impl State {
     /// End request `id` successfully: `len` bytes moved (no tag, no sender).
     pub(crate) fn finish_ok(&mut self, id: u64, len: usize) {
         self.finish(id, Ok(Completion::done(len)));
+    }
+
+    /// Tell the owners of stream receives that ended in a [`StreamReqs`] pass.
+    pub(crate) fn note_stream_ends(&mut self, ended: &[u64]) {
+        for &id in ended {
+            self.owned.note_done(id);
+        }
     }
 
     pub(crate) fn finish(&mut self, id: u64, res: Result<Completion>) {

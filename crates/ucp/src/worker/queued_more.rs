@@ -1,0 +1,52 @@
+//! Queued stream and active-message requests (the forms the C ABI posts, as
+//! [`Worker::tag_send_queued`] for tags): the caller's memory by address, the end queued with
+//! the caller's token ([`Worker::take_completed`]) unless it ended while posted.
+
+use rucx_ucs::RawBuf;
+
+use super::owned::Queued;
+use super::{EpId, Posted, Worker};
+use crate::{AmPayload, RecvBuf, SendBuf};
+
+impl Worker {
+    /// Append the memory of `buf` to the byte stream to `ep` (see
+    /// [`Scope::stream_send`](crate::Scope::stream_send)), its end queued with `token`. The
+    /// memory is the request's, under [`RawBuf::new`]'s contract, until its end was reported.
+    pub fn stream_send_queued(&self, ep: EpId, buf: RawBuf, token: u64) -> Queued {
+        let posted = self.post_stream_send(ep, SendBuf::of_raw(&buf));
+        self.adopt_queued(posted, token)
+    }
+
+    /// Receive from the byte stream of `ep` into the memory of `buf`, its end queued with
+    /// `token`: exactly `buf.len()` bytes (UCX's `UCP_STREAM_RECV_FLAG_WAITALL`), or, with
+    /// `partial`, as soon as at least one byte landed in host memory (the completion's `len`
+    /// says how many; a receive into GPU memory waits for all). Stream receives of one
+    /// endpoint are filled in the order they were posted.
+    pub fn stream_recv_queued(&self, ep: EpId, buf: RawBuf, partial: bool, token: u64) -> Queued {
+        let posted = self
+            .post_stream_recv_with(ep, RecvBuf::of_raw(&buf), partial)
+            .map(Posted::Pending);
+        self.adopt_queued(posted, token)
+    }
+
+    /// Send active message `id` with `header` and the memory of `buf` to `ep` (see
+    /// [`Scope::am_send`](crate::Scope::am_send)), its end queued with `token`.
+    pub fn am_send_queued(
+        &self,
+        ep: EpId,
+        id: u16,
+        header: &[u8],
+        buf: RawBuf,
+        token: u64,
+    ) -> Queued {
+        let posted = self.post_am(ep, id, header, SendBuf::of_raw(&buf));
+        self.adopt_queued(posted, token)
+    }
+
+    /// Fetch an active message's payload into the memory of `buf` (see
+    /// [`Scope::am_recv_data`](crate::Scope::am_recv_data)), its end queued with `token`.
+    pub fn am_recv_queued(&self, payload: AmPayload, buf: RawBuf, token: u64) -> Queued {
+        let posted = self.post_am_recv(payload, RecvBuf::of_raw(&buf));
+        self.adopt_queued(posted, token)
+    }
+}

@@ -1,0 +1,182 @@
+//! Posting the stream and active-message operations (`stream.rs`, `am.rs`): their
+//! `ucp_request_param_t`, their request (the caller's memory or one of the pool), and their
+//! entry in the worker's table, so that progress, `ucp_request_check_status`, `_free` and
+//! `_cancel` treat them as they treat tag operations ([`crate::worker`]).
+
+use std::ffi::c_void;
+
+use rucx_ucp::{Completion, Queued, RawBuf, Worker};
+use rucx_ucs::Result;
+
+use crate::request;
+use crate::status::{ptr_is_ptr, status_of, status_ptr};
+use crate::tag::Finish;
+use crate::types::*;
+use crate::worker::{AbiWorker, Callback, Pending};
+
+/// Which member of the callback union an operation reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CbKind {
+    /// `cb.send` (`ucp_send_nbx_callback_t`).
+    Send,
+    /// `cb.recv_stream` / `cb.recv_am` (a length).
+    Length,
+}
+
+/// The options of one call, from its `ucp_request_param_t`.
+#[derive(Debug, Clone, Copy)]
+pub struct Opts {
+    pub cb: Callback,
+    pub dt: u64,
+    pub flags: u32,
+    /// The caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`).
+    pub req: Option<*mut c_void>,
+    pub no_imm: bool,
+}
+
+impl Opts {
+    /// Read a `ucp_request_param_t` (NULL: defaults): unknown bits and request memory that
+    /// cannot be one are refused.
+    ///
+    /// # Safety
+    /// `param` NULL or valid.
+    pub unsafe fn read(
+        param: *const RequestParam,
+        kind: CbKind,
+    ) -> std::result::Result<Opts, Status> {
+        // SAFETY: the caller's promise.
+        let Some(p) = (unsafe { param.as_ref() }) else {
+            return Ok(Opts {
+                cb: Callback::None,
+                dt: 1 << UCP_DATATYPE_SHIFT,
+                flags: 0,
+                req: None,
+                no_imm: false,
+            });
+        };
+        let m = p.op_attr_mask;
+        if m & !UCP_OP_ATTR_KNOWN != 0 {
+            return Err(UCS_ERR_INVALID_PARAM);
+        }
+        let data = if m & UCP_OP_ATTR_FIELD_USER_DATA != 0 {
+            p.user_data
+        } else {
+            std::ptr::null_mut()
+        };
+        let cb = if m & UCP_OP_ATTR_FIELD_CALLBACK == 0 {
+            Callback::None
+        } else {
+            match kind {
+                // SAFETY: every member of the union is an optional function pointer of the
+                // same size; the call's kind names the one the caller wrote.
+                CbKind::Send => Callback::SendNbx(unsafe { p.cb.send }, data),
+                // SAFETY: as above.
+                CbKind::Length => Callback::Length(unsafe { p.cb.length }, data),
+            }
+        };
+        let req = (m & UCP_OP_ATTR_FIELD_REQUEST != 0).then_some(p.request);
+        if req.is_some_and(|r| !ptr_is_ptr(r) || !(r as usize).is_multiple_of(8)) {
+            return Err(UCS_ERR_INVALID_PARAM);
+        }
+        Ok(Opts {
+            cb,
+            dt: if m & UCP_OP_ATTR_FIELD_DATATYPE != 0 {
+                p.datatype
+            } else {
+                1 << UCP_DATATYPE_SHIFT
+            },
+            flags: if m & UCP_OP_ATTR_FIELD_FLAGS != 0 {
+                p.flags
+            } else {
+                0
+            },
+            req,
+            no_imm: m & UCP_OP_ATTR_FLAG_NO_IMM_CMPL != 0,
+        })
+    }
+
+    /// The byte length of `count` elements of a contiguous datatype; other classes are
+    /// refused (`UCS_ERR_UNSUPPORTED`: IOV, strided and generic types are served by the tag
+    /// calls only), an element size of 0 or an overflow are invalid.
+    pub fn contig_len(&self, count: usize) -> std::result::Result<usize, Status> {
+        if self.dt & UCP_DATATYPE_CLASS_MASK != UCP_DATATYPE_CONTIG {
+            return Err(UCS_ERR_UNSUPPORTED);
+        }
+        let elem = (self.dt >> UCP_DATATYPE_SHIFT) as usize;
+        if elem == 0 {
+            return Err(UCS_ERR_INVALID_PARAM);
+        }
+        elem.checked_mul(count).ok_or(UCS_ERR_INVALID_PARAM)
+    }
+}
+
+/// The caller's memory of `len` bytes at `addr` (NULL only when empty), classified by rucx.
+///
+/// # Safety
+/// The memory stays valid (and unwritten by others) until the operation ends, UCX's contract.
+pub unsafe fn raw(addr: *const c_void, len: usize) -> std::result::Result<RawBuf, Status> {
+    if len > 0 && addr.is_null() {
+        return Err(UCS_ERR_INVALID_PARAM);
+    }
+    // SAFETY: the caller's promise; an empty buffer is never touched.
+    Ok(unsafe { RawBuf::new(addr as usize, len, None) })
+}
+
+/// Post an operation with `post(worker, token)` and hand out what UCX's calls return: NULL
+/// when it ended in place (after `in_place` saw its end), an error status pointer when it was
+/// refused, else its request, completed by progress. `send`: counted as a send in flight (for
+/// flush).
+pub fn post(
+    w: &AbiWorker,
+    opts: &Opts,
+    send: bool,
+    post: impl FnOnce(&Worker, u64) -> Queued,
+    in_place: impl FnOnce(&Completion),
+) -> *mut c_void {
+    let mut ops = w.ops.borrow_mut();
+    let token = ops.vacant();
+    let (req, ended): (_, Option<Result<Completion>>) = match post(&w.worker, token) {
+        Queued::Pending(r) => (Some(r), None),
+        Queued::Ended(res) if !opts.no_imm => {
+            return match res {
+                Ok(c) => {
+                    in_place(&c);
+                    if let Some(r) = opts.req {
+                        // SAFETY: checked by `Opts::read`; room for a header before it is the
+                        // caller's promise (`UCP_OP_ATTR_FIELD_REQUEST`).
+                        unsafe { request::init_provided_done(r) };
+                    }
+                    std::ptr::null_mut()
+                }
+                Err(e) => status_ptr(status_of(&e)),
+            };
+        }
+        Queued::Ended(res) => (None, Some(res)),
+    };
+    let user = match opts.req {
+        Some(r) => {
+            // SAFETY: as above.
+            unsafe { request::init_provided_for(r, Some(token), opts.cb) };
+            r
+        }
+        None => w.context().pool.alloc_for(Some(token), opts.cb),
+    };
+    ops.fill(
+        token,
+        Pending {
+            user,
+            cb: opts.cb,
+            fin: if send { Finish::Send } else { Finish::Recv },
+            data: None,
+            req,
+            send,
+            ended: None,
+        },
+    );
+    drop(ops);
+    if let Some(res) = ended {
+        // Ended while posted, asked to complete through the request: at the next progress.
+        w.ready.borrow_mut().push((token, res));
+    }
+    user
+}

@@ -1,0 +1,108 @@
+//! Streams (`UCP_FEATURE_STREAM`): `ucp_stream_send_nbx` and `ucp_stream_recv_nbx` over
+//! rucx's ordered byte stream per endpoint ([`rucx_ucp::Worker::stream_send_queued`]).
+//!
+//! A send completes once every byte was handed to the transport. A receive with
+//! `UCP_STREAM_RECV_FLAG_WAITALL` completes with exactly `count` elements; without it, as soon
+//! as bytes are at hand (its length says how many; into GPU memory, or with elements larger
+//! than a byte, it waits for all, so that a receive never ends inside an element). Receives of
+//! one endpoint are filled in the order they were posted. Contiguous datatypes only (IOV and
+//! generic types: `UCS_ERR_UNSUPPORTED`).
+
+use std::ffi::c_void;
+
+use crate::endpoint::AbiEp;
+use crate::nbx::{CbKind, Opts, post, raw};
+use crate::status::status_ptr;
+use crate::types::*;
+
+/// `ucs_status_ptr_t ucp_stream_send_nbx(ucp_ep_h ep, const void *buffer, size_t count,
+/// const ucp_request_param_t *param)`.
+///
+/// # Safety
+/// `ep` NULL or live; `buffer` `count` elements readable until the send ends; `param` NULL or
+/// valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_stream_send_nbx(
+    ep: *const AbiEp,
+    buffer: *const c_void,
+    count: usize,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: the caller's promises.
+    let (Some(ep), opts) = (unsafe { ep.as_ref() }, unsafe {
+        Opts::read(param, CbKind::Send)
+    }) else {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    };
+    let opts = match opts {
+        Ok(o) => o,
+        Err(s) => return status_ptr(s),
+    };
+    let len = match opts.contig_len(count) {
+        Ok(n) => n,
+        Err(s) => return status_ptr(s),
+    };
+    // SAFETY: the caller's promise on the buffer.
+    let buf = match unsafe { raw(buffer, len) } {
+        Ok(b) => b,
+        Err(s) => return status_ptr(s),
+    };
+    let id = ep.id;
+    post(
+        ep.worker(),
+        &opts,
+        true,
+        |w, token| w.stream_send_queued(id, buf, token),
+        |_| {},
+    )
+}
+
+/// `ucs_status_ptr_t ucp_stream_recv_nbx(ucp_ep_h ep, void *buffer, size_t count, size_t
+/// *length, const ucp_request_param_t *param)`: `*length` is the byte length received when
+/// the receive completed in place (NULL returned).
+///
+/// # Safety
+/// `ep` NULL or live; `buffer` `count` elements writable until the receive ends; `length`
+/// writable; `param` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_stream_recv_nbx(
+    ep: *const AbiEp,
+    buffer: *mut c_void,
+    count: usize,
+    length: *mut usize,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: the caller's promises.
+    let (Some(ep), opts) = (unsafe { ep.as_ref() }, unsafe {
+        Opts::read(param, CbKind::Length)
+    }) else {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    };
+    let opts = match opts {
+        Ok(o) => o,
+        Err(s) => return status_ptr(s),
+    };
+    if length.is_null() || opts.flags & !UCP_STREAM_RECV_FLAG_WAITALL != 0 {
+        return status_ptr(UCS_ERR_INVALID_PARAM);
+    }
+    let len = match opts.contig_len(count) {
+        Ok(n) => n,
+        Err(s) => return status_ptr(s),
+    };
+    // SAFETY: the caller's promise on the buffer.
+    let buf = match unsafe { raw(buffer, len) } {
+        Ok(b) => b,
+        Err(s) => return status_ptr(s),
+    };
+    let elem_is_byte = (opts.dt >> UCP_DATATYPE_SHIFT) == 1;
+    let partial = opts.flags & UCP_STREAM_RECV_FLAG_WAITALL == 0 && elem_is_byte;
+    let id = ep.id;
+    post(
+        ep.worker(),
+        &opts,
+        false,
+        |w, token| w.stream_recv_queued(id, buf, partial, token),
+        // SAFETY: checked non-NULL, writable by the caller's promise.
+        |c| unsafe { *length = c.len },
+    )
+}
