@@ -87,8 +87,12 @@ fn frozen_peer_fails_the_survivors_requests_after_the_peer_timeout() {
         );
         for (what, res) in [("send", &sent), ("receive", &received)] {
             match res {
-                Err(Error::EndpointFailure { reason, .. }) => {
-                    assert!(reason.contains("RUCX_PEER_TIMEOUT=2s"), "{what}: {reason}")
+                Err(e @ Error::PeerTimeout { knob, .. }) => {
+                    assert_eq!(knob, "RUCX_PEER_TIMEOUT=2s", "{what}: {e}");
+                    assert!(
+                        e.to_string().contains("RUCX_PEER_TIMEOUT=2s"),
+                        "{what}: {e}"
+                    )
                 }
                 other => panic!("{what}: {other:?}"),
             }

@@ -195,6 +195,13 @@ impl<'scope, 'w> Scope<'scope, 'w> {
     /// order they were posted; one canceled (or left at the end of its scope) gives the bytes
     /// it took back to the stream.
     ///
+    /// When the endpoint ends first (the peer closed it, it failed or timed out, this worker
+    /// closed it), the receive ends with
+    /// [`Error::StreamIncomplete`](rucx_ucs::Error::StreamIncomplete): its `received` first
+    /// bytes are the stream's next bytes, intact; [`Error::cause`](rucx_ucs::Error::cause)
+    /// says why. Bytes that arrived before the peer's close or failure stay receivable by
+    /// receives posted later.
+    ///
     /// `buf` is host memory, or GPU memory: the stream then fills a host buffer of the same
     /// size, copied to `buf` by the copy lane (cuda_copy) when full, and the request completes
     /// after that copy. GPU memory the copy lane cannot register is refused when posted.

@@ -342,6 +342,42 @@ pub enum Error {
         reason: String,
     },
 
+    /// A peer answered nothing (no message, no answer to keepalive probes) for the peer
+    /// timeout while requests waited for it: its endpoint failed, and every request bound to it
+    /// ends with this error (UCX's `UCS_ERR_ENDPOINT_TIMEOUT`). The endpoint cannot be used
+    /// again; connecting again to the peer's address gives a new one.
+    #[error(
+        "endpoint to {peer} timed out: it answered nothing for {silent:?} (no message, no answer \
+         to keepalive probes), past the peer timeout {knob}; the peer is frozen, stopped, \
+         unreachable or not calling into rucx (raise the timeout if it may be busy that long)"
+    )]
+    PeerTimeout {
+        /// Peer description (address, rank).
+        peer: String,
+        /// How long it was silent.
+        silent: Duration,
+        /// The setting that sets the timeout, with its value as given, e.g.
+        /// `RUCX_PEER_TIMEOUT=2s`.
+        knob: String,
+    },
+
+    /// A stream receive ended before its buffer was full, because its endpoint ended (`cause`:
+    /// the peer closed it, it failed, or this worker closed it). The first `received` bytes of
+    /// the buffer hold the stream's next bytes, intact and in order; the rest of the buffer was
+    /// not written. (UCX reports the same length with the stream receive's completion.)
+    #[error(
+        "stream receive ended after {received} of {wanted} bytes (they are at the start of the \
+         buffer): {cause}"
+    )]
+    StreamIncomplete {
+        /// Bytes written at the start of the buffer.
+        received: usize,
+        /// Bytes the receive asked for (its buffer's length).
+        wanted: usize,
+        /// Why the stream ended.
+        cause: Box<Error>,
+    },
+
     /// An operation did not finish in time.
     #[error("timed out after {after:?}: {what}")]
     Timeout {
@@ -412,6 +448,15 @@ impl Error {
         match self {
             Error::Registration(r) => Some(r),
             _ => None,
+        }
+    }
+
+    /// The error behind a wrapper ([`Error::StreamIncomplete`]'s cause), else this one: what
+    /// to match on to learn why an operation ended.
+    pub fn cause(&self) -> &Error {
+        match self {
+            Error::StreamIncomplete { cause, .. } => cause.cause(),
+            e => e,
         }
     }
 
@@ -597,6 +642,44 @@ mod tests {
         });
         assert_eq!(r.clone(), r);
         assert_eq!(r.clone().to_string(), r.to_string());
+    }
+
+    #[test]
+    fn a_peer_timeout_names_its_knob_and_a_partial_stream_its_count() {
+        let t = Error::PeerTimeout {
+            peer: "rank 1".into(),
+            silent: Duration::from_millis(2004),
+            knob: "RUCX_PEER_TIMEOUT=2s".into(),
+        };
+        let s = t.to_string();
+        for want in [
+            "rank 1",
+            "2.004s",
+            "RUCX_PEER_TIMEOUT=2s",
+            "raise the timeout",
+        ] {
+            assert!(s.contains(want), "{s:?} lacks {want:?}");
+        }
+        let closed = Error::EndpointClosed {
+            ep: "ep0".into(),
+            peer: "rank 1".into(),
+            by: "the peer closed it".into(),
+        };
+        let partial = Error::StreamIncomplete {
+            received: 700,
+            wanted: 1000,
+            cause: Box::new(closed.clone()),
+        };
+        assert!(
+            partial
+                .to_string()
+                .starts_with("stream receive ended after 700 of 1000 bytes"),
+            "{partial}"
+        );
+        assert!(partial.to_string().contains("the peer closed it"));
+        assert_eq!(partial.cause(), &closed);
+        assert_eq!(t.cause(), &t);
+        assert!(!partial.is_retryable() && !t.is_retryable());
     }
 
     #[test]

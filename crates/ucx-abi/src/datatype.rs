@@ -3,8 +3,15 @@
 //! is packed whole into a buffer of ours before it is posted; a generic receive lands in a
 //! buffer of ours and is unpacked when it completes. IOV and strided types are refused with
 //! `UCS_ERR_UNSUPPORTED`.
+//!
+//! A generic type is a pointer in the caller's hands: every one `ucp_dt_create_generic` made is
+//! kept in a registry until `ucp_dt_destroy`, and a generic value not in it (made up, corrupted,
+//! destroyed already) is refused with `UCS_ERR_INVALID_PARAM`, never dereferenced. Contiguous
+//! types, a number in the value, never look at the registry.
 
+use std::collections::HashSet;
 use std::ffi::c_void;
+use std::sync::{Mutex, PoisonError};
 
 use crate::types::*;
 
@@ -24,15 +31,35 @@ pub enum Dt {
     Generic(*const GenericDt),
 }
 
-/// Decode a `ucp_datatype_t`.
+/// The generic types made and not destroyed, by address.
+static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+/// Run `f` on the registry of live generic types (a panic elsewhere leaves it consistent: every
+/// change is one insert or remove).
+fn live<T>(f: impl FnOnce(&mut HashSet<usize>) -> T) -> T {
+    let mut g = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+    f(g.get_or_insert_with(HashSet::new))
+}
+
+/// Decode a `ucp_datatype_t`. A generic value that `ucp_dt_create_generic` did not make (or
+/// that was destroyed) is `UCS_ERR_INVALID_PARAM`.
 #[inline]
 pub fn classify(dt: u64) -> Result<Dt, Status> {
     match dt & UCP_DATATYPE_CLASS_MASK {
         UCP_DATATYPE_CONTIG => Ok(Dt::Contig((dt >> UCP_DATATYPE_SHIFT) as usize)),
-        UCP_DATATYPE_GENERIC if dt & !UCP_DATATYPE_CLASS_MASK != 0 => Ok(Dt::Generic(
-            (dt & !UCP_DATATYPE_CLASS_MASK) as usize as *const GenericDt,
-        )),
+        UCP_DATATYPE_GENERIC => generic(dt),
         _ => Err(UCS_ERR_UNSUPPORTED),
+    }
+}
+
+/// The generic type of value `dt`, if it is a live one.
+#[cold]
+fn generic(dt: u64) -> Result<Dt, Status> {
+    let g = (dt & !UCP_DATATYPE_CLASS_MASK) as usize;
+    if live(|l| l.contains(&g)) {
+        Ok(Dt::Generic(g as *const GenericDt))
+    } else {
+        Err(UCS_ERR_INVALID_PARAM)
     }
 }
 
@@ -70,6 +97,7 @@ pub unsafe extern "C" fn ucp_dt_create_generic(
         return UCS_ERR_INVALID_PARAM;
     }
     let g = Box::into_raw(Box::new(GenericDt { ops: *ops, context }));
+    live(|l| l.insert(g as usize));
     // SAFETY: checked non-NULL, writable by the caller's promise; the box is 8-aligned, so the
     // class bits are free.
     unsafe { *datatype_p = g as usize as u64 | UCP_DATATYPE_GENERIC };
@@ -77,16 +105,26 @@ pub unsafe extern "C" fn ucp_dt_create_generic(
 }
 
 /// `void ucp_dt_destroy(ucp_datatype_t datatype)`: frees a generic type (contiguous ones are
-/// plain numbers).
+/// plain numbers). A generic value that is not a live type of ours (destroyed already, made
+/// up) is left alone, with a warning.
 ///
 /// # Safety
-/// `datatype` is a contiguous type or a generic one from `ucp_dt_create_generic`, destroyed
-/// once and used by no operation in flight.
+/// `datatype`, when a live generic type, is used by no operation in flight.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ucp_dt_destroy(datatype: u64) {
-    if let Ok(Dt::Generic(g)) = classify(datatype) {
-        // SAFETY: made by `Box::into_raw` in `ucp_dt_create_generic`, destroyed once.
-        drop(unsafe { Box::from_raw(g.cast_mut()) });
+    if datatype & UCP_DATATYPE_CLASS_MASK != UCP_DATATYPE_GENERIC {
+        return;
+    }
+    let g = (datatype & !UCP_DATATYPE_CLASS_MASK) as usize;
+    if live(|l| l.remove(&g)) {
+        // SAFETY: made by `Box::into_raw` in `ucp_dt_create_generic` and live until now; just
+        // taken out of the registry, so freed once.
+        drop(unsafe { Box::from_raw(g as *mut GenericDt) });
+    } else {
+        tracing::warn!(
+            "ucp_dt_destroy({datatype:#x}): not a generic datatype of ucp_dt_create_generic \
+             (destroyed already?); ignored"
+        );
     }
 }
 
@@ -178,7 +216,7 @@ mod tests {
         );
         assert_eq!(
             classify(UCP_DATATYPE_GENERIC).unwrap_err(),
-            UCS_ERR_UNSUPPORTED
+            UCS_ERR_INVALID_PARAM
         );
         assert_eq!(contig_len(usize::MAX, 2), Err(UCS_ERR_INVALID_PARAM));
     }

@@ -62,7 +62,12 @@ pub fn status_of(e: &Error) -> Status {
         Error::Truncated { .. } => UCS_ERR_MESSAGE_TRUNCATED,
         Error::PeerAborted { .. } => UCS_ERR_REJECTED,
         Error::EndpointFailure { .. } => UCS_ERR_CONNECTION_RESET,
-        Error::Timeout { .. } => UCS_ERR_ENDPOINT_TIMEOUT,
+        // A peer silent past `RUCX_PEER_TIMEOUT`, by its kind (UCX fails the endpoint's
+        // requests with this status too); a wait of ours that ran out is a plain time-out.
+        Error::PeerTimeout { .. } => UCS_ERR_ENDPOINT_TIMEOUT,
+        Error::Timeout { .. } => UCS_ERR_TIMED_OUT,
+        // Why the stream ended (the received length goes with the completion).
+        Error::StreamIncomplete { cause, .. } => status_of(cause),
         Error::Canceled => UCS_ERR_CANCELED,
         Error::NoMemory(_) => UCS_ERR_NO_MEMORY,
         Error::Io { .. } | Error::Device { .. } | Error::Internal(_) => UCS_ERR_IO_ERROR,
@@ -122,6 +127,32 @@ mod tests {
     #[test]
     fn errors_map() {
         assert_eq!(status_of(&Error::Canceled), UCS_ERR_CANCELED);
+        let timeout = Error::PeerTimeout {
+            peer: "rank 1".into(),
+            silent: std::time::Duration::from_millis(120),
+            knob: "RUCX_PEER_TIMEOUT=100ms".into(),
+        };
+        assert_eq!(status_of(&timeout), UCS_ERR_ENDPOINT_TIMEOUT);
+        // By kind, not by text: a failure whose reason names the knob is still a reset.
+        let reset = Error::EndpointFailure {
+            peer: "rank 1".into(),
+            reason: "after RUCX_PEER_TIMEOUT was changed, the connection broke".into(),
+        };
+        assert_eq!(status_of(&reset), UCS_ERR_CONNECTION_RESET);
+        assert_eq!(
+            status_of(&Error::Timeout {
+                after: std::time::Duration::from_millis(5),
+                what: "request 3".into(),
+            }),
+            UCS_ERR_TIMED_OUT
+        );
+        let cut = |cause: Error| Error::StreamIncomplete {
+            received: 700,
+            wanted: 1000,
+            cause: Box::new(cause),
+        };
+        assert_eq!(status_of(&cut(timeout)), UCS_ERR_ENDPOINT_TIMEOUT);
+        assert_eq!(status_of(&cut(Error::Canceled)), UCS_ERR_CANCELED);
         assert_eq!(
             status_of(&Error::Truncated {
                 incoming: 2,

@@ -65,7 +65,33 @@ fn result_status(res: &Result<Completion>) -> (Status, TagRecvInfo) {
                 length: *incoming,
             },
         ),
+        // A stream receive its endpoint's end cut short: the bytes it holds go with the status
+        // (UCX passes the received length to the stream callback with the error).
+        Err(e @ rucx_ucs::Error::StreamIncomplete { received, .. }) => (
+            status_of(e),
+            TagRecvInfo {
+                sender_tag: 0,
+                length: *received,
+            },
+        ),
         Err(e) => (status_of(e), TagRecvInfo::default()),
+    }
+}
+
+#[cfg(test)]
+mod result_tests {
+    use super::*;
+
+    /// The received length of a stream receive cut short reaches the C caller with the status.
+    #[test]
+    fn a_cut_short_stream_receive_reports_its_length_with_the_status() {
+        let e = rucx_ucs::Error::StreamIncomplete {
+            received: 700,
+            wanted: 1000,
+            cause: Box::new(rucx_ucs::Error::Canceled),
+        };
+        let (status, info) = result_status(&Err(e));
+        assert_eq!((status, info.length), (UCS_ERR_CANCELED, 700));
     }
 }
 

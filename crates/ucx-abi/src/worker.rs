@@ -350,15 +350,12 @@ impl AbiWorker {
 }
 
 /// The status an endpoint's error handler is called with: `UCS_ERR_ENDPOINT_TIMEOUT` for a
-/// peer that answered nothing within `RUCX_PEER_TIMEOUT` (rucx names that setting in the
-/// failure), `UCS_ERR_CONNECTION_RESET` for the rest (a broken connection, a peer process
+/// peer that answered nothing within `RUCX_PEER_TIMEOUT` ([`Error::PeerTimeout`], told by
+/// its kind), `UCS_ERR_CONNECTION_RESET` for the rest (a broken connection, a peer process
 /// gone, a peer that closed its endpoint), as UCX reports them.
 pub fn failure_status(e: &Error) -> Status {
-    match e {
-        Error::Timeout { .. } => UCS_ERR_ENDPOINT_TIMEOUT,
-        Error::EndpointFailure { reason, .. } if reason.contains("RUCX_PEER_TIMEOUT") => {
-            UCS_ERR_ENDPOINT_TIMEOUT
-        }
+    match e.cause() {
+        Error::PeerTimeout { .. } => UCS_ERR_ENDPOINT_TIMEOUT,
         _ => UCS_ERR_CONNECTION_RESET,
     }
 }

@@ -1,6 +1,11 @@
 //! The stream protocol's receive side: one endpoint's ordered byte stream, handed to stream
 //! receives in the order they were posted (UCX's `WAITALL`: a receive completes when full).
 //!
+//! When the endpoint ends (the peer closed it or it failed), bytes that arrived before stay
+//! receivable: receives posted later take them, and a receive the stream cannot fill any more
+//! ends early, reporting how many bytes it holds ([`StreamRecvs::end`]). Closing the endpoint
+//! on this side drops them ([`StreamRx::clear`]).
+//!
 //! A state machine behind a narrow I/O trait ([`StreamRecvs`]: the receive buffers), so it is
 //! tested without a transport or a worker. The sender's side: a send is cut into pieces
 //! ([`pieces`]) queued behind the peer's other messages, each posted in order by the worker's
@@ -64,6 +69,10 @@ pub(crate) trait StreamRecvs {
     fn filled(&mut self, id: u64, n: usize, full: bool) -> bool;
     /// The bytes receive `id` holds so far, and the receive ended as canceled.
     fn cancel(&mut self, id: u64) -> Vec<u8>;
+    /// The stream ended before receive `id` was full: the receive ends early, reporting the
+    /// bytes it holds in its buffer. Returns the bytes it took but cannot keep (none for a
+    /// receive that holds them in the caller's buffer), which go back to the stream.
+    fn end(&mut self, id: u64) -> Vec<u8>;
 }
 
 /// One endpoint's stream receive state.
@@ -74,6 +83,9 @@ pub(crate) struct StreamRx {
     off: usize,
     /// Receives waiting for bytes, in the order they were posted.
     waiting: VecDeque<u64>,
+    /// No more bytes will arrive (the endpoint ended): a receive that the buffered bytes do
+    /// not fill ends at once.
+    ended: bool,
 }
 
 impl StreamRx {
@@ -95,6 +107,45 @@ impl StreamRx {
     pub(crate) fn post(&mut self, io: &mut impl StreamRecvs, id: u64) {
         self.waiting.push_back(id);
         self.fill(io);
+        if self.ended {
+            self.end_waiting(io);
+        }
+    }
+
+    /// The endpoint ended: no byte arrives any more. Waiting receives end with what they hold;
+    /// the bytes buffered stay for receives posted later.
+    pub(crate) fn end(&mut self, io: &mut impl StreamRecvs) {
+        self.ended = true;
+        self.end_waiting(io);
+    }
+
+    /// Whether the endpoint ended ([`end`](Self::end)).
+    pub(crate) fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// End every waiting receive (the stream cannot fill them). Only the first can hold bytes,
+    /// and only while nothing is buffered: bytes it gives back go to the front, in order.
+    fn end_waiting(&mut self, io: &mut impl StreamRecvs) {
+        for id in std::mem::take(&mut self.waiting) {
+            let back = io.end(id);
+            if !back.is_empty() {
+                self.put_back(back);
+            }
+        }
+    }
+
+    /// Put bytes a receive took back at the front of the stream.
+    fn put_back(&mut self, taken: Vec<u8>) {
+        if self.off > 0 {
+            let front = self
+                .buffered
+                .pop_front()
+                .expect("offset into a front chunk");
+            self.buffered.push_front(front[self.off..].to_vec());
+            self.off = 0;
+        }
+        self.buffered.push_front(taken);
     }
 
     /// Cancel receive `id` if it is waiting: the bytes it took go back to the front of the
@@ -106,26 +157,18 @@ impl StreamRx {
         self.waiting.remove(pos);
         let taken = io.cancel(id);
         if !taken.is_empty() {
-            if self.off > 0 {
-                let front = self
-                    .buffered
-                    .pop_front()
-                    .expect("offset into a front chunk");
-                self.buffered.push_front(front[self.off..].to_vec());
-                self.off = 0;
-            }
-            self.buffered.push_front(taken);
+            self.put_back(taken);
         }
         self.fill(io);
         true
     }
 
-    /// The endpoint failed: drop buffered bytes and forget waiting receives (the worker ends
-    /// them with the failure).
-    pub(crate) fn clear(&mut self) {
+    /// This side closed the endpoint: waiting receives end with what they hold, and buffered
+    /// bytes are dropped (nobody can receive them any more).
+    pub(crate) fn clear(&mut self, io: &mut impl StreamRecvs) {
+        self.end(io);
         self.buffered.clear();
         self.off = 0;
-        self.waiting.clear();
     }
 
     /// Bytes buffered and not yet taken.
@@ -222,8 +265,14 @@ mod tests {
     #[derive(Default)]
     struct Bufs {
         bufs: HashMap<u64, (Vec<u8>, usize)>,
+        /// Completed (full) or ended early, in that order.
         done: Vec<u64>,
         canceled: Vec<u64>,
+        /// Ended early, with the bytes they reported.
+        ended: Vec<(u64, usize)>,
+        /// Receives that hold their bytes elsewhere (as a GPU receive its host buffer): at the
+        /// end they give them back rather than keep them.
+        gives_back: Vec<u64>,
         /// Receives that complete with any byte.
         partial: Vec<u64>,
     }
@@ -253,6 +302,110 @@ mod tests {
             let (b, got) = &self.bufs[&id];
             b[..*got].to_vec()
         }
+
+        fn end(&mut self, id: u64) -> Vec<u8> {
+            assert!(!self.done.contains(&id) && !self.canceled.contains(&id));
+            self.done.push(id);
+            let (b, got) = self.bufs.get_mut(&id).unwrap();
+            assert!(*got < b.len(), "a full receive is not ended");
+            if self.gives_back.contains(&id) {
+                let back = b[..*got].to_vec();
+                *got = 0;
+                self.ended.push((id, 0));
+                return back;
+            }
+            self.ended.push((id, *got));
+            Vec::new()
+        }
+    }
+
+    /// The endpoint ends while a receive is part-filled: it ends reporting the bytes it holds,
+    /// intact; the bytes that arrived and no receive took stay for later receives, which end
+    /// at once with what they get when the stream cannot fill them.
+    #[test]
+    fn an_ended_stream_reports_what_each_receive_holds_and_keeps_the_rest() {
+        let mut rx = StreamRx::default();
+        let mut io = Bufs::default();
+        io.bufs.insert(1, (vec![0; 10], 0));
+        rx.post(&mut io, 1);
+        rx.arrive(&mut io, b"0123456");
+        rx.end(&mut io);
+        assert!(rx.ended());
+        assert_eq!(io.ended, vec![(1, 7)]);
+        assert_eq!(&io.bufs[&1].0[..7], b"0123456");
+        assert_eq!(&io.bufs[&1].0[7..], &[0, 0, 0], "nothing written past them");
+
+        // Bytes that arrived before the end, buffered, stay receivable.
+        let mut rx = StreamRx::default();
+        let mut io = Bufs::default();
+        rx.arrive(&mut io, b"abcdef");
+        rx.end(&mut io);
+        io.bufs.insert(2, (vec![0; 4], 0));
+        rx.post(&mut io, 2);
+        assert_eq!(io.done, vec![2]);
+        assert!(io.ended.is_empty(), "filled: completes as usual");
+        assert_eq!(&io.bufs[&2].0, b"abcd");
+        io.bufs.insert(3, (vec![0; 4], 0));
+        rx.post(&mut io, 3);
+        assert_eq!(io.ended, vec![(3, 2)], "the rest, then the end");
+        assert_eq!(&io.bufs[&3].0[..2], b"ef");
+        io.bufs.insert(4, (vec![0; 4], 0));
+        rx.post(&mut io, 4);
+        assert_eq!(io.ended, vec![(3, 2), (4, 0)], "nothing left: ends at once");
+    }
+
+    /// A receive that cannot keep its bytes gives them back at the end: a later receive gets
+    /// them, in order, ahead of what was buffered behind them.
+    #[test]
+    fn an_ended_receive_that_cannot_keep_its_bytes_gives_them_back() {
+        let mut rx = StreamRx::default();
+        let mut io = Bufs::default();
+        io.bufs.insert(1, (vec![0; 4], 0));
+        io.gives_back.push(1);
+        rx.post(&mut io, 1);
+        rx.arrive(&mut io, b"xyz");
+        rx.end(&mut io);
+        assert_eq!(io.ended, vec![(1, 0)]);
+        io.bufs.insert(2, (vec![0; 3], 0));
+        rx.post(&mut io, 2);
+        assert_eq!(&io.bufs[&2].0, b"xyz");
+
+        // Also when it took them from the stream's buffer.
+        let mut rx = StreamRx::default();
+        let mut io = Bufs::default();
+        io.bufs.insert(1, (vec![0; 2], 0));
+        rx.post(&mut io, 1);
+        rx.arrive(&mut io, b"abcde");
+        assert_eq!(rx.off, 0, "the rest is buffered from its start");
+        io.bufs.insert(2, (vec![0; 5], 0));
+        io.gives_back.push(2);
+        rx.post(&mut io, 2);
+        assert_eq!(io.bufs[&2].1, 3);
+        rx.end(&mut io);
+        io.bufs.insert(3, (vec![0; 3], 0));
+        rx.post(&mut io, 3);
+        assert_eq!(&io.bufs[&3].0, b"cde");
+    }
+
+    /// Closing on this side ends waiting receives and drops what is buffered.
+    #[test]
+    fn clearing_ends_waiting_receives_and_drops_buffered_bytes() {
+        let mut rx = StreamRx::default();
+        let mut io = Bufs::default();
+        io.bufs.insert(1, (vec![0; 4], 0));
+        rx.post(&mut io, 1);
+        rx.arrive(&mut io, b"ab");
+        rx.clear(&mut io);
+        assert_eq!(io.ended, vec![(1, 2)]);
+        assert_eq!(rx.buffered_len(), 0);
+        rx.arrive(&mut io, b"late");
+        io.bufs.insert(2, (vec![0; 8], 0));
+        rx.post(&mut io, 2);
+        assert_eq!(
+            io.ended,
+            vec![(1, 2), (2, 4)],
+            "ended: takes what is there, then ends"
+        );
     }
 
     #[test]
@@ -334,15 +487,19 @@ mod tests {
     #[derive(Clone, Debug)]
     enum Step {
         Arrive(usize),
-        Post(usize),
+        /// A receive of this many bytes; true: one that gives its bytes back at the end.
+        Post(usize, bool),
         Cancel(usize),
+        /// The endpoint ends (no byte arrives after it).
+        End,
     }
 
     fn step() -> impl Strategy<Value = Step> {
         prop_oneof![
-            (1usize..50).prop_map(Step::Arrive),
-            (1usize..40).prop_map(Step::Post),
-            (0usize..8).prop_map(Step::Cancel),
+            8 => (1usize..50).prop_map(Step::Arrive),
+            8 => (1usize..40, any::<bool>()).prop_map(|(n, b)| Step::Post(n, b)),
+            4 => (0usize..8).prop_map(Step::Cancel),
+            1 => Just(Step::End),
         ]
     }
 
@@ -359,14 +516,19 @@ mod tests {
             let mut posted: Vec<u64> = Vec::new();
             for s in steps {
                 match s {
+                    Step::Arrive(_) if rx.ended() => {}
                     Step::Arrive(n) => {
                         let chunk: Vec<u8> = (0..n).map(|i| (sent.len() + i) as u8).collect();
                         sent.extend_from_slice(&chunk);
                         rx.arrive(&mut io, &chunk);
                     }
-                    Step::Post(n) => {
+                    Step::End => rx.end(&mut io),
+                    Step::Post(n, gives_back) => {
                         next_id += 1;
                         io.bufs.insert(next_id, (vec![0; n], 0));
+                        if gives_back {
+                            io.gives_back.push(next_id);
+                        }
                         posted.push(next_id);
                         rx.post(&mut io, next_id);
                     }
@@ -379,10 +541,15 @@ mod tests {
                     }
                 }
             }
-            // Completed receives are filled in posting order (a cancel may leave gaps).
+            // Completed receives are filled in posting order (a cancel may leave gaps); one
+            // that ended early holds the bytes it reported, at its start.
             let mut got: Vec<u8> = Vec::new();
             for id in &io.done {
-                got.extend_from_slice(&io.bufs[id].0);
+                let (b, n) = &io.bufs[id];
+                if let Some(&(_, k)) = io.ended.iter().find(|(e, _)| e == id) {
+                    prop_assert_eq!(k, *n);
+                }
+                got.extend_from_slice(&b[..*n]);
             }
             let waiting: Vec<u64> = posted.iter().copied()
                 .filter(|id| !io.done.contains(id) && !io.canceled.contains(id)).collect();
@@ -405,6 +572,10 @@ mod tests {
             let partial = waiting.iter().filter(|id| io.bufs[id].1 > 0).count();
             prop_assert!(partial <= 1);
             if rx.buffered_len() > 0 {
+                prop_assert!(waiting.is_empty());
+            }
+            // Once ended, no receive waits.
+            if rx.ended() {
                 prop_assert!(waiting.is_empty());
             }
         }

@@ -15,7 +15,9 @@ use crate::worker::prelude::*;
 /// [`Error::EndpointClosed`]) and returns a request that ends when the close is done:
 /// - [`CloseMode::Flush`]: every request in flight on the endpoint (sends, remote memory
 ///   access, receives matched to a message of this peer) ends first, the lanes are flushed,
-///   then a disconnect message goes to the peer, then the lanes are released.
+///   then a disconnect message goes to the peer, then the lanes are released. A stream receive
+///   is not waited for (its bytes may never come): it ends with
+///   [`Error::StreamIncomplete`] (the bytes it holds; the cause `EndpointClosed`).
 /// - [`CloseMode::Force`]: every request in flight on the endpoint ends at once with
 ///   [`Error::Canceled`] (the buffer of one the transport is still reading or writing is handed
 ///   back only once the transport finished with it), queued messages are dropped, the
@@ -28,8 +30,10 @@ use crate::worker::prelude::*;
 /// The disconnect message is the last one of the endpoint, after all its data. On receipt the
 /// peer's endpoint is closed too: its requests bound to this side (sends to it, receives
 /// matched to a message from it still arriving) end with [`Error::EndpointClosed`], announced
-/// rendezvous messages from it are dropped, whole messages from it that arrived before stay
-/// receivable, receives not matched yet are not affected; new requests on the endpoint are
+/// rendezvous messages from it are dropped, whole messages and stream bytes from it that
+/// arrived before stay receivable (a stream receive they cannot fill ends with
+/// [`Error::StreamIncomplete`], reporting what it holds), receives not matched yet are not
+/// affected; new requests on the endpoint are
 /// refused with `EndpointClosed`, and its error handler is called once with that error.
 ///
 /// # Reconnect
@@ -140,9 +144,7 @@ impl Worker {
         {
             let mut st = self.st.borrow_mut();
             let Some(peer) = st.peers.get(p) else {
-                req.end_now(Err(Error::InvalidParam(format!(
-                    "endpoint {ep} does not exist"
-                ))));
+                req.end_now(Err(no_such_ep(p)));
                 return req;
             };
             if let Some(c) = peer.closed {
@@ -164,12 +166,12 @@ impl Worker {
             let phase = match mode {
                 CloseMode::Flush => Phase::Draining,
                 CloseMode::Force => {
+                    // Stream receives first: they end reporting the bytes they hold.
+                    st.drop_stream(p, Error::Canceled);
                     for id in st.bound_to(p) {
                         st.finish(id, Err(Error::Canceled));
                     }
-                    let peer = &mut st.peers[p];
-                    peer.queue.clear();
-                    peer.stream_rx.clear();
+                    st.peers[p].queue.clear();
                     st.disconnect(p);
                     Phase::Disconnecting
                 }
@@ -219,7 +221,7 @@ impl Worker {
     ) -> Result<()> {
         let mut st = self.st.borrow_mut();
         if ep.0 >= st.peers.len() {
-            return Err(Error::InvalidParam(format!("endpoint {ep} does not exist")));
+            return Err(no_such_ep(ep.0));
         }
         st.life.ep_handlers.insert(ep.0, Box::new(h));
         Ok(())
@@ -290,13 +292,29 @@ impl Worker {
 }
 
 impl State {
+    /// This side closes endpoint `p`: its waiting stream receives end with
+    /// [`Error::StreamIncomplete`] for `cause`, and the stream bytes nobody received are
+    /// dropped.
+    fn drop_stream(&mut self, p: usize, cause: Error) {
+        let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
+        let mut io = StreamReqs::new(reqs, p).ended_by(cause);
+        peer.stream_rx.clear(&mut io);
+        let ended = io.ended;
+        self.note_stream_ends(&ended);
+    }
+
     /// Pending requests bound to peer `p`: sends and remote memory access to it, receives
-    /// matched to a message from it.
+    /// matched to a message from it (a stream receive waiting for bytes is not: a flush does
+    /// not wait for bytes the peer may never send; the close ends it).
     fn bound_to(&self, p: usize) -> Vec<u64> {
         self.reqs
             .iter()
             .filter(|(_, r)| r.result.is_none())
             .filter(|(_, r)| match &r.kind {
+                ReqKind::Recv(RecvState {
+                    proto: RecvProto::Stream { .. },
+                    ..
+                }) => false,
                 ReqKind::Send(s) => s.head.peer == p,
                 ReqKind::Recv(rs) => rs.sender == Some(p),
                 ReqKind::Rma(rm) => rm.peer == p,
@@ -325,8 +343,15 @@ impl State {
     }
 
     /// The endpoint to `p` is done: requests still bound to it end with `err`, its lanes are
-    /// released (a connection-oriented transport tells the peer).
+    /// released (a connection-oriented transport tells the peer), stream bytes nobody received
+    /// are dropped (waiting stream receives end with what they hold).
     fn release(&mut self, p: usize, reason: &str, err: &Error) {
+        let closed = Error::EndpointClosed {
+            ep: format!("ep{p}"),
+            peer: self.peers[p].remote.describe(),
+            by: Closed::ByUs.describe().into(),
+        };
+        self.drop_stream(p, closed);
         if self.peers[p].failed.is_none() {
             self.end_peer(p, reason, err);
         }
@@ -357,7 +382,7 @@ impl State {
     /// One look at close `c`: its result once done.
     fn close_step(&mut self, c: &mut Close) -> Option<Result<Completion>> {
         let p = c.p;
-        if let Some(reason) = self.peers[p].failed.clone() {
+        if self.peers[p].failed.is_some() {
             // The disconnect went out already, or the peer closed its side too: closed as
             // asked. Otherwise the endpoint failed under the close.
             if matches!(c.phase, Phase::Disconnecting)
@@ -365,10 +390,7 @@ impl State {
             {
                 return Some(Ok(DONE));
             }
-            return Some(Err(Error::EndpointFailure {
-                peer: self.peers[p].remote.describe(),
-                reason,
-            }));
+            return Some(Err(self.failed_error(p)));
         }
         loop {
             match c.phase {

@@ -9,7 +9,7 @@
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-use rucx_ucs::{Config, units};
+use rucx_ucs::{Config, Error, units};
 
 use super::Worker;
 use super::state::{ReqKind, State};
@@ -131,8 +131,8 @@ impl State {
             }
             let silent = now.saturating_duration_since(*live.silent_since.get_or_insert(now));
             if silent >= timeout {
-                let reason = self.timeout_reason(silent);
-                self.fail_peer(p, &reason);
+                let (reason, err) = self.timeout_error(p, silent);
+                self.fail_peer_with(p, &reason, err);
             } else if silent >= probe_every
                 && live
                     .probed_at
@@ -145,15 +145,23 @@ impl State {
         }
     }
 
-    fn timeout_reason(&self, silent: Duration) -> String {
+    /// Why peer `p` is failed after `silent` without a word (the reason `Worker::ep_error`
+    /// tells), and the typed error its requests end with.
+    fn timeout_error(&self, p: usize, silent: Duration) -> (String, Error) {
         let ka = self.keepalive.as_ref().expect("a timeout is set");
-        format!(
+        let silent = Duration::from_millis(silent.as_millis() as u64);
+        let knob = format!("RUCX_PEER_TIMEOUT={}", ka.raw);
+        let reason = format!(
             "it answered nothing for {} (no message, no answer to keepalive probes), the peer \
-             timeout RUCX_PEER_TIMEOUT={}: the peer is frozen, stopped, unreachable or not \
-             calling into rucx",
-            units::format_time(Duration::from_millis(silent.as_millis() as u64)),
-            ka.raw
-        )
+             timeout {knob}: the peer is frozen, stopped, unreachable or not calling into rucx",
+            units::format_time(silent),
+        );
+        let err = Error::PeerTimeout {
+            peer: self.peers[p].remote.describe(),
+            silent,
+            knob,
+        };
+        (reason, err)
     }
 
     /// Send peer `p` a keepalive probe, or the answer to one.
@@ -266,7 +274,6 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rucx_ucs::Error;
 
     #[test]
     fn inf_and_zero_mean_no_timeout_and_the_fractions_follow_the_timeout() {
@@ -406,10 +413,21 @@ mod tests {
         st.check_peers(ms(t + 155));
         let reason = st.peers[p].failed.clone().expect("80 ms of silence");
         assert!(reason.contains("RUCX_PEER_TIMEOUT=80ms"), "{reason}");
+        // Typed: the request, and one posted to the endpoint later, end with the timeout,
+        // which names the knob.
+        let timed_out = |e: &Error| match e {
+            Error::PeerTimeout { silent, knob, .. } => {
+                assert!(*silent >= Duration::from_millis(80), "{silent:?}");
+                assert_eq!(knob, "RUCX_PEER_TIMEOUT=80ms");
+                assert!(e.to_string().contains("RUCX_PEER_TIMEOUT=80ms"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        };
         match st.reqs.get(&id).and_then(|r| r.result.clone()) {
-            Some(Err(Error::EndpointFailure { reason: r, .. })) => assert_eq!(r, reason),
+            Some(Err(e)) => timed_out(&e),
             other => panic!("{other:?}"),
         }
+        timed_out(&st.check_peer(p).unwrap_err());
         // The unmatched receive is not the peer's: it still waits.
         assert!(st.reqs.get(&rid).is_some_and(|r| r.result.is_none()));
         st.reqs.remove(&id);

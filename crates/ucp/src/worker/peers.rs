@@ -29,6 +29,7 @@ impl State {
             needs_lanes: false,
             targets: Vec::new(),
             failed: None,
+            failure: None,
             queue: VecDeque::new(),
             next_msg: 0,
             stream_rx: StreamRx::default(),
@@ -265,6 +266,19 @@ impl State {
         let Some(peer) = self.peers.get(p) else {
             return;
         };
+        let err = Error::EndpointFailure {
+            peer: peer.remote.describe(),
+            reason: reason.to_string(),
+        };
+        self.fail_peer_with(p, reason, err);
+    }
+
+    /// Peer `p` failed for `reason`: its requests end with `err`, which requests posted to it
+    /// later get too, and which its error handler is told.
+    pub(crate) fn fail_peer_with(&mut self, p: usize, reason: &str, err: Error) {
+        let Some(peer) = self.peers.get(p) else {
+            return;
+        };
         if peer.failed.is_some() {
             return;
         }
@@ -281,23 +295,25 @@ impl State {
                 peer.remote.describe()
             );
         }
-        let err = Error::EndpointFailure {
-            peer: peer.remote.describe(),
-            reason: reason.to_string(),
-        };
+        self.peers[p].failure = Some(err.clone());
         self.end_peer(p, reason, &err);
         // Reported to the error handler from progress (unless this worker is closing it).
         self.note_ep_failure(p, err);
     }
 
     /// Peer `p` is gone (failed or closed, for `reason`): every request bound to it ends with
-    /// `err`, its queue and partial messages are dropped.
+    /// `err`, its queue and partial messages are dropped. Waiting stream receives end with
+    /// [`Error::StreamIncomplete`] (how many bytes each holds, and `err`); stream bytes that
+    /// arrived and no receive took stay receivable, as whole tag messages do.
     pub(crate) fn end_peer(&mut self, p: usize, reason: &str, err: &Error) {
-        let peer = &mut self.peers[p];
+        let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
         peer.failed = Some(reason.to_string());
         peer.queue.clear();
-        peer.stream_rx.clear();
+        let mut io = StreamReqs::new(reqs, p).ended_by(err.clone());
+        peer.stream_rx.end(&mut io);
         let uuid = peer.remote.uuid;
+        let ended = io.ended;
+        self.note_stream_ends(&ended);
         let ids: Vec<u64> = self
             .reqs
             .iter()

@@ -170,9 +170,7 @@ impl Worker {
         let mut st = self.st.borrow_mut();
         let p = ep.0;
         if p >= st.peers.len() {
-            return Err(Error::InvalidParam(format!(
-                "endpoint ep{p} does not exist"
-            )));
+            return Err(no_such_ep(p));
         }
         let (addr, cap) = (buf.addr, buf.len);
         let (mem, dev) = match buf.mem {
@@ -197,19 +195,39 @@ impl Worker {
             },
             ..RecvState::tag(addr, cap, 0, mem, dev)
         }));
-        if let Some(reason) = st.peers[p].failed.clone() {
-            let peer = st.peers[p].remote.describe();
-            st.finish(id, Err(Error::EndpointFailure { peer, reason }));
-            return Ok(id);
-        }
         if cap == 0 {
             // Needs no bytes: complete now rather than wait in line.
             st.finish(id, Ok(Completion::from_peer(0, ep)));
             return Ok(id);
         }
         let st = &mut *st;
+        // The endpoint ended (the peer closed it, it failed): the bytes that arrived before
+        // are still received; what they do not fill ends with `StreamIncomplete`.
+        let cause = st.peers[p].stream_rx.ended().then(|| {
+            st.check_peer(p).err().unwrap_or_else(|| {
+                Error::Internal(format!("the stream of ep{p} ended on a usable endpoint"))
+            })
+        });
+        if let Some(c) = &cause
+            && mem.is_gpu()
+        {
+            // Its copy to the GPU would go through the endpoint, which is gone: the bytes
+            // stay for a host receive.
+            st.finish(
+                id,
+                Err(Error::StreamIncomplete {
+                    received: 0,
+                    wanted: cap,
+                    cause: Box::new(c.clone()),
+                }),
+            );
+            return Ok(id);
+        }
         let (reqs, peer) = (&mut st.reqs, &mut st.peers[p]);
         let mut io = StreamReqs::new(reqs, p);
+        if let Some(c) = cause {
+            io = io.ended_by(c);
+        }
         peer.stream_rx.post(&mut io, id);
         let StreamReqs { ended, landed, .. } = io;
         if !ended.is_empty() {

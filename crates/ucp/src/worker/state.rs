@@ -154,7 +154,11 @@ pub(crate) struct Peer {
     pub(crate) needs_lanes: bool,
     /// The peer's interfaces this worker reaches, by local interface index.
     pub(crate) targets: Vec<(usize, IfaceEntry)>,
+    /// Why it ended (failed or closed), once it did.
     pub(crate) failed: Option<String>,
+    /// The error its requests ended with when it failed ([`State::fail_peer_with`]): a peer
+    /// timeout stays one for requests posted later.
+    pub(crate) failure: Option<Error>,
     pub(crate) queue: VecDeque<Pending>,
     pub(crate) next_msg: u64,
     /// The receive side of the byte stream from this peer.
@@ -519,6 +523,8 @@ pub(crate) struct StreamReqs<'a> {
     /// GPU stream receives filled in their host buffer, to copy on and complete
     /// ([`State::land_gpu_streams`]).
     pub(crate) landed: Vec<u64>,
+    /// Why the stream ended, for receives it ends early ([`StreamRecvs::end`]).
+    pub(crate) cause: Option<Error>,
     /// Receives that ended (filled or canceled): their owners are told
     /// ([`State::note_stream_ends`]), so an owned or queued receive is handed back.
     pub(crate) ended: Vec<u64>,
@@ -530,8 +536,15 @@ impl<'a> StreamReqs<'a> {
             reqs,
             peer,
             landed: Vec::new(),
+            cause: None,
             ended: Vec::new(),
         }
+    }
+
+    /// For a stream that ended (or ends now) because of `cause`.
+    pub(crate) fn ended_by(mut self, cause: Error) -> Self {
+        self.cause = Some(cause);
+        self
     }
 }
 
@@ -618,6 +631,41 @@ impl StreamRecvs for StreamReqs<'_> {
             self.ended.push(id);
         }
         taken
+    }
+
+    fn end(&mut self, id: u64) -> Vec<u8> {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Vec::new();
+        };
+        let ReqKind::Recv(rs) = &mut r.kind else {
+            return Vec::new();
+        };
+        if r.result.is_some() {
+            return Vec::new();
+        }
+        // A GPU receive's bytes are in its host buffer, not yet in the caller's: they go back
+        // to the stream (a later receive gets them) and the receive holds none.
+        let back = match &rs.proto {
+            RecvProto::Stream {
+                bounce: Some(b), ..
+            } => {
+                let back = b[..rs.received].to_vec();
+                rs.received = 0;
+                back
+            }
+            _ => Vec::new(),
+        };
+        let cause = self.cause.clone().unwrap_or_else(|| {
+            Error::Internal(format!("stream receive {id:#x} ended with no cause"))
+        });
+        r.result = Some(Err(Error::StreamIncomplete {
+            received: rs.received,
+            wanted: rs.cap,
+            cause: Box::new(cause),
+        }));
+        r.guards.clear();
+        self.ended.push(id);
+        back
     }
 }
 
@@ -716,7 +764,13 @@ impl State {
         };
         // A broken endpoint fails the peer's requests on its side by itself.
         let notify = !matches!(e, Error::EndpointFailure { .. });
-        let reason = e.to_string();
+        let reason = match &e {
+            // What the peer's request will say: "<this worker> ended the transfer: ...".
+            Error::Canceled => "it was canceled on that side (the request canceled, its endpoint \
+                                force-closed, or its worker dropped)"
+                .to_string(),
+            e => e.to_string(),
+        };
         self.set_result(id, Err(e));
         match notice {
             Some((p, _, _, true))
@@ -756,28 +810,46 @@ impl State {
     /// Why endpoint `p` cannot take operations ([`check_peer`](Self::check_peer)'s errors).
     #[cold]
     fn peer_unusable(&self, p: usize) -> Result<()> {
-        let peer = self
-            .peers
-            .get(p)
-            .ok_or_else(|| Error::InvalidParam(format!("endpoint ep{p} does not exist")))?;
-        if let Some(c) = peer.closed {
-            return Err(Error::EndpointClosed {
-                ep: format!("ep{p}"),
-                peer: peer.remote.describe(),
-                by: c.describe().into(),
-            });
+        let peer = self.peers.get(p).ok_or_else(|| no_such_ep(p))?;
+        if peer.closed.is_some() {
+            return Err(self.failure_of(p));
         }
         match &peer.failed {
-            Some(reason) => Err(Error::EndpointFailure {
-                peer: peer.remote.describe(),
-                reason: reason.clone(),
-            }),
+            Some(_) => Err(self.failure_of(p)),
             None if !peer.connected => Err(Error::NoResource(format!(
                 "endpoint ep{p} to {} is still being wired up",
                 peer.remote.describe()
             ))),
             None => Ok(()),
         }
+    }
+
+    /// The error a request on ended peer `p` gets: [`Error::EndpointClosed`] (by whom) for a
+    /// closed endpoint, else the failure itself (typed: a peer timeout stays
+    /// [`Error::PeerTimeout`]), else [`Error::EndpointFailure`] with the reason it ended.
+    pub(crate) fn failure_of(&self, p: usize) -> Error {
+        let peer = &self.peers[p];
+        if let Some(c) = peer.closed {
+            // Closed (by either side), not failed: say so, and by whom.
+            return Error::EndpointClosed {
+                ep: format!("ep{p}"),
+                peer: peer.remote.describe(),
+                by: c.describe().into(),
+            };
+        }
+        self.failed_error(p)
+    }
+
+    /// The error peer `p` failed with ([`State::fail_peer_with`]), else
+    /// [`Error::EndpointFailure`] with the reason it ended.
+    pub(crate) fn failed_error(&self, p: usize) -> Error {
+        let peer = &self.peers[p];
+        peer.failure
+            .clone()
+            .unwrap_or_else(|| Error::EndpointFailure {
+                peer: peer.remote.describe(),
+                reason: peer.failed.clone().unwrap_or_default(),
+            })
     }
 
     pub(crate) fn next_msg(&mut self, p: usize) -> u64 {
@@ -850,6 +922,16 @@ impl State {
             _ => 0,
         }
     }
+}
+
+/// The error for an endpoint index this worker never made (most likely an `EpId` of another
+/// worker).
+#[cold]
+pub(crate) fn no_such_ep(p: usize) -> Error {
+    Error::InvalidParam(format!(
+        "endpoint ep{p} does not exist on this worker (an EpId is valid only on the worker whose \
+         connect made it)"
+    ))
 }
 
 /// The peer of a request.

@@ -285,9 +285,8 @@ mod worker {
             {
                 rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
             }
-            if let Some(reason) = self.peers[p].failed.clone() {
-                let peer = self.peers[p].remote.describe();
-                self.finish(rid, Err(Error::EndpointFailure { peer, reason }));
+            if self.peers[p].failed.is_some() {
+                self.finish(rid, Err(self.failure_of(p)));
                 return;
             }
             if want == 0 {

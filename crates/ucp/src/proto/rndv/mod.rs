@@ -416,14 +416,7 @@ impl State {
             rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
         }
         if self.peers[p].failed.is_some() {
-            let reason = self.peers[p].failed.clone().unwrap_or_default();
-            self.finish(
-                rid,
-                Err(Error::EndpointFailure {
-                    peer: self.peers[p].remote.describe(),
-                    reason,
-                }),
-            );
+            self.finish(rid, Err(self.failure_of(p)));
             return;
         }
         if want == 0 {
