@@ -24,10 +24,10 @@ use std::ffi::{c_uint, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use rucx_ucp::{AmMessage, AmPayload, EpId, RawBuf};
+use rucx_ucp::{AmMessage, AmPayload, EpId};
 
 use crate::endpoint::AbiEp;
-use crate::nbx::{CbKind, Opts, post, raw};
+use crate::nbx::{CbKind, Opts, post};
 use crate::status::status_ptr;
 use crate::types::*;
 use crate::worker::AbiWorker;
@@ -237,12 +237,8 @@ pub unsafe extern "C" fn ucp_am_send_nbx(
     if opts.flags & !UCP_AM_SEND_FLAGS_KNOWN != 0 || (header_length > 0 && header.is_null()) {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     }
-    let len = match opts.contig_len(count) {
-        Ok(n) => n,
-        Err(s) => return status_ptr(s),
-    };
     // SAFETY: the caller's promise on the buffer.
-    let buf = match unsafe { raw(buffer, len) } {
+    let buf = match unsafe { opts.contig_buf(buffer, count) } {
         Ok(b) => b,
         Err(s) => return status_ptr(s),
     };
@@ -290,12 +286,8 @@ pub unsafe extern "C" fn ucp_am_recv_data_nbx(
         Ok(o) => o,
         Err(s) => return status_ptr(s),
     };
-    let len = match opts.contig_len(count) {
-        Ok(n) => n,
-        Err(s) => return status_ptr(s),
-    };
     // SAFETY: the caller's promise on the buffer.
-    let buf: RawBuf = match unsafe { raw(buffer, len) } {
+    let buf = match unsafe { opts.contig_buf(buffer, count) } {
         Ok(b) => b,
         Err(s) => return status_ptr(s),
     };

@@ -110,6 +110,23 @@ impl Opts {
     }
 }
 
+impl Opts {
+    /// The caller's `count` elements at `addr` as one contiguous buffer: [`Opts::contig_len`]
+    /// and [`raw`] in one step, as every contiguous-only call reads its buffer.
+    ///
+    /// # Safety
+    /// As [`raw`].
+    pub unsafe fn contig_buf(
+        &self,
+        addr: *const c_void,
+        count: usize,
+    ) -> std::result::Result<RawBuf, Status> {
+        let len = self.contig_len(count)?;
+        // SAFETY: the caller's promise, passed on.
+        unsafe { raw(addr, len) }
+    }
+}
+
 /// The caller's memory of `len` bytes at `addr` (NULL only when empty), classified by rucx.
 ///
 /// # Safety

@@ -11,7 +11,7 @@
 use std::ffi::c_void;
 
 use crate::endpoint::AbiEp;
-use crate::nbx::{CbKind, Opts, post, raw};
+use crate::nbx::{CbKind, Opts, post};
 use crate::status::status_ptr;
 use crate::types::*;
 
@@ -38,12 +38,8 @@ pub unsafe extern "C" fn ucp_stream_send_nbx(
         Ok(o) => o,
         Err(s) => return status_ptr(s),
     };
-    let len = match opts.contig_len(count) {
-        Ok(n) => n,
-        Err(s) => return status_ptr(s),
-    };
     // SAFETY: the caller's promise on the buffer.
-    let buf = match unsafe { raw(buffer, len) } {
+    let buf = match unsafe { opts.contig_buf(buffer, count) } {
         Ok(b) => b,
         Err(s) => return status_ptr(s),
     };
@@ -85,12 +81,8 @@ pub unsafe extern "C" fn ucp_stream_recv_nbx(
     if length.is_null() || opts.flags & !UCP_STREAM_RECV_FLAG_WAITALL != 0 {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     }
-    let len = match opts.contig_len(count) {
-        Ok(n) => n,
-        Err(s) => return status_ptr(s),
-    };
     // SAFETY: the caller's promise on the buffer.
-    let buf = match unsafe { raw(buffer, len) } {
+    let buf = match unsafe { opts.contig_buf(buffer, count) } {
         Ok(b) => b,
         Err(s) => return status_ptr(s),
     };
