@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use rucx_ucp::{AmMessage, AmPayload, EpId};
 
 use crate::endpoint::AbiEp;
-use crate::nbx::{CbKind, Opts, post};
+use crate::nbx::{CbKind, post, target_and_opts};
 use crate::status::status_ptr;
 use crate::types::*;
 use crate::worker::AbiWorker;
@@ -222,13 +222,8 @@ pub unsafe extern "C" fn ucp_am_send_nbx(
     param: *const RequestParam,
 ) -> *mut c_void {
     // SAFETY: the caller's promises.
-    let (Some(ep), opts) = (unsafe { ep.as_ref() }, unsafe {
-        Opts::read(param, CbKind::Send)
-    }) else {
-        return status_ptr(UCS_ERR_INVALID_PARAM);
-    };
-    let opts = match opts {
-        Ok(o) => o,
+    let (ep, opts) = match unsafe { target_and_opts(ep, param, CbKind::Send) } {
+        Ok(t) => t,
         Err(s) => return status_ptr(s),
     };
     let Ok(id) = u16::try_from(id) else {
@@ -277,13 +272,8 @@ pub unsafe extern "C" fn ucp_am_recv_data_nbx(
     param: *const RequestParam,
 ) -> *mut c_void {
     // SAFETY: the caller's promises.
-    let (Some(w), opts) = (unsafe { worker.as_ref() }, unsafe {
-        Opts::read(param, CbKind::Length)
-    }) else {
-        return status_ptr(UCS_ERR_INVALID_PARAM);
-    };
-    let opts = match opts {
-        Ok(o) => o,
+    let (w, opts) = match unsafe { target_and_opts(worker, param, CbKind::Length) } {
+        Ok(t) => t,
         Err(s) => return status_ptr(s),
     };
     // SAFETY: the caller's promise on the buffer.

@@ -127,6 +127,23 @@ impl Opts {
     }
 }
 
+/// The object a call is made on (its worker or endpoint: NULL is invalid) and its request
+/// parameters, read as [`Opts::read`] does: the first lines of every nbx call but the tag ones.
+///
+/// # Safety
+/// `obj` NULL or live for `'a`; `param` NULL or valid.
+pub unsafe fn target_and_opts<'a, T>(
+    obj: *const T,
+    param: *const RequestParam,
+    kind: CbKind,
+) -> std::result::Result<(&'a T, Opts), Status> {
+    // SAFETY: the caller's promise.
+    let t = unsafe { obj.as_ref() }.ok_or(UCS_ERR_INVALID_PARAM)?;
+    // SAFETY: the caller's promise.
+    let opts = unsafe { Opts::read(param, kind) }?;
+    Ok((t, opts))
+}
+
 /// The caller's memory of `len` bytes at `addr` (NULL only when empty), classified by rucx.
 ///
 /// # Safety

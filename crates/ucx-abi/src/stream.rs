@@ -11,7 +11,7 @@
 use std::ffi::c_void;
 
 use crate::endpoint::AbiEp;
-use crate::nbx::{CbKind, Opts, post};
+use crate::nbx::{CbKind, post, target_and_opts};
 use crate::status::status_ptr;
 use crate::types::*;
 
@@ -29,13 +29,8 @@ pub unsafe extern "C" fn ucp_stream_send_nbx(
     param: *const RequestParam,
 ) -> *mut c_void {
     // SAFETY: the caller's promises.
-    let (Some(ep), opts) = (unsafe { ep.as_ref() }, unsafe {
-        Opts::read(param, CbKind::Send)
-    }) else {
-        return status_ptr(UCS_ERR_INVALID_PARAM);
-    };
-    let opts = match opts {
-        Ok(o) => o,
+    let (ep, opts) = match unsafe { target_and_opts(ep, param, CbKind::Send) } {
+        Ok(t) => t,
         Err(s) => return status_ptr(s),
     };
     // SAFETY: the caller's promise on the buffer.
@@ -69,13 +64,8 @@ pub unsafe extern "C" fn ucp_stream_recv_nbx(
     param: *const RequestParam,
 ) -> *mut c_void {
     // SAFETY: the caller's promises.
-    let (Some(ep), opts) = (unsafe { ep.as_ref() }, unsafe {
-        Opts::read(param, CbKind::Length)
-    }) else {
-        return status_ptr(UCS_ERR_INVALID_PARAM);
-    };
-    let opts = match opts {
-        Ok(o) => o,
+    let (ep, opts) = match unsafe { target_and_opts(ep, param, CbKind::Length) } {
+        Ok(t) => t,
         Err(s) => return status_ptr(s),
     };
     if length.is_null() || opts.flags & !UCP_STREAM_RECV_FLAG_WAITALL != 0 {
