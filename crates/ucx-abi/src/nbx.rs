@@ -21,6 +21,8 @@ pub enum CbKind {
     Send,
     /// `cb.recv_stream` / `cb.recv_am` (a length).
     Length,
+    /// `cb.recv` (`ucp_tag_recv_nbx_callback_t`: tag receives).
+    Recv,
 }
 
 /// The options of one call, from its `ucp_request_param_t`.
@@ -72,6 +74,8 @@ impl Opts {
                 CbKind::Send => Callback::SendNbx(unsafe { p.cb.send }, data),
                 // SAFETY: as above.
                 CbKind::Length => Callback::Length(unsafe { p.cb.length }, data),
+                // SAFETY: as above.
+                CbKind::Recv => Callback::RecvNbx(unsafe { p.cb.recv }, data),
             }
         };
         let req = (m & UCP_OP_ATTR_FIELD_REQUEST != 0).then_some(p.request);

@@ -20,6 +20,7 @@ use rucx_ucs::{MemInfo, Result};
 use crate::datatype::{Dt, Unpack, classify, contig_len, pack_all};
 use crate::endpoint::AbiEp;
 use crate::engine::{self, Buf};
+use crate::nbx::CbKind;
 use crate::request;
 use crate::status::{status_of, status_ptr};
 use crate::types::*;
@@ -164,48 +165,28 @@ impl Opts {
         }
     }
 
-    /// Read a `ucp_request_param_t` (NULL: defaults).
+    /// Read a `ucp_request_param_t` (NULL: defaults) as every nbx call does
+    /// ([`crate::nbx::Opts::read`]), plus the tag receive's `recv_info`.
     ///
     /// # Safety
     /// `param` NULL or valid.
     unsafe fn nbx(param: *const RequestParam, recv: bool) -> std::result::Result<Opts, Status> {
+        let kind = if recv { CbKind::Recv } else { CbKind::Send };
         // SAFETY: the caller's promise.
-        let Some(p) = (unsafe { param.as_ref() }) else {
-            return Ok(Opts::nb(Callback::None, 1 << UCP_DATATYPE_SHIFT));
-        };
-        let m = p.op_attr_mask;
-        if m & !UCP_OP_ATTR_KNOWN != 0 {
-            return Err(UCS_ERR_INVALID_PARAM);
-        }
-        let data = if m & UCP_OP_ATTR_FIELD_USER_DATA != 0 {
-            p.user_data
-        } else {
-            std::ptr::null_mut()
-        };
-        let cb = if m & UCP_OP_ATTR_FIELD_CALLBACK == 0 {
-            Callback::None
-        } else if recv {
-            // SAFETY: the union holds the callback the call's kind names.
-            Callback::RecvNbx(unsafe { p.cb.recv }, data)
-        } else {
-            // SAFETY: as above.
-            Callback::SendNbx(unsafe { p.cb.send }, data)
-        };
-        let recv_info = if m & UCP_OP_ATTR_FIELD_RECV_INFO != 0 {
-            // SAFETY: the union member of tag receives.
-            Some(unsafe { p.recv_info.tag_info }).filter(|p| !p.is_null())
-        } else {
-            None
+        let o = unsafe { crate::nbx::Opts::read(param, kind) }?;
+        // SAFETY: the caller's promise.
+        let recv_info = match unsafe { param.as_ref() } {
+            Some(p) if p.op_attr_mask & UCP_OP_ATTR_FIELD_RECV_INFO != 0 => {
+                // SAFETY: the union member of tag receives.
+                Some(unsafe { p.recv_info.tag_info }).filter(|p| !p.is_null())
+            }
+            _ => None,
         };
         Ok(Opts {
-            cb,
-            dt: if m & UCP_OP_ATTR_FIELD_DATATYPE != 0 {
-                p.datatype
-            } else {
-                1 << UCP_DATATYPE_SHIFT
-            },
-            req: (m & UCP_OP_ATTR_FIELD_REQUEST != 0).then_some(p.request),
-            no_imm: m & UCP_OP_ATTR_FLAG_NO_IMM_CMPL != 0,
+            cb: o.cb,
+            dt: o.dt,
+            req: o.req,
+            no_imm: o.no_imm,
             recv_info,
         })
     }
