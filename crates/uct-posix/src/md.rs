@@ -469,14 +469,7 @@ mod tests {
         let bufs: Vec<Vec<u8>> = (0..(2 * UNPACKED_SLOTS))
             .map(|i| vec![0u8; 64 + i])
             .collect();
-        let keys: Vec<Vec<u8>> = bufs
-            .iter()
-            .map(|b| {
-                // SAFETY: `bufs` outlives the handle, which is dropped at once.
-                let h = unsafe { m.mem_reg(MemRegion::of_slice(b)) }.unwrap();
-                m.mkey_pack(&h).unwrap()
-            })
-            .collect();
+        let keys = packed_keys(&m, &bufs);
         for _ in 0..3 {
             for (b, k) in bufs.iter().zip(&keys) {
                 assert_eq!(
@@ -495,20 +488,24 @@ mod tests {
         }
     }
 
+    /// Each buffer registered (the handle dropped at once) and its key packed.
+    fn packed_keys(m: &PosixMd, bufs: &[Vec<u8>]) -> Vec<Vec<u8>> {
+        bufs.iter()
+            .map(|b| {
+                // SAFETY: `bufs` outlives the handle, which is dropped at once.
+                let h = unsafe { m.mem_reg(MemRegion::of_slice(b)) }.unwrap();
+                m.mkey_pack(&h).unwrap()
+            })
+            .collect()
+    }
+
     /// Sixteen keys in turn (a sender unpacking a receiver's window of buffers) are all
     /// answered from the cache after the first round: each gives the very key it gave before.
     #[test]
     fn a_window_of_keys_in_turn_is_unpacked_once() {
         let m = md();
         let bufs: Vec<Vec<u8>> = (0..16).map(|_| vec![0u8; 65536]).collect();
-        let keys: Vec<Vec<u8>> = bufs
-            .iter()
-            .map(|b| {
-                // SAFETY: `bufs` outlives the handle, which is dropped at once.
-                let h = unsafe { m.mem_reg(MemRegion::of_slice(b)) }.unwrap();
-                m.mkey_pack(&h).unwrap()
-            })
-            .collect();
+        let keys = packed_keys(&m, &bufs);
         let first: Vec<RemoteKey> = keys.iter().map(|k| m.rkey_unpack(k).unwrap()).collect();
         for round in 0..3 {
             for (k, f) in keys.iter().zip(&first) {
