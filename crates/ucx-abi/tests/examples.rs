@@ -22,6 +22,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::run_ok;
+
 const EXAMPLES: &str = "/usr/share/doc/libucx-dev/examples";
 /// The string both examples send (their generator's first 15 letters).
 const TEST_STRING: &str = "ABCDEFGHIJKLMNO";
@@ -36,19 +39,6 @@ struct Setup {
     dir: PathBuf,
     /// rucx's libucp as the announcement line names it.
     lib: PathBuf,
-}
-
-fn run_ok(cmd: &mut Command, what: &str) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The libraries and the two programs, built once; `None` (with a message) when `libucx-dev`
@@ -70,26 +60,7 @@ fn setup() -> Option<&'static Setup> {
                 eprintln!("skipped: {msg}");
                 return None;
             }
-            // target/<profile>/deps/<this test>: cargo builds this crate's cdylib next to it.
-            let exe = std::env::current_exe().expect("test executable path");
-            let deps = exe.parent().expect("deps dir");
-            let lib = deps.join("libucp.so");
-            assert!(lib.exists(), "{} was not built", lib.display());
-            let lib = std::fs::canonicalize(&lib).expect("canonical library path");
-            let dir = deps.parent().expect("target dir").join("ucx-abi-examples");
-            std::fs::create_dir_all(&dir).expect("test dir");
-            let link = dir.join("libucp.so.0");
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(&lib, &link).expect("libucp.so.0 link");
-            for l in ["ucs", "uct", "ucm"] {
-                run_ok(
-                    Command::new("cc")
-                        .args(["-shared", "-x", "c", "/dev/null", "-o"])
-                        .arg(dir.join(format!("lib{l}.so.0")))
-                        .arg(format!("-Wl,-soname,lib{l}.so.0")),
-                    "building a thin library",
-                );
-            }
+            let (dir, lib) = common::abi_lib_dir("ucx-abi-examples");
             for name in ["ucp_hello_world", "ucp_client_server"] {
                 // Linked against the system's UCX (its development links), run on rucx's.
                 let prog = dir.join(name);

@@ -10,6 +10,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::run_ok;
+
 /// One MPI job at a time: the machine is small and the jobs are heavy.
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -26,18 +29,6 @@ fn have(cmd: &str) -> bool {
         .stdout(Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
-}
-
-fn run_ok(cmd: &mut Command, what: &str) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// The libraries: `libucp.so.0` (this crate's cdylib, built with the test) and the thin
@@ -57,26 +48,7 @@ fn setup() -> &'static Setup {
         }
         // target/<profile>/deps/<this test>: cargo builds this crate's cdylib for the test
         // next to it (`cargo build` copies it up to target/<profile>, `cargo test` does not).
-        let exe = std::env::current_exe().expect("test executable path");
-        let deps = exe.parent().expect("deps dir");
-        let profile = deps.parent().expect("target dir");
-        let lib = deps.join("libucp.so");
-        assert!(lib.exists(), "{} was not built", lib.display());
-        let lib = std::fs::canonicalize(&lib).expect("canonical library path");
-        let dir = profile.join("ucx-abi-test");
-        std::fs::create_dir_all(&dir).expect("test dir");
-        let link = dir.join("libucp.so.0");
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(&lib, &link).expect("libucp.so.0 link");
-        for l in ["ucs", "uct", "ucm"] {
-            run_ok(
-                Command::new("cc")
-                    .args(["-shared", "-x", "c", "/dev/null", "-o"])
-                    .arg(dir.join(format!("lib{l}.so.0")))
-                    .arg(format!("-Wl,-soname,lib{l}.so.0")),
-                "building a thin library",
-            );
-        }
+        let (dir, lib) = common::abi_lib_dir("ucx-abi-test");
         Setup { dir, lib }
     })
 }
