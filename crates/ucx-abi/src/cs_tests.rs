@@ -252,10 +252,10 @@ fn stream_calls_refuse_bad_input() {
             ucp_stream_send_nbx(pair.ep[0], b, 8, &nbx(1 << 12, 0)),
             UCS_ERR_INVALID_PARAM,
         );
-        let mut iov = nbx(UCP_OP_ATTR_FIELD_DATATYPE, 0);
-        iov.datatype = UCP_DATATYPE_IOV;
+        let mut strided = nbx(UCP_OP_ATTR_FIELD_DATATYPE, 0);
+        strided.datatype = UCP_DATATYPE_STRIDED;
         bad(
-            ucp_stream_send_nbx(pair.ep[0], b, 1, &iov),
+            ucp_stream_send_nbx(pair.ep[0], b, 1, &strided),
             UCS_ERR_UNSUPPORTED,
         );
         bad(

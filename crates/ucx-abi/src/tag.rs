@@ -20,6 +20,7 @@ use rucx_ucs::{MemInfo, Result};
 use crate::datatype::{Dt, Unpack, classify, contig_len, pack_all};
 use crate::endpoint::AbiEp;
 use crate::engine::{self, Buf};
+use crate::iov::{Iov, Plan};
 use crate::nbx::CbKind;
 use crate::request;
 use crate::status::{status_of, status_ptr};
@@ -36,6 +37,8 @@ pub enum Finish {
     RecvUnpack(Box<Unpack>),
     /// A matched-message receive: copy what landed in our buffer to the caller's.
     MsgCopy(Box<(Dest, TagRecvInfo)>),
+    /// An IOV receive (several entries): scatter what landed in our buffer over them.
+    RecvScatter(Box<Iov>),
 }
 
 /// Where a matched message goes.
@@ -43,6 +46,7 @@ pub enum Finish {
 pub enum Dest {
     Contig(*mut u8, usize),
     Generic(Unpack),
+    Iov(Iov),
 }
 
 fn info_of(c: &Completion) -> TagRecvInfo {
@@ -113,6 +117,16 @@ impl Finish {
                 let n = info.length.min(data.len());
                 (u.unpack(&data[..n]), info)
             }
+            Finish::RecvScatter(iov) => {
+                // What arrived (all of it, the part that fit a truncated message, or what a
+                // stream receive cut short holds) is at the start of our buffer.
+                let data = data.unwrap_or_default();
+                let n = info.length.min(data.len());
+                // SAFETY: the caller's entries, writable host memory until the receive ends
+                // (its promise; checked host when posted), apart from our buffer.
+                unsafe { iov.scatter(&data[..n]) };
+                (status, info)
+            }
             Finish::MsgCopy(m) => {
                 let (dest, probed) = *m;
                 if status != UCS_OK {
@@ -137,6 +151,15 @@ impl Finish {
                         (UCS_OK, probed)
                     }
                     Dest::Generic(u) => (u.unpack(&data[..n]), probed),
+                    Dest::Iov(iov) => {
+                        // SAFETY: the caller's entries, writable host memory (its promise at
+                        // `ucp_tag_msg_recv_nb`; checked host there), apart from our buffer.
+                        unsafe { iov.scatter(&data[..n]) };
+                        if n > iov.total() {
+                            return (UCS_ERR_MESSAGE_TRUNCATED, probed);
+                        }
+                        (UCS_OK, probed)
+                    }
                 }
             }
         }
@@ -242,7 +265,7 @@ fn check_provided(opts: &Opts) -> bool {
 /// where it is on; `None` for an empty buffer or when classification failed (the post then
 /// reports the error).
 #[inline]
-fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
+pub(crate) fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
     let c = w.context();
     if len == 0 {
         return None;
@@ -299,6 +322,16 @@ unsafe fn send(
         },
         // SAFETY: the caller's promise on the type and buffer.
         Ok(Dt::Generic(g)) => Buf::Owned(unsafe { pack_all(g, buf, count) }),
+        // SAFETY: the caller's promise on the entries and their memory.
+        Ok(Dt::Iov) => match unsafe { crate::iov::plan(w, buf, count, true) } {
+            Ok(Plan::Direct(addr, len)) => Buf::Raw {
+                addr,
+                len,
+                info: host_hint(w, addr, len),
+            },
+            Ok(Plan::Bounce(_, v)) => Buf::Owned(v),
+            Err(s) => return status_ptr(s),
+        },
         Err(s) => return status_ptr(s),
     };
     // A small host message the lane takes now ends here, without an operation.
@@ -408,6 +441,19 @@ unsafe fn recv(
             let (u, size) = unsafe { Unpack::start(g, buf, count) };
             (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(Box::new(u)))
         }
+        // SAFETY: the caller's promise on the entries and their memory.
+        Ok(Dt::Iov) => match unsafe { crate::iov::plan(w, buf, count, false) } {
+            Ok(Plan::Direct(addr, len)) => (
+                Buf::Raw {
+                    addr,
+                    len,
+                    info: host_hint(w, addr, len),
+                },
+                Finish::Recv,
+            ),
+            Ok(Plan::Bounce(iov, v)) => (Buf::Owned(v), Finish::RecvScatter(Box::new(iov))),
+            Err(s) => return status_ptr(s),
+        },
         Err(s) => return status_ptr(s),
     };
     let mut data = data;
@@ -796,6 +842,18 @@ unsafe fn msg_recv(
         },
         // SAFETY: the caller's promise on the type and buffer.
         Ok(Dt::Generic(g)) => Dest::Generic(unsafe { Unpack::start(g, buf, count) }.0),
+        Ok(Dt::Iov) => {
+            // SAFETY: the caller's promise on the entries (read for the call).
+            let iov = match unsafe { Iov::read(buf.cast(), count) } {
+                Ok(iov) => iov,
+                Err(s) => return status_ptr(s),
+            };
+            // The copy out is a CPU copy: every entry must be host memory.
+            if let Err(s) = iov.check_host(w) {
+                return status_ptr(s);
+            }
+            Dest::Iov(iov)
+        }
         Err(s) => return status_ptr(s),
     };
     // SAFETY: made by `Box::into_raw` in `ucp_tag_probe_nb`, received once.
