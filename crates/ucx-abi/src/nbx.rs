@@ -163,7 +163,7 @@ pub unsafe fn iov_buf(
             let fin = if send {
                 Finish::Send
             } else {
-                Finish::RecvScatter(Box::new(iov))
+                Finish::RecvUnpack(Box::new(crate::tag::Unpacked::Iov(iov)))
             };
             Ok((r, fin, Some(v)))
         }

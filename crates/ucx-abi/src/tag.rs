@@ -17,7 +17,7 @@ use std::ffi::c_void;
 use rucx_ucp::Completion;
 use rucx_ucs::{MemInfo, Result};
 
-use crate::datatype::{Dt, Unpack, classify, contig_len, pack_all};
+use crate::datatype::{Dt, Unpack, classify, contig_len, is_iov, pack_all};
 use crate::endpoint::AbiEp;
 use crate::engine::{self, Buf};
 use crate::iov::{Iov, Plan};
@@ -33,12 +33,19 @@ use rucx_ucp::Queued;
 pub enum Finish {
     Send,
     Recv,
-    /// A generic-type receive: unpack what landed in our buffer.
-    RecvUnpack(Box<Unpack>),
+    /// A generic-type receive (unpack what landed in our buffer) or an IOV one of several
+    /// entries (scatter it over them). One boxed variant for both: the contiguous ends (and
+    /// the drop of a `Finish`) stay as they were.
+    RecvUnpack(Box<Unpacked>),
     /// A matched-message receive: copy what landed in our buffer to the caller's.
     MsgCopy(Box<(Dest, TagRecvInfo)>),
-    /// An IOV receive (several entries): scatter what landed in our buffer over them.
-    RecvScatter(Box<Iov>),
+}
+
+/// Where a receive that landed in our buffer goes when it ends.
+#[derive(Debug)]
+pub enum Unpacked {
+    Generic(Unpack),
+    Iov(Iov),
 }
 
 /// Where a matched message goes.
@@ -109,23 +116,33 @@ impl Finish {
         match self {
             Finish::Send => (status, TagRecvInfo::default()),
             Finish::Recv => (status, info),
+            other => other.run_ours(status, info, data),
+        }
+    }
+
+    /// [`Finish::run`] of the ends with a buffer of ours (generic types, IOVs of several
+    /// entries, matched messages): out of line, off the contiguous path.
+    #[inline(never)]
+    fn run_ours(
+        self,
+        status: Status,
+        info: TagRecvInfo,
+        data: Option<Vec<u8>>,
+    ) -> (Status, TagRecvInfo) {
+        match self {
+            Finish::Send => (status, TagRecvInfo::default()),
+            Finish::Recv => (status, info),
             Finish::RecvUnpack(u) => {
+                let u = match *u {
+                    Unpacked::Generic(u) => u,
+                    Unpacked::Iov(iov) => return scatter_end(&iov, status, info, data),
+                };
                 if status != UCS_OK {
                     return (status, info);
                 }
                 let data = data.unwrap_or_default();
                 let n = info.length.min(data.len());
                 (u.unpack(&data[..n]), info)
-            }
-            Finish::RecvScatter(iov) => {
-                // What arrived (all of it, the part that fit a truncated message, or what a
-                // stream receive cut short holds) is at the start of our buffer.
-                let data = data.unwrap_or_default();
-                let n = info.length.min(data.len());
-                // SAFETY: the caller's entries, writable host memory until the receive ends
-                // (its promise; checked host when posted), apart from our buffer.
-                unsafe { iov.scatter(&data[..n]) };
-                (status, info)
             }
             Finish::MsgCopy(m) => {
                 let (dest, probed) = *m;
@@ -164,6 +181,76 @@ impl Finish {
             }
         }
     }
+}
+
+/// The end of an IOV receive of several entries: what arrived (all of it, the part that fit a
+/// truncated message, or what a stream receive cut short holds) is at the start of our
+/// buffer, and goes to the entries. Out of line: the contiguous ends stay as they were.
+#[cold]
+#[inline(never)]
+fn scatter_end(
+    iov: &Iov,
+    status: Status,
+    info: TagRecvInfo,
+    data: Option<Vec<u8>>,
+) -> (Status, TagRecvInfo) {
+    let data = data.unwrap_or_default();
+    let n = info.length.min(data.len());
+    // SAFETY: the caller's entries, writable host memory until the receive ends (its promise;
+    // checked host when posted), apart from our buffer.
+    unsafe { iov.scatter(&data[..n]) };
+    (status, info)
+}
+
+/// The memory of an IOV send ([`crate::iov`]): the one entry's, or the entries gathered.
+///
+/// # Safety
+/// As [`crate::iov::plan`].
+#[cold]
+#[inline(never)]
+unsafe fn iov_send_buf(
+    w: &AbiWorker,
+    buf: *const c_void,
+    count: usize,
+) -> std::result::Result<Buf, Status> {
+    // SAFETY: forwarded.
+    Ok(match unsafe { crate::iov::plan(w, buf, count, true) }? {
+        Plan::Direct(addr, len) => Buf::Raw {
+            addr,
+            len,
+            info: host_hint(w, addr, len),
+        },
+        Plan::Bounce(_, v) => Buf::Owned(v),
+    })
+}
+
+/// The memory and end of an IOV receive ([`crate::iov`]): the one entry's, or a buffer of
+/// ours scattered at the end.
+///
+/// # Safety
+/// As [`crate::iov::plan`].
+#[cold]
+#[inline(never)]
+unsafe fn iov_recv_buf(
+    w: &AbiWorker,
+    buf: *const c_void,
+    count: usize,
+) -> std::result::Result<(Buf, Finish), Status> {
+    // SAFETY: forwarded.
+    Ok(match unsafe { crate::iov::plan(w, buf, count, false) }? {
+        Plan::Direct(addr, len) => (
+            Buf::Raw {
+                addr,
+                len,
+                info: host_hint(w, addr, len),
+            },
+            Finish::Recv,
+        ),
+        Plan::Bounce(iov, v) => (
+            Buf::Owned(v),
+            Finish::RecvUnpack(Box::new(Unpacked::Iov(iov))),
+        ),
+    })
 }
 
 /// The options of one call, from its arguments or its `ucp_request_param_t`.
@@ -322,18 +409,52 @@ unsafe fn send(
         },
         // SAFETY: the caller's promise on the type and buffer.
         Ok(Dt::Generic(g)) => Buf::Owned(unsafe { pack_all(g, buf, count) }),
+        // Out of line, so that the contiguous path stays as it was.
         // SAFETY: the caller's promise on the entries and their memory.
-        Ok(Dt::Iov) => match unsafe { crate::iov::plan(w, buf, count, true) } {
-            Ok(Plan::Direct(addr, len)) => Buf::Raw {
-                addr,
-                len,
-                info: host_hint(w, addr, len),
-            },
-            Ok(Plan::Bounce(_, v)) => Buf::Owned(v),
-            Err(s) => return status_ptr(s),
-        },
+        Err(_) if is_iov(opts.dt) => return unsafe { send_iov(ep, buf, count, tag, sync, opts) },
         Err(s) => return status_ptr(s),
     };
+    // SAFETY: the caller's promise, passed on.
+    unsafe { send_posted(ep, w, data, tag, sync, opts) }
+}
+
+/// An IOV send ([`crate::iov`]), [`send`] off its contiguous path.
+///
+/// # Safety
+/// As for [`send`].
+#[cold]
+#[inline(never)]
+unsafe fn send_iov(
+    ep: &AbiEp,
+    buf: *const c_void,
+    count: usize,
+    tag: u64,
+    sync: bool,
+    opts: Opts,
+) -> *mut c_void {
+    let w = ep.worker();
+    // SAFETY: the caller's promise on the entries and their memory.
+    match unsafe { iov_send_buf(w, buf, count) } {
+        // SAFETY: as above.
+        Ok(data) => unsafe { send_posted(ep, w, data, tag, sync, opts) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// The rest of [`send`], once its memory is known: sent in place when it can be, else
+/// posted.
+///
+/// # Safety
+/// As for [`send`]; `data` its memory.
+#[inline(always)]
+unsafe fn send_posted(
+    ep: &AbiEp,
+    w: &AbiWorker,
+    data: Buf,
+    tag: u64,
+    sync: bool,
+    opts: Opts,
+) -> *mut c_void {
     // A small host message the lane takes now ends here, without an operation.
     if !sync
         && !opts.no_imm
@@ -439,23 +560,53 @@ unsafe fn recv(
         Ok(Dt::Generic(g)) => {
             // SAFETY: the caller's promise on the type and buffer.
             let (u, size) = unsafe { Unpack::start(g, buf, count) };
-            (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(Box::new(u)))
+            let fin = Finish::RecvUnpack(Box::new(Unpacked::Generic(u)));
+            (Buf::Owned(vec![0u8; size]), fin)
         }
+        // Out of line, so that the contiguous path stays as it was.
         // SAFETY: the caller's promise on the entries and their memory.
-        Ok(Dt::Iov) => match unsafe { crate::iov::plan(w, buf, count, false) } {
-            Ok(Plan::Direct(addr, len)) => (
-                Buf::Raw {
-                    addr,
-                    len,
-                    info: host_hint(w, addr, len),
-                },
-                Finish::Recv,
-            ),
-            Ok(Plan::Bounce(iov, v)) => (Buf::Owned(v), Finish::RecvScatter(Box::new(iov))),
-            Err(s) => return status_ptr(s),
-        },
+        Err(_) if is_iov(opts.dt) => return unsafe { recv_iov(w, buf, count, tag, mask, opts) },
         Err(s) => return status_ptr(s),
     };
+    // SAFETY: the caller's promise, passed on.
+    unsafe { recv_posted(w, data, fin, tag, mask, opts) }
+}
+
+/// An IOV receive ([`crate::iov`]), [`recv`] off its contiguous path.
+///
+/// # Safety
+/// As for [`recv`].
+#[cold]
+#[inline(never)]
+unsafe fn recv_iov(
+    w: &AbiWorker,
+    buf: *mut c_void,
+    count: usize,
+    tag: u64,
+    mask: u64,
+    opts: Opts,
+) -> *mut c_void {
+    // SAFETY: the caller's promise on the entries and their memory.
+    match unsafe { iov_recv_buf(w, buf, count) } {
+        // SAFETY: as above.
+        Ok((data, fin)) => unsafe { recv_posted(w, data, fin, tag, mask, opts) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// The rest of [`recv`], once its memory and end are known: posted.
+///
+/// # Safety
+/// As for [`recv`]; `data` its memory.
+#[inline(always)]
+unsafe fn recv_posted(
+    w: &AbiWorker,
+    data: Buf,
+    fin: Finish,
+    tag: u64,
+    mask: u64,
+    opts: Opts,
+) -> *mut c_void {
     let mut data = data;
     // The caller's memory, and a request made whether or not it ends while posted: a header
     // receive, with no entry in the table.
@@ -842,7 +993,7 @@ unsafe fn msg_recv(
         },
         // SAFETY: the caller's promise on the type and buffer.
         Ok(Dt::Generic(g)) => Dest::Generic(unsafe { Unpack::start(g, buf, count) }.0),
-        Ok(Dt::Iov) => {
+        Err(_) if is_iov(opts.dt) => {
             // SAFETY: the caller's promise on the entries (read for the call).
             let iov = match unsafe { Iov::read(buf.cast(), count) } {
                 Ok(iov) => iov,
