@@ -122,6 +122,7 @@ impl Finish {
 
     /// [`Finish::run`] of the ends with a buffer of ours (generic types, IOVs of several
     /// entries, matched messages): out of line, off the contiguous path.
+    #[cold]
     #[inline(never)]
     fn run_ours(
         self,
@@ -411,7 +412,12 @@ unsafe fn send(
         Ok(Dt::Generic(g)) => Buf::Owned(unsafe { pack_all(g, buf, count) }),
         // Out of line, so that the contiguous path stays as it was.
         // SAFETY: the caller's promise on the entries and their memory.
-        Err(_) if is_iov(opts.dt) => return unsafe { send_iov(ep, buf, count, tag, sync, opts) },
+        // Its options go field by field: `opts` itself, never in memory, stays in registers.
+        Err(_) if is_iov(opts.dt) => {
+            let o = (opts.cb, opts.dt, opts.req, opts.no_imm, opts.recv_info);
+            // SAFETY: the caller's promise, passed on.
+            return unsafe { send_iov(ep, buf, count, tag, sync, o) };
+        }
         Err(s) => return status_ptr(s),
     };
     // SAFETY: the caller's promise, passed on.
@@ -430,8 +436,21 @@ unsafe fn send_iov(
     count: usize,
     tag: u64,
     sync: bool,
-    opts: Opts,
+    o: (
+        Callback,
+        u64,
+        Option<*mut c_void>,
+        bool,
+        Option<*mut TagRecvInfo>,
+    ),
 ) -> *mut c_void {
+    let opts = Opts {
+        cb: o.0,
+        dt: o.1,
+        req: o.2,
+        no_imm: o.3,
+        recv_info: o.4,
+    };
     let w = ep.worker();
     // SAFETY: the caller's promise on the entries and their memory.
     match unsafe { iov_send_buf(w, buf, count) } {
