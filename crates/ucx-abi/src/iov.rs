@@ -90,9 +90,18 @@ impl Iov {
     /// Every entry is host memory (the copies of [`Iov::gather`] and [`Iov::scatter`] are
     /// CPU copies): else `UCS_ERR_UNSUPPORTED`, with a warning.
     pub fn check_host(&self, w: &AbiWorker) -> Result<(), Status> {
+        self.check_host_by(|addr, len| crate::tag::host_hint(w, addr, len))
+    }
+
+    /// [`Iov::check_host`] with the entries' memory types told by `class` (`None`: not
+    /// classified, refused too).
+    fn check_host_by(
+        &self,
+        class: impl Fn(usize, usize) -> Option<rucx_ucs::MemInfo>,
+    ) -> Result<(), Status> {
         for (i, &(addr, len)) in self.parts.iter().enumerate() {
-            match crate::tag::host_hint(w, addr, len) {
-                Some(m) if !m.mem_type.is_gpu() => {}
+            match class(addr, len) {
+                Some(m) if m.mem_type == rucx_ucs::MemoryType::Host => {}
                 m => {
                     tracing::warn!(
                         "IOV datatype: entry {i} ({addr:#x}, {len} bytes) is not host memory \
@@ -228,6 +237,44 @@ mod tests {
                 },
             ];
             assert_eq!(Iov::read(e.as_ptr(), 2).unwrap_err(), UCS_ERR_INVALID_PARAM);
+        }
+    }
+
+    /// Several entries are copied by the CPU: one in GPU memory (or not classified) refuses
+    /// the IOV; all in host memory pass. (No GPU here: the memory types are told.)
+    #[test]
+    fn an_entry_not_in_host_memory_is_refused() {
+        use rucx_ucs::{MemInfo, MemoryType};
+        let mut bufs = vec![vec![1u8; 8], vec![], vec![2u8; 8], vec![3u8; 8]];
+        let e = entries(&mut bufs);
+        // SAFETY: live entries.
+        let iov = unsafe { Iov::read(e.as_ptr(), e.len()) }.unwrap();
+        assert_eq!(iov.single(), None);
+        let gpu_at = bufs[2].as_ptr() as usize;
+        let gpu = MemInfo {
+            mem_type: MemoryType::Cuda,
+            device: Some(0),
+        };
+        assert_eq!(iov.check_host_by(|_, _| Some(MemInfo::HOST)), Ok(()));
+        for (tell, what) in [
+            (Some(gpu), "GPU"),
+            (
+                Some(MemInfo {
+                    mem_type: MemoryType::CudaManaged,
+                    device: Some(0),
+                }),
+                "managed",
+            ),
+            (None, "not classified"),
+        ] {
+            let got = iov.check_host_by(|a, _| {
+                if a == gpu_at {
+                    tell
+                } else {
+                    Some(MemInfo::HOST)
+                }
+            });
+            assert_eq!(got, Err(UCS_ERR_UNSUPPORTED), "{what}");
         }
     }
 
