@@ -4,7 +4,8 @@
 //! Served off the contiguous path, in every call that takes a datatype (tag, stream, active
 //! messages):
 //! - an IOV with at most one non-empty entry is that entry's memory, taken as a contiguous
-//!   buffer (no copy; GPU memory too, through rucx's paths);
+//!   buffer (no copy; GPU memory too, through rucx's paths, except for a matched-message
+//!   receive, whose copy out of the probed message is a CPU copy for every datatype);
 //! - with several non-empty entries, a send gathers them into a buffer of ours (one copy) and
 //!   a receive lands in a buffer of ours that is scattered over the entries when it ends,
 //!   in order, never past an entry: a message longer than the entries' total fills them and
