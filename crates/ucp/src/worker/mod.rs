@@ -30,6 +30,9 @@ use rustc_hash::FxHashMap;
 
 pub(crate) mod alloc;
 mod cancel;
+mod connecting;
+#[cfg(test)]
+mod connecting_tests;
 mod direct;
 mod dispatch;
 mod events;
@@ -157,6 +160,10 @@ pub struct Worker {
     id_lists: RefCell<Vec<Vec<u64>>>,
     /// The event set for sleeping and the wakers of awaited requests (`events.rs`).
     events: events::Events,
+    /// Connections the connection manager is making (`connecting.rs`), and whether there are
+    /// any (one load per progress call).
+    cm: RefCell<connecting::Clients>,
+    cm_any: std::cell::Cell<bool>,
 }
 
 impl fmt::Debug for Worker {
@@ -345,6 +352,8 @@ impl Worker {
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
             events: events::Events::default(),
+            cm: RefCell::default(),
+            cm_any: std::cell::Cell::new(false),
         })
     }
 
@@ -387,7 +396,13 @@ impl Worker {
     /// ([`take_completed`](Self::take_completed)).
     #[inline(always)]
     fn progress_once(&self) -> (usize, bool) {
+        let cm = if self.cm_any.get() {
+            self.progress_cm()
+        } else {
+            0
+        };
         let (n, quiet) = self.progress_events();
+        let n = n + cm;
         if let Some(completed) = quiet {
             return (n, completed);
         }
