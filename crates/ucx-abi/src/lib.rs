@@ -47,6 +47,8 @@ mod wait;
 #[cfg(test)]
 mod abi_tests;
 #[cfg(test)]
+mod cs_conn_tests;
+#[cfg(test)]
 mod cs_tests;
 mod worker;
 
