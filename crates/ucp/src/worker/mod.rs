@@ -396,13 +396,24 @@ impl Worker {
     /// ([`take_completed`](Self::take_completed)).
     #[inline(always)]
     fn progress_once(&self) -> (usize, bool) {
-        let cm = if self.cm_any.get() {
-            self.progress_cm()
-        } else {
-            0
-        };
+        // Connections being made by socket address: out of line (one load on the usual pass).
+        if self.cm_any.get() {
+            return self.progress_with_cm();
+        }
+        self.progress_pass()
+    }
+
+    /// [`progress_once`](Self::progress_once) while the connection manager makes connections.
+    #[inline(never)]
+    fn progress_with_cm(&self) -> (usize, bool) {
+        let cm = self.progress_cm();
+        let (n, completed) = self.progress_pass();
+        (n + cm, completed)
+    }
+
+    #[inline(always)]
+    fn progress_pass(&self) -> (usize, bool) {
         let (n, quiet) = self.progress_events();
-        let n = n + cm;
         if let Some(completed) = quiet {
             return (n, completed);
         }
