@@ -48,6 +48,8 @@ mod wait;
 #[cfg(test)]
 mod abi_tests;
 #[cfg(test)]
+mod cs_conn_tests;
+#[cfg(test)]
 mod cs_tests;
 #[cfg(test)]
 mod iov_tests;

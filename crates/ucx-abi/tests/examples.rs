@@ -552,3 +552,43 @@ fn client_server_over_ipv6() {
     }
     client_server(&["-c", "am"], 1, 1, true);
 }
+
+/// `tests/c/cs_one_thread.c` (ours, the public ucp API only): a client and its server in one
+/// thread, connected by `ucp_ep_create` by socket address that returns at once and progress of
+/// both workers; operations posted while connecting in order, the client id, a reject, a port
+/// nobody listens on. Built against the system's UCX and run on it first (the program states
+/// UCX's semantics), then on rucx's library (which must match them).
+#[test]
+fn one_thread_client_and_server_on_the_system_ucx_and_on_rucx() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(s) = setup() else { return };
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/cs_one_thread.c");
+    let exe = s.dir.join("cs_one_thread");
+    run_ok(
+        Command::new("cc")
+            .args(["-O1", "-Wall", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .args(["-I/usr/include", "-lucp", "-lucs"]),
+        "cc cs_one_thread.c",
+    );
+    // The system's UCX: its own libraries (none of ours on the path).
+    let out = run_ok(
+        Command::new("timeout")
+            .arg("120")
+            .arg(&exe)
+            .env_remove("LD_LIBRARY_PATH")
+            .env_remove("RUCX_ABI_ANNOUNCE"),
+        "cs_one_thread on the system's UCX",
+    );
+    assert!(out.contains("cs_one_thread OK"), "{out}");
+    // rucx's.
+    let p = Proc::spawn(s, "cs_one_thread", &[]);
+    let (status, out) = p.finish();
+    assert!(
+        status.is_some_and(|st| st.success()),
+        "cs_one_thread on rucx: {status:?}\n{out}"
+    );
+    assert!(out.contains("cs_one_thread OK"), "{out}");
+    assert_rucx(s, "cs_one_thread", &out);
+}
