@@ -333,6 +333,22 @@ pub enum Error {
         by: String,
     },
 
+    /// An endpoint id was used on a worker that did not make it (an id is valid only on the
+    /// worker whose connect or accept made it; its index may name another endpoint there, so
+    /// nothing is done). UCX leaves this undefined; rucx refuses it.
+    #[error(
+        "endpoint {ep} belongs to worker #{owner}, not to worker #{worker} it was used on (an \
+         EpId is valid only on the worker whose connect or accept made it)"
+    )]
+    ForeignEndpoint {
+        /// The endpoint as its worker names it (`ep3`).
+        ep: String,
+        /// Serial of the worker that made it (`EpId::worker`).
+        owner: u32,
+        /// Serial of the worker it was used on (`Worker::serial`).
+        worker: u32,
+    },
+
     /// The connection to a peer broke.
     #[error("endpoint to {peer} failed: {reason}")]
     EndpointFailure {

@@ -160,7 +160,7 @@ impl State {
                     Ok(Completion {
                         len: data.len(),
                         tag,
-                        sender: Some(EpId(src)),
+                        sender: Some(EpId::new(src, self.serial)),
                     })
                 };
                 self.owned.push_completed(d.token, res);

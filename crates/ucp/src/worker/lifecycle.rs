@@ -140,13 +140,16 @@ impl Worker {
     /// ```
     pub fn close(&self, ep: EpId, mode: CloseMode) -> OwnedRequest<()> {
         let (req, shared) = OwnedRequest::new(self.owned_uuid(), ());
-        let p = ep.0;
         {
             let mut st = self.st.borrow_mut();
-            let Some(peer) = st.peers.get(p) else {
-                req.end_now(Err(no_such_ep(p)));
-                return req;
+            let p = match st.ep_index(ep) {
+                Ok(p) => p,
+                Err(e) => {
+                    req.end_now(Err(e));
+                    return req;
+                }
             };
+            let peer = &st.peers[p];
             if let Some(c) = peer.closed {
                 req.end_now(Err(Error::EndpointClosed {
                     ep: ep.to_string(),
@@ -220,10 +223,8 @@ impl Worker {
         h: impl FnMut(&Worker, EpId, &Error) + Send + 'static,
     ) -> Result<()> {
         let mut st = self.st.borrow_mut();
-        if ep.0 >= st.peers.len() {
-            return Err(no_such_ep(ep.0));
-        }
-        st.life.ep_handlers.insert(ep.0, Box::new(h));
+        let p = st.ep_index(ep)?;
+        st.life.ep_handlers.insert(p, Box::new(h));
         Ok(())
     }
 
@@ -259,21 +260,21 @@ impl Worker {
     fn report_failures(&self) -> usize {
         let mut n = 0;
         loop {
-            let (p, err, mut h, own) = {
+            let (ep, err, mut h, own) = {
                 let mut st = self.st.borrow_mut();
                 let Some((p, err)) = st.life.events.pop_front() else {
                     return n;
                 };
+                let ep = st.ep_id(p);
                 match st.life.ep_handlers.remove(&p) {
-                    Some(h) => (p, err, h, true),
+                    Some(h) => (ep, err, h, true),
                     None => match st.life.handler.take() {
-                        Some(h) => (p, err, h, false),
+                        Some(h) => (ep, err, h, false),
                         None => continue,
                     },
                 }
             };
-            let res =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(self, EpId(p), &err)));
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(self, ep, &err)));
             n += 1;
             // The endpoint's own handler has done its one call; the worker's goes back unless
             // it was replaced meanwhile (also when it panicked: later failures are still
@@ -297,7 +298,7 @@ impl State {
     /// dropped.
     fn drop_stream(&mut self, p: usize, cause: Error) {
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        let mut io = StreamReqs::new(reqs, p).ended_by(cause);
+        let mut io = StreamReqs::new(reqs, EpId::new(p, self.serial)).ended_by(cause);
         peer.stream_rx.clear(&mut io);
         let ended = io.ended;
         self.note_stream_ends(&ended);

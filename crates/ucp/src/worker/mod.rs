@@ -67,14 +67,49 @@ use state::{Slot, State, Unexp};
 pub(crate) const SHORT_MAX: usize = 256;
 
 /// Identifies a peer (a UCP endpoint) of a worker.
+///
+/// It is valid only on the worker that made it (by `connect` or `accept`): it carries that
+/// worker's serial (one per worker of the process), so an id used on another worker is refused
+/// with [`Error::ForeignEndpoint`] naming both, whatever its index. A worker never reuses an
+/// endpoint's index: the id of a closed or failed endpoint keeps reporting why it ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EpId(pub(crate) usize);
+pub struct EpId {
+    /// Serial of the worker that made it ([`State::serial`]).
+    worker: u32,
+    /// Index of the peer in that worker's table.
+    idx: u32,
+}
+
+impl EpId {
+    /// The id of peer `p` of the worker with serial `worker`.
+    #[inline]
+    pub(crate) const fn new(p: usize, worker: u32) -> EpId {
+        EpId {
+            worker,
+            idx: p as u32,
+        }
+    }
+
+    /// The peer's index in its worker's table (meaningful only on that worker).
+    #[inline]
+    pub(crate) const fn idx(self) -> usize {
+        self.idx as usize
+    }
+
+    /// Serial of the worker that made this id (see [`Worker::serial`]).
+    pub const fn worker(self) -> u32 {
+        self.worker
+    }
+}
 
 impl fmt::Display for EpId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ep{}", self.0)
+        write!(f, "ep{}", self.idx)
     }
 }
+
+/// The next worker serial of this process (see [`EpId`]).
+static WORKER_SERIAL: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
 
 /// What a finished request reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -297,6 +332,7 @@ impl Worker {
         Ok(Worker {
             ifaces: RefCell::new(ifaces),
             st: RefCell::new(State {
+                serial: WORKER_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 ctx: ctx.clone(),
                 slots,
                 address,
@@ -372,7 +408,7 @@ impl Worker {
         let p = st.peer_for(remote)?;
         st.connect_peer(p, &mut ifaces)?;
         st.pump(p);
-        Ok(EpId(p))
+        Ok(st.ep_id(p))
     }
 
     /// Send a user active message from a host slice (copied before this returns, whatever its
@@ -548,12 +584,12 @@ impl Worker {
             Unexp::Eager { src, total, .. } => Completion {
                 len: *total,
                 tag: t,
-                sender: Some(EpId(*src)),
+                sender: Some(st.ep_id(*src)),
             },
             Unexp::Rts { src, size, .. } => Completion {
                 len: *size,
                 tag: t,
-                sender: Some(EpId(*src)),
+                sender: Some(st.ep_id(*src)),
             },
         })
     }
@@ -571,21 +607,17 @@ impl Worker {
     /// The protocol table endpoint `ep` uses for tag sends of host memory.
     pub fn proto_table(&self, ep: EpId) -> Result<Vec<Range>> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
-        self.ensure_plan(&mut st, ep.0);
-        Ok(st.peers[ep.0]
-            .plan
-            .table(Op::Tag, MemKey::HOST)
-            .rows
-            .clone())
+        let p = st.check_ep(ep)?;
+        self.ensure_plan(&mut st, p);
+        Ok(st.peers[p].plan.table(Op::Tag, MemKey::HOST).rows.clone())
     }
 
     /// The plan of `ep` (what [`proto_info`](Self::proto_info) prints).
     pub fn plan(&self, ep: EpId) -> Result<EpPlan> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
-        self.ensure_plan(&mut st, ep.0);
-        Ok(st.peers[ep.0].plan.clone())
+        let p = st.check_ep(ep)?;
+        self.ensure_plan(&mut st, p);
+        Ok(st.peers[p].plan.clone())
     }
 
     /// The plan of `ep` as text: lanes, a table per operation and memory type, and the
@@ -596,7 +628,7 @@ impl Worker {
         Ok(format!(
             "rucx {} -> {}\n{plan}",
             ep,
-            st.peers[ep.0].remote.describe()
+            st.peers[ep.idx()].remote.describe()
         ))
     }
 
@@ -634,9 +666,9 @@ impl Worker {
     /// `transport/device`).
     pub fn lanes(&self, ep: EpId) -> Result<(String, Option<String>)> {
         let st = self.st.borrow();
-        st.check_peer(ep.0)?;
+        let p = st.check_ep(ep)?;
         let name = |i: usize| format!("{}/{}", st.slots[i].attr.tl_name, st.slots[i].attr.dev_name);
-        let p = &st.peers[ep.0];
+        let p = &st.peers[p];
         Ok((name(p.am), p.rma.map(name)))
     }
 
@@ -647,12 +679,20 @@ impl Worker {
     }
 
     /// Whether the endpoint failed, and why.
+    ///
+    /// An id of another worker is answered with why it cannot be used here (see [`EpId`]).
     pub fn ep_error(&self, ep: EpId) -> Option<String> {
-        self.st
-            .borrow()
-            .peers
-            .get(ep.0)
-            .and_then(|p| p.failed.clone())
+        let st = self.st.borrow();
+        match st.ep_index(ep) {
+            Ok(p) => st.peers[p].failed.clone(),
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
+    /// This worker's serial in the process: what the ids of its endpoints carry
+    /// ([`EpId::worker`]).
+    pub fn serial(&self) -> u32 {
+        self.st.borrow().serial
     }
 }
 
