@@ -65,10 +65,10 @@ pub(crate) enum Closed {
 }
 
 impl Closed {
-    pub(super) fn describe(self) -> &'static str {
+    pub(super) fn by(self) -> rucx_ucs::ClosedBy {
         match self {
-            Closed::ByUs => "closed by this worker",
-            Closed::ByPeer => "the peer closed it",
+            Closed::ByUs => rucx_ucs::ClosedBy::ThisWorker,
+            Closed::ByPeer => rucx_ucs::ClosedBy::Peer,
         }
     }
 }
@@ -154,7 +154,7 @@ impl Worker {
                 req.end_now(Err(Error::EndpointClosed {
                     ep: ep.to_string(),
                     peer: peer.remote.describe(),
-                    by: c.describe().into(),
+                    by: c.by(),
                 }));
                 return req;
             }
@@ -298,7 +298,7 @@ impl State {
     /// dropped.
     fn drop_stream(&mut self, p: usize, cause: Error) {
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        let mut io = StreamReqs::new(reqs, EpId::new(p, self.serial)).ended_by(cause);
+        let mut io = StreamReqs::new(reqs, EpId::new(p, self.ep_base)).ended_by(cause);
         peer.stream_rx.clear(&mut io);
         let ended = io.ended;
         self.note_stream_ends(&ended);
@@ -350,7 +350,7 @@ impl State {
         let closed = Error::EndpointClosed {
             ep: format!("ep{p}"),
             peer: self.peers[p].remote.describe(),
-            by: Closed::ByUs.describe().into(),
+            by: rucx_ucs::ClosedBy::ThisWorker,
         };
         self.drop_stream(p, closed);
         if self.peers[p].failed.is_none() {
@@ -474,7 +474,7 @@ impl State {
         let err = Error::EndpointClosed {
             ep: format!("ep{p}"),
             peer: self.peers[p].remote.describe(),
-            by: Closed::ByPeer.describe().into(),
+            by: rucx_ucs::ClosedBy::Peer,
         };
         tracing::debug!("endpoint ep{p}: {err}");
         self.end_peer(p, "the peer closed the endpoint", &err);

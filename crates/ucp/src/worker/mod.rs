@@ -72,44 +72,68 @@ pub(crate) const SHORT_MAX: usize = 256;
 /// worker's serial (one per worker of the process), so an id used on another worker is refused
 /// with [`Error::ForeignEndpoint`] naming both, whatever its index. A worker never reuses an
 /// endpoint's index: the id of a closed or failed endpoint keeps reporting why it ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EpId {
-    /// Serial of the worker that made it ([`State::serial`]).
-    worker: u32,
-    /// Index of the peer in that worker's table.
-    idx: u32,
-}
+///
+/// One word: the worker's serial (never 0) in the high half, the index in the low half, so
+/// that `Option<EpId>` is a word too, and checking an id costs one exclusive-or with the
+/// worker's [`State::ep_base`] (a foreign id gives an index past any table).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EpId(std::num::NonZeroU64);
 
 impl EpId {
-    /// The id of peer `p` of the worker with serial `worker`.
+    /// The id of peer `p` of the worker whose ids start at `base` ([`State::ep_base`]).
     #[inline]
-    pub(crate) const fn new(p: usize, worker: u32) -> EpId {
-        EpId {
-            worker,
-            idx: p as u32,
-        }
+    pub(crate) fn new(p: usize, base: std::num::NonZeroU64) -> EpId {
+        debug_assert!(p <= u32::MAX as usize);
+        EpId(base | p as u64)
+    }
+
+    /// The id of peer `p` of the worker with serial `worker` (not 0).
+    #[cfg(test)]
+    pub(crate) fn from_parts(p: usize, worker: u32) -> EpId {
+        EpId::new(p, ep_base(worker))
     }
 
     /// The peer's index in its worker's table (meaningful only on that worker).
     #[inline]
     pub(crate) const fn idx(self) -> usize {
-        self.idx as usize
+        self.0.get() as u32 as usize
     }
 
     /// Serial of the worker that made this id (see [`Worker::serial`]).
     pub const fn worker(self) -> u32 {
-        self.worker
+        (self.0.get() >> 32) as u32
     }
 }
 
 impl fmt::Display for EpId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ep{}", self.idx)
+        write!(f, "ep{}", self.idx())
+    }
+}
+
+impl fmt::Debug for EpId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ep{}@worker#{}", self.idx(), self.worker())
     }
 }
 
 /// The next worker serial of this process (see [`EpId`]).
 static WORKER_SERIAL: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+
+/// A serial for a new worker: never 0 (after 2^32 workers the count comes round again).
+fn next_serial() -> u32 {
+    loop {
+        let s = WORKER_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if s != 0 {
+            return s;
+        }
+    }
+}
+
+/// The first endpoint id of the worker with serial `serial` (not 0).
+fn ep_base(serial: u32) -> std::num::NonZeroU64 {
+    std::num::NonZeroU64::new(u64::from(serial) << 32).unwrap_or(std::num::NonZeroU64::MIN)
+}
 
 /// What a finished request reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -332,7 +356,7 @@ impl Worker {
         Ok(Worker {
             ifaces: RefCell::new(ifaces),
             st: RefCell::new(State {
-                serial: WORKER_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                ep_base: ep_base(next_serial()),
                 ctx: ctx.clone(),
                 slots,
                 address,
@@ -692,7 +716,7 @@ impl Worker {
     /// This worker's serial in the process: what the ids of its endpoints carry
     /// ([`EpId::worker`]).
     pub fn serial(&self) -> u32 {
-        self.st.borrow().serial
+        self.st.borrow().serial()
     }
 }
 

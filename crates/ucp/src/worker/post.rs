@@ -220,7 +220,7 @@ impl Worker {
             return Ok(id);
         }
         let (reqs, peer) = (&mut st.reqs, &mut st.peers[p]);
-        let mut io = StreamReqs::new(reqs, EpId::new(p, st.serial));
+        let mut io = StreamReqs::new(reqs, EpId::new(p, st.ep_base));
         if let Some(c) = cause {
             io = io.ended_by(c);
         }

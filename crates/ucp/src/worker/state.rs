@@ -434,8 +434,9 @@ pub(crate) enum RxDest {
 }
 
 pub(crate) struct State {
-    /// This worker's serial in the process: the owner part of its endpoint ids ([`EpId`]).
-    pub(crate) serial: u32,
+    /// The id of this worker's first endpoint (its serial in the process in the high half,
+    /// index 0): ids are this or'ed with the index ([`EpId`]).
+    pub(crate) ep_base: std::num::NonZeroU64,
     pub(crate) ctx: Context,
     pub(crate) slots: Vec<Slot>,
     pub(crate) address: WorkerAddress,
@@ -815,18 +816,17 @@ impl State {
     /// index check: every public call that names an endpoint comes through here.
     #[inline]
     pub(crate) fn check_ep(&self, ep: EpId) -> Result<usize> {
-        let p = ep.idx();
+        // The index, for an id of this worker; past any table for another worker's.
+        let p = (ep.0.get() ^ self.ep_base.get()) as usize;
         match self.peers.get(p) {
-            Some(peer)
-                if ep.worker() == self.serial
-                    && peer.closed.is_none()
-                    && peer.failed.is_none()
-                    && peer.connected =>
-            {
-                Ok(p)
-            }
+            Some(peer) if peer.closed.is_none() && peer.failed.is_none() && peer.connected => Ok(p),
             _ => self.ep_unusable(ep),
         }
+    }
+
+    /// This worker's serial in the process (the high half of its endpoint ids).
+    pub(crate) fn serial(&self) -> u32 {
+        (self.ep_base.get() >> 32) as u32
     }
 
     #[cold]
@@ -838,8 +838,8 @@ impl State {
     /// The index of endpoint `ep` whatever its state (closed and failed ones too), refusing an
     /// id of another worker.
     pub(crate) fn ep_index(&self, ep: EpId) -> Result<usize> {
-        if ep.worker() != self.serial {
-            return Err(foreign_ep(ep, self.serial));
+        if ep.worker() != self.serial() {
+            return Err(foreign_ep(ep, self.serial()));
         }
         let p = ep.idx();
         if p >= self.peers.len() {
@@ -851,7 +851,7 @@ impl State {
     /// The id of this worker's peer `p`.
     #[inline]
     pub(crate) fn ep_id(&self, p: usize) -> EpId {
-        EpId::new(p, self.serial)
+        EpId::new(p, self.ep_base)
     }
 
     /// Why endpoint `p` cannot take operations ([`check_peer`](Self::check_peer)'s errors).
@@ -881,7 +881,7 @@ impl State {
             return Error::EndpointClosed {
                 ep: format!("ep{p}"),
                 peer: peer.remote.describe(),
-                by: c.describe().into(),
+                by: c.by(),
             };
         }
         self.failed_error(p)
