@@ -214,6 +214,26 @@ impl std::error::Error for IoError {
     }
 }
 
+/// Who closed an endpoint ([`Error::EndpointClosed`]): what its requests end with differs
+/// (UCX fails an endpoint its peer closed with `UCS_ERR_CONNECTION_RESET`, and refuses a
+/// second close of its own with `UCS_ERR_NOT_CONNECTED`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ClosedBy {
+    /// `Worker::close` on this side.
+    ThisWorker,
+    /// The peer closed its side (its disconnect arrived).
+    Peer,
+}
+
+impl fmt::Display for ClosedBy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ClosedBy::ThisWorker => "closed by this worker",
+            ClosedBy::Peer => "the peer closed it",
+        })
+    }
+}
+
 /// The one error type of rucx.
 ///
 /// It is `Clone` and `PartialEq`, so every request that failed for one reason reports that very
@@ -329,8 +349,24 @@ pub enum Error {
         ep: String,
         /// Peer description (address, rank).
         peer: String,
-        /// Who closed it: "closed by this worker" or "the peer closed it".
-        by: String,
+        /// Who closed it (its text: "closed by this worker", "the peer closed it").
+        by: ClosedBy,
+    },
+
+    /// An endpoint id was used on a worker that did not make it (an id is valid only on the
+    /// worker whose connect or accept made it; its index may name another endpoint there, so
+    /// nothing is done). UCX leaves this undefined; rucx refuses it.
+    #[error(
+        "endpoint {ep} belongs to worker #{owner}, not to worker #{worker} it was used on (an \
+         EpId is valid only on the worker whose connect or accept made it)"
+    )]
+    ForeignEndpoint {
+        /// The endpoint as its worker names it (`ep3`).
+        ep: String,
+        /// Serial of the worker that made it (`EpId::worker`).
+        owner: u32,
+        /// Serial of the worker it was used on (`Worker::serial`).
+        worker: u32,
     },
 
     /// The connection to a peer broke.
@@ -663,7 +699,7 @@ mod tests {
         let closed = Error::EndpointClosed {
             ep: "ep0".into(),
             peer: "rank 1".into(),
-            by: "the peer closed it".into(),
+            by: ClosedBy::Peer,
         };
         let partial = Error::StreamIncomplete {
             received: 700,

@@ -33,7 +33,7 @@ pub mod tls;
 pub mod units;
 
 pub use config::{Bounds, Config, OptKind, OptionSpec, OptionValue, Syntax, Ternary};
-pub use error::{Error, IoError, RegError, RegErrorKind, RegScope, Result};
+pub use error::{ClosedBy, Error, IoError, RegError, RegErrorKind, RegScope, Result};
 pub use interval::IntervalMap;
 pub use memory::{MemMut, MemRef, Memory};
 pub use memtype::{MemoryType, MemoryTypes};

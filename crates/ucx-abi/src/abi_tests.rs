@@ -11,7 +11,7 @@ use crate::config::{AbiConfig, ucp_config_modify, ucp_config_read, ucp_config_re
 use crate::context::{AbiContext, ucp_cleanup, ucp_init_version};
 use crate::datatype::{ucp_dt_create_generic, ucp_dt_destroy};
 use crate::endpoint::{AbiEp, ucp_disconnect_nb, ucp_ep_close_nb, ucp_ep_create};
-use crate::status::{ptr_is_err, ptr_is_ptr};
+use crate::status::{ptr_is_err, ptr_is_ptr, status_ptr};
 use crate::tag::*;
 use crate::types::*;
 use crate::worker::*;
@@ -243,6 +243,41 @@ fn rendezvous_into_caller_request_memory() {
         assert!(pair.calls().contains(&(s as usize, UCS_OK, 0xbeef, 0)));
         ucp_request_free(s);
     }
+}
+
+/// Caller request memory that cannot be one (misaligned, or too near address 0 for a header
+/// before it) is refused with `UCS_ERR_INVALID_PARAM` by the tag, stream and active-message
+/// calls alike, before anything is posted (0x8 was taken by a tag receive, whose header would
+/// have been written below address 0 when it ended; the check is made once, where the
+/// parameters are read).
+#[test]
+fn caller_request_memory_that_cannot_be_one_is_refused() {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let pair = Pair::new();
+    let mut buf = [0u8; 8];
+    for bad in [0x8usize, 0x1004, 0x1001] {
+        let mut rp = nbx(UCP_OP_ATTR_FIELD_REQUEST);
+        rp.request = bad as *mut c_void;
+        // SAFETY: live handles; nothing is posted (refused), so `buf` outlives every operation.
+        unsafe {
+            let r = ucp_tag_recv_nbx(pair.w[1], buf.as_mut_ptr().cast(), 8, 5, u64::MAX, &rp);
+            assert_eq!(r, status_ptr(UCS_ERR_INVALID_PARAM), "tag recv {bad:#x}");
+            let s = ucp_tag_send_nbx(pair.ep[0], buf.as_ptr().cast(), 8, 5, &rp);
+            assert_eq!(s, status_ptr(UCS_ERR_INVALID_PARAM), "tag send {bad:#x}");
+            let s = crate::stream::ucp_stream_send_nbx(pair.ep[0], buf.as_ptr().cast(), 8, &rp);
+            assert_eq!(s, status_ptr(UCS_ERR_INVALID_PARAM), "stream send {bad:#x}");
+        }
+    }
+    // Nothing was posted: a probe finds no message.
+    let mut info = TagRecvInfo::default();
+    let mut n = 0;
+    pair.drive(|| {
+        n += 1;
+        n > 1000
+    });
+    // SAFETY: live worker handle.
+    let m = unsafe { ucp_tag_probe_nb(pair.w[1], 5, u64::MAX, 0, &mut info) };
+    assert!(m.is_null(), "a refused send went out");
 }
 
 #[test]

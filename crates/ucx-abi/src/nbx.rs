@@ -11,7 +11,7 @@ use rucx_ucs::{MemInfo, Result};
 use crate::iov::Plan;
 
 use crate::request;
-use crate::status::{ptr_is_ptr, status_of, status_ptr};
+use crate::status::{status_of, status_ptr};
 use crate::tag::Finish;
 use crate::types::*;
 use crate::worker::{AbiWorker, Callback, Pending};
@@ -81,7 +81,7 @@ impl Opts {
             }
         };
         let req = (m & UCP_OP_ATTR_FIELD_REQUEST != 0).then_some(p.request);
-        if req.is_some_and(|r| !ptr_is_ptr(r) || !(r as usize).is_multiple_of(8)) {
+        if req.is_some_and(|r| !request::provided_ok(r)) {
             return Err(UCS_ERR_INVALID_PARAM);
         }
         Ok(Opts {

@@ -174,6 +174,15 @@ pub unsafe fn init_provided_done(user: *mut c_void) -> bool {
     unsafe { write_provided(user, None, Callback::None, COMPLETED, UCS_OK) }
 }
 
+/// Whether `user` can be the caller's own request memory (`UCP_OP_ATTR_FIELD_REQUEST`): a
+/// pointer (not NULL, not a status), 8-aligned, with room for a header before it in the
+/// address space. Checked once per call, where its `ucp_request_param_t` is read
+/// ([`crate::nbx::Opts::read`]).
+#[inline]
+pub fn provided_ok(user: *mut c_void) -> bool {
+    ptr_is_ptr(user) && (user as usize).is_multiple_of(8) && (user as usize) >= HEADER_SIZE
+}
+
 /// Write a fresh header before `user`, the caller's request memory.
 ///
 /// # Safety
@@ -186,7 +195,7 @@ unsafe fn write_provided(
     flags: u32,
     status: Status,
 ) -> bool {
-    if !ptr_is_ptr(user) || !(user as usize).is_multiple_of(8) || (user as usize) < HEADER_SIZE {
+    if !provided_ok(user) {
         return false;
     }
     let (cb_kind, cb) = cb_words(cb);

@@ -4,7 +4,7 @@
 
 use std::ffi::{CStr, c_char, c_void};
 
-use rucx_ucs::Error;
+use rucx_ucs::{ClosedBy, Error};
 
 use crate::types::*;
 
@@ -49,10 +49,23 @@ pub fn status_cstr(status: Status) -> &'static CStr {
     }
 }
 
-/// The status of a rucx error, as close as UCX's codes allow.
+/// The status of a rucx error: what UCX 1.16 returns in the same situation, by the error's
+/// kind (never its text). The one place the ABI turns errors into statuses; every kind is
+/// listed, so a new kind falls to `UCS_ERR_IO_ERROR` only until it is added here.
+///
+/// The endpoint kinds follow `src/ucp` of UCX 1.16: an endpoint its peer closed is failed
+/// with `UCS_ERR_CONNECTION_RESET` (`ucp_ep_cm_remote_disconnect_progress`, and the
+/// `EP_REMOVED` wire-up message), which its requests and later operations then report; a
+/// second `ucp_ep_close_nbx` of an endpoint is refused with `UCS_ERR_NOT_CONNECTED`, the status
+/// of any use of an endpoint closed here (UCX leaves other uses of a closed handle undefined);
+/// the requests a force close cancels end with `UCS_ERR_CANCELED` (`ucp_ep_discard_lanes`),
+/// which rucx reports as [`Error::Canceled`]. An endpoint id of another worker is a bad
+/// parameter (UCX has no such check).
 pub fn status_of(e: &Error) -> Status {
     match e {
-        Error::InvalidParam(_) | Error::Config { .. } => UCS_ERR_INVALID_PARAM,
+        Error::InvalidParam(_) | Error::Config { .. } | Error::ForeignEndpoint { .. } => {
+            UCS_ERR_INVALID_PARAM
+        }
         Error::Unsupported { .. } => UCS_ERR_UNSUPPORTED,
         Error::Unavailable { .. } => UCS_ERR_NO_DEVICE,
         Error::NoResource(_) => UCS_ERR_NO_RESOURCE,
@@ -61,6 +74,13 @@ pub fn status_of(e: &Error) -> Status {
         Error::OutOfBounds { .. } => UCS_ERR_OUT_OF_RANGE,
         Error::Truncated { .. } => UCS_ERR_MESSAGE_TRUNCATED,
         Error::PeerAborted { .. } => UCS_ERR_REJECTED,
+        Error::EndpointClosed {
+            by: ClosedBy::Peer, ..
+        } => UCS_ERR_CONNECTION_RESET,
+        Error::EndpointClosed {
+            by: ClosedBy::ThisWorker,
+            ..
+        } => UCS_ERR_NOT_CONNECTED,
         Error::EndpointFailure { .. } => UCS_ERR_CONNECTION_RESET,
         // A peer silent past `RUCX_PEER_TIMEOUT`, by its kind (UCX fails the endpoint's
         // requests with this status too); a wait of ours that ran out is a plain time-out.
@@ -78,6 +98,7 @@ pub fn status_of(e: &Error) -> Status {
             | std::io::ErrorKind::TimedOut => UCS_ERR_UNREACHABLE,
             _ => UCS_ERR_IO_ERROR,
         },
+        Error::Busy(_) => UCS_ERR_BUSY,
         Error::NoMemory(_) => UCS_ERR_NO_MEMORY,
         Error::Device { .. } | Error::Internal(_) => UCS_ERR_IO_ERROR,
         _ => UCS_ERR_IO_ERROR,
@@ -133,42 +154,147 @@ mod tests {
         assert_eq!(status_cstr(-120).to_str().unwrap(), "Unknown error");
     }
 
+    /// Every kind of rucx error and the status UCX 1.16 gives in its situation (see
+    /// [`status_of`]); a wrapper maps as its cause. `EndpointClosed` was `UCS_ERR_IO_ERROR`
+    /// whoever closed the endpoint, and `Busy` too.
     #[test]
-    fn errors_map() {
-        assert_eq!(status_of(&Error::Canceled), UCS_ERR_CANCELED);
+    fn every_error_kind_maps_to_the_status_ucx_gives() {
+        use rucx_ucs::{RegError, RegErrorKind};
+        use std::time::Duration;
+        let closed = |by| Error::EndpointClosed {
+            ep: "ep1".into(),
+            peer: "rank 1".into(),
+            by,
+        };
         let timeout = Error::PeerTimeout {
             peer: "rank 1".into(),
-            silent: std::time::Duration::from_millis(120),
+            silent: Duration::from_millis(120),
             knob: "RUCX_PEER_TIMEOUT=100ms".into(),
         };
-        assert_eq!(status_of(&timeout), UCS_ERR_ENDPOINT_TIMEOUT);
-        // By kind, not by text: a failure whose reason names the knob is still a reset.
-        let reset = Error::EndpointFailure {
-            peer: "rank 1".into(),
-            reason: "after RUCX_PEER_TIMEOUT was changed, the connection broke".into(),
-        };
-        assert_eq!(status_of(&reset), UCS_ERR_CONNECTION_RESET);
-        assert_eq!(
-            status_of(&Error::Timeout {
-                after: std::time::Duration::from_millis(5),
-                what: "request 3".into(),
-            }),
-            UCS_ERR_TIMED_OUT
-        );
         let cut = |cause: Error| Error::StreamIncomplete {
             received: 700,
             wanted: 1000,
             cause: Box::new(cause),
         };
-        assert_eq!(status_of(&cut(timeout)), UCS_ERR_ENDPOINT_TIMEOUT);
-        assert_eq!(status_of(&cut(Error::Canceled)), UCS_ERR_CANCELED);
-        assert_eq!(
-            status_of(&Error::Truncated {
-                incoming: 2,
-                capacity: 1,
-                tag: Some(9),
-            }),
-            UCS_ERR_MESSAGE_TRUNCATED
-        );
+        let table: Vec<(Error, Status)> = vec![
+            (Error::InvalidParam("x".into()), UCS_ERR_INVALID_PARAM),
+            (
+                Error::Config {
+                    var: "RUCX_TLS".into(),
+                    value: "zz".into(),
+                    reason: "unknown".into(),
+                    accepted: "tcp, posix".into(),
+                },
+                UCS_ERR_INVALID_PARAM,
+            ),
+            (
+                Error::ForeignEndpoint {
+                    ep: "ep0".into(),
+                    owner: 1,
+                    worker: 2,
+                },
+                UCS_ERR_INVALID_PARAM,
+            ),
+            (
+                Error::Unsupported {
+                    what: "x".into(),
+                    why: "y".into(),
+                },
+                UCS_ERR_UNSUPPORTED,
+            ),
+            (
+                Error::Unavailable {
+                    component: "ib".into(),
+                    reason: "no device".into(),
+                },
+                UCS_ERR_NO_DEVICE,
+            ),
+            (Error::NoResource("ring full".into()), UCS_ERR_NO_RESOURCE),
+            (
+                Error::registration(RegError {
+                    domain: "d".into(),
+                    mem_type: rucx_ucs::MemoryType::Host,
+                    device: None,
+                    addr: 0,
+                    len: 1,
+                    kind: RegErrorKind::Other,
+                    detail: String::new(),
+                    hint: String::new(),
+                }),
+                UCS_ERR_IO_ERROR,
+            ),
+            (
+                Error::InvalidRkey {
+                    domain: "d".into(),
+                    reason: "r".into(),
+                },
+                UCS_ERR_INVALID_ADDR,
+            ),
+            (Error::InvalidAddress("a".into()), UCS_ERR_INVALID_ADDR),
+            (
+                Error::OutOfBounds {
+                    addr: 0,
+                    len: 1,
+                    base: 8,
+                    region_len: 8,
+                },
+                UCS_ERR_OUT_OF_RANGE,
+            ),
+            (
+                Error::Truncated {
+                    incoming: 2,
+                    capacity: 1,
+                    tag: Some(9),
+                },
+                UCS_ERR_MESSAGE_TRUNCATED,
+            ),
+            (
+                Error::PeerAborted {
+                    peer: "rank 1".into(),
+                    reason: "r".into(),
+                },
+                UCS_ERR_REJECTED,
+            ),
+            (closed(ClosedBy::Peer), UCS_ERR_CONNECTION_RESET),
+            (closed(ClosedBy::ThisWorker), UCS_ERR_NOT_CONNECTED),
+            // By kind, not by text: a failure whose reason names the knob is still a reset.
+            (
+                Error::EndpointFailure {
+                    peer: "rank 1".into(),
+                    reason: "after RUCX_PEER_TIMEOUT was changed, the connection broke".into(),
+                },
+                UCS_ERR_CONNECTION_RESET,
+            ),
+            (timeout.clone(), UCS_ERR_ENDPOINT_TIMEOUT),
+            (
+                Error::Timeout {
+                    after: Duration::from_millis(5),
+                    what: "request 3".into(),
+                },
+                UCS_ERR_TIMED_OUT,
+            ),
+            (cut(timeout), UCS_ERR_ENDPOINT_TIMEOUT),
+            (cut(Error::Canceled), UCS_ERR_CANCELED),
+            (cut(closed(ClosedBy::Peer)), UCS_ERR_CONNECTION_RESET),
+            (cut(closed(ClosedBy::ThisWorker)), UCS_ERR_NOT_CONNECTED),
+            (Error::Canceled, UCS_ERR_CANCELED),
+            (Error::Busy("events pending".into()), UCS_ERR_BUSY),
+            (Error::NoMemory("m".into()), UCS_ERR_NO_MEMORY),
+            (
+                Error::io("read", std::io::Error::from_raw_os_error(5)),
+                UCS_ERR_IO_ERROR,
+            ),
+            (
+                Error::Device {
+                    device: "GPU 0".into(),
+                    reason: "r".into(),
+                },
+                UCS_ERR_IO_ERROR,
+            ),
+            (Error::Internal("bug".into()), UCS_ERR_IO_ERROR),
+        ];
+        for (e, want) in &table {
+            assert_eq!(status_of(e), *want, "{e:?}");
+        }
     }
 }

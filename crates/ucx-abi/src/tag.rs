@@ -310,7 +310,7 @@ impl Opts {
 unsafe fn request_for(w: &AbiWorker, opts: &Opts, token: Option<u64>) -> *mut c_void {
     match opts.req {
         Some(r) => {
-            // SAFETY: checked by `check_provided` before the operation was posted; room for a
+            // SAFETY: checked by `nbx::Opts::read` before the operation was posted; room for a
             // header before it is the caller's promise.
             unsafe { request::init_provided_for(r, token, opts.cb) };
             r
@@ -342,11 +342,6 @@ unsafe fn header_request(w: &AbiWorker, opts: &Opts) -> (*mut c_void, u64) {
             (user, token)
         }
     }
-}
-
-fn check_provided(opts: &Opts) -> bool {
-    opts.req
-        .is_none_or(|r| crate::status::ptr_is_ptr(r) && (r as usize).is_multiple_of(8))
 }
 
 /// The memory type of a caller's buffer, through the host-range cache ([`crate::memtype`])
@@ -394,9 +389,6 @@ unsafe fn send(
     let Some(ep) = (unsafe { ep.as_ref() }) else {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     };
-    if !check_provided(&opts) {
-        return status_ptr(UCS_ERR_INVALID_PARAM);
-    }
     let w = ep.worker();
     let data = match classify(opts.dt) {
         Ok(Dt::Contig(elem)) => match contig_len(elem, count) {
@@ -560,9 +552,6 @@ unsafe fn recv(
     let Some(w) = (unsafe { worker.as_ref() }) else {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     };
-    if !check_provided(&opts) {
-        return status_ptr(UCS_ERR_INVALID_PARAM);
-    }
     let (data, fin) = match classify(opts.dt) {
         Ok(Dt::Contig(elem)) => match contig_len(elem, count) {
             Ok(len) if len == 0 || !buf.is_null() => (
@@ -992,9 +981,6 @@ unsafe fn msg_recv(
         return status_ptr(UCS_ERR_INVALID_PARAM);
     };
     if message.is_null() || message == (&raw const FOUND).cast_mut().cast() {
-        return status_ptr(UCS_ERR_INVALID_PARAM);
-    }
-    if !check_provided(&opts) {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     }
     let dest = match classify(opts.dt) {

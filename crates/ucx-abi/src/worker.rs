@@ -352,20 +352,16 @@ impl AbiWorker {
 /// The status an endpoint's error handler is called with: `UCS_ERR_ENDPOINT_TIMEOUT` for a
 /// peer that answered nothing within `RUCX_PEER_TIMEOUT` ([`Error::PeerTimeout`], told by
 /// its kind), `UCS_ERR_CONNECTION_RESET` for the rest (a broken connection, a peer process
-/// gone, a peer that closed its endpoint), as UCX reports them.
+/// gone, a peer that closed its endpoint), as UCX reports them: [`status_of`]'s, where it is
+/// one of those two (an endpoint's own transport error fails it as a reset too).
 pub fn failure_status(e: &Error) -> Status {
-    match e.cause() {
-        Error::PeerTimeout { .. } => UCS_ERR_ENDPOINT_TIMEOUT,
-        // A client's connection the server turned away, or one the network refused
-        // (`crate::listener`).
-        e @ (Error::PeerAborted { .. } | Error::Io { .. })
-            if matches!(
-                status_of(e),
-                UCS_ERR_REJECTED | UCS_ERR_NOT_CONNECTED | UCS_ERR_UNREACHABLE
-            ) =>
-        {
-            status_of(e)
-        }
+    match status_of(e) {
+        // A peer silent past `RUCX_PEER_TIMEOUT`; a client's connection the server turned
+        // away, or one the network refused (`crate::listener`).
+        s @ (UCS_ERR_ENDPOINT_TIMEOUT
+        | UCS_ERR_REJECTED
+        | UCS_ERR_NOT_CONNECTED
+        | UCS_ERR_UNREACHABLE) => s,
         _ => UCS_ERR_CONNECTION_RESET,
     }
 }

@@ -200,7 +200,7 @@ impl State {
         let remote = AmRemoteData {
             len: size,
             smem,
-            sender: EpId(p),
+            sender: self.ep_id(p),
             id,
             worker: self.address.uuid,
             peer: self.peers[p].remote.uuid,
@@ -214,7 +214,7 @@ impl State {
             id,
             header: header.to_vec(),
             data: Vec::new(),
-            reply_ep: EpId(p),
+            reply_ep: self.ep_id(p),
             remote: Some(remote),
         });
     }
@@ -434,14 +434,13 @@ impl Worker {
         buf: SendBuf<'_>,
     ) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
+        let p = st.check_ep(ep)?;
         if header.len() > u16::MAX as usize {
             return Err(Error::InvalidParam(format!(
                 "active message {id}: header of {} bytes is longer than 64 KiB",
                 header.len()
             )));
         }
-        let p = ep.0;
         let (addr, len) = (buf.addr, buf.len);
         let (mem, dev) = match buf.mem {
             Some(m) => m,
@@ -556,7 +555,7 @@ impl State {
                         id,
                         header,
                         data,
-                        reply_ep: EpId(p),
+                        reply_ep: self.ep_id(p),
                         remote: None,
                     });
                 }
@@ -645,12 +644,12 @@ pub(crate) fn send_copied(
 impl State {
     /// Send a user active message to `ep`, copied in before this returns.
     pub(crate) fn am_send(&mut self, ep: EpId, id: u16, header: &[u8], data: &[u8]) -> Result<()> {
-        self.check_peer(ep.0)?;
-        self.refresh_plan(ep.0);
-        let am = self.peers[ep.0].am;
+        let p = self.check_ep(ep)?;
+        self.refresh_plan(p);
+        let am = self.peers[p].am;
         let max_bcopy = self.slots[am].attr.limits.am_max_bcopy;
-        send_copied(self, ep.0, id, header, data, max_bcopy)?;
-        self.pump(ep.0);
+        send_copied(self, p, id, header, data, max_bcopy)?;
+        self.pump(p);
         Ok(())
     }
 }

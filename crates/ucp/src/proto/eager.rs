@@ -260,6 +260,7 @@ impl State {
     /// lookup of the request (the common small-message path).
     #[inline]
     pub(crate) fn deliver_whole(&mut self, rid: u64, src: usize, tag: Tag, data: &[u8]) {
+        let base = self.ep_base;
         let res = match self.reqs.get_mut(&rid) {
             Some(Req {
                 kind: ReqKind::Recv(rs),
@@ -288,7 +289,7 @@ impl State {
                         Ok(Completion {
                             len: data.len(),
                             tag,
-                            sender: Some(EpId(src)),
+                            sender: Some(EpId::new(src, base)),
                         })
                     })
                 }

@@ -204,7 +204,7 @@ impl State {
         if let Some(w) = win {
             self.keep_rma_window(w);
         }
-        self.finish(id, Ok(Completion::from_peer(cap, EpId(p))));
+        self.finish(id, Ok(Completion::from_peer(cap, self.ep_id(p))));
     }
 
     /// Landing receive `id`'s state, taken out of the request (put back by the caller).

@@ -268,15 +268,16 @@ impl Worker {
             held: VecDeque::new(),
         });
         self.cm_any.set(true);
-        Ok(EpId(p))
+        Ok(self.st.borrow().ep_id(p))
     }
 
     /// Whether endpoint `ep` is still being connected by the connection manager
     /// ([`connect_sockaddr_nb`](Self::connect_sockaddr_nb)).
     pub fn is_connecting(&self, ep: EpId) -> bool {
         let st = self.st.borrow();
-        st.peers
-            .get(ep.0)
+        st.ep_index(ep)
+            .ok()
+            .and_then(|p| st.peers.get(p))
             .is_some_and(|p| p.cm_pending && p.failed.is_none())
     }
 
@@ -284,9 +285,9 @@ impl Worker {
     /// is usable or being connected).
     pub fn connect_error(&self, ep: EpId) -> Option<Error> {
         let st = self.st.borrow();
-        let peer = st.peers.get(ep.0)?;
-        peer.failed.as_ref()?;
-        Some(st.failed_error(ep.0))
+        let p = st.ep_index(ep).ok()?;
+        st.peers[p].failed.as_ref()?;
+        Some(st.failed_error(p))
     }
 
     /// Hold `op` (with `token`) when `ep` is still connecting: the [`Queued`] to return then.
@@ -299,8 +300,9 @@ impl Worker {
         if !self.cm_any.get() {
             return None;
         }
+        let p = self.st.borrow().ep_index(ep).ok()?;
         let mut cm = self.cm.borrow_mut();
-        let c = cm.find(ep.0)?;
+        let c = cm.find(p)?;
         c.held.push_back((token, op()));
         Some(Queued::Pending(super::owned::QueuedReq::held(
             self.owned_uuid(),
@@ -360,8 +362,9 @@ impl Worker {
             let (p, res, held) = next;
             match res {
                 Ok(()) => {
+                    let ep = self.st.borrow().ep_id(p);
                     for (token, op) in held {
-                        self.post_held(EpId(p), token, op);
+                        self.post_held(ep, token, op);
                     }
                 }
                 Err(e) => {
@@ -396,9 +399,12 @@ impl Worker {
         if !self.cm_any.get() {
             return false;
         }
+        let Ok(p) = self.st.borrow().ep_index(ep) else {
+            return false;
+        };
         let c = {
             let mut cm = self.cm.borrow_mut();
-            let Some(i) = cm.list.iter().position(|c| c.p == ep.0) else {
+            let Some(i) = cm.list.iter().position(|c| c.p == p) else {
                 return false;
             };
             let c = cm.list.swap_remove(i);
@@ -409,7 +415,7 @@ impl Worker {
             c
         };
         let mut st = self.st.borrow_mut();
-        st.peers[ep.0].cm_pending = false;
+        st.peers[p].cm_pending = false;
         for (token, _) in c.held {
             st.owned.push_completed(token, Err(Error::Canceled));
         }

@@ -160,7 +160,7 @@ impl State {
                     Ok(Completion {
                         len: data.len(),
                         tag,
-                        sender: Some(EpId(src)),
+                        sender: Some(EpId::new(src, self.ep_base)),
                     })
                 };
                 self.owned.push_completed(d.token, res);

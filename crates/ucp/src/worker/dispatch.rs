@@ -83,7 +83,7 @@ impl State {
             Msg::StreamData { src, data } => {
                 let p = self.src_peer(src)?;
                 let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-                let mut io = StreamReqs::new(reqs, p);
+                let mut io = StreamReqs::new(reqs, EpId::new(p, self.ep_base));
                 peer.stream_rx.arrive(&mut io, data);
                 let StreamReqs { ended, landed, .. } = io;
                 if !ended.is_empty() {
@@ -254,7 +254,7 @@ impl State {
                     id,
                     header: header.to_vec(),
                     data: data.to_vec(),
-                    reply_ep: EpId(p),
+                    reply_ep: self.ep_id(p),
                     remote: None,
                 });
             }

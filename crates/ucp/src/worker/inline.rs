@@ -14,9 +14,9 @@ impl Worker {
     #[inline]
     pub fn tag_send_inline(&self, ep: EpId, data: &[u8], tag: Tag) -> Result<bool> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
-        self.ensure_plan(&mut st, ep.0);
-        let plan = &st.peers[ep.0].plan;
+        let p = st.check_ep(ep)?;
+        self.ensure_plan(&mut st, p);
+        let plan = &st.peers[p].plan;
         let short = match plan.short_tag_host {
             Some((from, to)) => (from..=to).contains(&data.len()),
             None => {
@@ -27,7 +27,7 @@ impl Worker {
         if !short {
             return Ok(false);
         }
-        if !st.try_eager_short(ep.0, data.as_ptr() as usize, data.len(), tag)? {
+        if !st.try_eager_short(p, data.as_ptr() as usize, data.len(), tag)? {
             return Ok(false);
         }
         st.inline_short += 1;

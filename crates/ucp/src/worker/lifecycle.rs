@@ -65,10 +65,10 @@ pub(crate) enum Closed {
 }
 
 impl Closed {
-    pub(super) fn describe(self) -> &'static str {
+    pub(super) fn by(self) -> rucx_ucs::ClosedBy {
         match self {
-            Closed::ByUs => "closed by this worker",
-            Closed::ByPeer => "the peer closed it",
+            Closed::ByUs => rucx_ucs::ClosedBy::ThisWorker,
+            Closed::ByPeer => rucx_ucs::ClosedBy::Peer,
         }
     }
 }
@@ -140,20 +140,23 @@ impl Worker {
     /// ```
     pub fn close(&self, ep: EpId, mode: CloseMode) -> OwnedRequest<()> {
         let (req, shared) = OwnedRequest::new(self.owned_uuid(), ());
-        let p = ep.0;
         // Still being connected: the connection is dropped, its held requests end.
         self.cm_abandon(ep);
         {
             let mut st = self.st.borrow_mut();
-            let Some(peer) = st.peers.get(p) else {
-                req.end_now(Err(no_such_ep(p)));
-                return req;
+            let p = match st.ep_index(ep) {
+                Ok(p) => p,
+                Err(e) => {
+                    req.end_now(Err(e));
+                    return req;
+                }
             };
+            let peer = &st.peers[p];
             if let Some(c) = peer.closed {
                 req.end_now(Err(Error::EndpointClosed {
                     ep: ep.to_string(),
                     peer: peer.remote.describe(),
-                    by: c.describe().into(),
+                    by: c.by(),
                 }));
                 return req;
             }
@@ -222,10 +225,8 @@ impl Worker {
         h: impl FnMut(&Worker, EpId, &Error) + Send + 'static,
     ) -> Result<()> {
         let mut st = self.st.borrow_mut();
-        if ep.0 >= st.peers.len() {
-            return Err(no_such_ep(ep.0));
-        }
-        st.life.ep_handlers.insert(ep.0, Box::new(h));
+        let p = st.ep_index(ep)?;
+        st.life.ep_handlers.insert(p, Box::new(h));
         Ok(())
     }
 
@@ -261,21 +262,21 @@ impl Worker {
     fn report_failures(&self) -> usize {
         let mut n = 0;
         loop {
-            let (p, err, mut h, own) = {
+            let (ep, err, mut h, own) = {
                 let mut st = self.st.borrow_mut();
                 let Some((p, err)) = st.life.events.pop_front() else {
                     return n;
                 };
+                let ep = st.ep_id(p);
                 match st.life.ep_handlers.remove(&p) {
-                    Some(h) => (p, err, h, true),
+                    Some(h) => (ep, err, h, true),
                     None => match st.life.handler.take() {
-                        Some(h) => (p, err, h, false),
+                        Some(h) => (ep, err, h, false),
                         None => continue,
                     },
                 }
             };
-            let res =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(self, EpId(p), &err)));
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(self, ep, &err)));
             n += 1;
             // The endpoint's own handler has done its one call; the worker's goes back unless
             // it was replaced meanwhile (also when it panicked: later failures are still
@@ -299,7 +300,7 @@ impl State {
     /// dropped.
     fn drop_stream(&mut self, p: usize, cause: Error) {
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        let mut io = StreamReqs::new(reqs, p).ended_by(cause);
+        let mut io = StreamReqs::new(reqs, EpId::new(p, self.ep_base)).ended_by(cause);
         peer.stream_rx.clear(&mut io);
         let ended = io.ended;
         self.note_stream_ends(&ended);
@@ -351,7 +352,7 @@ impl State {
         let closed = Error::EndpointClosed {
             ep: format!("ep{p}"),
             peer: self.peers[p].remote.describe(),
-            by: Closed::ByUs.describe().into(),
+            by: rucx_ucs::ClosedBy::ThisWorker,
         };
         self.drop_stream(p, closed);
         if self.peers[p].failed.is_none() {
@@ -475,7 +476,7 @@ impl State {
         let err = Error::EndpointClosed {
             ep: format!("ep{p}"),
             peer: self.peers[p].remote.describe(),
-            by: Closed::ByPeer.describe().into(),
+            by: rucx_ucs::ClosedBy::Peer,
         };
         tracing::debug!("endpoint ep{p}: {err}");
         self.end_peer(p, "the peer closed the endpoint", &err);

@@ -371,7 +371,7 @@ mod tests {
         let t0 = Instant::now();
         let ms = |n: u64| t0 + Duration::from_millis(n);
         let mut st = w.st.borrow_mut();
-        let p = ep.0;
+        let p = ep.idx();
         // No request: a silence of any length is not counted.
         st.check_peers(ms(0));
         st.check_peers(ms(10_000));

@@ -258,7 +258,7 @@ impl Worker {
     /// Unpack a peer's packed remote key for use on endpoint `ep`.
     pub fn rkey_unpack(&self, ep: EpId, packed: &[u8]) -> Result<RkeyBundle> {
         let st = self.st.borrow();
-        st.check_peer(ep.0)?;
+        st.check_ep(ep)?;
         let payload = rucx_uct::rkey::unpack("ucp-rkey", "remote key bundle", packed)?;
         let mut r = rucx_uct::rkey::Reader::new(payload, "remote key bundle");
         let base = r.u64()?;

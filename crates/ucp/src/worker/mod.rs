@@ -70,13 +70,72 @@ use state::{Slot, State, Unexp};
 pub(crate) const SHORT_MAX: usize = 256;
 
 /// Identifies a peer (a UCP endpoint) of a worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EpId(pub(crate) usize);
+///
+/// It is valid only on the worker that made it (by `connect` or `accept`): it carries that
+/// worker's serial (one per worker of the process), so an id used on another worker is refused
+/// with [`Error::ForeignEndpoint`] naming both, whatever its index. A worker never reuses an
+/// endpoint's index: the id of a closed or failed endpoint keeps reporting why it ended.
+///
+/// One word: the worker's serial (never 0) in the high half, the index in the low half, so
+/// that `Option<EpId>` is a word too, and checking an id costs one exclusive-or with the
+/// worker's [`State::ep_base`] (a foreign id gives an index past any table).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EpId(std::num::NonZeroU64);
+
+impl EpId {
+    /// The id of peer `p` of the worker whose ids start at `base` ([`State::ep_base`]).
+    #[inline]
+    pub(crate) fn new(p: usize, base: std::num::NonZeroU64) -> EpId {
+        debug_assert!(p <= u32::MAX as usize);
+        EpId(base | p as u64)
+    }
+
+    /// The id of peer `p` of the worker with serial `worker` (not 0).
+    #[cfg(test)]
+    pub(crate) fn from_parts(p: usize, worker: u32) -> EpId {
+        EpId::new(p, ep_base(worker))
+    }
+
+    /// The peer's index in its worker's table (meaningful only on that worker).
+    #[inline]
+    pub(crate) const fn idx(self) -> usize {
+        self.0.get() as u32 as usize
+    }
+
+    /// Serial of the worker that made this id (see [`Worker::serial`]).
+    pub const fn worker(self) -> u32 {
+        (self.0.get() >> 32) as u32
+    }
+}
 
 impl fmt::Display for EpId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ep{}", self.0)
+        write!(f, "ep{}", self.idx())
     }
+}
+
+impl fmt::Debug for EpId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ep{}@worker#{}", self.idx(), self.worker())
+    }
+}
+
+/// The next worker serial of this process (see [`EpId`]).
+static WORKER_SERIAL: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+
+/// A serial for a new worker: never 0 (after 2^32 workers the count comes round again).
+fn next_serial() -> u32 {
+    loop {
+        let s = WORKER_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if s != 0 {
+            return s;
+        }
+    }
+}
+
+/// The first endpoint id of the worker with serial `serial` (not 0).
+fn ep_base(serial: u32) -> std::num::NonZeroU64 {
+    std::num::NonZeroU64::new(u64::from(serial) << 32).unwrap_or(std::num::NonZeroU64::MIN)
 }
 
 /// What a finished request reports.
@@ -304,6 +363,7 @@ impl Worker {
         Ok(Worker {
             ifaces: RefCell::new(ifaces),
             st: RefCell::new(State {
+                ep_base: ep_base(next_serial()),
                 ctx: ctx.clone(),
                 slots,
                 address,
@@ -381,7 +441,7 @@ impl Worker {
         let p = st.peer_for(remote)?;
         st.connect_peer(p, &mut ifaces)?;
         st.pump(p);
-        Ok(EpId(p))
+        Ok(st.ep_id(p))
     }
 
     /// Send a user active message from a host slice (copied before this returns, whatever its
@@ -574,12 +634,12 @@ impl Worker {
             Unexp::Eager { src, total, .. } => Completion {
                 len: *total,
                 tag: t,
-                sender: Some(EpId(*src)),
+                sender: Some(st.ep_id(*src)),
             },
             Unexp::Rts { src, size, .. } => Completion {
                 len: *size,
                 tag: t,
-                sender: Some(EpId(*src)),
+                sender: Some(st.ep_id(*src)),
             },
         })
     }
@@ -597,21 +657,17 @@ impl Worker {
     /// The protocol table endpoint `ep` uses for tag sends of host memory.
     pub fn proto_table(&self, ep: EpId) -> Result<Vec<Range>> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
-        self.ensure_plan(&mut st, ep.0);
-        Ok(st.peers[ep.0]
-            .plan
-            .table(Op::Tag, MemKey::HOST)
-            .rows
-            .clone())
+        let p = st.check_ep(ep)?;
+        self.ensure_plan(&mut st, p);
+        Ok(st.peers[p].plan.table(Op::Tag, MemKey::HOST).rows.clone())
     }
 
     /// The plan of `ep` (what [`proto_info`](Self::proto_info) prints).
     pub fn plan(&self, ep: EpId) -> Result<EpPlan> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
-        self.ensure_plan(&mut st, ep.0);
-        Ok(st.peers[ep.0].plan.clone())
+        let p = st.check_ep(ep)?;
+        self.ensure_plan(&mut st, p);
+        Ok(st.peers[p].plan.clone())
     }
 
     /// The plan of `ep` as text: lanes, a table per operation and memory type, and the
@@ -622,7 +678,7 @@ impl Worker {
         Ok(format!(
             "rucx {} -> {}\n{plan}",
             ep,
-            st.peers[ep.0].remote.describe()
+            st.peers[ep.idx()].remote.describe()
         ))
     }
 
@@ -660,9 +716,9 @@ impl Worker {
     /// `transport/device`).
     pub fn lanes(&self, ep: EpId) -> Result<(String, Option<String>)> {
         let st = self.st.borrow();
-        st.check_peer(ep.0)?;
+        let p = st.check_ep(ep)?;
         let name = |i: usize| format!("{}/{}", st.slots[i].attr.tl_name, st.slots[i].attr.dev_name);
-        let p = &st.peers[ep.0];
+        let p = &st.peers[p];
         Ok((name(p.am), p.rma.map(name)))
     }
 
@@ -673,12 +729,20 @@ impl Worker {
     }
 
     /// Whether the endpoint failed, and why.
+    ///
+    /// An id of another worker is answered with why it cannot be used here (see [`EpId`]).
     pub fn ep_error(&self, ep: EpId) -> Option<String> {
-        self.st
-            .borrow()
-            .peers
-            .get(ep.0)
-            .and_then(|p| p.failed.clone())
+        let st = self.st.borrow();
+        match st.ep_index(ep) {
+            Ok(p) => st.peers[p].failed.clone(),
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
+    /// This worker's serial in the process: what the ids of its endpoints carry
+    /// ([`EpId::worker`]).
+    pub fn serial(&self) -> u32 {
+        self.st.borrow().serial()
     }
 }
 

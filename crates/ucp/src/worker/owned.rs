@@ -649,7 +649,7 @@ mod tests {
     #[test]
     fn a_send_refused_when_posted_ends_at_once_with_its_buffer() {
         let w = self_worker();
-        let r = w.tag_send_owned(EpId(42), vec![1u8; 8], 0);
+        let r = w.tag_send_owned(EpId::from_parts(42, w.serial()), vec![1u8; 8], 0);
         let (res, b) = r.try_take().expect("refused when posted");
         assert!(res.is_err());
         assert_eq!(b, vec![1u8; 8]);

@@ -292,7 +292,7 @@ impl State {
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
         peer.failed = Some(reason.to_string());
         peer.queue.clear();
-        let mut io = StreamReqs::new(reqs, p).ended_by(err.clone());
+        let mut io = StreamReqs::new(reqs, EpId::new(p, self.ep_base)).ended_by(err.clone());
         peer.stream_rx.end(&mut io);
         let uuid = peer.remote.uuid;
         let ended = io.ended;

@@ -16,7 +16,7 @@ impl Worker {
         sync: bool,
     ) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
+        let p = st.check_ep(ep)?;
         let (addr, len) = (buf.addr, buf.len);
         let (mem, dev) = match buf.mem {
             Some(m) => m,
@@ -26,17 +26,17 @@ impl Worker {
         if mem.is_gpu() {
             st.note_gpu_key(key);
         }
-        self.ensure_plan(&mut st, ep.0);
+        self.ensure_plan(&mut st, p);
         let op = if sync { Op::TagSync } else { Op::Tag };
-        let proto = match st.peers[ep.0].plan.select(op, key, len) {
+        let proto = match st.peers[p].plan.select(op, key, len) {
             Some(p) => p,
             None => {
-                let table = st.peers[ep.0].plan.table(op, key);
-                return Err(table.refusal(&st.peers[ep.0].remote.describe()));
+                let table = st.peers[p].plan.table(op, key);
+                return Err(table.refusal(&st.peers[p].remote.describe()));
             }
         };
         let proto = if proto == Proto::EagerBounce {
-            match self.send_bounce(&mut st, ep.0, addr, len, tag, (mem, dev), op)? {
+            match self.send_bounce(&mut st, p, addr, len, tag, (mem, dev), op)? {
                 Bounced::Sent(posted) => return Ok(posted),
                 Bounced::Instead(proto) => proto,
             }
@@ -48,7 +48,7 @@ impl Worker {
         if !sync
             && proto == Proto::EagerShort
             && !mem.is_gpu()
-            && st.try_eager_short(ep.0, addr, len, tag)?
+            && st.try_eager_short(p, addr, len, tag)?
         {
             st.count(proto.name());
             return Ok(Posted::Done(Completion {
@@ -58,7 +58,7 @@ impl Worker {
             }));
         }
         let id = st.new_req(ReqKind::Send(SendState::new(
-            ep.0, addr, len, tag, proto, op, mem, dev,
+            p, addr, len, tag, proto, op, mem, dev,
         )));
         st.start_send(id);
         Ok(Posted::Pending(id))
@@ -100,8 +100,7 @@ impl Worker {
     /// finishes once every piece was handed to the transport (the sender's flow control).
     pub(crate) fn post_stream_send(&self, ep: EpId, buf: SendBuf<'_>) -> Result<Posted> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
-        let p = ep.0;
+        let p = st.check_ep(ep)?;
         let (mem, dev) = match buf.mem {
             Some(m) => m,
             None => st.ctx.detect(buf.addr, buf.len)?,
@@ -168,10 +167,7 @@ impl Worker {
         partial: bool,
     ) -> Result<u64> {
         let mut st = self.st.borrow_mut();
-        let p = ep.0;
-        if p >= st.peers.len() {
-            return Err(no_such_ep(p));
-        }
+        let p = st.ep_index(ep)?;
         let (addr, cap) = (buf.addr, buf.len);
         let (mem, dev) = match buf.mem {
             Some(m) => m,
@@ -224,7 +220,7 @@ impl Worker {
             return Ok(id);
         }
         let (reqs, peer) = (&mut st.reqs, &mut st.peers[p]);
-        let mut io = StreamReqs::new(reqs, p);
+        let mut io = StreamReqs::new(reqs, EpId::new(p, st.ep_base));
         if let Some(c) = cause {
             io = io.ended_by(c);
         }
@@ -248,7 +244,7 @@ impl Worker {
         rkey: &RkeyBundle,
     ) -> Result<u64> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
+        let p = st.check_ep(ep)?;
         let (mem, dev) = match mem {
             Some(m) => m,
             None => st.ctx.detect(addr, len)?,
@@ -260,13 +256,14 @@ impl Worker {
             // A peer's GPU region: plan the lane that reaches it (connected below).
             st.note_gpu_key(MemKey::new(MemoryType::Cuda, None));
         }
-        self.ensure_plan(&mut st, ep.0);
-        st.post_rma(ep.0, put, addr, len, local, remote, rkey)
+        self.ensure_plan(&mut st, p);
+        st.post_rma(p, put, addr, len, local, remote, rkey)
     }
 
     pub(crate) fn post_flush(&self, ep: EpId) -> Result<u64> {
         let mut st = self.st.borrow_mut();
-        st.post_flush(ep.0)
+        let p = st.check_ep(ep)?;
+        st.post_flush(p)
     }
 
     pub(crate) fn req_result(&self, id: u64) -> Option<Result<Completion>> {

@@ -268,7 +268,7 @@ mod tests {
         child.wait().unwrap();
         {
             let mut st = w.st.borrow_mut();
-            let remote = &mut st.peers[ep.0].remote;
+            let remote = &mut st.peers[ep.idx()].remote;
             remote.pid = pid;
             remote.proc.start = start;
         }
@@ -318,7 +318,7 @@ mod tests {
         child.wait().unwrap();
         {
             let mut st = w.st.borrow_mut();
-            let remote = &mut st.peers[ep.0].remote;
+            let remote = &mut st.peers[ep.idx()].remote;
             remote.pid = pid;
             remote.proc.start = start;
         }

@@ -12,10 +12,10 @@ impl Worker {
     /// use.
     pub fn path_query(&self, ep: EpId, device: Option<u32>) -> Result<Vec<PathInfo>> {
         let mut st = self.st.borrow_mut();
-        st.check_peer(ep.0)?;
+        let p = st.check_ep(ep)?;
         st.note_gpu_key(MemKey::new(MemoryType::Cuda, device));
-        self.ensure_plan(&mut st, ep.0);
-        let mut out = plan::paths(&st.peers[ep.0].plan, device);
+        self.ensure_plan(&mut st, p);
+        let mut out = plan::paths(&st.peers[p].plan, device);
         let refused: Vec<String> = st
             .ctx
             .refusals()

@@ -136,7 +136,7 @@ impl State {
             Ok(Completion {
                 len: rs.total,
                 tag: rs.tag,
-                sender: rs.sender.map(EpId),
+                sender: rs.sender.map(|p| EpId::new(p, self.ep_base)),
             })
         };
         self.finish(rid, res);
@@ -159,7 +159,7 @@ impl State {
             _ => return false,
         };
         let (reqs, peer) = (&mut self.reqs, &mut self.peers[p]);
-        let mut io = StreamReqs::new(reqs, p);
+        let mut io = StreamReqs::new(reqs, EpId::new(p, self.ep_base));
         let canceled = peer.stream_rx.cancel(&mut io, rid);
         // The canceled receive, and those behind it that its bytes filled.
         let StreamReqs { ended, landed, .. } = io;

@@ -463,6 +463,9 @@ pub(crate) enum RxDest {
 }
 
 pub(crate) struct State {
+    /// The id of this worker's first endpoint (its serial in the process in the high half,
+    /// index 0): ids are this or'ed with the index ([`EpId`]).
+    pub(crate) ep_base: std::num::NonZeroU64,
     pub(crate) ctx: Context,
     pub(crate) slots: Vec<Slot>,
     pub(crate) address: WorkerAddress,
@@ -548,7 +551,7 @@ pub(crate) struct State {
 /// Stream receives of peer `peer` as the stream protocol fills them.
 pub(crate) struct StreamReqs<'a> {
     pub(crate) reqs: &'a mut Slab<Req>,
-    pub(crate) peer: usize,
+    pub(crate) peer: EpId,
     /// GPU stream receives filled in their host buffer, to copy on and complete
     /// ([`State::land_gpu_streams`]).
     pub(crate) landed: Vec<u64>,
@@ -560,7 +563,7 @@ pub(crate) struct StreamReqs<'a> {
 }
 
 impl<'a> StreamReqs<'a> {
-    pub(crate) fn new(reqs: &'a mut Slab<Req>, peer: usize) -> Self {
+    pub(crate) fn new(reqs: &'a mut Slab<Req>, peer: EpId) -> Self {
         StreamReqs {
             reqs,
             peer,
@@ -625,7 +628,7 @@ impl StreamRecvs for StreamReqs<'_> {
                 // Complete once the bytes are copied on to the GPU.
                 self.landed.push(id);
             } else if (full || (partial && rs.received > 0)) && r.result.is_none() {
-                r.result = Some(Ok(Completion::from_peer(rs.received, EpId(self.peer))));
+                r.result = Some(Ok(Completion::from_peer(rs.received, self.peer)));
                 r.guards.clear();
                 self.ended.push(id);
                 return true;
@@ -836,6 +839,50 @@ impl State {
         }
     }
 
+    /// The index of endpoint `ep` when it takes operations (this worker's, connected, neither
+    /// closed nor failed); else why not, as [`check_peer`](Self::check_peer) says, or
+    /// [`Error::ForeignEndpoint`] for an id another worker made. One compare more than the
+    /// index check: every public call that names an endpoint comes through here.
+    #[inline]
+    pub(crate) fn check_ep(&self, ep: EpId) -> Result<usize> {
+        // The index, for an id of this worker; past any table for another worker's.
+        let p = (ep.0.get() ^ self.ep_base.get()) as usize;
+        match self.peers.get(p) {
+            Some(peer) if peer.closed.is_none() && peer.failed.is_none() && peer.connected => Ok(p),
+            _ => self.ep_unusable(ep),
+        }
+    }
+
+    /// This worker's serial in the process (the high half of its endpoint ids).
+    pub(crate) fn serial(&self) -> u32 {
+        (self.ep_base.get() >> 32) as u32
+    }
+
+    #[cold]
+    fn ep_unusable(&self, ep: EpId) -> Result<usize> {
+        let p = self.ep_index(ep)?;
+        self.peer_unusable(p).map(|()| p)
+    }
+
+    /// The index of endpoint `ep` whatever its state (closed and failed ones too), refusing an
+    /// id of another worker.
+    pub(crate) fn ep_index(&self, ep: EpId) -> Result<usize> {
+        if ep.worker() != self.serial() {
+            return Err(foreign_ep(ep, self.serial()));
+        }
+        let p = ep.idx();
+        if p >= self.peers.len() {
+            return Err(no_such_ep(p));
+        }
+        Ok(p)
+    }
+
+    /// The id of this worker's peer `p`.
+    #[inline]
+    pub(crate) fn ep_id(&self, p: usize) -> EpId {
+        EpId::new(p, self.ep_base)
+    }
+
     /// Why endpoint `p` cannot take operations ([`check_peer`](Self::check_peer)'s errors).
     #[cold]
     fn peer_unusable(&self, p: usize) -> Result<()> {
@@ -863,7 +910,7 @@ impl State {
             return Error::EndpointClosed {
                 ep: format!("ep{p}"),
                 peer: peer.remote.describe(),
-                by: c.describe().into(),
+                by: c.by(),
             };
         }
         self.failed_error(p)
@@ -953,8 +1000,18 @@ impl State {
     }
 }
 
-/// The error for an endpoint index this worker never made (most likely an `EpId` of another
-/// worker).
+/// The error for an endpoint id of another worker used on worker `serial`.
+#[cold]
+pub(crate) fn foreign_ep(ep: EpId, serial: u32) -> Error {
+    Error::ForeignEndpoint {
+        ep: ep.to_string(),
+        owner: ep.worker(),
+        worker: serial,
+    }
+}
+
+/// The error for an endpoint index this worker never made (an id of this worker cannot have
+/// one; kept for ids of a worker whose serial came round again).
 #[cold]
 pub(crate) fn no_such_ep(p: usize) -> Error {
     Error::InvalidParam(format!(

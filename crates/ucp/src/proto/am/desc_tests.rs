@@ -81,7 +81,7 @@ fn desc(rel: &Arc<AmReleases>) -> AmRemoteData {
     AmRemoteData {
         len: LEN,
         smem: 1,
-        sender: EpId(PEER),
+        sender: EpId::from_parts(PEER, 1),
         id: 9,
         worker: ME,
         peer: THEM,
