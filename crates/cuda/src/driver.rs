@@ -155,6 +155,10 @@ pub struct DeviceInfo {
     pub name: String,
     /// PCI bus id in the sysfs form `0000:19:00.0` (lower case).
     pub pci_bus_id: String,
+    /// The driver's UUID of the physical GPU (`cuDeviceGetUuid_v2`, driver 11.4+; a MIG
+    /// instance has its own): the same in every process on the host whatever each one's
+    /// `CUDA_VISIBLE_DEVICES` numbering. `None` on a driver without the call.
+    pub uuid: Option<[u8; 16]>,
     /// Device memory in bytes.
     pub total_mem: u64,
     /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`.
@@ -511,6 +515,18 @@ fn query_device(ordinal: c_int) -> Result<DeviceInfo> {
         .to_string_lossy()
         .into_owned();
 
+    // SAFETY: the library is loaded (the caller initialized the driver); looking up a symbol
+    // has no effect.
+    let has_uuid = unsafe { sys::culib().get::<*const c_void>(b"cuDeviceGetUuid_v2") }.is_ok();
+    let uuid = has_uuid
+        .then(|| {
+            let mut u = sys::CUuuid_st { bytes: [0; 16] };
+            // SAFETY: the symbol exists (checked above), valid device handle and out-pointer.
+            let r = unsafe { sys::cuDeviceGetUuid_v2(&mut u, dev) };
+            (r == E::CUDA_SUCCESS).then(|| u.bytes.map(|b| b as u8))
+        })
+        .flatten();
+
     let mut total: usize = 0;
     // SAFETY: valid device handle and out-pointer.
     let r = unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) };
@@ -523,6 +539,7 @@ fn query_device(ordinal: c_int) -> Result<DeviceInfo> {
         handle: dev,
         name,
         pci_bus_id: crate::sysfs::normalize_bus_id(&bus).unwrap_or(bus),
+        uuid,
         total_mem: total as u64,
         gpu_direct_rdma: opt(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED),
         dma_buf: opt(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED),

@@ -238,3 +238,110 @@ fn a_gpu_read_into_a_smaller_host_buffer_is_truncated() {
     assert_eq!(count(&pair, 1, BY_READ), 3, "{:?}", pair.w[1].counters());
     pair.check_clean();
 }
+
+const SHARED_SEND: &str = "rendezvous send by remote write on a shared GPU";
+const SHARED_RECV: &str = "rendezvous receive by remote write on a shared GPU";
+
+/// Every size device -> device both ways (side 0 first), each byte and the guards checked;
+/// then a receive smaller than the message each way (truncated, the bytes that fit intact).
+fn device_both_ways(pair: &Pair, seed: u64) {
+    for (i, &n) in SIZES.iter().enumerate() {
+        for from in [0, 1] {
+            let id = seed << 32 | (2 * i + from) as u64;
+            let send = Buf::filled(&pair.fabric, n, Mem::Device(0), id);
+            let mut recv = Buf::new(&pair.fabric, n, Mem::Device(0));
+            let out = pair.transfer(from, &send, &mut recv, 90 + id, false);
+            let (s, r) = out.expect_ok();
+            assert_eq!((s.len, r.len), (n, n));
+            assert!(
+                recv.bytes() == pattern(id, n),
+                "{n} B from {from}: data differs"
+            );
+            assert_eq!(recv.guard_damage(), None, "{n} B from {from}");
+        }
+    }
+    for from in [0, 1] {
+        let n = (1 << 20) + 3;
+        let cap = n / 2;
+        let send = Buf::filled(&pair.fabric, n, Mem::Device(0), seed + from as u64);
+        let mut recv = Buf::new(&pair.fabric, cap, Mem::Device(0));
+        let out = pair.transfer(from, &send, &mut recv, 77, false);
+        assert!(out.hang.is_none(), "{}", out.hang.unwrap());
+        assert!(matches!(out.send, Some(Ok(_))), "{:?}", out.send);
+        let r = out.recv.unwrap();
+        assert!(is_truncation(&r, n, cap), "{n} B into {cap}: {r:?}");
+        assert!(recv.bytes() == &pattern(seed + from as u64, n)[..cap]);
+        assert_eq!(recv.guard_damage(), None);
+    }
+}
+
+#[test]
+fn on_one_shared_gpu_the_lower_id_issues_every_copy() {
+    for delivery in [
+        Delivery::InOrder,
+        Delivery::Random {
+            seed: 21,
+            noresource_per_mille: 30,
+        },
+    ] {
+        let pair = Pair::new(
+            FabricSpec::gpu().shared_gpus(true).delivery(delivery),
+            [VARS, VARS],
+        );
+        device_both_ways(&pair, 8);
+        // Every message is a rendezvous (GPU memory, below the bounce's eager size none is
+        // copied twice); the copier wrote all its sends and read all its receives, the other
+        // side copied nothing.
+        let msgs = SIZES.len() as u64 + 1;
+        let copier = if count(&pair, 0, SHARED_SEND) > 0 {
+            0
+        } else {
+            1
+        };
+        let other = 1 - copier;
+        let (c, o) = (pair.w[copier].counters(), pair.w[other].counters());
+        assert_eq!(count(&pair, copier, SHARED_SEND), msgs, "{c:?}");
+        assert_eq!(count(&pair, copier, BY_READ), msgs, "{c:?}");
+        assert_eq!(count(&pair, copier, SHARED_RECV), 0, "{c:?}");
+        assert_eq!(count(&pair, other, SHARED_RECV), msgs, "{o:?}");
+        assert_eq!(count(&pair, other, SHARED_SEND), 0, "{o:?}");
+        assert_eq!(count(&pair, other, BY_READ), 0, "{o:?}");
+        pair.check_clean();
+    }
+    // GPUs of their own (as two processes on two GPUs): each receiver reads, nobody writes.
+    let pair = Pair::new(FabricSpec::gpu(), [VARS, VARS]);
+    device_both_ways(&pair, 9);
+    for side in [0, 1] {
+        let c = pair.w[side].counters();
+        assert_eq!(count(&pair, side, SHARED_SEND), 0, "{c:?}");
+        assert_eq!(count(&pair, side, SHARED_RECV), 0, "{c:?}");
+        assert_eq!(count(&pair, side, BY_READ), SIZES.len() as u64 + 1, "{c:?}");
+    }
+    pair.check_clean();
+}
+
+#[test]
+fn on_a_shared_gpu_a_refused_registration_falls_back_to_read_or_staging() {
+    // Either side's GPU lane refusing device memory: no shared write on that side, every byte
+    // still lands (read by the copier or staged), one warning per demotion.
+    for refusing in [0, 1] {
+        let f: Vec<(&str, &str)> = VARS
+            .iter()
+            .copied()
+            .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
+            .collect();
+        let vars = if refusing == 0 {
+            [&f[..], VARS]
+        } else {
+            [VARS, &f[..]]
+        };
+        let pair = Pair::new(FabricSpec::gpu().shared_gpus(true), vars);
+        device_both_ways(&pair, 10 + refusing as u64);
+        for side in [0, 1] {
+            let c = pair.w[side].counters();
+            assert_eq!(count(&pair, side, SHARED_SEND), 0, "{c:?}");
+            assert_eq!(count(&pair, side, SHARED_RECV), 0, "{c:?}");
+        }
+        pair.check_clean();
+    }
+}

@@ -402,6 +402,10 @@ impl MemoryDomain for CudaIpcMd {
     fn rkey_unpack(&self, packed: &[u8]) -> Result<RemoteKey> {
         unpack_remote(packed, &self.host)
     }
+
+    fn gpu_uuid(&self, device: u32) -> Option<[u8; 16]> {
+        driver().ok()?.device(device).ok()?.uuid
+    }
 }
 
 /// Unpack a key and check that it comes from this host.

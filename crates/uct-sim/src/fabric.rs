@@ -181,6 +181,10 @@ pub struct FabricSpec {
     /// The shm domain allocates shared staging that peers can map (`mem_alloc_shared` /
     /// `rkey_ptr`), as posix does.
     pub shared_staging: bool,
+    /// Every node's GPU `d` is one physical GPU (`sim_ipc` tells the same UUID for it on
+    /// every node, as two processes sharing a GPU see): the pair's copier writes its sends.
+    /// Off: each node's GPUs are its own.
+    pub shared_gpus: bool,
     /// Delivery mode.
     pub delivery: Delivery,
 }
@@ -194,6 +198,7 @@ impl FabricSpec {
             ipc: false,
             copy: false,
             shared_staging: true,
+            shared_gpus: false,
             delivery: Delivery::InOrder,
         }
     }
@@ -222,6 +227,12 @@ impl FabricSpec {
     /// Builder: no shm lane.
     pub fn without_shm(mut self) -> Self {
         self.shm = None;
+        self
+    }
+
+    /// Builder: every node's GPU `d` is one physical GPU ([`FabricSpec::shared_gpus`]).
+    pub fn shared_gpus(mut self, on: bool) -> Self {
+        self.shared_gpus = on;
         self
     }
 

@@ -150,6 +150,24 @@ impl MemoryDomain for SimMd {
         Ok(self.handle(region, id))
     }
 
+    fn gpu_uuid(&self, device: u32) -> Option<[u8; 16]> {
+        // GPU `device` of this node, or of every node when the fabric shares its GPUs.
+        let st = self.fabric.lock();
+        if self.kind != LaneKind::Ipc {
+            return None;
+        }
+        let node = if st.spec.shared_gpus {
+            u32::MAX
+        } else {
+            self.node as u32
+        };
+        let mut u = [0u8; 16];
+        u[..8].copy_from_slice(&st.id.to_le_bytes());
+        u[8..12].copy_from_slice(&node.to_le_bytes());
+        u[12..].copy_from_slice(&device.to_le_bytes());
+        Some(u)
+    }
+
     fn mkey_pack(&self, memh: &MemHandle) -> Result<Vec<u8>> {
         let reg = memh
             .inner::<SimReg>()

@@ -353,6 +353,10 @@ impl MemoryDomain for FaultInjectingMd {
         self.inner.allocation_of(region)
     }
 
+    fn gpu_uuid(&self, device: u32) -> Option<[u8; 16]> {
+        self.inner.gpu_uuid(device)
+    }
+
     fn mem_alloc_shared(&self, len: usize) -> Result<Option<crate::md::SharedAlloc>> {
         self.inner.mem_alloc_shared(len)
     }

@@ -310,6 +310,14 @@ pub trait MemoryDomain: Send + Sync + fmt::Debug {
         Ok(None)
     }
 
+    /// The physical identity (the driver's UUID) of the GPU this process numbers `device`,
+    /// when the domain can tell: the same in every process on the host whatever its own
+    /// numbering, so two processes can tell that their buffers sit on one GPU. `None`: cannot
+    /// tell (not a GPU domain, or the driver has no such call).
+    fn gpu_uuid(&self, _device: u32) -> Option<[u8; 16]> {
+        None
+    }
+
     /// Classify a pointer, when the domain has `DETECT` for some type. `Ok(None)` means "not
     /// mine".
     fn detect_mem_type(&self, _addr: usize, _len: usize) -> Result<Option<MemRegion>> {

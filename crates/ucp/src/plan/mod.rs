@@ -32,8 +32,8 @@ mod tables;
 mod tests;
 
 pub use lanes::is_copy_lane;
-pub use query::{PAIRS, PathInfo, large_path, paths};
-pub use recv::{RecvStep, recv_steps};
+pub use query::{PAIRS, PathInfo, SHARED_GPU_NOTE, large_path, paths};
+pub use recv::{RecvStep, copies_on_shared_gpu, recv_steps};
 pub use rma::{RMA_REMOTE, RmaPlan, RmaStep};
 
 /// Memory of one type on one device (`None` for host memory, or GPU memory of an unknown

@@ -49,6 +49,10 @@ impl std::fmt::Display for PathInfo {
     }
 }
 
+/// What the query adds to a path whose plan has [`RecvStep::SharedGpuWrite`].
+pub const SHARED_GPU_NOTE: &str = " (buffers on one GPU shared with the peer: the lower-id \
+     process issues every copy, writing into the receiver's buffer for its sends)";
+
 /// The pairs the query answers for, in order.
 pub const PAIRS: [(MemoryType, MemoryType); 4] = [
     (MemoryType::Host, MemoryType::Host),
@@ -74,11 +78,15 @@ pub fn large_path(plan: &EpPlan, send: MemKey, recv: MemKey) -> Option<(Proto, S
         },
         recv,
     )?;
-    let step = *rp.steps.first()?;
+    // The shared-GPU write is taken only for buffers on one GPU: the path is the step after.
+    let step = *rp
+        .steps
+        .iter()
+        .find(|s| !matches!(s, RecvStep::SharedGpuWrite { .. }))?;
     let proto = match step {
         RecvStep::Get { .. } if send.mem.is_gpu() && recv.mem.is_gpu() => Proto::RndvGet,
         RecvStep::Get { .. } => Proto::RndvGet,
-        RecvStep::Put { .. } => Proto::RndvPut,
+        RecvStep::Put { .. } | RecvStep::SharedGpuWrite { .. } => Proto::RndvPut,
         RecvStep::StagedRead { .. } | RecvStep::Pull { .. } => Proto::RndvPipeline,
         RecvStep::Stream => Proto::RndvAm,
     };
@@ -104,10 +112,18 @@ pub fn paths(plan: &EpPlan, device: Option<u32>) -> Vec<PathInfo> {
             },
             rk,
         );
-        let (protocol, lane, zero_copy) = match large_path(plan, sk, rk) {
+        let (mut protocol, lane, zero_copy) = match large_path(plan, sk, rk) {
             Some((p, l)) => (p.name().to_string(), l, p.is_zcopy()),
             None => ("unsupported".to_string(), "-".to_string(), false),
         };
+        if let Some(rp) = rp
+            && rp
+                .steps
+                .iter()
+                .any(|s| matches!(s, RecvStep::SharedGpuWrite { .. }))
+        {
+            protocol.push_str(SHARED_GPU_NOTE);
+        }
         if !zero_copy && let Some(rp) = rp {
             for n in &rp.notes {
                 if !why.contains(n) {

@@ -144,7 +144,8 @@ fn cuda_ipc() -> LaneCand {
         "cuda_ipc",
         "cuda",
         DeviceType::Accelerator,
-        IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY,
+        // As the real transport: its operations are copies this process issues.
+        IfaceCaps::PUT_ZCOPY | IfaceCaps::GET_ZCOPY | IfaceCaps::LOCAL_COPY,
         (10_000.0, 3_000.0, 350e9),
     );
     let mut m = md(
@@ -702,6 +703,20 @@ fn zcopy_lanes(p: &EpPlan) -> HashSet<(Op, MemKey, String)> {
 }
 
 proptest! {
+    /// Of two workers on one GPU exactly one issues the copies, each deciding alone.
+    #[test]
+    fn one_copier_per_pair_on_a_shared_gpu(a in any::<u64>(), b in any::<u64>()) {
+        let (ab, ba) = (copies_on_shared_gpu(a, b), copies_on_shared_gpu(b, a));
+        if a == b {
+            prop_assert!(!ab && !ba);
+        } else {
+            prop_assert!(ab != ba);
+            prop_assert_eq!(ab, a < b);
+        }
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     #[test]
@@ -744,6 +759,25 @@ proptest! {
                 if r.proto == Proto::EagerSync {
                     prop_assert!(r.to + crate::proto::SYNC_OVERHEAD <= am.limits.am_max_bcopy, "{:?}", t);
                 }
+            }
+        }
+        // The shared-GPU write: only GPU -> GPU, on the pair's zero-copy GPU lane when it writes
+        // with copies this process issues, always right before the read on that lane (taken
+        // only on one GPU; the read serves every other case).
+        for r in &p.recv {
+            for (i, s) in r.steps.iter().enumerate() {
+                if let RecvStep::SharedGpuWrite { lane } = *s {
+                    prop_assert!(r.send.is_gpu() && r.recv.mem.is_gpu(), "{:?}", r);
+                    prop_assert_eq!(p.lanes.gpu(r.recv), Some(lane));
+                    prop_assert!(lanes[lane].attr.has(IfaceCaps::PUT_ZCOPY | IfaceCaps::LOCAL_COPY));
+                    prop_assert_eq!(r.steps.get(i + 1), Some(&RecvStep::Get { lane }));
+                }
+            }
+            if r.send.is_gpu() && r.recv.mem.is_gpu()
+                && let Some(l) = p.lanes.gpu(r.recv)
+                && lanes[l].attr.has(IfaceCaps::PUT_ZCOPY | IfaceCaps::LOCAL_COPY)
+            {
+                prop_assert_eq!(r.steps.first(), Some(&RecvStep::SharedGpuWrite { lane: l }));
             }
         }
         // Chosen lanes are connected, reachable and never the copy lane.
@@ -812,9 +846,17 @@ proptest! {
                     continue;
                 }
                 let want = large_path(&p, MemKey::new(q.send_mem, dev), MemKey::new(q.recv_mem, dev));
+                let shared = p
+                    .recv_plan(q.send_mem, MemKey::new(q.recv_mem, dev))
+                    .is_some_and(|r| r.steps.iter().any(|s| matches!(s, RecvStep::SharedGpuWrite { .. })));
                 match want {
                     Some((proto, lane)) => {
-                        prop_assert_eq!(&q.protocol, proto.name());
+                        let named = if shared {
+                            format!("{}{SHARED_GPU_NOTE}", proto.name())
+                        } else {
+                            proto.name().to_string()
+                        };
+                        prop_assert_eq!(&q.protocol, &named);
                         prop_assert_eq!(&q.lane, &lane);
                         prop_assert_eq!(q.zero_copy, proto.is_zcopy());
                     }

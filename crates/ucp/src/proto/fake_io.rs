@@ -189,6 +189,10 @@ pub(crate) struct FakeIo {
     pub(crate) kept: Vec<(u64, bool)>,
     /// The key a host-to-GPU remote write offer yields (none: not offered).
     pub(crate) write_key: Option<NamedKey>,
+    /// The key a shared-GPU write offer yields (none: not offered, or another GPU).
+    pub(crate) shared_write_key: Option<NamedKey>,
+    /// The marker a GPU send carries as the pair's copier on a shared GPU (none: not).
+    pub(crate) shared_hint: Option<NamedKey>,
     /// Send staging fragments (none unless a test makes them: [`FakeIo::with_send_frags`]),
     /// numbered from [`SEND_LO`].
     pub(crate) send_frags: Option<SendFrags>,
@@ -437,6 +441,10 @@ impl SendIo for FakeIo {
     fn write_hint(&self, _p: usize) -> Option<NamedKey> {
         self.write_hint.clone()
     }
+
+    fn shared_gpu_hint(&self, _p: usize, _dev: Option<u32>, _lane: usize) -> Option<NamedKey> {
+        self.shared_hint.clone()
+    }
 }
 
 impl StageIo for FakeIo {
@@ -622,7 +630,12 @@ impl StageIo for FakeIo {
         _region: MemRegion,
         _lane: usize,
         _keys: &[NamedKey],
+        shared: bool,
     ) -> Option<NamedKey> {
-        self.write_key.clone()
+        if shared {
+            self.shared_write_key.clone()
+        } else {
+            self.write_key.clone()
+        }
     }
 }

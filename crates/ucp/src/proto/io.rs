@@ -90,4 +90,8 @@ pub(crate) trait SendIo: ProtoIo {
 
     /// The marker a host send to peer `p` carries when we can write into its GPU memory.
     fn write_hint(&self, p: usize) -> Option<NamedKey>;
+
+    /// The marker a GPU send (device `dev`, keyed for reads on `lane`) to peer `p` carries when
+    /// this worker is the pair's copier on a shared GPU (`gpu/write.rs`).
+    fn shared_gpu_hint(&self, p: usize, dev: Option<u32>, lane: usize) -> Option<NamedKey>;
 }

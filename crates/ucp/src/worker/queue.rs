@@ -433,6 +433,10 @@ impl SendIo for State {
     fn write_hint(&self, p: usize) -> Option<NamedKey> {
         self.gpu_write_hint(p)
     }
+
+    fn shared_gpu_hint(&self, p: usize, dev: Option<u32>, lane: usize) -> Option<NamedKey> {
+        State::shared_gpu_hint(self, p, dev, lane)
+    }
 }
 
 impl State {

@@ -16,7 +16,7 @@ mod recv_tests;
 mod send_tests;
 pub(crate) mod stage_io;
 pub(crate) mod staging;
-mod write;
+pub(crate) mod write;
 
 pub(crate) use bounce::Bounced;
 pub(crate) use pipeline_recv::{Chunk, FragMsg, PendingCopy, Posting, StagedNext};
@@ -24,7 +24,7 @@ pub(crate) use pipeline_send::{PullChoice, StageSend};
 pub(crate) use recv::GpuRecvChoice;
 pub(crate) use stage_io::StageIo;
 pub(crate) use staging::Staging;
-pub(crate) use write::GPU_WRITE_HINT;
+pub(crate) use write::{GPU_SHARED_HINT, GPU_WRITE_HINT};
 
 use rucx_ucs::MemoryType;
 use rucx_uct::{MemHandle, RemoteKey};

@@ -85,7 +85,15 @@ impl RndvRecv {
                 // From host memory into GPU memory: the sender writes through the zero-copy GPU
                 // lane's mapping of our buffer (when it offered to).
                 RecvStep::Put { lane } if !c.sgpu && r.mem_type.is_gpu() => io
-                    .gpu_write_key(rid, self.peer, r, lane, c.keys)
+                    .gpu_write_key(rid, self.peer, r, lane, c.keys, false)
+                    .map(|key| {
+                        self.rtr(io, rid, Some((r.addr as u64, 0, key)));
+                        StagedNext::Wait
+                    }),
+                // From GPU memory on the GPU of ours, the sender being the pair's copier: it
+                // writes into our buffer (when it offered to), so that it issues every copy.
+                RecvStep::SharedGpuWrite { lane } if c.sgpu && r.mem_type.is_gpu() => io
+                    .gpu_write_key(rid, self.peer, r, lane, c.keys, true)
                     .map(|key| {
                         self.rtr(io, rid, Some((r.addr as u64, 0, key)));
                         StagedNext::Wait

@@ -926,3 +926,43 @@ proptest::proptest! {
         }
     }
 }
+
+/// A GPU sender on our GPU that is the pair's copier: its write offer is taken (RTR with our
+/// key, and the read is not made: we never copy); without it (another GPU, no offer, a
+/// registration refused: the worker yields no key) the receive reads the sender's buffer, and
+/// a host receive never takes the step.
+#[test]
+fn a_shared_gpu_sender_writes_else_the_receiver_reads() {
+    let keys = [key_of(OTHER)];
+    let steps = [
+        RecvStep::SharedGpuWrite { lane: OTHER },
+        RecvStep::Get { lane: OTHER },
+        RecvStep::Pull { lane: LANE },
+    ];
+    let mut io = FakeIo::with_slots(2);
+    io.shared_write_key = Some(key_of(OTHER));
+    io.write_key = Some(key_of(LANE));
+    let mut rv = RndvRecv::new(PEER, SREQ, 100);
+    let next = rv.start_gpu(
+        &mut io,
+        RREQ,
+        &choice(&steps, &keys, true, MemoryType::Cuda, 100),
+    );
+    assert_eq!(next, StagedNext::Wait);
+    assert!(!rv.via_get && rv.get.is_none() && !rv.staged.pull);
+    assert!(matches!(
+        io.ctrl_msgs(PEER).as_slice(),
+        [Msg::Rtr { keys, addr, size: 100, offset: 0, .. }]
+            if keys.len() == 1 && keys[0].md == "fake2" && *addr == DST as u64
+    ));
+
+    for mem in [MemoryType::Cuda, MemoryType::Host] {
+        let mut io = FakeIo::with_slots(2);
+        io.shared_write_key = (mem == MemoryType::Host).then(|| key_of(OTHER));
+        let mut rv = RndvRecv::new(PEER, SREQ, 100);
+        let next = rv.start_gpu(&mut io, RREQ, &choice(&steps, &keys, true, mem, 100));
+        assert_eq!(next, StagedNext::Post, "{mem}");
+        assert!(rv.via_get && io.ctrls.is_empty(), "{mem}");
+        assert_eq!(io.counted, ["rendezvous receive by read (GPU zero-copy)"]);
+    }
+}

@@ -118,9 +118,10 @@ pub(crate) trait StageIo: ProtoIo {
     /// buffer with.
     fn send_copy_key(&mut self, region: MemRegion) -> Result<(RegGuard, RemoteKey)>;
 
-    /// Host-to-GPU remote write (`write.rs`): when the host sender of peer `p` offered it for
-    /// `lane`'s domain, register receive `req`'s GPU buffer there (kept with the request): the
-    /// key to hand the sender. `None` when this path is not taken.
+    /// Remote write into GPU memory (`write.rs`): when the sender of peer `p` offered it for
+    /// `lane`'s domain (a host sender; or, `shared`, a GPU sender on the GPU of our buffer that
+    /// is the pair's copier), register receive `req`'s GPU buffer there (kept with the
+    /// request): the key to hand the sender. `None` when this path is not taken.
     fn gpu_write_key(
         &mut self,
         req: u64,
@@ -128,6 +129,7 @@ pub(crate) trait StageIo: ProtoIo {
         region: MemRegion,
         lane: usize,
         keys: &[NamedKey],
+        shared: bool,
     ) -> Option<NamedKey>;
 }
 
@@ -326,8 +328,9 @@ impl StageIo for State {
         region: MemRegion,
         lane: usize,
         keys: &[NamedKey],
+        shared: bool,
     ) -> Option<NamedKey> {
-        State::gpu_write_key(self, req, p, region, lane, keys)
+        State::gpu_write_key(self, req, p, region, lane, keys, shared)
     }
 }
 

@@ -406,7 +406,7 @@ impl State {
         let wants_put = keys.iter().any(|k| k.md == PUT_HINT);
         let mut keys: Vec<NamedKey> = keys
             .into_iter()
-            .filter(|k| k.md != PUT_HINT && k.md != GPU_WRITE_HINT)
+            .filter(|k| k.md != PUT_HINT && k.md != GPU_WRITE_HINT && k.md != GPU_SHARED_HINT)
             .collect();
         if let Some(Req {
             kind: ReqKind::Recv(rs),

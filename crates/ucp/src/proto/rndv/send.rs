@@ -183,9 +183,18 @@ impl RndvSend {
             }
             break;
         }
-        // A GPU receiver may have us write into its buffer (see `gpu/write.rs`).
+        // A GPU receiver may have us write into its buffer (see `gpu/write.rs`): from host
+        // memory, or, next to the key for a read, from GPU memory on a GPU we share with it
+        // when we are the pair's copier.
         if !head.mem.is_gpu()
             && let Some(h) = io.write_hint(head.peer)
+        {
+            keys.push(h);
+        } else if head.mem.is_gpu()
+            && proto == Proto::RndvGet
+            && !keys.is_empty()
+            && let Some(l) = lane
+            && let Some(h) = io.shared_gpu_hint(head.peer, head.dev, l)
         {
             keys.push(h);
         }
@@ -241,7 +250,10 @@ impl RndvSend {
         c: &RtrChoice,
     ) -> SendNext {
         self.rreq = Some(rreq);
-        if head.mem.is_gpu() {
+        // GPU memory is written only on a GPU shared with the receiver (its key, for the lane
+        // we offered: `gpu/write.rs`); it cannot be streamed.
+        let gpu_write = head.mem.is_gpu() && !keys.is_empty() && c.write.is_some() && offset == 0;
+        if head.mem.is_gpu() && !gpu_write {
             return SendNext::Fail(Error::Unsupported {
                 what: "streaming GPU memory through active messages".into(),
                 why: "the receiver asked for a streamed rendezvous; GPU buffers need the staged \
@@ -278,6 +290,17 @@ impl RndvSend {
                     tracing::debug!("send registration failed; streaming the rendezvous instead");
                 }
             }
+        }
+        if gpu_write {
+            if self.put.is_none() {
+                return SendNext::Fail(Error::Unsupported {
+                    what: "writing into the receiver's GPU buffer".into(),
+                    why: "its key did not unpack or this send holds no registration of its \
+                          domain; GPU memory cannot be streamed"
+                        .into(),
+                });
+            }
+            io.count("rendezvous send by remote write on a shared GPU");
         }
         if self.put.is_none() && split {
             // The receiver reads the head from our registration while we could not write the

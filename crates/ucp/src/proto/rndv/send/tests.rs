@@ -471,6 +471,97 @@ fn a_gpu_send_asked_to_stream_fails() {
     assert_eq!(rv.peer_rreq(), RREQ);
 }
 
+/// A GPU send whose worker is the pair's copier on a shared GPU announces the key for a read
+/// and, behind it, the shared-GPU marker; one that is not (no marker from the worker), the key
+/// alone. A host send never carries it.
+#[test]
+fn a_gpu_send_offers_to_write_on_a_shared_gpu() {
+    let msg = message(64);
+    let marker = crate::proto::gpu::write::shared_gpu_marker("fake2", [7; 16]);
+    for (mem, offered) in [
+        (MemoryType::Cuda, true),
+        (MemoryType::Cuda, false),
+        (MemoryType::Host, true),
+    ] {
+        let mut h = head_of(&msg, Proto::RndvGet);
+        h.mem = mem;
+        h.dev = mem.is_gpu().then_some(0);
+        let mut io = io_with_lane(Some(RMA));
+        io.shared_hint = offered.then(|| marker.clone());
+        let mut rv = RndvSend::default();
+        assert_eq!(rv.send_rts(&mut io, SREQ, &mut h, None), SendNext::Wait);
+        let names: Vec<String> = rts_keys(&io, msg.len()).into_iter().map(|k| k.md).collect();
+        if mem.is_gpu() && offered {
+            assert_eq!(names, ["fake2", GPU_SHARED_HINT]);
+        } else {
+            assert_eq!(names, ["fake2"], "{mem} offered {offered}");
+        }
+    }
+}
+
+/// The receiver on our GPU answers a GPU send with its key: the send writes into its buffer
+/// (one copy, issued here), flushes, and tells it (FIN) once the write completed; a key that
+/// does not unpack fails the send (GPU memory cannot be streamed) rather than losing data.
+#[test]
+fn a_gpu_send_writes_when_the_receiver_on_its_gpu_hands_its_key() {
+    let msg = message(1000);
+    let mut h = head_of(&msg, Proto::RndvGet);
+    h.mem = MemoryType::Cuda;
+    h.dev = Some(0);
+    let mut io = io_with_lane(Some(RMA));
+    let mut rv = RndvSend::default();
+    rv.send_rts(&mut io, SREQ, &mut h, None);
+    io.ctrls.clear();
+    let c = RtrChoice {
+        write: Some((RMA, RMA)),
+        am: (AM, AM, false),
+    };
+    let keys = [NamedKey {
+        md: "fake2".into(),
+        key: vec![2],
+    }];
+    assert_eq!(
+        rv.on_rtr(&mut io, SREQ, &mut h, RREQ, 0x9000, 1000, 0, &keys, &c),
+        SendNext::Post
+    );
+    assert!(
+        io.counted
+            .contains(&"rendezvous send by remote write on a shared GPU")
+    );
+    assert!(rv.post_data(&mut io, SREQ, &h, &FRAGS, 1 << 20).unwrap());
+    let writes: Vec<(usize, u64)> = io
+        .ep
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            FakeOp::Rma {
+                get: false,
+                iov,
+                remote,
+                ..
+            } => Some((iov[0].1, *remote)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(writes, [(1000, 0x9000)], "the whole buffer in one write");
+    // A key that does not unpack: the send fails.
+    let mut h = head_of(&msg, Proto::RndvGet);
+    h.mem = MemoryType::Cuda;
+    h.dev = Some(0);
+    let mut io = io_with_lane(Some(RMA));
+    let mut rv = RndvSend::default();
+    rv.send_rts(&mut io, SREQ, &mut h, None);
+    let bad = [NamedKey {
+        md: "fake2".into(),
+        key: BAD_KEY.to_vec(),
+    }];
+    let next = rv.on_rtr(&mut io, SREQ, &mut h, RREQ, 0x9000, 1000, 0, &bad, &c);
+    assert!(
+        matches!(next, SendNext::Fail(Error::Unsupported { .. })),
+        "{next:?}"
+    );
+}
+
 /// A completion error ends the send; the abort it leads to names our request and the
 /// receiver's (the staged pipeline's, once staging), with the reason.
 #[test]
