@@ -29,6 +29,7 @@ pub mod plan;
 pub mod proto;
 mod scope;
 mod slab;
+mod spare;
 pub mod wire;
 mod worker;
 

@@ -22,6 +22,7 @@ pub(crate) use crate::proto::io::ProtoIo;
 pub(crate) use crate::proto::rma::*;
 pub(crate) use crate::proto::rndv::*;
 pub(crate) use crate::proto::{self, Proto};
+pub(crate) use crate::spare::Pooled;
 pub(crate) use crate::wire::{self, Msg, MsgKind, NamedKey};
 
 pub(crate) use super::direct::Waiter;

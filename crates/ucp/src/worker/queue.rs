@@ -312,7 +312,7 @@ impl ProtoIo for State {
         let md = self.slots[lane].md;
         let g = self.register_md(md, region)?;
         if let Some(r) = self.reqs.get_mut(&req) {
-            r.guards.push(g);
+            crate::spare::push_guard(&mut r.guards, g);
         }
         Ok(())
     }

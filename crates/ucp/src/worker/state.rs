@@ -20,6 +20,7 @@ use crate::proto::rma::RmaState;
 use crate::proto::rndv::{RndvRecv, RndvSend, SendHead};
 use crate::proto::stream::{StreamRecvs, StreamRx};
 use crate::slab::Slab;
+use crate::spare::Pooled;
 use crate::wire::NamedKey;
 
 use super::{AmMessage, Completion, EpId, liveness};
@@ -232,7 +233,7 @@ pub(crate) enum SendProto {
     /// A multi-fragment eager message, copied in or zero-copy.
     Frags(EagerFrags),
     /// A rendezvous: announced, then read, written, streamed, split or staged.
-    Rndv(Box<RndvSend>),
+    Rndv(Pooled<RndvSend>),
 }
 
 impl SendProto {
@@ -242,7 +243,7 @@ impl SendProto {
         match proto {
             Proto::EagerSync => SendProto::Sync,
             Proto::EagerBcopyMulti | Proto::EagerZcopy => SendProto::Frags(EagerFrags::default()),
-            p if p.is_rndv() => SendProto::Rndv(Box::default()),
+            p if p.is_rndv() => SendProto::Rndv(Pooled::default()),
             _ => SendProto::Copied,
         }
     }
@@ -365,7 +366,7 @@ pub(crate) enum RecvProto {
     /// through pinned staging slots (`proto/memcopy.rs`); completes when every copy finished.
     Landing(Box<crate::proto::memcopy::Landing>),
     /// A rendezvous: read, written, streamed or split, or (GPU memory) read in staged chunks.
-    Rndv(Box<RndvRecv>),
+    Rndv(Pooled<RndvRecv>),
 }
 
 impl RecvState {
@@ -413,6 +414,33 @@ pub(crate) enum ReqKind {
     Send(SendState),
     Recv(RecvState),
     Rma(RmaState),
+}
+
+impl ReqKind {
+    /// A host rendezvous that ended well keeps nothing of its protocol: the state goes back to
+    /// its thread's spares now, not when the scope ends (a scope keeps its ended requests, a
+    /// bandwidth loop's 1024 of them, and a window of rendezvous sends would otherwise take a
+    /// fresh box each). Nothing reads a rendezvous state after the end: late messages for an
+    /// ended request are dropped by its result. GPU sends and receives keep theirs (staged
+    /// chunks are released by the request's end).
+    #[inline]
+    fn drop_done_rndv(&mut self) {
+        match self {
+            ReqKind::Send(s) => {
+                if !s.head.mem.is_gpu()
+                    && matches!(&s.state, SendProto::Rndv(rv) if rv.stage.is_none())
+                {
+                    s.state = SendProto::Copied;
+                }
+            }
+            ReqKind::Recv(rs) => {
+                if !rs.mem.is_gpu() && matches!(rs.proto, RecvProto::Rndv(_)) {
+                    rs.proto = RecvProto::Tag;
+                }
+            }
+            ReqKind::Rma(_) => {}
+        }
+    }
 }
 
 pub(crate) struct Req {
@@ -738,7 +766,10 @@ impl State {
         {
             let failed = res.is_err();
             r.result = Some(res);
-            r.guards.clear();
+            crate::spare::release_guards(&mut r.guards);
+            if !failed {
+                r.kind.drop_done_rndv();
+            }
             if !self.stream_host.is_empty() {
                 self.stream_host.remove(&id);
             }
@@ -1026,5 +1057,91 @@ pub(crate) fn p_of(r: &Req) -> usize {
         ReqKind::Send(s) => s.head.peer,
         ReqKind::Recv(rs) => rs.rndv().map_or(0, |v| v.peer),
         ReqKind::Rma(rm) => rm.peer,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rndv_send(mem: MemoryType) -> ReqKind {
+        ReqKind::Send(SendState::new(
+            0,
+            0x1000,
+            1 << 16,
+            7,
+            Proto::RndvGet,
+            Op::Tag,
+            mem,
+            None,
+        ))
+    }
+
+    fn rndv_recv(mem: MemoryType) -> ReqKind {
+        let mut rs = RecvState::tag(0x2000, 1 << 16, 7, mem, None);
+        rs.proto = RecvProto::Rndv(Pooled::new(RndvRecv::new(0, 3, 1 << 16)));
+        ReqKind::Recv(rs)
+    }
+
+    #[test]
+    fn a_host_rendezvous_that_ended_drops_its_state() {
+        let mut s = rndv_send(MemoryType::Host);
+        s.drop_done_rndv();
+        assert!(matches!(
+            s,
+            ReqKind::Send(SendState {
+                state: SendProto::Copied,
+                ..
+            })
+        ));
+        let mut r = rndv_recv(MemoryType::Host);
+        r.drop_done_rndv();
+        assert!(matches!(
+            r,
+            ReqKind::Recv(RecvState {
+                proto: RecvProto::Tag,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn gpu_rendezvous_and_other_states_are_kept() {
+        let mut s = rndv_send(MemoryType::Cuda);
+        s.drop_done_rndv();
+        assert!(matches!(
+            s,
+            ReqKind::Send(SendState {
+                state: SendProto::Rndv(_),
+                ..
+            })
+        ));
+        let mut r = rndv_recv(MemoryType::Cuda);
+        r.drop_done_rndv();
+        assert!(matches!(
+            r,
+            ReqKind::Recv(RecvState {
+                proto: RecvProto::Rndv(_),
+                ..
+            })
+        ));
+        let mut f = ReqKind::Send(SendState::new(
+            0,
+            0x1000,
+            1 << 16,
+            7,
+            Proto::EagerBcopyMulti,
+            Op::Tag,
+            MemoryType::Host,
+            None,
+        ));
+        f.drop_done_rndv();
+        assert!(matches!(
+            f,
+            ReqKind::Send(SendState {
+                state: SendProto::Frags(_),
+                ..
+            })
+        ));
     }
 }

@@ -291,7 +291,7 @@ mod worker {
                 ..
             }) = self.reqs.get_mut(&rid)
             {
-                rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
+                rs.proto = RecvProto::Rndv(Pooled::new(RndvRecv::new(p, sreq, want)));
             }
             if self.peers[p].failed.is_some() {
                 self.finish(rid, Err(self.failure_of(p)));

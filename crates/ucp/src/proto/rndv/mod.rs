@@ -35,6 +35,8 @@ pub(crate) struct RndvRecv {
     pub(crate) staged: StagedRecv,
 }
 
+crate::spare::spare_type!(RndvRecv, RndvRecv::new(0, 0, 0));
+
 impl RndvRecv {
     /// A rendezvous receive of `want` bytes from peer `p`'s send request `sreq`.
     pub(crate) fn new(peer: usize, sreq: u64, want: usize) -> Self {
@@ -413,7 +415,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(&rid)
         {
-            rs.proto = RecvProto::Rndv(Box::new(RndvRecv::new(p, sreq, want)));
+            rs.proto = RecvProto::Rndv(Pooled::new(RndvRecv::new(p, sreq, want)));
         }
         if self.peers[p].failed.is_some() {
             self.finish(rid, Err(self.failure_of(p)));
@@ -473,7 +475,7 @@ impl State {
                 rs.proto = RecvProto::Rndv(rv);
             }
             if let Some(g) = started.guard {
-                r.guards.push(g);
+                crate::spare::push_guard(&mut r.guards, g);
             }
         }
         if started.reads {

@@ -125,6 +125,8 @@ pub(crate) fn register_send(
     Ok(md)
 }
 
+crate::spare::spare_type!(RndvSend, RndvSend::default());
+
 impl RndvSend {
     /// Announce send `req` to the receiver (RTS), with a key of the send buffer's registration
     /// when the protocol is a read (or the hint that we write, for a put). A registration that
