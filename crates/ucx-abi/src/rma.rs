@@ -703,7 +703,8 @@ unsafe fn atomic(
 }
 
 /// `ucs_status_t ucp_atomic_post(ucp_ep_h ep, ucp_atomic_post_op_t opcode, uint64_t value,
-/// size_t op_size, uint64_t remote_addr, ucp_rkey_h rkey)`.
+/// size_t op_size, uint64_t remote_addr, ucp_rkey_h rkey)`: `UCS_OK` once posted (a flush
+/// completes it), or the error that refused it.
 ///
 /// # Safety
 /// `ep`, `rkey` NULL or live.
@@ -726,7 +727,12 @@ pub unsafe extern "C" fn ucp_atomic_post(
     let opts = plain(Callback::None);
     let n = std::ptr::null_mut();
     // SAFETY: forwarded.
-    implicit(unsafe { atomic(ep, op, op_size, value, 0, n, remote_addr, rkey, &opts) })
+    match implicit(unsafe { atomic(ep, op, op_size, value, 0, n, remote_addr, rkey, &opts) }) {
+        // UCX's post says `UCS_OK` once the operation is posted (callers, Open MPI's osc/ucx
+        // among them, take anything else for a failure); a flush completes it.
+        UCS_INPROGRESS => UCS_OK,
+        s => s,
+    }
 }
 
 /// `ucs_status_ptr_t ucp_atomic_fetch_nb(ucp_ep_h ep, ucp_atomic_fetch_op_t opcode, uint64_t
