@@ -4,10 +4,12 @@
 //! MPI's osc/ucx, spml/ucx, atomic/ucx and sshmem/ucx import).
 //!
 //! - `ucp_mem_map` maps the caller's memory (`address`, `length`) or, with
-//!   `UCP_MEM_MAP_ALLOCATE`, memory it allocates (host memory, page-aligned, zeroed; freed by
-//!   `ucp_mem_unmap`). `UCP_MEM_MAP_FIXED` and exported memory handles are refused
-//!   (`UCS_ERR_UNSUPPORTED`); `prot` is accepted and not enforced (mapped memory is readable
-//!   and writable by every peer given its key); `UCP_MEM_MAP_NONBLOCK` and
+//!   `UCP_MEM_MAP_ALLOCATE`, memory it allocates (anonymous host pages, zeroed; unmapped by
+//!   `ucp_mem_unmap`), at `address` exactly with `UCP_MEM_MAP_FIXED` (OpenSHMEM's symmetric
+//!   heap: refused with `UCS_ERR_NO_MEMORY` when something is mapped there already, never
+//!   replaced). Exported memory handles are refused (`UCS_ERR_UNSUPPORTED`); `prot` is
+//!   accepted and not enforced (mapped memory is readable and writable by every peer given
+//!   its key); `UCP_MEM_MAP_NONBLOCK` and
 //!   `UCP_MEM_MAP_SYMMETRIC_RKEY` change nothing (registration is done at once).
 //!   Memory is registered by a worker of the context's own, made by the first map (the
 //!   context-level call has no worker of the caller's).
@@ -22,7 +24,6 @@
 //!   worker's operations ended and every endpoint's lanes were flushed.
 //! - `ucp_rkey_ptr` says `UCS_ERR_UNREACHABLE` (no peer memory is mapped into this process).
 
-use std::alloc::Layout;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::Mutex;
 
@@ -112,8 +113,9 @@ impl std::fmt::Debug for CtxRma {
 #[derive(Debug)]
 pub struct AbiMem {
     map: MemMap<'static>,
-    /// Memory this library allocated for the map (freed after the map is dropped).
-    alloc: Option<(*mut u8, Layout)>,
+    /// Pages this library mapped for the map (address, length; unmapped after the map is
+    /// dropped).
+    alloc: Option<(usize, usize)>,
 }
 
 /// What a `ucp_rkey_h` points to.
@@ -152,12 +154,14 @@ pub unsafe extern "C" fn ucp_mem_map(
     } else {
         0
     };
-    if m & UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER != 0 || flags & UCP_MEM_MAP_FIXED != 0 {
+    if m & UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER != 0 {
         return UCS_ERR_UNSUPPORTED;
     }
-    if flags & !(UCP_MEM_MAP_NONBLOCK | UCP_MEM_MAP_ALLOCATE | UCP_MEM_MAP_SYMMETRIC_RKEY) != 0
-        || m & UCP_MEM_MAP_PARAM_FIELD_LENGTH == 0
-    {
+    let known = UCP_MEM_MAP_NONBLOCK
+        | UCP_MEM_MAP_ALLOCATE
+        | UCP_MEM_MAP_FIXED
+        | UCP_MEM_MAP_SYMMETRIC_RKEY;
+    if flags & !known != 0 || m & UCP_MEM_MAP_PARAM_FIELD_LENGTH == 0 {
         return UCS_ERR_INVALID_PARAM;
     }
     let len = p.length;
@@ -176,25 +180,23 @@ pub unsafe extern "C" fn ucp_mem_map(
         if mem_type != UCS_MEMORY_TYPE_HOST && mem_type != UCS_MEMORY_TYPE_UNKNOWN {
             return UCS_ERR_UNSUPPORTED;
         }
-        let Ok(layout) = Layout::from_size_align(len.max(1), 4096) else {
+        let fixed = flags & UCP_MEM_MAP_FIXED != 0;
+        if fixed && (address.is_null() || !(address as usize).is_multiple_of(page_size())) {
             return UCS_ERR_INVALID_PARAM;
-        };
-        // SAFETY: a non-zero size.
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        if p.is_null() {
-            return UCS_ERR_NO_MEMORY;
         }
-        (p as usize, Some((p, layout)))
+        match map_pages(if fixed { address as usize } else { 0 }, len) {
+            Ok(p) => (p, Some((p, len.max(1)))),
+            Err(s) => return s,
+        }
     } else {
         if address.is_null() && len > 0 {
             return UCS_ERR_INVALID_PARAM;
         }
         (address as usize, None)
     };
-    let free = |alloc: Option<(*mut u8, Layout)>| {
+    let free = |alloc: Option<(usize, usize)>| {
         if let Some((p, l)) = alloc {
-            // SAFETY: allocated just above with this layout.
-            unsafe { std::alloc::dealloc(p, l) };
+            unmap_pages(p, l);
         }
     };
     let mut mapper = ctx.rma.mapper.lock().unwrap_or_else(|e| e.into_inner());
@@ -241,11 +243,56 @@ pub unsafe extern "C" fn ucp_mem_unmap(context: *const AbiContext, memh: *mut Ab
     // The map goes first (out of the registry of mapped regions and the domains), then the
     // memory this library allocated for it.
     drop(map);
-    if let Some((p, layout)) = alloc {
-        // SAFETY: allocated in `ucp_mem_map` with this layout; the map that lent it is gone.
-        unsafe { std::alloc::dealloc(p, layout) };
+    if let Some((p, l)) = alloc {
+        unmap_pages(p, l);
     }
     UCS_OK
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 { p as usize } else { 4096 }
+}
+
+/// Map `len` bytes (at least one page) of anonymous, zeroed host memory: anywhere
+/// (`at` 0), or exactly at `at` when nothing is mapped there (`UCS_ERR_NO_MEMORY` else: an
+/// existing mapping is never replaced).
+fn map_pages(at: usize, len: usize) -> std::result::Result<usize, Status> {
+    let fixed = if at != 0 {
+        libc::MAP_FIXED_NOREPLACE
+    } else {
+        0
+    };
+    // SAFETY: an anonymous private mapping; with a fixed address the kernel refuses rather
+    // than replace what is there.
+    let p = unsafe {
+        libc::mmap(
+            at as *mut c_void,
+            len.max(1),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | fixed,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        let e = std::io::Error::last_os_error();
+        tracing::info!("ucp_mem_map: mapping {len} bytes at {at:#x}: {e}");
+        return Err(UCS_ERR_NO_MEMORY);
+    }
+    if at != 0 && p as usize != at {
+        // An old kernel that takes the flag for a hint.
+        unmap_pages(p as usize, len.max(1));
+        return Err(UCS_ERR_NO_MEMORY);
+    }
+    Ok(p as usize)
+}
+
+/// Unmap pages [`map_pages`] mapped.
+fn unmap_pages(p: usize, len: usize) {
+    // SAFETY: a mapping of ours of this length, unmapped once, no map left that lends it.
+    unsafe { libc::munmap(p as *mut c_void, len) };
 }
 
 /// `ucs_status_t ucp_mem_query(const ucp_mem_h memh, ucp_mem_attr_t *attr)`.

@@ -456,7 +456,8 @@ fn atomics_in_every_form_and_width_fetch_and_apply() {
 }
 
 /// Bad atomics and maps are refused: misaligned words, bad sizes and opcodes, a region
-/// unmapped since its key was packed (refused by the target), the map flags not served.
+/// unmapped since its key was packed (refused by the target), the map flags not served; a
+/// FIXED map lands where asked and never over another mapping.
 #[test]
 fn bad_atomics_and_maps_are_refused() {
     let t = Two::new();
@@ -541,18 +542,56 @@ fn bad_atomics_and_maps_are_refused() {
         assert_eq!(res, 5);
         assert_eq!(given, &[0, 0, 0, 0]);
         ucp_rkey_destroy(rk2);
-        // Maps: FIXED and exported handles not served, no length or unknown bits invalid.
+        // Maps: FIXED places the pages exactly where asked, and never over a mapping; exported
+        // handles are not served; no length or unknown bits are invalid.
         let mut out = std::ptr::null_mut();
         let mut mp = MemMapParams {
-            field_mask: UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS,
-            address: std::ptr::null_mut(),
+            field_mask: UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+            address: base.cast(),
             length: 4096,
             flags: UCP_MEM_MAP_ALLOCATE | UCP_MEM_MAP_FIXED,
             prot: 0,
             memory_type: 0,
             exported_memh_buffer: std::ptr::null(),
         };
-        assert_eq!(ucp_mem_map(t.ctx[1], &mp, &mut out), UCS_ERR_UNSUPPORTED);
+        assert_eq!(
+            ucp_mem_map(t.ctx[1], &mp, &mut out),
+            UCS_ERR_NO_MEMORY,
+            "over a mapping"
+        );
+        assert!(out.is_null());
+        let spot = map(t.ctx[1], std::ptr::null_mut(), 8192, true);
+        let (free_at, _, _) = query(spot);
+        assert_eq!(ucp_mem_unmap(t.ctx[1], spot), UCS_OK);
+        mp.address = free_at.cast();
+        assert_eq!(ucp_mem_map(t.ctx[1], &mp, &mut out), UCS_OK);
+        assert_eq!(query(out).0, free_at, "FIXED maps at the address");
+        let rk4 = rkey(t.ctx[1], out, t.ep[0]);
+        let mut res = 0u64;
+        let req = ucp_atomic_fetch_nb(
+            t.ep[0],
+            UCP_ATOMIC_FETCH_OP_FADD,
+            9,
+            (&raw mut res).cast(),
+            8,
+            free_at as u64 + 8,
+            rk4,
+            None,
+        );
+        assert_eq!(t.wait(req), UCS_OK);
+        assert_eq!(free_at.add(8).cast::<u64>().read(), 9);
+        ucp_rkey_destroy(rk4);
+        assert_eq!(ucp_mem_unmap(t.ctx[1], out), UCS_OK);
+        out = std::ptr::null_mut();
+        mp.address = free_at.add(1).cast();
+        assert_eq!(
+            ucp_mem_map(t.ctx[1], &mp, &mut out),
+            UCS_ERR_INVALID_PARAM,
+            "unaligned"
+        );
+        mp.field_mask &= !UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
         mp.flags = UCP_MEM_MAP_ALLOCATE;
         mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER;
         assert_eq!(ucp_mem_map(t.ctx[1], &mp, &mut out), UCS_ERR_UNSUPPORTED);
