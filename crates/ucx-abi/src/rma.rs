@@ -53,7 +53,11 @@ pub const UCP_MEM_MAP_SYMMETRIC_RKEY: c_uint = 1 << 3;
 pub const UCP_MEM_ATTR_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_ATTR_FIELD_LENGTH: u64 = 1 << 1;
 pub const UCP_MEM_ATTR_FIELD_MEM_TYPE: u64 = 1 << 2;
+/// `UCS_MEMORY_TYPE_UNKNOWN` of UCX 1.14 to 1.16 (after `UCS_MEMORY_TYPE_RDMA`).
 pub const UCS_MEMORY_TYPE_UNKNOWN: u32 = 6;
+/// `UCS_MEMORY_TYPE_UNKNOWN` of UCX 1.13 (callers built against its headers, Debian's Open
+/// MPI among them, pass it), `UCS_MEMORY_TYPE_RDMA` from 1.14: both read as unknown here.
+pub const UCS_MEMORY_TYPE_UNKNOWN_1_13: u32 = 5;
 // ucp_atomic_op_t (nbx)
 pub const UCP_ATOMIC_OP_ADD: c_int = 0;
 pub const UCP_ATOMIC_OP_SWAP: c_int = 1;
@@ -142,7 +146,7 @@ pub unsafe extern "C" fn ucp_mem_map(
     memh_p: *mut *mut AbiMem,
 ) -> Status {
     // SAFETY: the caller's promises.
-    let (Some(ctx), Some(p)) = (unsafe { context.as_ref() }, unsafe { params.as_ref() }) else {
+    let (Some(ctx), Some(p)) = (unsafe { context.as_ref() }, unsafe { read_params(params) }) else {
         return UCS_ERR_INVALID_PARAM;
     };
     if memh_p.is_null() || p.field_mask & !((1 << 6) - 1) != 0 {
@@ -176,8 +180,14 @@ pub unsafe extern "C" fn ucp_mem_map(
         std::ptr::null_mut()
     };
     let (addr, alloc) = if flags & UCP_MEM_MAP_ALLOCATE != 0 {
-        // Host memory only (an address given is a hint, not taken).
-        if mem_type != UCS_MEMORY_TYPE_HOST && mem_type != UCS_MEMORY_TYPE_UNKNOWN {
+        // Host memory only (an address given without FIXED is a hint, not taken).
+        if ![
+            UCS_MEMORY_TYPE_HOST,
+            UCS_MEMORY_TYPE_UNKNOWN,
+            UCS_MEMORY_TYPE_UNKNOWN_1_13,
+        ]
+        .contains(&mem_type)
+        {
             return UCS_ERR_UNSUPPORTED;
         }
         let fixed = flags & UCP_MEM_MAP_FIXED != 0;
@@ -226,6 +236,36 @@ pub unsafe extern "C" fn ucp_mem_map(
             tracing::info!("ucp_mem_map of {len} bytes at {addr:#x}: {e}");
             status_of(&e)
         }
+    }
+}
+
+/// The caller's `ucp_mem_map_params_t`: UCX 1.13's is 40 bytes (no `exported_memh_buffer`),
+/// so the last field is read only when its bit says it is there.
+///
+/// # Safety
+/// `p` NULL or a valid `ucp_mem_map_params_t` of UCX 1.13 or later.
+unsafe fn read_params(p: *const MemMapParams) -> Option<MemMapParams> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's promise: the fields up to `memory_type` are in every version; the
+    // last one only when the caller set its bit (1.14 and later).
+    unsafe {
+        let field_mask = (&raw const (*p).field_mask).read();
+        Some(MemMapParams {
+            field_mask,
+            address: (&raw const (*p).address).read(),
+            length: (&raw const (*p).length).read(),
+            flags: (&raw const (*p).flags).read(),
+            prot: (&raw const (*p).prot).read(),
+            memory_type: (&raw const (*p).memory_type).read(),
+            exported_memh_buffer: if field_mask & UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER != 0
+            {
+                (&raw const (*p).exported_memh_buffer).read()
+            } else {
+                std::ptr::null()
+            },
+        })
     }
 }
 
@@ -934,7 +974,9 @@ mod layout_tests {
     use super::*;
     use std::mem::{align_of, offset_of, size_of};
 
-    /// The layouts of UCX 1.16's `ucp_mem_map_params_t` and `ucp_mem_attr_t` on LP64.
+    /// The layouts of UCX 1.16's `ucp_mem_map_params_t` and `ucp_mem_attr_t` on LP64 (1.13's
+    /// params end before `exported_memh_buffer`: 40 bytes, checked with `offsetof` against
+    /// Debian's libucx-dev 1.13.1).
     #[test]
     fn struct_layouts_match_ucx_1_16() {
         assert_eq!(offset_of!(MemMapParams, field_mask), 0);
