@@ -59,7 +59,7 @@ fn rank_main() {
     let limit = Duration::from_secs(60);
     if job.rank() == 0 {
         // u64 counter, u32 counter, u32 untouched, u64 xor word, u64 owner.
-        let mut region = vec![0u8; 32 + 8];
+        let mut region = [0u8; 32 + 8];
         let off = (8 - region.as_ptr() as usize % 8) % 8;
         let words = &mut region[off..off + 32];
         words[24..32].copy_from_slice(&u64::MAX.to_ne_bytes());
