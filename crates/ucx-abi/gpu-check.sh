@@ -51,17 +51,30 @@ run)
   echo "== after: rucx, cuda_ipc refused for GPU memory on rank 0 (small-BAR1 stand-in)"
   timeout 120 mpirun --oversubscribe --mca pml ucx -np 1 $L -x RUCX_FAULT_INJECT=md=cuda_ipc,mem=cuda,after=0 ./seed : -np 1 $L ./seed
   echo "rc=$?"
-  # Host memory both ways, twice, alternating (one sitting), then side by side.
-  for round in 1 2; do
+  # Host memory both ways, three rounds alternating (one sitting), then side by side. The scale
+  # (OSU_SCALE, default 10) multiplies osu.c's iterations: at 1, a 1 MiB bandwidth figure is 20
+  # windows (about 50 ms) and swings 1.2-2.4x between rounds on a 16-core host; at 10 it held
+  # 1.8-2.9x in nine rounds (2026-12-02).
+  scale=${OSU_SCALE:-10}
+  for round in 1 2 3; do
     echo "== osu, host memory, round $round: system UCX"
-    $R $A --mca btl self ./osu | tee "osu-system-$round.txt"; echo "rc=$?"
+    $R $A --mca btl self ./osu "$scale" | tee "osu-system-$round.txt"; echo "rc=$?"
     echo "== osu, host memory, round $round: rucx"
-    $R $A --mca btl self $L ./osu | grep -v '^rucx libucp' | tee "osu-rucx-$round.txt"; echo "rc=$?"
+    $R $A --mca btl self $L ./osu "$scale" | grep -v '^rucx libucp' | tee "osu-rucx-$round.txt"; echo "rc=$?"
   done
-  for round in 1 2; do
+  for round in 1 2 3; do
     echo "== osu, host memory, round $round side by side (system UCX | rucx)"
     paste -d'|' "osu-system-$round.txt" "osu-rucx-$round.txt" |
       awk -F'|' '{ printf "%-36s | %s\n", $1, $2 }'
+  done
+  echo "== osu, host memory: rucx / system UCX per round (latency: lower is better; bandwidth: higher)"
+  for what in "latency 8 B" "bandwidth 1048576 B"; do
+    for round in 1 2 3; do
+      sys=$(grep "^$what:" "osu-system-$round.txt" | awk '{print $(NF-1)}')
+      ru=$(grep "^$what:" "osu-rucx-$round.txt" | awk '{print $(NF-1)}')
+      awk -v w="$what" -v r="$round" -v s="$sys" -v u="$ru" \
+        'BEGIN { if (s > 0) printf "%s round %s: %s | %s = %.2fx\n", w, r, s, u, u / s }'
+    done
   done
   echo "== osu, GPU memory (rank r on GPU r % count): rucx, with the copy bounds of the same run"
   $R $A --mca btl self $L ./osu_cuda 1 cuda; echo "rc=$?"

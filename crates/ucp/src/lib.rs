@@ -35,7 +35,7 @@ mod worker;
 pub use buf::{RecvBuf, SendBuf};
 pub use config::CONFIG;
 pub use context::{Context, Demotion, HostAlloc, Refusal, RegGuard};
-pub use listener::{ConnRequest, HANDSHAKE_TIMEOUT, Listener};
+pub use listener::{ConnRequest, ConnectOpts, HANDSHAKE_TIMEOUT, Listener, MAX_HANDSHAKES};
 pub use matching::Tag;
 pub use owned::{OwnedHandle, OwnedRequest, Progressing};
 pub use plan::{EpPlan, PathInfo};

@@ -20,14 +20,20 @@ use rucx_ucs::{Error, Result};
 
 use crate::worker::{EpId, Worker};
 
-const MAGIC: &[u8; 8] = b"RUCXCM01";
-const HEADER: usize = 12;
+/// The message both sides send: this magic, the address's length (`u32`, little-endian), the
+/// sender's client id (`u64`, little-endian; 0 from the server and from clients that send
+/// none), then the packed worker address.
+pub(crate) const MAGIC: &[u8; 8] = b"RUCXCM02";
+const HEADER: usize = 20;
 const MAX_ADDR: u32 = 1 << 20;
 /// How long a connected peer has to send its whole address (see
 /// [`Listener::set_handshake_timeout`]).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections taken from the kernel per [`Worker::accept`] call (the rest stay queued there).
 const ACCEPT_BATCH: usize = 64;
+/// Handshakes in progress at most: a flood of peers that connect and say nothing costs the
+/// listener this many sockets, not more (those beyond are closed at once, with a warning).
+pub const MAX_HANDSHAKES: usize = 1024;
 
 /// A listening socket of a worker and the handshakes in progress on it; see [`Worker::listen`]
 /// and [`Worker::accept`].
@@ -39,6 +45,7 @@ pub struct Listener {
     set: EventSet,
     pending: Mutex<Vec<Handshake>>,
     timeout: Duration,
+    max_handshakes: usize,
 }
 
 /// A peer connected whose address is not complete yet.
@@ -52,27 +59,40 @@ struct Handshake {
 }
 
 /// What reading a handshake's socket gave.
-enum Step {
+#[derive(Debug)]
+pub(crate) enum Step {
     /// Not complete yet: wait for more bytes.
     More,
-    /// The peer's whole packed address.
-    Done(Vec<u8>),
+    /// The peer's whole packed address and the client id it sent.
+    Done { addr: Vec<u8>, client_id: u64 },
+    /// The server turned the request away (only a server sends this).
+    Rejected,
 }
 
 impl Handshake {
     /// Read what the socket has (never blocks).
     fn step(&mut self) -> Result<Step> {
-        read_step(&mut self.got, self.from, &mut self.sock)
+        match read_step(&mut self.got, self.from, &mut self.sock)? {
+            Step::Rejected => Err(Error::InvalidAddress(format!(
+                "connection manager: the peer at {} sent a server's reject",
+                self.from
+            ))),
+            s => Ok(s),
+        }
     }
 }
 
 /// Bytes of the address message still expected, given `got`: the header, then the address it
 /// announced.
 fn wanted(got: &[u8], from: SocketAddr) -> Result<usize> {
-    if got.len() < HEADER {
+    // The length is judged as soon as it is in (before the client id behind it).
+    if got.len() < 12 {
         return Ok(HEADER);
     }
     let n = u32::from_le_bytes([got[8], got[9], got[10], got[11]]);
+    if n == REJECTED {
+        return Ok(HEADER);
+    }
     if n > MAX_ADDR {
         return Err(Error::InvalidAddress(format!(
             "connection manager: the peer at {from} announced a {n}-byte worker address (at \
@@ -83,12 +103,17 @@ fn wanted(got: &[u8], from: SocketAddr) -> Result<usize> {
 }
 
 /// Read from `r` (non-blocking) what it has of a peer's address message into `got`, never past
-/// the message's end: `Done` with the address once whole.
-fn read_step(got: &mut Vec<u8>, from: SocketAddr, r: &mut impl Read) -> Result<Step> {
+/// the message's end: `Done` with the address once whole, `Rejected` for a reject.
+pub(crate) fn read_step(got: &mut Vec<u8>, from: SocketAddr, r: &mut impl Read) -> Result<Step> {
     loop {
         let want = wanted(got, from)?;
         if got.len() == want {
-            return Ok(Step::Done(got.split_off(HEADER)));
+            if u32::from_le_bytes([got[8], got[9], got[10], got[11]]) == REJECTED {
+                return Ok(Step::Rejected);
+            }
+            let client_id = u64::from_le_bytes(got[12..20].try_into().expect("8 bytes"));
+            let addr = got.split_off(HEADER);
+            return Ok(Step::Done { addr, client_id });
         }
         let have = got.len();
         got.resize(want, 0);
@@ -137,6 +162,16 @@ impl Listener {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         for _ in 0..ACCEPT_BATCH {
             match self.sock.accept() {
+                Ok((s, from)) if pending.len() >= self.max_handshakes => {
+                    // A flood: this one is turned away (closed) rather than held.
+                    tracing::warn!(
+                        "listener on {}: {} handshakes in progress (the most it holds); the \
+                         connection from {from} is closed",
+                        self.addr,
+                        self.max_handshakes
+                    );
+                    drop(s);
+                }
                 Ok((s, from)) => {
                     s.set_nonblocking(true)
                         .and_then(|()| self.set.add(s.as_raw_fd(), 0))
@@ -184,7 +219,11 @@ impl Listener {
                     });
                 }
                 Ok(Step::More) => i += 1,
-                Ok(Step::Done(peer)) => {
+                Ok(Step::Rejected) => unreachable!("a handshake step reports a reject as an error"),
+                Ok(Step::Done {
+                    addr: peer,
+                    client_id,
+                }) => {
                     let h = pending.swap_remove(i);
                     // Its socket leaves the set: the request is answered on it, not read.
                     let _ = self.set.remove(h.sock.as_raw_fd());
@@ -198,6 +237,7 @@ impl Listener {
                         sock: h.sock,
                         from: h.from,
                         peer,
+                        client_id,
                     }));
                 }
                 Err(e) => {
@@ -219,6 +259,13 @@ impl Listener {
     /// from now on).
     pub fn set_handshake_timeout(&mut self, t: Duration) {
         self.timeout = t;
+    }
+
+    /// How many handshakes may be in progress at once ([`MAX_HANDSHAKES`] unless set): a peer
+    /// that connects while that many are is disconnected at once (its connect fails), so a
+    /// flood of silent peers costs at most this many sockets until their deadlines.
+    pub fn set_max_handshakes(&mut self, n: usize) {
+        self.max_handshakes = n.max(1);
     }
 
     /// Handshakes in progress (peers connected whose address is not complete).
@@ -254,9 +301,15 @@ pub struct ConnRequest {
     sock: TcpStream,
     from: SocketAddr,
     peer: Vec<u8>,
+    client_id: u64,
 }
 
 impl ConnRequest {
+    /// The client id the peer sent ([`ConnectOpts::client_id`]; 0 when it sent none).
+    pub fn client_id(&self) -> u64 {
+        self.client_id
+    }
+
     /// The peer's socket address (as the listener saw the connection come from).
     pub fn client_addr(&self) -> SocketAddr {
         self.from
@@ -275,7 +328,7 @@ impl ConnRequest {
         let ep = w.connect(&self.peer)?;
         // Our address is far smaller than a fresh socket's send buffer: it goes at once or the
         // peer is gone.
-        let msg = addr_message(&w.address());
+        let msg = addr_message(&w.address(), 0);
         let e = match write_all_now(&mut self.sock, &msg) {
             Ok(()) => return Ok(ep),
             Err(e) => Error::io(
@@ -297,6 +350,7 @@ impl ConnRequest {
     fn send_reject(&mut self) {
         let mut b = MAGIC.to_vec();
         b.extend_from_slice(&REJECTED.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes());
         // The peer may be gone already: then there is nobody to tell.
         let _ = write_all_now(&mut self.sock, &b);
         self.peer.clear();
@@ -330,44 +384,12 @@ fn write_all_now(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
     }
 }
 
-fn send_addr(s: &mut TcpStream, addr: &[u8]) -> Result<()> {
-    s.write_all(&addr_message(addr))
-        .map_err(|e| Error::io("connection manager: sending the worker address", e))
-}
-
-fn addr_message(addr: &[u8]) -> Vec<u8> {
+pub(crate) fn addr_message(addr: &[u8], client_id: u64) -> Vec<u8> {
     let mut b = MAGIC.to_vec();
     b.extend_from_slice(&(addr.len() as u32).to_le_bytes());
+    b.extend_from_slice(&client_id.to_le_bytes());
     b.extend_from_slice(addr);
     b
-}
-
-fn recv_addr(s: &mut TcpStream) -> Result<Vec<u8>> {
-    let io = |e| Error::io("connection manager: receiving the peer's worker address", e);
-    let mut m = [0u8; HEADER];
-    s.read_exact(&mut m).map_err(io)?;
-    if &m[..8] != MAGIC {
-        return Err(Error::InvalidAddress(
-            "connection manager: the peer is not a rucx worker (bad magic)".into(),
-        ));
-    }
-    let n = u32::from_le_bytes([m[8], m[9], m[10], m[11]]);
-    if n == REJECTED {
-        return Err(Error::PeerAborted {
-            peer: s
-                .peer_addr()
-                .map_or_else(|_| "the server".into(), |a| a.to_string()),
-            reason: "connection request rejected by the server".into(),
-        });
-    }
-    if n > MAX_ADDR {
-        return Err(Error::InvalidAddress(format!(
-            "connection manager: a {n}-byte worker address"
-        )));
-    }
-    let mut a = vec![0u8; n as usize];
-    s.read_exact(&mut a).map_err(io)?;
-    Ok(a)
 }
 
 impl Worker {
@@ -386,6 +408,7 @@ impl Worker {
             set,
             pending: Mutex::new(Vec::new()),
             timeout: HANDSHAKE_TIMEOUT,
+            max_handshakes: MAX_HANDSHAKES,
         })
     }
 
@@ -407,30 +430,65 @@ impl Worker {
         }
     }
 
-    /// Connect to a peer listening on `addr`, waiting at most `timeout` for it to answer.
+    /// Connect to a peer listening on `addr`, waiting at most `timeout` for it to answer
+    /// (progressing this worker meanwhile; a refused connection is tried again until then, for
+    /// a server that is still starting). [`Worker::connect_sockaddr_nb`] is the form that
+    /// returns at once.
     pub fn connect_sockaddr(&self, addr: impl ToSocketAddrs, timeout: Duration) -> Result<EpId> {
-        let target = addr
-            .to_socket_addrs()
-            .map_err(|e| Error::io("connect: resolving the address", e))?
-            .next()
-            .ok_or_else(|| {
-                Error::InvalidParam("connect: the address resolves to nothing".into())
-            })?;
+        let target = resolve(addr)?;
         let deadline = Instant::now() + timeout;
-        let mut s = loop {
-            match TcpStream::connect_timeout(&target, Duration::from_millis(500)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(Error::io(format!("connect to {target}"), e));
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let opts = ConnectOpts {
+                timeout: left.max(Duration::from_millis(1)),
+                ..ConnectOpts::default()
+            };
+            let ep = self.connect_sockaddr_nb(target, &opts)?;
+            self.progress_until(None, || !self.is_connecting(ep));
+            let Some(err) = self.connect_error(ep) else {
+                return Ok(ep);
+            };
+            // The endpoint never reached the caller: it goes quietly.
+            drop(self.close(ep, crate::CloseMode::Force));
+            let refused = matches!(err.cause(), Error::Io { source, .. }
+                if source.kind() == std::io::ErrorKind::ConnectionRefused);
+            if !refused || Instant::now() >= deadline {
+                return Err(err);
             }
-        };
-        s.set_read_timeout(Some(timeout.max(Duration::from_millis(100))))
-            .map_err(|e| Error::io("connect", e))?;
-        send_addr(&mut s, &self.address())?;
-        let peer = recv_addr(&mut s)?;
-        self.connect(&peer)
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The first socket address `addr` resolves to.
+pub(crate) fn resolve(addr: impl ToSocketAddrs) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .map_err(|e| Error::io("connect: resolving the address", e))?
+        .next()
+        .ok_or_else(|| Error::InvalidParam("connect: the address resolves to nothing".into()))
+}
+
+/// How [`Worker::connect_sockaddr_nb`] connects.
+#[derive(Clone, Debug)]
+pub struct ConnectOpts {
+    /// How long the server has to answer (connection, address exchange) before the endpoint
+    /// fails with [`Error::PeerTimeout`].
+    pub timeout: Duration,
+    /// Sent to the server, which reads it with [`ConnRequest::client_id`] (UCX's
+    /// `UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID`); 0 sends none.
+    pub client_id: u64,
+    /// The local address to connect from (UCX's `UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR`); `None`:
+    /// the system picks.
+    pub local: Option<SocketAddr>,
+}
+
+impl Default for ConnectOpts {
+    fn default() -> Self {
+        ConnectOpts {
+            timeout: Duration::from_secs(30),
+            client_id: 0,
+            local: None,
+        }
     }
 }
 
@@ -450,8 +508,8 @@ mod tests {
             let mut c = TcpStream::connect(a).unwrap();
             c.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
         });
-        let (mut s, _) = l.accept().unwrap();
-        let e = recv_addr(&mut s).unwrap_err();
+        let (mut s, from) = l.accept().unwrap();
+        let e = read_step(&mut Vec::new(), from, &mut s).unwrap_err();
         assert!(e.to_string().contains("not a rucx worker"), "{e}");
         t.join().unwrap();
     }
@@ -584,11 +642,17 @@ mod tests {
     fn strangers_are_turned_away_and_the_listener_keeps_serving() {
         let w = worker();
         let l = w.listen("127.0.0.1:0").unwrap();
-        let cases: [(&[u8], &str); 3] = [
+        let cases: [(&[u8], &str); 5] = [
             (b"GET / HTTP/1.0\r\n\r\n", "not a rucx worker"),
-            (b"RUCXCM01\xff\xff\xff\xff", "announced a 4294967295-byte"),
+            // The first version of the handshake is refused, not misread.
+            (b"RUCXCM01\x04\x00\x00\x00abcd", "not a rucx worker"),
+            (b"RUCXCM02\xfe\xff\xff\xff", "announced a 4294967294-byte"),
             (
-                b"RUCXCM01\x04\x00\x00\x00abcd",
+                b"RUCXCM02\xff\xff\xff\xff\x00\x00\x00\x00\x00\x00\x00\x00",
+                "sent a server's reject",
+            ),
+            (
+                b"RUCXCM02\x04\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x00abcd",
                 "the worker address of the peer at",
             ),
         ];
@@ -601,11 +665,12 @@ mod tests {
         }
         // A peer that hangs up part-way.
         let mut s = TcpStream::connect(l.local_addr()).unwrap();
-        s.write_all(b"RUCXCM01\x10\x00\x00\x00ab").unwrap();
+        s.write_all(b"RUCXCM02\x10\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00ab")
+            .unwrap();
         drop(s);
         let e = accept_next(&w, &l).unwrap_err().to_string();
         assert!(
-            e.contains("closed the connection after 14 of the 28 bytes"),
+            e.contains("closed the connection after 22 of the 36 bytes"),
             "{e}"
         );
         assert_eq!(l.handshakes(), 0);
@@ -622,7 +687,7 @@ mod tests {
         // Nobody: the listener's descriptor is not readable.
         assert!(!rucx_ucs::event::wait_readable(l.as_raw_fd(), Some(Duration::ZERO)).unwrap());
         let other = worker();
-        let msg = addr_message(&other.address());
+        let msg = addr_message(&other.address(), 0xC11E_4715);
         let mut s = TcpStream::connect(l.local_addr()).unwrap();
         // A peer connected: readable.
         assert!(
@@ -638,9 +703,15 @@ mod tests {
         }
         assert_eq!(l.handshakes(), 1);
         s.write_all(&msg[msg.len() - 1..]).unwrap();
-        accept_next(&w, &l).unwrap();
+        let r = next_request(&l);
+        assert_eq!(r.client_id(), 0xC11E_4715);
+        r.accept(&w).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        assert_eq!(recv_addr(&mut s).unwrap(), w.address());
+        let from = l.local_addr();
+        match read_step(&mut Vec::new(), from, &mut s).unwrap() {
+            Step::Done { addr, client_id } => assert_eq!((addr, client_id), (w.address(), 0)),
+            other => panic!("{other:?}"),
+        }
         assert!(!rucx_ucs::event::wait_readable(l.as_raw_fd(), Some(Duration::ZERO)).unwrap());
     }
 
@@ -701,7 +772,14 @@ mod tests {
                     return (0, Err(Error::Canceled));
                 }
                 Ok(Step::More) => r.blocked = false,
-                Ok(Step::Done(a)) => return (unread(&r), Ok(a)),
+                Ok(Step::Done { addr, .. }) => return (unread(&r), Ok(addr)),
+                Ok(Step::Rejected) => {
+                    let e = Error::PeerAborted {
+                        peer: from.to_string(),
+                        reason: "rejected".into(),
+                    };
+                    return (unread(&r), Err(e));
+                }
                 Err(e) => return (unread(&r), Err(e)),
             }
         }
@@ -714,7 +792,7 @@ mod tests {
             cuts in proptest::collection::vec(any::<usize>(), 0..20),
             trailing in proptest::collection::vec(any::<u8>(), 0..20),
         ) {
-            let mut bytes = addr_message(&addr);
+            let mut bytes = addr_message(&addr, 0);
             let len = bytes.len();
             bytes.extend_from_slice(&trailing);
             let (unread, r) = feed(&bytes, &cuts, false);
@@ -729,7 +807,7 @@ mod tests {
             keep in any::<usize>(),
             cuts in proptest::collection::vec(any::<usize>(), 0..10),
         ) {
-            let bytes = addr_message(&addr);
+            let bytes = addr_message(&addr, 0);
             let short = &bytes[..keep % bytes.len()];
             let (_, r) = feed(short, &cuts, false);
             prop_assert!(matches!(r, Err(Error::Canceled)), "still waiting: {:?}", r);
@@ -755,7 +833,8 @@ mod tests {
                     prop_assert!(
                         e.contains("bad magic")
                             || e.contains("closed the connection")
-                            || e.contains("announced a"),
+                            || e.contains("announced a")
+                            || (e.contains("rejected") && bytes.starts_with(MAGIC)),
                         "{}", e
                     );
                 }

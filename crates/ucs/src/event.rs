@@ -176,6 +176,28 @@ impl EventSet {
         Ok(())
     }
 
+    /// Watch `fd` for readability and, with `writable`, writability too (a non-blocking
+    /// connect finishing, room to send), reported with `key`; `modify`: change the interest of
+    /// a member instead of adding it. The caller keeps `fd` open while it is in the set.
+    pub fn watch(&self, fd: RawFd, key: u64, writable: bool, modify: bool) -> io::Result<()> {
+        let mut events = libc::EPOLLIN as u32;
+        if writable {
+            events |= libc::EPOLLOUT as u32;
+        }
+        let mut ev = libc::epoll_event { events, u64: key };
+        let op = if modify {
+            libc::EPOLL_CTL_MOD
+        } else {
+            libc::EPOLL_CTL_ADD
+        };
+        // SAFETY: `ev` is a valid event the kernel copies; both descriptors are open.
+        let rc = unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &mut ev) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Stop watching `fd` (added with [`add`](Self::add), still open).
     pub fn remove(&self, fd: RawFd) -> io::Result<()> {
         let mut ev = libc::epoll_event { events: 0, u64: 0 };

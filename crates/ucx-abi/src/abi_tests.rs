@@ -738,7 +738,14 @@ fn bad_input_is_refused() {
         assert_eq!(r as isize, isize::from(UCS_ERR_INVALID_PARAM));
         let r = ucp_tag_recv_nb(pair.w[1], std::ptr::null_mut(), 4, 1 << 3, 1, 0, None);
         assert_eq!(r as isize, isize::from(UCS_ERR_INVALID_PARAM));
-        let r = ucp_tag_send_nb(pair.ep[0], x.as_ptr().cast(), 1, UCP_DATATYPE_IOV, 1, None);
+        let r = ucp_tag_send_nb(
+            pair.ep[0],
+            x.as_ptr().cast(),
+            1,
+            UCP_DATATYPE_STRIDED,
+            1,
+            None,
+        );
         assert_eq!(r as isize, isize::from(UCS_ERR_UNSUPPORTED));
         assert_eq!(
             ucp_request_check_status(std::ptr::null_mut()),

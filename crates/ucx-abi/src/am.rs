@@ -16,7 +16,8 @@
 //! the sender, owned by the worker (never closed by the application). The send flags
 //! `UCP_AM_SEND_FLAG_EAGER`/`_RNDV` are hints rucx's plan does not need (it picks the protocol
 //! by size and memory); `UCP_AM_SEND_FLAG_COPY_HEADER` is what rucx does anyway (the header is
-//! copied when posted). Contiguous datatypes only.
+//! copied when posted). Contiguous and IOV datatypes ([`crate::iov`]), for the payload sent
+//! and the buffer a payload is fetched into.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -27,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use rucx_ucp::{AmMessage, AmPayload, EpId};
 
 use crate::endpoint::AbiEp;
-use crate::nbx::{CbKind, post, target_and_opts};
+use crate::nbx::{CbKind, iov_buf, post, post_with, target_and_opts};
 use crate::status::status_ptr;
 use crate::types::*;
 use crate::worker::AbiWorker;
@@ -232,11 +233,6 @@ pub unsafe extern "C" fn ucp_am_send_nbx(
     if opts.flags & !UCP_AM_SEND_FLAGS_KNOWN != 0 || (header_length > 0 && header.is_null()) {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     }
-    // SAFETY: the caller's promise on the buffer.
-    let buf = match unsafe { opts.contig_buf(buffer, count) } {
-        Ok(b) => b,
-        Err(s) => return status_ptr(s),
-    };
     let hdr: &[u8] = if header_length == 0 {
         &[]
     } else {
@@ -245,6 +241,26 @@ pub unsafe extern "C" fn ucp_am_send_nbx(
         unsafe { std::slice::from_raw_parts(header.cast(), header_length) }
     };
     let to = ep.id;
+    if opts.is_iov() {
+        // SAFETY: the caller's promise on the entries and their memory.
+        return match unsafe { iov_buf(ep.worker(), buffer, count, true) } {
+            Ok((buf, fin, data)) => post_with(
+                ep.worker(),
+                &opts,
+                true,
+                fin,
+                data,
+                |w, token| w.am_send_queued(to, id, hdr, buf, token),
+                |_| {},
+            ),
+            Err(s) => status_ptr(s),
+        };
+    }
+    // SAFETY: the caller's promise on the buffer.
+    let buf = match unsafe { opts.contig_buf(buffer, count) } {
+        Ok(b) => b,
+        Err(s) => return status_ptr(s),
+    };
     post(
         ep.worker(),
         &opts,
@@ -276,9 +292,17 @@ pub unsafe extern "C" fn ucp_am_recv_data_nbx(
         Ok(t) => t,
         Err(s) => return status_ptr(s),
     };
-    // SAFETY: the caller's promise on the buffer.
-    let buf = match unsafe { opts.contig_buf(buffer, count) } {
-        Ok(b) => b,
+    // SAFETY: the caller's promise on the buffer (or entries, and their memory).
+    let planned = unsafe {
+        if opts.is_iov() {
+            iov_buf(w, buffer, count, false)
+        } else {
+            opts.contig_buf(buffer, count)
+                .map(|b| (b, crate::tag::Finish::Recv, None))
+        }
+    };
+    let (buf, fin, data) = match planned {
+        Ok(p) => p,
         Err(s) => return status_ptr(s),
     };
     let payload = match w.extra.am.take(data_desc) {
@@ -286,10 +310,12 @@ pub unsafe extern "C" fn ucp_am_recv_data_nbx(
         Some(Kept::Remote(b)) => *b,
         None => return status_ptr(UCS_ERR_INVALID_PARAM),
     };
-    post(
+    post_with(
         w,
         &opts,
         false,
+        fin,
+        data,
         |rw, token| rw.am_recv_queued(payload, buf, token),
         |_| {},
     )

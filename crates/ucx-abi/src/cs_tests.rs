@@ -252,10 +252,10 @@ fn stream_calls_refuse_bad_input() {
             ucp_stream_send_nbx(pair.ep[0], b, 8, &nbx(1 << 12, 0)),
             UCS_ERR_INVALID_PARAM,
         );
-        let mut iov = nbx(UCP_OP_ATTR_FIELD_DATATYPE, 0);
-        iov.datatype = UCP_DATATYPE_IOV;
+        let mut strided = nbx(UCP_OP_ATTR_FIELD_DATATYPE, 0);
+        strided.datatype = UCP_DATATYPE_STRIDED;
         bad(
-            ucp_stream_send_nbx(pair.ep[0], b, 1, &iov),
+            ucp_stream_send_nbx(pair.ep[0], b, 1, &strided),
             UCS_ERR_UNSUPPORTED,
         );
         bad(
@@ -661,29 +661,38 @@ fn sockaddr_in(port: u16) -> libc::sockaddr_in {
     }
 }
 
-/// A client on a thread of its own: a context and worker of its own, an endpoint by socket
-/// address to `port`; then it sends "hi" (tag 1) and waits for its send. The status of
-/// `ucp_ep_create`.
+/// A client on a thread of its own: a context and worker of its own (client id 0x1D), an
+/// endpoint by socket address to `port` sending that id; then it sends "hi" (tag 1) and waits
+/// for its send. The status of `ucp_ep_create`, else of the send (which waits for the
+/// connection: a reject ends it).
 fn client(port: u16) -> std::thread::JoinHandle<Status> {
     std::thread::spawn(move || {
         let ctx = context(c"tcp");
-        let w = worker(ctx);
+        let mut w = std::ptr::null_mut();
+        // SAFETY: a live context; all-zero params plus the client id are valid.
+        unsafe {
+            let mut p: WorkerParams = std::mem::zeroed();
+            p.field_mask = UCP_WORKER_PARAM_FIELD_CLIENT_ID;
+            p.client_id = 0x1D;
+            assert_eq!(ucp_worker_create(ctx, &p, &mut w), UCS_OK);
+        }
         let to = sockaddr_in(port);
         // SAFETY: live handles of this thread; `to` outlives the call.
         unsafe {
             let mut p: EpParams = std::mem::zeroed();
             p.field_mask = UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_FLAGS;
-            p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+            p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER | UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID;
             p.sockaddr.addr = (&to as *const libc::sockaddr_in).cast();
             p.sockaddr.addrlen = std::mem::size_of::<libc::sockaddr_in>() as u32;
             let mut ep = std::ptr::null_mut();
-            let st = ucp_ep_create(w, &p, &mut ep);
+            let mut st = ucp_ep_create(w, &p, &mut ep);
             if st == UCS_OK {
                 let r = ucp_tag_send_nbx(ep, b"hi".as_ptr().cast(), 2, 1, &nbx(0, 0));
                 if ptr_is_ptr(r) {
                     while ucp_request_check_status(r) == UCS_INPROGRESS {
                         ucp_worker_progress(w);
                     }
+                    st = ucp_request_check_status(r);
                     ucp_request_free(r);
                 } else {
                     assert!(!ptr_is_err(r));
@@ -756,7 +765,8 @@ fn a_listener_hands_requests_to_its_handler_accepted_on_another_worker_or_reject
             u32::from(std::net::Ipv4Addr::LOCALHOST)
         );
         ra.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID;
-        assert_eq!(ucp_conn_request_query(req, &mut ra), UCS_ERR_UNSUPPORTED);
+        assert_eq!(ucp_conn_request_query(req, &mut ra), UCS_OK);
+        assert_eq!(ra.client_id, 0x1D);
         ra.field_mask = 1 << 7;
         assert_eq!(ucp_conn_request_query(req, &mut ra), UCS_ERR_INVALID_PARAM);
         let mut p: EpParams = std::mem::zeroed();
@@ -780,7 +790,7 @@ fn a_listener_hands_requests_to_its_handler_accepted_on_another_worker_or_reject
         let force = nbx(UCP_OP_ATTR_FIELD_FLAGS, UCP_EP_CLOSE_FLAG_FORCE);
         assert!(ucp_ep_close_nbx(ep, &force).is_null());
 
-        // A second client, rejected: its ucp_ep_create says so.
+        // A second client, rejected: its send says so (its ucp_ep_create returned at once).
         let c = client(port);
         let t = Instant::now();
         while REQUESTS.lock().unwrap().len() < 2 {
@@ -841,8 +851,12 @@ fn a_listener_hands_requests_to_its_handler_accepted_on_another_worker_or_reject
             UCS_ERR_INVALID_PARAM,
             "NULL request"
         );
-        p.field_mask = UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR | UCP_EP_PARAM_FIELD_SOCK_ADDR;
-        assert_eq!(ucp_ep_create(dw, &p, &mut ep), UCS_ERR_UNSUPPORTED);
+        p.field_mask = UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR | UCP_EP_PARAM_FIELD_CONN_REQUEST;
+        assert_eq!(
+            ucp_ep_create(dw, &p, &mut ep),
+            UCS_ERR_INVALID_PARAM,
+            "a local address for the server's side"
+        );
 
         ucp_listener_destroy(l);
         ucp_listener_destroy(std::ptr::null_mut());

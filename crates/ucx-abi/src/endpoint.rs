@@ -202,8 +202,16 @@ unsafe fn close(ep: *mut AbiEp, force: bool) -> *mut c_void {
             }
         }
     }
+    let w = abi_ep.worker();
+    if w.worker.is_connecting(abi_ep.id) {
+        // Not connected yet (a client by socket address): nothing went out, and a flush would
+        // wait for the server. The connection is dropped; what waited for it ends with
+        // `UCS_ERR_CANCELED` (delivered by the next progress).
+        drop(w.worker.close(abi_ep.id, rucx_ucp::CloseMode::Force));
+        return std::ptr::null_mut();
+    }
     if !force {
-        flush(abi_ep.worker());
+        flush(w);
     }
     std::ptr::null_mut()
 }
@@ -279,15 +287,38 @@ pub unsafe extern "C" fn ucp_ep_flush_nb(
     }
 }
 
-/// `ucs_status_ptr_t ucp_ep_flush_nbx(ucp_ep_h ep, const ucp_request_param_t *param)`.
+/// `ucs_status_ptr_t ucp_ep_flush_nbx(ucp_ep_h ep, const ucp_request_param_t *param)`: in
+/// place, as [`ucp_ep_flush_nb`]; on an endpoint still connecting (a client by socket address)
+/// a request instead, which ends once the endpoint is connected and what was posted on it
+/// before is out, or with the connection's error (a flush in place would wait for a server
+/// that the same thread may be progressing).
 ///
 /// # Safety
-/// `ep` NULL or live.
+/// `ep` NULL or live; `param` NULL or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ucp_ep_flush_nbx(
     ep: *const AbiEp,
-    _param: *const RequestParam,
+    param: *const RequestParam,
 ) -> *mut c_void {
+    // SAFETY: the caller's promise.
+    if let Some(e) = unsafe { ep.as_ref() }
+        && e.worker().worker.is_connecting(e.id)
+    {
+        // SAFETY: the caller's promises.
+        let (e, opts) =
+            match unsafe { crate::nbx::target_and_opts(ep, param, crate::nbx::CbKind::Send) } {
+                Ok(t) => t,
+                Err(s) => return status_ptr(s),
+            };
+        let id = e.id;
+        return crate::nbx::post(
+            e.worker(),
+            &opts,
+            true,
+            |w, token| w.flush_queued(id, token),
+            |_| {},
+        );
+    }
     // SAFETY: forwarded.
     unsafe { ucp_ep_flush_nb(ep, 0, None) }
 }

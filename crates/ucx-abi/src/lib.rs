@@ -10,7 +10,7 @@
 //! - `request`: request memory (UCX's layout: the pointer handed out is the caller's
 //!   `request_size` area, this library's header sits right before it), completion and callbacks;
 //! - `tag`, `datatype`: tag send/receive/probe in their nb, nbr and nbx forms, contiguous and
-//!   generic datatypes;
+//!   generic datatypes; `iov`: IOV datatypes, in every call that takes a datatype;
 //! - `listener`, `stream`, `am`, `wait` (with `nbx`, `extra`, `types_more`): client/server
 //!   connection establishment, streams, active messages and wake-up, what UCX's own examples
 //!   (`ucp_hello_world`, `ucp_client_server`) call;
@@ -31,6 +31,7 @@ mod endpoint;
 mod engine;
 mod extra;
 mod info;
+mod iov;
 mod listener;
 mod memtype;
 mod nbx;
@@ -49,7 +50,11 @@ mod wait;
 #[cfg(test)]
 mod abi_tests;
 #[cfg(test)]
+mod cs_conn_tests;
+#[cfg(test)]
 mod cs_tests;
+#[cfg(test)]
+mod iov_tests;
 mod worker;
 
 pub use request::HEADER_SIZE;

@@ -9,24 +9,31 @@
 //! creates the endpoint on a worker of its choice, or rejects it), or, with an
 //! `accept_handler`, an endpoint on the listener's worker handed to it.
 //!
-//! Unlike UCX, the client's `ucp_ep_create` returns once the server answered (it blocks until
-//! then, at most [`CONNECT_TIMEOUT`], retrying a refused connection meanwhile): a server that
-//! rejects it makes it return `UCS_ERR_REJECTED`, one that never answers
-//! `UCS_ERR_IO_ERROR`/`UCS_ERR_ENDPOINT_TIMEOUT`. The server must be progressed by another
-//! thread or process meanwhile (as it is in any client/server program).
+//! As in UCX, the client's `ucp_ep_create` returns `UCS_OK` at once and the connection is made
+//! by the worker's progress ([`rucx_ucp::Worker::connect_sockaddr_nb`]): one thread may
+//! progress a client and its server. Sends, stream and active-message sends and flushes posted
+//! on the endpoint meanwhile wait and go out in order once it is connected. A connection that
+//! fails fails the endpoint: its error handler is called, and its waiting operations end, with
+//! `UCS_ERR_REJECTED` (the server rejected it), `UCS_ERR_NOT_CONNECTED` (refused: nobody
+//! listens there), `UCS_ERR_UNREACHABLE` (no route), `UCS_ERR_CONNECTION_RESET` (the server
+//! closed the connection mid-handshake) or `UCS_ERR_ENDPOINT_TIMEOUT` (no answer within
+//! [`CONNECT_TIMEOUT`]), as UCX's tcp connection manager reports them. The worker's client id
+//! (`UCP_WORKER_PARAM_FIELD_CLIENT_ID`) goes to the server with
+//! `UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID` (`ucp_conn_request_query` reports it), and
+//! `UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR` binds the client's socket.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
-use rucx_ucp::{ConnRequest, EpId, Listener};
+use rucx_ucp::{ConnRequest, ConnectOpts, EpId, Listener};
 
 use crate::endpoint::AbiEp;
 use crate::status::status_of;
 use crate::types::*;
 use crate::worker::AbiWorker;
 
-/// How long a client's `ucp_ep_create` waits for its server.
+/// How long a client's connection waits for its server.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What a `ucp_listener_h` points to.
@@ -50,12 +57,19 @@ pub struct Listeners {
     open: std::cell::RefCell<Vec<*mut AbiListener>>,
     /// `open` is not empty (one load on every progress call, no borrow).
     any: std::cell::Cell<bool>,
+    /// The worker's client id (`UCP_WORKER_PARAM_FIELD_CLIENT_ID`), sent by endpoints created
+    /// with `UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID`.
+    client_id: std::cell::Cell<u64>,
 }
 
 impl Listeners {
     #[inline(always)]
     pub fn any(&self) -> bool {
         self.any.get()
+    }
+
+    pub fn set_client_id(&self, id: u64) {
+        self.client_id.set(id);
     }
 
     fn add(&self, l: *mut AbiListener) {
@@ -223,10 +237,6 @@ fn write_storage(a: SocketAddr, out: &mut libc::sockaddr_storage) {
 /// out and not answered yet.
 pub unsafe fn connect(w: &AbiWorker, p: &EpParams) -> Result<EpId, Status> {
     let m = p.field_mask;
-    if m & UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR != 0 {
-        // rucx's connection manager picks the client's local address itself.
-        return Err(UCS_ERR_UNSUPPORTED);
-    }
     let by_addr = m & UCP_EP_PARAM_FIELD_SOCK_ADDR != 0;
     let by_req = m & UCP_EP_PARAM_FIELD_CONN_REQUEST != 0;
     if by_addr == by_req || m & UCP_EP_PARAM_FIELD_REMOTE_ADDRESS != 0 {
@@ -234,6 +244,10 @@ pub unsafe fn connect(w: &AbiWorker, p: &EpParams) -> Result<EpId, Status> {
         return Err(UCS_ERR_INVALID_PARAM);
     }
     if m & UCP_EP_PARAM_FIELD_FLAGS != 0 && p.flags & !UCP_EP_PARAMS_FLAGS_KNOWN != 0 {
+        return Err(UCS_ERR_INVALID_PARAM);
+    }
+    if by_req && m & UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR != 0 {
+        // The server's side of a connection is the listener's socket.
         return Err(UCS_ERR_INVALID_PARAM);
     }
     let res = if by_req {
@@ -253,7 +267,29 @@ pub unsafe fn connect(w: &AbiWorker, p: &EpParams) -> Result<EpId, Status> {
         if to.port() == 0 || to.ip().is_unspecified() {
             return Err(UCS_ERR_INVALID_ADDR);
         }
-        w.worker.connect_sockaddr(to, CONNECT_TIMEOUT)
+        let local = if m & UCP_EP_PARAM_FIELD_LOCAL_SOCK_ADDR != 0 {
+            let la = SockAddrParam {
+                addr: p.local_sockaddr.addr.cast(),
+                addrlen: p.local_sockaddr.addrlen,
+            };
+            // SAFETY: the caller's promise.
+            Some(unsafe { socket_addr(&la) }?)
+        } else {
+            None
+        };
+        let send_id =
+            m & UCP_EP_PARAM_FIELD_FLAGS != 0 && p.flags & UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID != 0;
+        let opts = ConnectOpts {
+            timeout: CONNECT_TIMEOUT,
+            client_id: if send_id {
+                w.extra.listeners.client_id.get()
+            } else {
+                0
+            },
+            local,
+        };
+        // Returns at once: progress connects it.
+        w.worker.connect_sockaddr_nb(to, &opts)
     };
     res.map_err(|e| {
         eprintln!("rucx libucp: ucp_ep_create: {e}");
@@ -381,9 +417,8 @@ pub unsafe extern "C" fn ucp_listener_query(
 }
 
 /// `ucs_status_t ucp_conn_request_query(ucp_conn_request_h conn_request,
-/// ucp_conn_request_attr_t *attr)`: the client's address. Client ids are not carried by
-/// rucx's handshake: `UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID` is refused
-/// (`UCS_ERR_UNSUPPORTED`).
+/// ucp_conn_request_attr_t *attr)`: the client's address, and its client id (0 when the
+/// client sent none, as in UCX).
 ///
 /// # Safety
 /// `conn_request` NULL or live (not answered yet); `attr` NULL or valid.
@@ -400,7 +435,7 @@ pub unsafe extern "C" fn ucp_conn_request_query(
         return UCS_ERR_INVALID_PARAM;
     }
     if a.field_mask & UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID != 0 {
-        return UCS_ERR_UNSUPPORTED;
+        a.client_id = r.req.client_id();
     }
     if a.field_mask & UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR != 0 {
         write_storage(r.req.client_addr(), &mut a.client_address);

@@ -6,7 +6,9 @@
 use std::ffi::c_void;
 
 use rucx_ucp::{Completion, Queued, RawBuf, Worker};
-use rucx_ucs::Result;
+use rucx_ucs::{MemInfo, Result};
+
+use crate::iov::Plan;
 
 use crate::request;
 use crate::status::{ptr_is_ptr, status_of, status_ptr};
@@ -99,9 +101,15 @@ impl Opts {
         })
     }
 
+    /// An IOV datatype ([`crate::iov`], read by [`iov_buf`]).
+    #[inline]
+    pub fn is_iov(&self) -> bool {
+        self.dt & UCP_DATATYPE_CLASS_MASK == UCP_DATATYPE_IOV
+    }
+
     /// The byte length of `count` elements of a contiguous datatype; other classes are
-    /// refused (`UCS_ERR_UNSUPPORTED`: IOV, strided and generic types are served by the tag
-    /// calls only), an element size of 0 or an overflow are invalid.
+    /// refused (`UCS_ERR_UNSUPPORTED`: strided and generic types are served by the tag calls
+    /// only; IOV ones through [`iov_buf`]), an element size of 0 or an overflow are invalid.
     pub fn contig_len(&self, count: usize) -> std::result::Result<usize, Status> {
         if self.dt & UCP_DATATYPE_CLASS_MASK != UCP_DATATYPE_CONTIG {
             return Err(UCS_ERR_UNSUPPORTED);
@@ -128,6 +136,37 @@ impl Opts {
         let len = self.contig_len(count)?;
         // SAFETY: the caller's promise, passed on.
         unsafe { raw(addr, len) }
+    }
+}
+
+/// An IOV buffer of a stream or active-message call ([`crate::iov`]) as rucx takes it, with
+/// what its operation keeps: its end (a receive of several entries scatters) and our buffer.
+///
+/// # Safety
+/// As [`crate::iov::plan`].
+#[cold]
+pub unsafe fn iov_buf(
+    w: &AbiWorker,
+    entries: *const c_void,
+    count: usize,
+    send: bool,
+) -> std::result::Result<(RawBuf, Finish, Option<Vec<u8>>), Status> {
+    let plain = if send { Finish::Send } else { Finish::Recv };
+    // SAFETY: the caller's promise, passed on.
+    match unsafe { crate::iov::plan(w, entries, count, send) }? {
+        // SAFETY: the caller's promise on the entry's memory.
+        Plan::Direct(addr, len) => Ok((unsafe { raw(addr as *const c_void, len) }?, plain, None)),
+        Plan::Bounce(iov, mut v) => {
+            // SAFETY: host memory of ours, kept with the operation (moving the vector does not
+            // move its bytes) until it ends.
+            let r = unsafe { RawBuf::new(v.as_mut_ptr() as usize, v.len(), Some(MemInfo::HOST)) };
+            let fin = if send {
+                Finish::Send
+            } else {
+                Finish::RecvUnpack(Box::new(crate::tag::Unpacked::Iov(iov)))
+            };
+            Ok((r, fin, Some(v)))
+        }
     }
 }
 
@@ -164,10 +203,26 @@ pub unsafe fn raw(addr: *const c_void, len: usize) -> std::result::Result<RawBuf
 /// when it ended in place (after `in_place` saw its end), an error status pointer when it was
 /// refused, else its request, completed by progress. `send`: counted as a send in flight (for
 /// flush).
+#[inline]
 pub fn post(
     w: &AbiWorker,
     opts: &Opts,
     send: bool,
+    post: impl FnOnce(&Worker, u64) -> Queued,
+    in_place: impl FnOnce(&Completion),
+) -> *mut c_void {
+    let fin = if send { Finish::Send } else { Finish::Recv };
+    post_with(w, opts, send, fin, None, post, in_place)
+}
+
+/// [`post`] of an operation with its own end (`fin`, an IOV receive's scatter) and a buffer
+/// of ours (`data`: what `post` hands rucx, kept with the operation until it ends).
+pub fn post_with(
+    w: &AbiWorker,
+    opts: &Opts,
+    send: bool,
+    fin: Finish,
+    data: Option<Vec<u8>>,
     post: impl FnOnce(&Worker, u64) -> Queued,
     in_place: impl FnOnce(&Completion),
 ) -> *mut c_void {
@@ -176,7 +231,11 @@ pub fn post(
     let (req, ended): (_, Option<Result<Completion>>) = match post(&w.worker, token) {
         Queued::Pending(r) => (Some(r), None),
         Queued::Ended(res) if !opts.no_imm => {
+            drop(ops);
+            // An IOV receive's bytes go to their entries now (nothing to do for the others).
+            let (status, _) = fin.run(&res, data);
             return match res {
+                Ok(_) if status != UCS_OK => status_ptr(status),
                 Ok(c) => {
                     in_place(&c);
                     if let Some(r) = opts.req {
@@ -204,8 +263,8 @@ pub fn post(
         Pending {
             user,
             cb: opts.cb,
-            fin: if send { Finish::Send } else { Finish::Recv },
-            data: None,
+            fin,
+            data,
             req,
             send,
             ended: None,

@@ -69,8 +69,17 @@ pub fn status_of(e: &Error) -> Status {
         // Why the stream ended (the received length goes with the completion).
         Error::StreamIncomplete { cause, .. } => status_of(cause),
         Error::Canceled => UCS_ERR_CANCELED,
+        // A connection refused (nobody listens there) or without a route, as UCX's tcp
+        // connection manager reports them.
+        Error::Io { source, .. } => match source.kind() {
+            std::io::ErrorKind::ConnectionRefused => UCS_ERR_NOT_CONNECTED,
+            std::io::ErrorKind::HostUnreachable
+            | std::io::ErrorKind::NetworkUnreachable
+            | std::io::ErrorKind::TimedOut => UCS_ERR_UNREACHABLE,
+            _ => UCS_ERR_IO_ERROR,
+        },
         Error::NoMemory(_) => UCS_ERR_NO_MEMORY,
-        Error::Io { .. } | Error::Device { .. } | Error::Internal(_) => UCS_ERR_IO_ERROR,
+        Error::Device { .. } | Error::Internal(_) => UCS_ERR_IO_ERROR,
         _ => UCS_ERR_IO_ERROR,
     }
 }

@@ -5,13 +5,14 @@
 //! `UCP_STREAM_RECV_FLAG_WAITALL` completes with exactly `count` elements; without it, as soon
 //! as bytes are at hand (its length says how many; into GPU memory, or with elements larger
 //! than a byte, it waits for all, so that a receive never ends inside an element). Receives of
-//! one endpoint are filled in the order they were posted. Contiguous datatypes only (IOV and
-//! generic types: `UCS_ERR_UNSUPPORTED`).
+//! one endpoint are filled in the order they were posted. Contiguous and IOV datatypes
+//! ([`crate::iov`]: `count` is the number of entries, lengths are bytes, and a receive without
+//! `WAITALL` may end inside an entry, as UCX's does); generic ones: `UCS_ERR_UNSUPPORTED`.
 
 use std::ffi::c_void;
 
 use crate::endpoint::AbiEp;
-use crate::nbx::{CbKind, post, target_and_opts};
+use crate::nbx::{CbKind, iov_buf, post, post_with, target_and_opts};
 use crate::status::status_ptr;
 use crate::types::*;
 
@@ -33,12 +34,27 @@ pub unsafe extern "C" fn ucp_stream_send_nbx(
         Ok(t) => t,
         Err(s) => return status_ptr(s),
     };
+    let id = ep.id;
+    if opts.is_iov() {
+        // SAFETY: the caller's promise on the entries and their memory.
+        return match unsafe { iov_buf(ep.worker(), buffer, count, true) } {
+            Ok((buf, fin, data)) => post_with(
+                ep.worker(),
+                &opts,
+                true,
+                fin,
+                data,
+                |w, token| w.stream_send_queued(id, buf, token),
+                |_| {},
+            ),
+            Err(s) => status_ptr(s),
+        };
+    }
     // SAFETY: the caller's promise on the buffer.
     let buf = match unsafe { opts.contig_buf(buffer, count) } {
         Ok(b) => b,
         Err(s) => return status_ptr(s),
     };
-    let id = ep.id;
     post(
         ep.worker(),
         &opts,
@@ -71,6 +87,25 @@ pub unsafe extern "C" fn ucp_stream_recv_nbx(
     if length.is_null() || opts.flags & !UCP_STREAM_RECV_FLAG_WAITALL != 0 {
         return status_ptr(UCS_ERR_INVALID_PARAM);
     }
+    let id = ep.id;
+    if opts.is_iov() {
+        // Bytes are the elements of an IOV stream: without WAITALL, what is at hand.
+        let partial = opts.flags & UCP_STREAM_RECV_FLAG_WAITALL == 0;
+        // SAFETY: the caller's promise on the entries and their memory.
+        return match unsafe { iov_buf(ep.worker(), buffer, count, false) } {
+            Ok((buf, fin, data)) => post_with(
+                ep.worker(),
+                &opts,
+                false,
+                fin,
+                data,
+                |w, token| w.stream_recv_queued(id, buf, partial, token),
+                // SAFETY: checked non-NULL, writable by the caller's promise.
+                |c| unsafe { *length = c.len },
+            ),
+            Err(s) => status_ptr(s),
+        };
+    }
     // SAFETY: the caller's promise on the buffer.
     let buf = match unsafe { opts.contig_buf(buffer, count) } {
         Ok(b) => b,
@@ -78,7 +113,6 @@ pub unsafe extern "C" fn ucp_stream_recv_nbx(
     };
     let elem_is_byte = (opts.dt >> UCP_DATATYPE_SHIFT) == 1;
     let partial = opts.flags & UCP_STREAM_RECV_FLAG_WAITALL == 0 && elem_is_byte;
-    let id = ep.id;
     post(
         ep.worker(),
         &opts,

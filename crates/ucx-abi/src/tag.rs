@@ -17,9 +17,10 @@ use std::ffi::c_void;
 use rucx_ucp::Completion;
 use rucx_ucs::{MemInfo, Result};
 
-use crate::datatype::{Dt, Unpack, classify, contig_len, pack_all};
+use crate::datatype::{Dt, Unpack, classify, contig_len, is_iov, pack_all};
 use crate::endpoint::AbiEp;
 use crate::engine::{self, Buf};
+use crate::iov::{Iov, Plan};
 use crate::nbx::CbKind;
 use crate::request;
 use crate::status::{status_of, status_ptr};
@@ -32,10 +33,19 @@ use rucx_ucp::Queued;
 pub enum Finish {
     Send,
     Recv,
-    /// A generic-type receive: unpack what landed in our buffer.
-    RecvUnpack(Box<Unpack>),
+    /// A generic-type receive (unpack what landed in our buffer) or an IOV one of several
+    /// entries (scatter it over them). One boxed variant for both: the contiguous ends (and
+    /// the drop of a `Finish`) stay as they were.
+    RecvUnpack(Box<Unpacked>),
     /// A matched-message receive: copy what landed in our buffer to the caller's.
     MsgCopy(Box<(Dest, TagRecvInfo)>),
+}
+
+/// Where a receive that landed in our buffer goes when it ends.
+#[derive(Debug)]
+pub enum Unpacked {
+    Generic(Unpack),
+    Iov(Iov),
 }
 
 /// Where a matched message goes.
@@ -43,6 +53,7 @@ pub enum Finish {
 pub enum Dest {
     Contig(*mut u8, usize),
     Generic(Unpack),
+    Iov(Iov),
 }
 
 fn info_of(c: &Completion) -> TagRecvInfo {
@@ -105,7 +116,28 @@ impl Finish {
         match self {
             Finish::Send => (status, TagRecvInfo::default()),
             Finish::Recv => (status, info),
+            other => other.run_ours(status, info, data),
+        }
+    }
+
+    /// [`Finish::run`] of the ends with a buffer of ours (generic types, IOVs of several
+    /// entries, matched messages): out of line, off the contiguous path.
+    #[cold]
+    #[inline(never)]
+    fn run_ours(
+        self,
+        status: Status,
+        info: TagRecvInfo,
+        data: Option<Vec<u8>>,
+    ) -> (Status, TagRecvInfo) {
+        match self {
+            Finish::Send => (status, TagRecvInfo::default()),
+            Finish::Recv => (status, info),
             Finish::RecvUnpack(u) => {
+                let u = match *u {
+                    Unpacked::Generic(u) => u,
+                    Unpacked::Iov(iov) => return scatter_end(&iov, status, info, data),
+                };
                 if status != UCS_OK {
                     return (status, info);
                 }
@@ -137,10 +169,89 @@ impl Finish {
                         (UCS_OK, probed)
                     }
                     Dest::Generic(u) => (u.unpack(&data[..n]), probed),
+                    Dest::Iov(iov) => {
+                        // SAFETY: the caller's entries, writable host memory (its promise at
+                        // `ucp_tag_msg_recv_nb`; checked host there), apart from our buffer.
+                        unsafe { iov.scatter(&data[..n]) };
+                        if n > iov.total() {
+                            return (UCS_ERR_MESSAGE_TRUNCATED, probed);
+                        }
+                        (UCS_OK, probed)
+                    }
                 }
             }
         }
     }
+}
+
+/// The end of an IOV receive of several entries: what arrived (all of it, the part that fit a
+/// truncated message, or what a stream receive cut short holds) is at the start of our
+/// buffer, and goes to the entries. Out of line: the contiguous ends stay as they were.
+#[cold]
+#[inline(never)]
+fn scatter_end(
+    iov: &Iov,
+    status: Status,
+    info: TagRecvInfo,
+    data: Option<Vec<u8>>,
+) -> (Status, TagRecvInfo) {
+    let data = data.unwrap_or_default();
+    let n = info.length.min(data.len());
+    // SAFETY: the caller's entries, writable host memory until the receive ends (its promise;
+    // checked host when posted), apart from our buffer.
+    unsafe { iov.scatter(&data[..n]) };
+    (status, info)
+}
+
+/// The memory of an IOV send ([`crate::iov`]): the one entry's, or the entries gathered.
+///
+/// # Safety
+/// As [`crate::iov::plan`].
+#[cold]
+#[inline(never)]
+unsafe fn iov_send_buf(
+    w: &AbiWorker,
+    buf: *const c_void,
+    count: usize,
+) -> std::result::Result<Buf, Status> {
+    // SAFETY: forwarded.
+    Ok(match unsafe { crate::iov::plan(w, buf, count, true) }? {
+        Plan::Direct(addr, len) => Buf::Raw {
+            addr,
+            len,
+            info: host_hint(w, addr, len),
+        },
+        Plan::Bounce(_, v) => Buf::Owned(v),
+    })
+}
+
+/// The memory and end of an IOV receive ([`crate::iov`]): the one entry's, or a buffer of
+/// ours scattered at the end.
+///
+/// # Safety
+/// As [`crate::iov::plan`].
+#[cold]
+#[inline(never)]
+unsafe fn iov_recv_buf(
+    w: &AbiWorker,
+    buf: *const c_void,
+    count: usize,
+) -> std::result::Result<(Buf, Finish), Status> {
+    // SAFETY: forwarded.
+    Ok(match unsafe { crate::iov::plan(w, buf, count, false) }? {
+        Plan::Direct(addr, len) => (
+            Buf::Raw {
+                addr,
+                len,
+                info: host_hint(w, addr, len),
+            },
+            Finish::Recv,
+        ),
+        Plan::Bounce(iov, v) => (
+            Buf::Owned(v),
+            Finish::RecvUnpack(Box::new(Unpacked::Iov(iov))),
+        ),
+    })
 }
 
 /// The options of one call, from its arguments or its `ucp_request_param_t`.
@@ -242,7 +353,7 @@ fn check_provided(opts: &Opts) -> bool {
 /// where it is on; `None` for an empty buffer or when classification failed (the post then
 /// reports the error).
 #[inline]
-fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
+pub(crate) fn host_hint(w: &AbiWorker, addr: usize, len: usize) -> Option<MemInfo> {
     let c = w.context();
     if len == 0 {
         return None;
@@ -299,8 +410,70 @@ unsafe fn send(
         },
         // SAFETY: the caller's promise on the type and buffer.
         Ok(Dt::Generic(g)) => Buf::Owned(unsafe { pack_all(g, buf, count) }),
+        // Out of line, so that the contiguous path stays as it was.
+        // SAFETY: the caller's promise on the entries and their memory.
+        // Its options go field by field: `opts` itself, never in memory, stays in registers.
+        Err(_) if is_iov(opts.dt) => {
+            let o = (opts.cb, opts.dt, opts.req, opts.no_imm, opts.recv_info);
+            // SAFETY: the caller's promise, passed on.
+            return unsafe { send_iov(ep, buf, count, tag, sync, o) };
+        }
         Err(s) => return status_ptr(s),
     };
+    // SAFETY: the caller's promise, passed on.
+    unsafe { send_posted(ep, w, data, tag, sync, opts) }
+}
+
+/// An IOV send ([`crate::iov`]), [`send`] off its contiguous path.
+///
+/// # Safety
+/// As for [`send`].
+#[cold]
+#[inline(never)]
+unsafe fn send_iov(
+    ep: &AbiEp,
+    buf: *const c_void,
+    count: usize,
+    tag: u64,
+    sync: bool,
+    o: (
+        Callback,
+        u64,
+        Option<*mut c_void>,
+        bool,
+        Option<*mut TagRecvInfo>,
+    ),
+) -> *mut c_void {
+    let opts = Opts {
+        cb: o.0,
+        dt: o.1,
+        req: o.2,
+        no_imm: o.3,
+        recv_info: o.4,
+    };
+    let w = ep.worker();
+    // SAFETY: the caller's promise on the entries and their memory.
+    match unsafe { iov_send_buf(w, buf, count) } {
+        // SAFETY: as above.
+        Ok(data) => unsafe { send_posted(ep, w, data, tag, sync, opts) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// The rest of [`send`], once its memory is known: sent in place when it can be, else
+/// posted.
+///
+/// # Safety
+/// As for [`send`]; `data` its memory.
+#[inline(always)]
+unsafe fn send_posted(
+    ep: &AbiEp,
+    w: &AbiWorker,
+    data: Buf,
+    tag: u64,
+    sync: bool,
+    opts: Opts,
+) -> *mut c_void {
     // A small host message the lane takes now ends here, without an operation.
     if !sync
         && !opts.no_imm
@@ -406,10 +579,53 @@ unsafe fn recv(
         Ok(Dt::Generic(g)) => {
             // SAFETY: the caller's promise on the type and buffer.
             let (u, size) = unsafe { Unpack::start(g, buf, count) };
-            (Buf::Owned(vec![0u8; size]), Finish::RecvUnpack(Box::new(u)))
+            let fin = Finish::RecvUnpack(Box::new(Unpacked::Generic(u)));
+            (Buf::Owned(vec![0u8; size]), fin)
         }
+        // Out of line, so that the contiguous path stays as it was.
+        // SAFETY: the caller's promise on the entries and their memory.
+        Err(_) if is_iov(opts.dt) => return unsafe { recv_iov(w, buf, count, tag, mask, opts) },
         Err(s) => return status_ptr(s),
     };
+    // SAFETY: the caller's promise, passed on.
+    unsafe { recv_posted(w, data, fin, tag, mask, opts) }
+}
+
+/// An IOV receive ([`crate::iov`]), [`recv`] off its contiguous path.
+///
+/// # Safety
+/// As for [`recv`].
+#[cold]
+#[inline(never)]
+unsafe fn recv_iov(
+    w: &AbiWorker,
+    buf: *mut c_void,
+    count: usize,
+    tag: u64,
+    mask: u64,
+    opts: Opts,
+) -> *mut c_void {
+    // SAFETY: the caller's promise on the entries and their memory.
+    match unsafe { iov_recv_buf(w, buf, count) } {
+        // SAFETY: as above.
+        Ok((data, fin)) => unsafe { recv_posted(w, data, fin, tag, mask, opts) },
+        Err(s) => status_ptr(s),
+    }
+}
+
+/// The rest of [`recv`], once its memory and end are known: posted.
+///
+/// # Safety
+/// As for [`recv`]; `data` its memory.
+#[inline(always)]
+unsafe fn recv_posted(
+    w: &AbiWorker,
+    data: Buf,
+    fin: Finish,
+    tag: u64,
+    mask: u64,
+    opts: Opts,
+) -> *mut c_void {
     let mut data = data;
     // The caller's memory, and a request made whether or not it ends while posted: a header
     // receive, with no entry in the table.
@@ -796,6 +1012,18 @@ unsafe fn msg_recv(
         },
         // SAFETY: the caller's promise on the type and buffer.
         Ok(Dt::Generic(g)) => Dest::Generic(unsafe { Unpack::start(g, buf, count) }.0),
+        Err(_) if is_iov(opts.dt) => {
+            // SAFETY: the caller's promise on the entries (read for the call).
+            let iov = match unsafe { Iov::read(buf.cast(), count) } {
+                Ok(iov) => iov,
+                Err(s) => return status_ptr(s),
+            };
+            // The copy out is a CPU copy: every entry must be host memory.
+            if let Err(s) = iov.check_host(w) {
+                return status_ptr(s);
+            }
+            Dest::Iov(iov)
+        }
         Err(s) => return status_ptr(s),
     };
     // SAFETY: made by `Box::into_raw` in `ucp_tag_probe_nb`, received once.

@@ -356,6 +356,16 @@ impl AbiWorker {
 pub fn failure_status(e: &Error) -> Status {
     match e.cause() {
         Error::PeerTimeout { .. } => UCS_ERR_ENDPOINT_TIMEOUT,
+        // A client's connection the server turned away, or one the network refused
+        // (`crate::listener`).
+        e @ (Error::PeerAborted { .. } | Error::Io { .. })
+            if matches!(
+                status_of(e),
+                UCS_ERR_REJECTED | UCS_ERR_NOT_CONNECTED | UCS_ERR_UNREACHABLE
+            ) =>
+        {
+            status_of(e)
+        }
         _ => UCS_ERR_CONNECTION_RESET,
     }
 }
@@ -436,6 +446,10 @@ pub unsafe extern "C" fn ucp_worker_create(
     }
     match Worker::new(&c.ctx) {
         Ok(worker) => {
+            let extra = crate::extra::Extra::default();
+            if p.field_mask & UCP_WORKER_PARAM_FIELD_CLIENT_ID != 0 {
+                extra.listeners.set_client_id(p.client_id);
+            }
             let w = AbiWorker {
                 ctx: context,
                 worker,
@@ -446,7 +460,7 @@ pub unsafe extern "C" fn ucp_worker_create(
                 err_handlers: RefCell::new(HashMap::new()),
                 failed: RefCell::new(Vec::new()),
                 watching: Arc::new(AtomicBool::new(true)),
-                extra: Default::default(),
+                extra,
             };
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };

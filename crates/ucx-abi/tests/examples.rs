@@ -387,10 +387,17 @@ fn hello_world_client_dies_after_receiving() {
 
 /// `ucp_client_server` with these arguments (`-c ...`, `-s`, `-i`), `clients` clients in
 /// turn, over IPv6 with `v6`: every client exits 0 having sent the string; the server (which
-/// serves forever) received every iteration and waits for the next client.
-fn client_server(args: &[&str], iterations: usize, clients: usize, v6: bool) {
+/// serves forever) received every iteration and waits for the next client. What the server
+/// printed (`None`: skipped, see [`setup`]).
+fn client_server(args: &[&str], iterations: usize, clients: usize, v6: bool) -> Option<String> {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(s) = setup() else { return };
+    // The test string's letters as printed (fewer for a size below 16: `-s`).
+    let size = args
+        .iter()
+        .position(|a| *a == "-s")
+        .map_or(16, |i| args[i + 1].parse::<usize>().expect("-s size"));
+    let test_string = &TEST_STRING[..TEST_STRING.len().min(size.saturating_sub(1))];
+    let s = setup()?;
     let port = port();
     let mut sargs: Vec<&str> = args.to_vec();
     sargs.extend(["-p", &port]);
@@ -419,7 +426,7 @@ fn client_server(args: &[&str], iterations: usize, clients: usize, v6: bool) {
             out.contains(&format!("Client: iteration #{iterations}")),
             "{what}:\n{out}"
         );
-        assert!(out.contains(TEST_STRING), "{what}:\n{out}");
+        assert!(out.contains(test_string), "{what}:\n{out}");
         assert_rucx(s, &what, &out);
         // Served: each client's iterations, then back to waiting.
         assert!(
@@ -442,7 +449,7 @@ fn client_server(args: &[&str], iterations: usize, clients: usize, v6: bool) {
         "server:\n{sout}"
     );
     assert!(sout.contains("UCX data message was received"), "{sout}");
-    assert!(sout.contains(TEST_STRING), "{sout}");
+    assert!(sout.contains(test_string), "{sout}");
     for bad in [
         "unable to",
         "failed to",
@@ -452,6 +459,62 @@ fn client_server(args: &[&str], iterations: usize, clients: usize, v6: bool) {
         assert!(!sout.contains(bad), "server:\n{sout}");
     }
     assert_rucx(s, "server", &sout);
+    Some(sout)
+}
+
+/// `ucp_client_server -c api -v entries [-s size]`: the message is an IOV of `entries`
+/// buffers of `size` bytes on both sides (UCP_DATATYPE_IOV, `count` = entries: the example's
+/// own datatype for `-v` > 1), each holding the example's test string (`size - 1` letters and
+/// a NUL). The server prints each entry it received: every one must be the whole string (a
+/// byte misplaced by the scatter shows as a shorter, longer or shifted line).
+fn client_server_iov(api: &str, entries: usize, size: Option<usize>) {
+    let v = entries.to_string();
+    let sz = size.map(|n| n.to_string());
+    let mut args = vec!["-c", api, "-v", &v];
+    if let Some(n) = &sz {
+        args.extend(["-s", n.as_str()]);
+    }
+    let Some(sout) = client_server(&args, 1, 1, false) else {
+        return;
+    };
+    let len = size.unwrap_or(16);
+    let want: String = (0..len - 1)
+        .map(|i| char::from(b'A' + (i % 26) as u8))
+        .chain(['.'])
+        .collect();
+    let whole = sout.lines().filter(|l| *l == want).count();
+    assert_eq!(
+        whole, entries,
+        "{api}: one whole test string ({len} bytes) per entry received:\n{sout}"
+    );
+    let entry_lines = sout
+        .lines()
+        .filter(|l| l.starts_with('A') && l.ends_with('.'))
+        .count();
+    assert_eq!(entry_lines, entries, "{api}: no other entry lines:\n{sout}");
+}
+
+#[test]
+fn client_server_iov_four_entries() {
+    for api in ["tag", "stream", "am"] {
+        client_server_iov(api, 4, None);
+    }
+}
+
+#[test]
+fn client_server_iov_three_large_entries() {
+    // 3 x 300 kB: rendezvous sizes (the active message's payload is fetched by
+    // `ucp_am_recv_data_nbx` into the IOV).
+    for api in ["tag", "stream", "am"] {
+        client_server_iov(api, 3, Some(300_000));
+    }
+}
+
+#[test]
+fn client_server_iov_seven_small_entries() {
+    for api in ["tag", "stream", "am"] {
+        client_server_iov(api, 7, Some(5));
+    }
 }
 
 #[test]
@@ -488,4 +551,44 @@ fn client_server_over_ipv6() {
         return;
     }
     client_server(&["-c", "am"], 1, 1, true);
+}
+
+/// `tests/c/cs_one_thread.c` (ours, the public ucp API only): a client and its server in one
+/// thread, connected by `ucp_ep_create` by socket address that returns at once and progress of
+/// both workers; operations posted while connecting in order, the client id, a reject, a port
+/// nobody listens on. Built against the system's UCX and run on it first (the program states
+/// UCX's semantics), then on rucx's library (which must match them).
+#[test]
+fn one_thread_client_and_server_on_the_system_ucx_and_on_rucx() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(s) = setup() else { return };
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/cs_one_thread.c");
+    let exe = s.dir.join("cs_one_thread");
+    run_ok(
+        Command::new("cc")
+            .args(["-O1", "-Wall", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .args(["-I/usr/include", "-lucp", "-lucs"]),
+        "cc cs_one_thread.c",
+    );
+    // The system's UCX: its own libraries (none of ours on the path).
+    let out = run_ok(
+        Command::new("timeout")
+            .arg("120")
+            .arg(&exe)
+            .env_remove("LD_LIBRARY_PATH")
+            .env_remove("RUCX_ABI_ANNOUNCE"),
+        "cs_one_thread on the system's UCX",
+    );
+    assert!(out.contains("cs_one_thread OK"), "{out}");
+    // rucx's.
+    let p = Proc::spawn(s, "cs_one_thread", &[]);
+    let (status, out) = p.finish();
+    assert!(
+        status.is_some_and(|st| st.success()),
+        "cs_one_thread on rucx: {status:?}\n{out}"
+    );
+    assert!(out.contains("cs_one_thread OK"), "{out}");
+    assert_rucx(s, "cs_one_thread", &out);
 }

@@ -88,6 +88,9 @@ pub(super) struct Events {
     set: std::cell::OnceCell<std::result::Result<Set, Error>>,
     /// See [`SleepTimer`].
     timer: RefCell<SleepTimer>,
+    /// Descriptors of the worker's own in the set besides the interfaces' (the connection
+    /// manager's sockets, `connecting.rs`): added to it when it is made, or at once.
+    extra: RefCell<Vec<RawFd>>,
     /// Requests polled as futures and not finished then: woken when a progress call (or a
     /// cancel) finishes them.
     wakers: RefCell<Vec<(u64, Waker)>>,
@@ -124,6 +127,20 @@ impl Events {
         Some(fd.fd())
     }
 
+    /// Have the set watch `fd` (readable) too, from now on, whether or not it is made yet.
+    pub(super) fn add_extra(&self, ifaces: &[Box<dyn rucx_uct::Iface>], fd: RawFd) {
+        if self.extra.borrow().contains(&fd) {
+            return;
+        }
+        self.extra.borrow_mut().push(fd);
+        if self.set.get().is_some()
+            && let Ok(s) = self.get(ifaces)
+            && let Err(e) = s.set.add(fd, u64::MAX)
+        {
+            tracing::warn!("worker: its event set does not take descriptor {fd}: {e}");
+        }
+    }
+
     /// The set over `ifaces`' descriptors.
     fn get(&self, ifaces: &[Box<dyn rucx_uct::Iface>]) -> Result<&Set> {
         self.set
@@ -158,6 +175,11 @@ impl Events {
                         }
                     }
                 }
+                for &fd in self.extra.borrow().iter() {
+                    set.add(fd, u64::MAX).map_err(|e| {
+                        Error::io("worker: adding the connection manager's set to its set", e)
+                    })?;
+                }
                 let single = match with_fd[..] {
                     [i] if !poll_only => Some(i),
                     _ => None,
@@ -186,7 +208,9 @@ impl State {
             return Some("owned requests, closes or endpoint errors wait to be handed out".into());
         }
         for p in &self.peers {
-            if p.failed.is_none() && (!p.connected || p.needs_lanes) {
+            // One the connection manager is connecting waits for its socket, which is in
+            // the event set (`connecting.rs`).
+            if p.failed.is_none() && !p.cm_pending && (!p.connected || p.needs_lanes) {
                 return Some("an endpoint is being connected".into());
             }
             if !p.queue.is_empty() {
@@ -334,7 +358,8 @@ impl Worker {
             let ifaces = self.ifaces.borrow();
             self.events.get(&ifaces)?.single
         };
-        if let Some(i) = single {
+        // Connections under way are in the set, not on the interface: sleep on the set then.
+        if let Some(i) = single.filter(|_| !self.cm_any.get()) {
             // `arm` without the interface's part, which `arm_and_wait` does.
             let now = Instant::now();
             self.check_peers(now);

@@ -141,6 +141,8 @@ impl Worker {
     pub fn close(&self, ep: EpId, mode: CloseMode) -> OwnedRequest<()> {
         let (req, shared) = OwnedRequest::new(self.owned_uuid(), ());
         let p = ep.0;
+        // Still being connected: the connection is dropped, its held requests end.
+        self.cm_abandon(ep);
         {
             let mut st = self.st.borrow_mut();
             let Some(peer) = st.peers.get(p) else {

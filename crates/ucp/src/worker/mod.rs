@@ -33,6 +33,9 @@ pub(crate) mod atomic;
 #[cfg(test)]
 mod atomic_tests;
 mod cancel;
+mod connecting;
+#[cfg(test)]
+mod connecting_tests;
 mod direct;
 mod dispatch;
 mod events;
@@ -161,6 +164,10 @@ pub struct Worker {
     id_lists: RefCell<Vec<Vec<u64>>>,
     /// The event set for sleeping and the wakers of awaited requests (`events.rs`).
     events: events::Events,
+    /// Connections the connection manager is making (`connecting.rs`), and whether there are
+    /// any (one load per progress call).
+    cm: RefCell<connecting::Clients>,
+    cm_any: std::cell::Cell<bool>,
 }
 
 impl fmt::Debug for Worker {
@@ -349,6 +356,8 @@ impl Worker {
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
             events: events::Events::default(),
+            cm: RefCell::default(),
+            cm_any: std::cell::Cell::new(false),
         })
     }
 
@@ -391,6 +400,23 @@ impl Worker {
     /// ([`take_completed`](Self::take_completed)).
     #[inline(always)]
     fn progress_once(&self) -> (usize, bool) {
+        // Connections being made by socket address: out of line (one load on the usual pass).
+        if self.cm_any.get() {
+            return self.progress_with_cm();
+        }
+        self.progress_pass()
+    }
+
+    /// [`progress_once`](Self::progress_once) while the connection manager makes connections.
+    #[inline(never)]
+    fn progress_with_cm(&self) -> (usize, bool) {
+        let cm = self.progress_cm();
+        let (n, completed) = self.progress_pass();
+        (n + cm, completed)
+    }
+
+    #[inline(always)]
+    fn progress_pass(&self) -> (usize, bool) {
         let (n, quiet) = self.progress_events();
         if let Some(completed) = quiet {
             return (n, completed);

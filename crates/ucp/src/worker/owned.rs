@@ -167,6 +167,16 @@ pub struct QueuedReq {
 }
 
 impl QueuedReq {
+    /// A request held by an endpoint still connecting (`connecting.rs`): no request of the
+    /// table yet (an id the table never hands out), so it cannot be canceled.
+    pub(super) fn held(worker: u64) -> QueuedReq {
+        QueuedReq {
+            id: u64::MAX,
+            worker,
+            direct: false,
+        }
+    }
+
     pub(super) fn direct(key: u64, worker: u64) -> QueuedReq {
         QueuedReq {
             id: key,
@@ -256,6 +266,13 @@ impl Worker {
         sync: bool,
         token: u64,
     ) -> Queued {
+        if let Some(q) = self.hold_if_connecting(ep, token, || super::connecting::Held::Tag {
+            buf: buf.clone(),
+            tag,
+            sync,
+        }) {
+            return q;
+        }
         let posted = self.post_send(ep, SendBuf::of_raw(&buf), tag, sync);
         self.adopt_queued(posted, token)
     }

@@ -18,25 +18,7 @@ impl State {
         let p = self.peers.len();
         self.by_uuid.insert(remote.uuid, p);
         self.last_src.set((0, 0));
-        self.peers.push(Peer {
-            remote,
-            eps: Lanes::default(),
-            connected: false,
-            am: usize::MAX,
-            rma: None,
-            plan: EpPlan::default(),
-            plan_at: (u64::MAX, u64::MAX),
-            needs_lanes: false,
-            targets: Vec::new(),
-            failed: None,
-            failure: None,
-            queue: VecDeque::new(),
-            next_msg: 0,
-            stream_rx: StreamRx::default(),
-            live: liveness::PeerLive::default(),
-            closed: None,
-            remote_ep: None,
-        });
+        self.peers.push(Peer::new(remote));
         Ok(p)
     }
 
@@ -49,6 +31,7 @@ impl State {
     pub(crate) fn settle_peer(&mut self, p: usize, ifaces: &mut [Box<dyn Iface>]) {
         if !self.peers[p].connected
             && self.peers[p].failed.is_none()
+            && !self.peers[p].cm_pending
             && let Err(e) = self.connect_peer(p, ifaces)
         {
             self.fail_peer(p, &e.to_string());

@@ -21,7 +21,6 @@ pub(crate) use crate::proto::gpu::*;
 pub(crate) use crate::proto::io::ProtoIo;
 pub(crate) use crate::proto::rma::*;
 pub(crate) use crate::proto::rndv::*;
-pub(crate) use crate::proto::stream::StreamRx;
 pub(crate) use crate::proto::{self, Proto};
 pub(crate) use crate::wire::{self, Msg, MsgKind, NamedKey};
 

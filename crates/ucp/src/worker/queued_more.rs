@@ -4,6 +4,7 @@
 
 use rucx_ucs::RawBuf;
 
+use super::connecting::Held;
 use super::owned::Queued;
 use super::{EpId, Posted, Worker};
 use crate::{AmPayload, RecvBuf, SendBuf};
@@ -13,6 +14,9 @@ impl Worker {
     /// [`Scope::stream_send`](crate::Scope::stream_send)), its end queued with `token`. The
     /// memory is the request's, under [`RawBuf::new`]'s contract, until its end was reported.
     pub fn stream_send_queued(&self, ep: EpId, buf: RawBuf, token: u64) -> Queued {
+        if let Some(q) = self.hold_if_connecting(ep, token, || Held::Stream { buf: buf.clone() }) {
+            return q;
+        }
         let posted = self.post_stream_send(ep, SendBuf::of_raw(&buf));
         self.adopt_queued(posted, token)
     }
@@ -39,7 +43,24 @@ impl Worker {
         buf: RawBuf,
         token: u64,
     ) -> Queued {
+        if let Some(q) = self.hold_if_connecting(ep, token, || Held::Am {
+            id,
+            header: header.to_vec(),
+            buf: buf.clone(),
+        }) {
+            return q;
+        }
         let posted = self.post_am(ep, id, header, SendBuf::of_raw(&buf));
+        self.adopt_queued(posted, token)
+    }
+
+    /// Flush endpoint `ep` (see [`Scope::flush`](crate::Scope::flush)), its end queued with
+    /// `token`: it ends once what was posted on `ep` before it is out.
+    pub fn flush_queued(&self, ep: EpId, token: u64) -> Queued {
+        if let Some(q) = self.hold_if_connecting(ep, token, || Held::Flush) {
+            return q;
+        }
+        let posted = self.post_flush(ep).map(Posted::Pending);
         self.adopt_queued(posted, token)
     }
 

@@ -169,6 +169,35 @@ pub(crate) struct Peer {
     pub(crate) closed: Option<super::lifecycle::Closed>,
     /// The peer's endpoint id for us, from its wire-up (`lifecycle.rs`: reconnects).
     pub(crate) remote_ep: Option<u64>,
+    /// The connection manager has not named the peer yet (`connecting.rs`): `remote` is a
+    /// stand-in, and only the connection step connects the endpoint.
+    pub(crate) cm_pending: bool,
+}
+
+impl Peer {
+    /// A peer of `remote`, not connected yet.
+    pub(crate) fn new(remote: WorkerAddress) -> Peer {
+        Peer {
+            remote,
+            eps: Lanes::default(),
+            connected: false,
+            am: usize::MAX,
+            rma: None,
+            plan: EpPlan::default(),
+            plan_at: (u64::MAX, u64::MAX),
+            needs_lanes: false,
+            targets: Vec::new(),
+            failed: None,
+            failure: None,
+            queue: VecDeque::new(),
+            next_msg: 0,
+            stream_rx: StreamRx::default(),
+            live: liveness::PeerLive::default(),
+            closed: None,
+            remote_ep: None,
+            cm_pending: false,
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]

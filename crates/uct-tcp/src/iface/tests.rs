@@ -701,3 +701,65 @@ fn a_sleep_names_the_ready_sockets_for_the_next_progress_and_a_timer_ends_it() {
     assert_eq!(n, 1);
     drop(ba);
 }
+
+/// An idle interface's looks at its listener come about every `IDLE_POLL_GAP`: a spinning
+/// caller's count grows (at most doubling per look, capped), a rare caller's shrinks to every
+/// call, and the first look keeps the count it was given.
+#[test]
+fn idle_listener_looks_follow_the_callers_pace() {
+    let us = Duration::from_micros;
+    assert_eq!(idle_scale(32, None), 32);
+    // 32 calls in 1 us: far faster than the gap, but the count only doubles.
+    assert_eq!(idle_scale(32, Some(us(1))), 64);
+    assert_eq!(idle_scale(2048, Some(us(1))), IDLE_POLL_MAX);
+    assert_eq!(
+        idle_scale(IDLE_POLL_MAX, Some(Duration::ZERO)),
+        IDLE_POLL_MAX
+    );
+    // Exactly the gap: unchanged; twice the gap: half.
+    assert_eq!(idle_scale(512, Some(IDLE_POLL_GAP)), 512);
+    assert_eq!(idle_scale(512, Some(IDLE_POLL_GAP * 2)), 256);
+    // A caller that sleeps a millisecond between progress calls looks on every call.
+    assert_eq!(idle_scale(32, Some(Duration::from_millis(32))), 1);
+    assert_eq!(idle_scale(1, Some(Duration::from_secs(5))), 1);
+    // A spinning caller gets from 32 to the cap in a few looks.
+    let mut every = IDLE_POLL_EVERY;
+    for _ in 0..8 {
+        every = idle_scale(every, Some(us(1)));
+    }
+    assert_eq!(every, IDLE_POLL_MAX);
+}
+
+/// A connection to an idle interface whose caller spins without arming is accepted within a
+/// bounded number of progress calls, and one whose caller progresses only now and then within
+/// a few of its calls: the listener's looks adapt to the caller's pace.
+#[test]
+fn an_idle_listener_accepts_a_new_connection_at_any_pace() {
+    for pause in [Duration::ZERO, Duration::from_millis(2)] {
+        let mut server = open();
+        let mut sink = |_: Event<'_>| {};
+        // Idle for a while at this pace, so the count has settled.
+        for _ in 0..if pause.is_zero() { 100_000 } else { 80 } {
+            server.progress(&mut sink);
+            std::thread::sleep(pause);
+        }
+        let addr = server.listener.local_addr().unwrap();
+        let _client = std::net::TcpStream::connect(addr).unwrap();
+        let start = Instant::now();
+        let mut calls = 0u32;
+        while server.slots.len() == server.free.len() {
+            server.progress(&mut sink);
+            calls += 1;
+            std::thread::sleep(pause);
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "not accepted after {calls} calls"
+            );
+        }
+        if pause.is_zero() {
+            assert!(calls <= IDLE_POLL_MAX + 1, "{calls} calls");
+        } else {
+            assert!(calls <= 4, "{calls} calls with {pause:?} between them");
+        }
+    }
+}
