@@ -45,10 +45,10 @@ pub use drive::block_on;
 pub use rucx_cuda as cuda;
 pub use rucx_ucp as ucp;
 pub use rucx_ucp::{
-    AmMessage, AmPayload, AmRemoteData, CloseMode, Completion, Context, Demotion, EpId, HostAlloc,
-    MemMap, OwnedHandle, OwnedRequest, Progressing, RecvBuf, Request, RkeyBundle, Scope, SendBuf,
-    TAG_MASK_ANY, TAG_MASK_FULL, Tag, Worker, wait_all, wait_all_timeout, wait_any,
-    wait_any_timeout,
+    AmMessage, AmPayload, AmRemoteData, AtomicOp, AtomicWord, CloseMode, Completion, Context,
+    Demotion, EpId, HostAlloc, MemMap, OwnedHandle, OwnedRequest, Progressing, RecvBuf, Request,
+    RkeyBundle, Scope, SendBuf, TAG_MASK_ANY, TAG_MASK_FULL, Tag, Worker, wait_all,
+    wait_all_timeout, wait_any, wait_any_timeout,
 };
 pub use rucx_ucs as ucs;
 pub use rucx_ucs::{

@@ -43,8 +43,8 @@ pub use plan::{EpPlan, PathInfo};
 pub use rucx_ucs::{OwnedBuf, OwnedBufMut, RawBuf};
 pub use scope::{Request, Scope, wait_all, wait_all_timeout, wait_any, wait_any_timeout};
 pub use worker::{
-    AmMessage, AmPayload, AmRemoteData, CloseMode, Completion, EpId, MemMap, POLL_ONLY_TICK,
-    Queued, QueuedReq, RkeyBundle, WAIT_TICK, Worker,
+    AmMessage, AmPayload, AmRemoteData, AtomicOp, AtomicWord, CloseMode, Completion, EpId, MemMap,
+    POLL_ONLY_TICK, Queued, QueuedReq, RkeyBundle, WAIT_TICK, Worker,
 };
 
 /// What `docs/architecture.md` says of [`Context`]'s registration: `can_register`,

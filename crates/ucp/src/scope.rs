@@ -81,7 +81,12 @@ impl<'scope, 'w> Scope<'scope, 'w> {
         self.track_posted(r.map(Posted::Pending))
     }
 
-    fn track_posted(&'scope self, r: Result<Posted>) -> Request<'scope> {
+    /// The scope's worker.
+    pub(crate) fn worker(&self) -> &'w Worker {
+        self.worker
+    }
+
+    pub(crate) fn track_posted(&'scope self, r: Result<Posted>) -> Request<'scope> {
         let state = match r {
             Ok(Posted::Pending(id)) => {
                 self.reqs.borrow_mut().push(id);

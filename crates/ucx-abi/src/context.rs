@@ -22,13 +22,19 @@ pub struct AbiContext {
     /// No domain classifies memory by address: every buffer is host memory, known without
     /// asking.
     pub host_only: bool,
+    /// The worker that registers mapped memory (`ucp_mem_map`, [`crate::rma`]).
+    pub rma: crate::rma::CtxRma,
 }
 
-/// Features this library serves: tag matching, streams, active messages and wake-up (event
-/// descriptors). RMA and atomics are refused at init (`UCS_ERR_UNSUPPORTED`), so Open MPI's
-/// osc/spml components step aside instead of failing later.
-const FEATURES_SERVED: u64 =
-    UCP_FEATURE_TAG | UCP_FEATURE_STREAM | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+/// Features this library serves: tag matching, streams, active messages, wake-up (event
+/// descriptors), remote memory access and 32/64-bit atomics ([`crate::rma`]).
+const FEATURES_SERVED: u64 = UCP_FEATURE_TAG
+    | UCP_FEATURE_STREAM
+    | UCP_FEATURE_AM
+    | UCP_FEATURE_WAKEUP
+    | UCP_FEATURE_RMA
+    | UCP_FEATURE_AMO32
+    | UCP_FEATURE_AMO64;
 
 /// `void ucp_get_version(unsigned *major, unsigned *minor, unsigned *release)`.
 ///
@@ -111,7 +117,7 @@ pub unsafe extern "C" fn ucp_init_version(
     if features & !FEATURES_SERVED != 0 {
         tracing::info!(
             "ucp_init: features {features:#x} refused: rucx's libucp serves tag matching, streams, \
-             active messages and wake-up"
+             active messages, wake-up, RMA and 32/64-bit atomics"
         );
         return UCS_ERR_UNSUPPORTED;
     }
@@ -174,6 +180,7 @@ pub unsafe extern "C" fn ucp_init_version(
         pool: Pool::new(user_size, init, cleanup),
         memtype_cache,
         host_only,
+        rma: Default::default(),
     };
     // SAFETY: checked non-NULL; writable by the caller's promise.
     unsafe { *context_p = Box::into_raw(Box::new(abi)) };
@@ -361,7 +368,7 @@ mod tests {
         let mut ctx: *mut AbiContext = std::ptr::null_mut();
         let mut p = UcpParams {
             field_mask: UCP_PARAM_FIELD_FEATURES,
-            features: UCP_FEATURE_TAG | UCP_FEATURE_RMA,
+            features: UCP_FEATURE_TAG | (1 << 7),
             request_size: 0,
             request_init: None,
             request_cleanup: None,

@@ -265,7 +265,8 @@ pub unsafe extern "C" fn ucp_ep_destroy(ep: *mut AbiEp) {
 }
 
 /// `ucs_status_ptr_t ucp_ep_flush_nb(ucp_ep_h ep, unsigned flags, ucp_send_callback_t cb)`:
-/// completes in place once the worker's sends ended.
+/// completes in place once the worker's operations ended and the endpoint's lanes were
+/// flushed.
 ///
 /// # Safety
 /// `ep` NULL or live.
@@ -279,6 +280,7 @@ pub unsafe extern "C" fn ucp_ep_flush_nb(
     match unsafe { ep.as_ref() } {
         Some(ep) => {
             flush(ep.worker());
+            crate::rma::flush_remote(ep.worker(), Some(ep.id));
             std::ptr::null_mut()
         }
         None => status_ptr(UCS_ERR_INVALID_PARAM),

@@ -14,8 +14,8 @@
 //! - `listener`, `stream`, `am`, `wait` (with `nbx`, `extra`, `types_more`): client/server
 //!   connection establishment, streams, active messages and wake-up, what UCX's own examples
 //!   (`ucp_hello_world`, `ucp_client_server`) call;
-//! - `refused`: the remote-memory and atomic functions of osc/spml, exported so that the
-//!   components load, each returning `UCS_ERR_UNSUPPORTED`;
+//! - [`rma`]: memory mapping, remote keys, puts, gets and atomics (what Open MPI's osc/ucx,
+//!   spml/ucx, atomic/ucx and sshmem/ucx call);
 //! - `ucm`: the memory-event hooks Open MPI's common/ucx calls.
 //!
 //! Every function taking pointers from C checks them for NULL and unknown `field_mask` bits and
@@ -35,8 +35,10 @@ mod iov;
 mod listener;
 mod memtype;
 mod nbx;
-mod refused;
 mod request;
+pub mod rma;
+#[cfg(test)]
+mod rma_tests;
 pub mod status;
 mod stream;
 mod tag;

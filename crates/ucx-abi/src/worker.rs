@@ -613,14 +613,23 @@ pub unsafe extern "C" fn ucp_worker_release_address(
     unsafe { libc::free(address) };
 }
 
-/// `ucs_status_t ucp_worker_fence(ucp_worker_h worker)`: rucx keeps each endpoint's operations
-/// in order already.
+/// `ucs_status_t ucp_worker_fence(ucp_worker_h worker)`: a strong fence. Each endpoint keeps
+/// its tag, stream and active-message operations in order already; puts and gets (on the RMA
+/// lanes) and atomics (carried out by the target's worker) are not ordered among themselves,
+/// so the fence returns once every one posted before it completed ([`rucx_ucp::Worker::fence`]).
+///
+/// # Safety
+/// `worker` NULL or live.
 #[unsafe(no_mangle)]
-pub extern "C" fn ucp_worker_fence(worker: *const AbiWorker) -> Status {
-    if worker.is_null() {
-        UCS_ERR_INVALID_PARAM
-    } else {
-        UCS_OK
+pub unsafe extern "C" fn ucp_worker_fence(worker: *const AbiWorker) -> Status {
+    // SAFETY: the caller's promise.
+    match unsafe { worker.as_ref() } {
+        None => UCS_ERR_INVALID_PARAM,
+        Some(w) => {
+            flush(w);
+            crate::rma::flush_remote(w, None);
+            UCS_OK
+        }
     }
 }
 
@@ -632,7 +641,8 @@ pub(crate) fn flush(w: &AbiWorker) {
 }
 
 /// `ucs_status_ptr_t ucp_worker_flush_nb(ucp_worker_h worker, unsigned flags,
-/// ucp_send_callback_t cb)`: completes in place (returns NULL) once the worker's sends ended.
+/// ucp_send_callback_t cb)`: completes in place (returns NULL) once the worker's operations
+/// ended (sends, puts, gets, atomics) and every endpoint's lanes were flushed.
 ///
 /// # Safety
 /// `worker` NULL or live.
@@ -646,6 +656,7 @@ pub unsafe extern "C" fn ucp_worker_flush_nb(
     match unsafe { worker.as_ref() } {
         Some(w) => {
             flush(w);
+            crate::rma::flush_remote(w, None);
             std::ptr::null_mut()
         }
         None => status_ptr(UCS_ERR_INVALID_PARAM),

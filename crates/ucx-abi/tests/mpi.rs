@@ -296,3 +296,161 @@ fn ucp_error_handler_when_the_peer_exits() {
         assert_rucx_loaded(&job, 2);
     }
 }
+
+/// `tests/c/rma.c` (MPI one-sided: windows allocated and created, puts and gets under fences
+/// and passive-target locks with flushes, accumulates, fetch-and-op at 64 and 32 bits,
+/// compare-and-swap; every byte and value checked) with `osc ucx` forced (`OMPI_MCA_osc=ucx`
+/// in every rank: with no other one-sided component allowed, a window fails to be made if
+/// osc/ucx cannot initialize over rucx), over shared memory and over TCP.
+fn run_rma(np: usize) {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let prog = build("rma");
+    for tls in ["posix,self", "tcp,self"] {
+        let env = [("OMPI_MCA_osc", "ucx"), ("RUCX_TLS", tls)];
+        let job = mpirun(np, &prog, true, &env, Duration::from_secs(300));
+        println!(
+            "rma on {np} ranks over {tls}: exit {:?} in {:?}\n{}{}",
+            job.code, job.took, job.stdout, job.stderr
+        );
+        assert!(
+            job.ok,
+            "rma over {tls} failed:\n{}\n{}",
+            job.stdout, job.stderr
+        );
+        // Each rank initializes rucx's libucp twice: pml/ucx's context and osc/ucx's.
+        let lib = setup().lib.display().to_string();
+        let inits: Vec<&str> = job
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("rucx libucp: ucp_init in pid"))
+            .collect();
+        assert_eq!(inits.len(), 2 * np, "{}", job.stderr);
+        assert!(inits.iter().all(|l| l.ends_with(&format!("from {lib}"))));
+        for r in 0..np {
+            assert!(
+                job.stdout.contains(&format!("rank {r}: rma OK")),
+                "rank {r} did not finish rma over {tls}:\n{}\n{}",
+                job.stdout,
+                job.stderr
+            );
+        }
+    }
+}
+
+#[test]
+fn rma_two_ranks() {
+    run_rma(2);
+}
+
+#[test]
+fn rma_three_ranks() {
+    run_rma(3);
+}
+
+/// The same program passes with the system's UCX (osc ucx forced too), where its pml/ucx can
+/// be selected on this machine: the test program is right about MPI, so a failure over rucx
+/// is rucx's.
+#[test]
+fn rma_with_the_system_ucx() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let prog = build("rma");
+    let job = mpirun(
+        2,
+        &prog,
+        false,
+        &[("OMPI_MCA_osc", "ucx")],
+        Duration::from_secs(300),
+    );
+    if !job.ok && job.stderr.contains("PML ucx cannot be selected") {
+        println!(
+            "the system's UCX cannot run pml/ucx here: skipped\n{}",
+            job.stderr
+        );
+        return;
+    }
+    assert!(
+        job.ok,
+        "rma with the system UCX:\n{}\n{}",
+        job.stdout, job.stderr
+    );
+    assert!(job.stdout.contains("rank 1: rma OK"), "{}", job.stdout);
+}
+
+/// `tests/c/shmem.c` (OpenSHMEM: the symmetric heap mapped by `sshmem ucx` with
+/// `UCP_MEM_MAP_ALLOCATE | UCP_MEM_MAP_FIXED`, puts and gets, fetching and posted atomics at
+/// 64 and 32 bits from every PE, compare-and-swap; every byte and value checked) under
+/// `oshrun` with `spml ucx` and `atomic ucx` forced, on rucx's libraries, 2 and 3 PEs. Every
+/// PE must print its success line. Open MPI 4.1's OpenSHMEM then crashes in
+/// `shmem_finalize` on this machine (a memory-release hook of an unloaded component called
+/// from an exiting thread), with the system's UCX as with rucx: a job that fails only so
+/// (every PE done, signal 11 reported) is taken as passing.
+#[test]
+fn shmem_over_spml_ucx() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    if !have("oshcc") || !have("oshrun") {
+        println!(
+            "oshcc/oshrun missing: skipped (Debian's openmpi-bin and libopenmpi-dev have them)"
+        );
+        return;
+    }
+    let s = setup();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/shmem.c");
+    let exe = s.dir.join("shmem");
+    run_ok(
+        Command::new("oshcc")
+            .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+            .arg(&exe)
+            .arg(&src),
+        "oshcc shmem.c",
+    );
+    for np in [2, 3] {
+        let mut cmd = Command::new("oshrun");
+        cmd.args(["-np", &np.to_string(), "--oversubscribe"])
+            .args(["--mca", "spml", "ucx", "--mca", "atomic", "ucx"])
+            .args(["--mca", "pml", "ucx", "--mca", "btl", "self"])
+            .args([
+                "--mca",
+                "pml_ucx_tls",
+                "any",
+                "--mca",
+                "pml_ucx_devices",
+                "any",
+            ]);
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            cmd.arg("--allow-run-as-root");
+        }
+        cmd.args(["-x", &format!("LD_LIBRARY_PATH={}", s.dir.display())])
+            .args(["-x", "RUCX_ABI_ANNOUNCE=y"])
+            .arg(&exe)
+            .stdin(Stdio::null());
+        let start = Instant::now();
+        let out = cmd.output().expect("oshrun runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        println!(
+            "shmem on {np} PEs: {:?} in {:?}\n{stdout}{stderr}",
+            out.status,
+            start.elapsed()
+        );
+        for pe in 0..np {
+            assert!(
+                stdout.contains(&format!("pe {pe}: shmem OK")),
+                "PE {pe} did not finish:\n{stdout}\n{stderr}"
+            );
+        }
+        assert!(
+            out.status.success() || stderr.contains("Segmentation fault"),
+            "shmem failed otherwise than the finalize crash:\n{stdout}\n{stderr}"
+        );
+        let lib = s.lib.display().to_string();
+        let inits = stderr
+            .lines()
+            .filter(|l| l.starts_with("rucx libucp: ucp_init in pid") && l.ends_with(&lib))
+            .count();
+        assert!(
+            inits >= np,
+            "rucx's libucp was not loaded by every PE:\n{stderr}"
+        );
+    }
+}

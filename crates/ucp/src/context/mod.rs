@@ -131,6 +131,8 @@ pub(crate) struct CtxInner {
     gpu_regs: Mutex<std::collections::HashMap<(usize, usize, usize), MemHandle>>,
     warned: Mutex<HashSet<(String, MemoryType, Option<u32>)>>,
     epoch: AtomicU64,
+    /// Regions mapped for remote access, which atomics are checked against.
+    maps: crate::worker::atomic::MapRegistry,
 }
 
 /// A rucx context: resources and configuration shared by its workers.
@@ -173,6 +175,7 @@ impl Context {
                 gpu_regs: Mutex::new(std::collections::HashMap::new()),
                 warned: Mutex::new(HashSet::new()),
                 epoch: AtomicU64::new(0),
+                maps: Default::default(),
             }),
         };
         for pair in ctx.inner.config.list("REG_SKIP").to_vec() {
@@ -223,6 +226,11 @@ impl Context {
     /// Components or domains that cannot run here, with the reason.
     pub fn unavailable(&self) -> &[(String, String)] {
         &self.inner.unavailable
+    }
+
+    /// The regions mapped for remote access (`worker/atomic.rs`).
+    pub(crate) fn maps(&self) -> &crate::worker::atomic::MapRegistry {
+        &self.inner.maps
     }
 
     pub(crate) fn domain(&self, i: usize) -> &Arc<dyn MemoryDomain> {

@@ -1,4 +1,5 @@
-//! Protocol messages on the wire (active-message ids 1..=22 belong to UCP).
+//! Protocol messages on the wire (active-message ids 1..=25 belong to UCP; 24 and 25, the
+//! atomics, are written and read by `worker/atomic.rs`).
 //!
 //! Every message starts with the sender worker's uuid, so the receiver knows which peer it came
 //! from without trusting transport-level sources.

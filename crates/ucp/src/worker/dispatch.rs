@@ -73,6 +73,9 @@ impl State {
                 None,
             );
         }
+        if let Some(r) = self.on_atomic_am(id, data) {
+            return r;
+        }
         match wire::parse(id, data)? {
             Msg::Wireup { ep, addr } => {
                 let remote = WorkerAddress::unpack(addr)?;

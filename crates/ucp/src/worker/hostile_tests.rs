@@ -638,3 +638,97 @@ proptest! {
         run("tcp", &c, true);
     }
 }
+
+/// A forged atomic request `op`/`size` at `addr` from H to A: handed to A as its transport
+/// would; the result of A's handler.
+fn forge_atomic(a: &Worker, h: &Worker, addr: u64, op: u8, size: u8) -> Result<()> {
+    let mut b = Vec::new();
+    wire::put_u64s(&mut b, &[uuid(h), 77, addr, 0xffff_ffff_ffff_ffff, 0]);
+    b.push(op);
+    b.push(size);
+    a.st.borrow_mut().on_am(super::atomic::AM_ATOMIC_REQ, &b)
+}
+
+/// A hostile peer's atomics on A's memory: on memory A never mapped (a live buffer of its
+/// own), just outside a mapped region, misaligned inside one, with a bad size or operation,
+/// at an address that wraps: each is refused (answered, not applied) and no byte changes;
+/// the same request on an aligned word inside the region is applied. A forged answer naming
+/// A's receive (not an atomic) is refused and the receive is untouched.
+#[test]
+fn a_hostile_peer_cannot_apply_atomics_outside_mapped_memory() {
+    for tls in ["posix", "tcp"] {
+        let (a, h) = (worker(tls), worker(tls));
+        let ah = a.connect(&h.address()).unwrap();
+        h.connect(&a.address()).unwrap();
+        let mut secret = vec![0x11u8; 64];
+        let mut region = [0u8; 48];
+        let off = (8 - region.as_ptr() as usize % 8) % 8;
+        let map = a.mem_map(&mut region[off..off + 32]).unwrap();
+        let base = map.address();
+        let refused = |a: &Worker| a.counters().get("atomic refused").copied().unwrap_or(0);
+        let cases = [
+            (
+                secret.as_mut_ptr() as u64,
+                1u8,
+                8u8,
+                "memory A never mapped",
+            ),
+            (base + 32, 0, 8, "just past the region"),
+            (base - 8, 0, 8, "just before the region"),
+            (base + 28, 0, 8, "straddling the end"),
+            (base + 4, 0, 8, "misaligned"),
+            (base + 2, 0, 4, "misaligned 32-bit"),
+            (base, 0, 16, "a 16-byte operand"),
+            (base, 0, 0, "a 0-byte operand"),
+            (base, 9, 8, "an unknown operation"),
+            (u64::MAX - 3, 0, 8, "an address that wraps"),
+        ];
+        for (n, (addr, op, size, what)) in cases.into_iter().enumerate() {
+            forge_atomic(&a, &h, addr, op, size).unwrap();
+            assert_eq!(refused(&a), n as u64 + 1, "{tls}: {what} was not refused");
+            assert_eq!(map.as_slice(), [0u8; 32], "{tls}: {what}");
+        }
+        assert_eq!(
+            secret,
+            vec![0x11u8; 64],
+            "{tls}: A's own memory was written"
+        );
+        // The answers went back to H, which has no such request: dropped there.
+        for _ in 0..50 {
+            a.progress();
+            h.progress();
+        }
+        // An honest-looking one inside the region is applied (add of all ones = -1).
+        forge_atomic(&a, &h, base + 8, 0, 8).unwrap();
+        assert_eq!(map.as_slice()[8..16], u64::MAX.to_ne_bytes(), "{tls}");
+        drop(map);
+        forge_atomic(&a, &h, base + 8, 0, 8).unwrap();
+        assert_eq!(
+            region[off + 8..off + 16],
+            u64::MAX.to_ne_bytes(),
+            "{tls}: applied after the unmap"
+        );
+        // A forged answer naming A's receive.
+        let mut buf = vec![7u8; 16];
+        a.scope(|s| {
+            let r = s.tag_recv(&mut buf[..], 5, TAG_MASK_FULL);
+            let rid = {
+                let st = a.st.borrow();
+                st.reqs
+                    .iter()
+                    .find(|(_, q)| matches!(q.kind, ReqKind::Recv(_)))
+                    .map(|(id, _)| id)
+                    .unwrap()
+            };
+            let bytes = super::atomic::encode_rep(uuid(&h), rid, u64::MAX, 0);
+            let e =
+                a.st.borrow_mut()
+                    .on_am(super::atomic::AM_ATOMIC_REP, &bytes);
+            assert!(matches!(e, Err(Error::InvalidParam(_))), "{e:?}");
+            assert!(r.test().is_none());
+            assert!(r.cancel());
+        });
+        assert_eq!(buf, vec![7u8; 16]);
+        let _ = ah;
+    }
+}

@@ -80,7 +80,18 @@ pub struct MemMap<'a> {
     dev: Option<u32>,
     guards: Vec<(String, RegGuard)>,
     packed: Vec<NamedKey>,
+    /// The context whose registry of mapped regions lists it (atomics are checked against
+    /// it), and its entry there.
+    ctx: crate::Context,
+    map_id: u64,
     _buf: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl Drop for MemMap<'_> {
+    fn drop(&mut self) {
+        // Out of the registry first: no atomic of a peer touches the region from now on.
+        self.ctx.maps().remove(self.map_id);
+    }
 }
 
 impl fmt::Debug for MemMap<'_> {
@@ -244,6 +255,7 @@ impl Worker {
                 },
             });
         }
+        let map_id = st.ctx.maps().add(region.addr, region.len, mem);
         Ok(MemMap {
             addr: region.addr,
             len: region.len,
@@ -251,6 +263,8 @@ impl Worker {
             dev: region.device,
             guards,
             packed,
+            ctx: st.ctx.clone(),
+            map_id,
             _buf: std::marker::PhantomData,
         })
     }

@@ -29,6 +29,9 @@ use crate::slab::Slab;
 use rustc_hash::FxHashMap;
 
 pub(crate) mod alloc;
+pub(crate) mod atomic;
+#[cfg(test)]
+mod atomic_tests;
 mod cancel;
 mod connecting;
 #[cfg(test)]
@@ -59,6 +62,7 @@ pub(crate) mod state;
 
 pub use crate::plan::PathInfo;
 pub use crate::proto::am::{AmPayload, AmRemoteData};
+pub use atomic::{AtomicOp, AtomicWord};
 pub use events::{POLL_ONLY_TICK, WAIT_TICK};
 pub use lifecycle::CloseMode;
 pub(crate) use liveness::Backoff;

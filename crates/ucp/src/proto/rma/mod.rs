@@ -76,6 +76,9 @@ pub(crate) enum RmaPath {
     Mapped(Box<MappedRma>),
     /// A flush of the peer's lanes.
     Flush(FlushRma),
+    /// An atomic carried out by the target's worker, waiting for its answer
+    /// (`worker/atomic.rs`).
+    Atomic(crate::worker::atomic::AtomicRma),
 }
 
 /// What became of one operation posted through [`RmaIo::post_on`].
@@ -303,6 +306,8 @@ impl RmaState {
             RmaPath::Staged(s) => s.advance(io, id, p, put, len),
             RmaPath::Mapped(m) => m.advance(io, id, put, len),
             RmaPath::Flush(f) => f.advance(io, id, p),
+            // Its request went out when posted; the answer ends it.
+            RmaPath::Atomic(_) => Ok(RmaNext::Wait),
         }
     }
 
@@ -337,9 +342,13 @@ impl RmaState {
         }
     }
 
-    /// A staged or mapped put or get (a flush posted after it waits for it to end).
+    /// A staged or mapped put or get, or an atomic (a flush posted after it waits for it to
+    /// end: the lanes' flushes do not cover it).
     pub(crate) fn pipelined(&self) -> bool {
-        matches!(self.path, RmaPath::Staged(_) | RmaPath::Mapped(_))
+        matches!(
+            self.path,
+            RmaPath::Staged(_) | RmaPath::Mapped(_) | RmaPath::Atomic(_)
+        )
     }
 
     /// The request's operations in flight are now `n` (a staged request that ends with some
