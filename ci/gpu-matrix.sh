@@ -102,9 +102,10 @@ expect "rank 1: ended with an error.*ended the transfer.*cuda_cpy.*RUCX_" "rank 
 
 # Demotion scoped to what failed: a pool buffer that cuda_ipc cannot export is steered to the
 # staged pipeline alone; plain cudaMalloc buffers of the same GPU still move through cuda_ipc
-# (GPU zero-copy reads, bandwidth near the peer-copy bound), and cuda_ipc is not demoted.
+# (GPU zero-copy reads, or on one GPU shared by both ranks the lower worker's writes into the
+# receive buffer; bandwidth near the peer-copy bound), and cuda_ipc is not demoted.
 pair "after a refused pool buffer, plain device buffers still move through cuda_ipc, with bounds" "" "" --warmup-mem cuda-pool --oneway --bounds --min-ratio 0.5
-expect "refused buffer: cuda_ipc" "warm-up 1048576 bytes from CudaPool verified.*pipelined through host staging" "rank 1: protocols: .*rendezvous receive by read \(GPU zero-copy\)" "bound peer copy GPU0->GPU1|bound pinned host->device"
+expect "refused buffer: cuda_ipc" "warm-up 1048576 bytes from CudaPool verified.*pipelined through host staging" "rank 1: protocols: .*rendezvous receive by (read \(GPU zero-copy\)|remote write on a shared GPU)" "bound peer copy GPU0->GPU1|bound pinned host->device"
 reject "demotion: cuda_ipc"
 
 # Put and get with GPU memory (rucx-perftest, two local ranks; the client's buffer is the first
