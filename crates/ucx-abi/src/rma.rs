@@ -690,14 +690,14 @@ unsafe fn nbx_opts(param: *const RequestParam) -> std::result::Result<Opts, Stat
     unsafe { Opts::read(param, CbKind::Send) }
 }
 
-/// `ucs_status_ptr_t ucp_put_nbx(ucp_ep_h ep, const void *buffer, size_t count, uint64_t
-/// remote_addr, ucp_rkey_h rkey, const ucp_request_param_t *param)`.
+/// `ucp_put_nbx` (`put`) or `ucp_get_nbx`: the request parameters read, the length taken
+/// from `count` contiguous bytes, then [`rma`].
 ///
 /// # Safety
-/// As [`ucp_put_nbi`]; `param` NULL or valid.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ucp_put_nbx(
+/// As [`rma`]; `param` NULL or valid.
+unsafe fn rma_nbx(
     ep: *const AbiEp,
+    put: bool,
     buffer: *const c_void,
     count: usize,
     remote_addr: u64,
@@ -714,7 +714,25 @@ pub unsafe extern "C" fn ucp_put_nbx(
         Err(s) => return status_ptr(s),
     };
     // SAFETY: forwarded.
-    unsafe { rma(ep, true, buffer, len, remote_addr, rkey, &opts) }
+    unsafe { rma(ep, put, buffer, len, remote_addr, rkey, &opts) }
+}
+
+/// `ucs_status_ptr_t ucp_put_nbx(ucp_ep_h ep, const void *buffer, size_t count, uint64_t
+/// remote_addr, ucp_rkey_h rkey, const ucp_request_param_t *param)`.
+///
+/// # Safety
+/// As [`ucp_put_nbi`]; `param` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ucp_put_nbx(
+    ep: *const AbiEp,
+    buffer: *const c_void,
+    count: usize,
+    remote_addr: u64,
+    rkey: *const AbiRkey,
+    param: *const RequestParam,
+) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe { rma_nbx(ep, true, buffer, count, remote_addr, rkey, param) }
 }
 
 /// `ucs_status_ptr_t ucp_get_nbx(ucp_ep_h ep, void *buffer, size_t count, uint64_t
@@ -731,17 +749,8 @@ pub unsafe extern "C" fn ucp_get_nbx(
     rkey: *const AbiRkey,
     param: *const RequestParam,
 ) -> *mut c_void {
-    // SAFETY: the caller's promise.
-    let opts = match unsafe { nbx_opts(param) } {
-        Ok(o) => o,
-        Err(s) => return status_ptr(s),
-    };
-    let len = match opts.contig_len(count) {
-        Ok(l) => l,
-        Err(s) => return status_ptr(s),
-    };
     // SAFETY: forwarded.
-    unsafe { rma(ep, false, buffer, len, remote_addr, rkey, &opts) }
+    unsafe { rma_nbx(ep, false, buffer, count, remote_addr, rkey, param) }
 }
 
 /// An atomic: `op` on the `size`-byte word at `remote` of `rkey`, with `value` (`compare` for
