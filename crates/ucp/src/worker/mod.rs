@@ -82,12 +82,12 @@ pub(crate) const SHORT_MAX: usize = 256;
 ///
 /// One word: the worker's serial (never 0) in the high half, the index in the low half, so
 /// that `Option<EpId>` is a word too, and checking an id costs one exclusive-or with the
-/// worker's [`State::ep_base`] (a foreign id gives an index past any table).
+/// worker's `ep_base` (a foreign id gives an index past any table).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EpId(std::num::NonZeroU64);
 
 impl EpId {
-    /// The id of peer `p` of the worker whose ids start at `base` ([`State::ep_base`]).
+    /// The id of peer `p` of the worker whose ids start at `base` (the worker's `ep_base`).
     #[inline]
     pub(crate) fn new(p: usize, base: std::num::NonZeroU64) -> EpId {
         debug_assert!(p <= u32::MAX as usize);
