@@ -570,21 +570,22 @@ impl Context {
     pub fn demote(&self, r: &RegError) {
         let device = if r.mem_type.is_gpu() { r.device } else { None };
         let knob = knob_for(r);
+        // The list stays locked until the warning is out: whoever reads the demotions (another
+        // thread: staging helpers register and demote off the caller's thread) sees each one
+        // already announced.
+        let mut d = self.lock_demotions();
+        if d.iter()
+            .any(|x| x.md == r.domain && x.mem_type == r.mem_type && x.device == device)
         {
-            let mut d = self.lock_demotions();
-            if d.iter()
-                .any(|x| x.md == r.domain && x.mem_type == r.mem_type && x.device == device)
-            {
-                return;
-            }
-            d.push(Demotion {
-                md: r.domain.clone(),
-                mem_type: r.mem_type,
-                device,
-                reason: format!("{}: {}", r.kind.describe(), r.detail),
-                knob: knob.clone(),
-            });
+            return;
         }
+        d.push(Demotion {
+            md: r.domain.clone(),
+            mem_type: r.mem_type,
+            device,
+            reason: format!("{}: {}", r.kind.describe(), r.detail),
+            knob: knob.clone(),
+        });
         self.inner.epoch.fetch_add(1, Ordering::AcqRel);
         let first = self
             .inner
@@ -606,6 +607,7 @@ impl Context {
                 knob
             );
         }
+        drop(d);
     }
 }
 
