@@ -48,7 +48,7 @@ const ADDR_MAX: usize = 1 << 20;
 /// # Safety
 /// `p` points at an address from `ucp_worker_query`/`ucp_worker_get_address` (its 8-byte
 /// prefix is read first, then as many bytes as the prefix says, once it checked out).
-unsafe fn unpack_address<'a>(p: *const c_void) -> Option<&'a [u8]> {
+pub(crate) unsafe fn unpack_address<'a>(p: *const c_void) -> Option<&'a [u8]> {
     if p.is_null() {
         return None;
     }
@@ -142,6 +142,12 @@ pub unsafe extern "C" fn ucp_ep_create(
                     .or_default()
                     .push(EpErrHandler { ep, cb, arg });
             }
+            let user_data = if p.field_mask & UCP_EP_PARAM_FIELD_USER_DATA != 0 {
+                p.user_data
+            } else {
+                std::ptr::null_mut()
+            };
+            w.extra.streams.note_ep(id, ep, user_data);
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *ep_p = ep };
             UCS_OK
@@ -193,6 +199,7 @@ unsafe fn close(ep: *mut AbiEp, force: bool) -> *mut c_void {
     }
     // SAFETY: made by `Box::into_raw` in `ucp_ep_create`, closed once.
     let abi_ep = unsafe { Box::from_raw(ep) };
+    abi_ep.worker().extra.streams.forget_ep(ep);
     {
         let mut hs = abi_ep.worker().err_handlers.borrow_mut();
         if let Some(list) = hs.get_mut(&abi_ep.id) {

@@ -88,6 +88,8 @@ pub enum Callback {
     RecvNbx(RecvNbxCb, *mut c_void),
     /// A stream receive's or an active message's data receive: the length received.
     Length(LengthCb, *mut c_void),
+    /// `ucp_stream_recv_nb`'s callback: the length received.
+    StreamRecv(StreamRecvCb),
 }
 
 /// An operation in flight: the request it completes, its callback, what to make of its
@@ -411,6 +413,8 @@ fn run_callback(user: *mut c_void, cb: Callback, status: Status, mut info: TagRe
         Callback::RecvNbx(Some(f), data) => unsafe { f(user, status, &info, data) },
         // SAFETY: the caller's callback, for its live request `user`.
         Callback::Length(Some(f), data) => unsafe { f(user, status, info.length, data) },
+        // SAFETY: the caller's callback, for its live request `user`.
+        Callback::StreamRecv(Some(f)) => unsafe { f(user, status, info.length) },
         _ => {}
     }
 }
