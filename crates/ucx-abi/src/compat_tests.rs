@@ -674,3 +674,103 @@ fn stream_data_is_polled_taken_and_released_in_order() {
         ucp_cleanup(ctx);
     }
 }
+
+/// One event of the caller's epoll set `ep` within `ms`: its data.
+fn epoll_event(ep: i32, ms: i32) -> Option<u64> {
+    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+    // SAFETY: a valid event buffer of one entry.
+    let n = unsafe { libc::epoll_wait(ep, &mut ev, 1, ms) };
+    assert!(n >= 0, "epoll_wait: {}", std::io::Error::last_os_error());
+    (n == 1).then_some(ev.u64)
+}
+
+/// A worker created with the caller's epoll set (`UCP_WORKER_PARAM_FIELD_EVENT_FD`): armed
+/// and quiet the set reports nothing; an arrival is reported with the worker's user data. A
+/// descriptor that is no epoll set is refused.
+#[test]
+fn the_callers_event_descriptor_reports_the_workers_events() {
+    let ctx = context(UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP);
+    // SAFETY: plain system call; closed below.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    assert!(ep >= 0);
+    let mut w1 = std::ptr::null_mut();
+    // SAFETY: live objects; all-zero params are valid and filled where the mask says.
+    unsafe {
+        let mut p: WorkerParams = std::mem::zeroed();
+        p.field_mask = UCP_WORKER_PARAM_FIELD_EVENT_FD | UCP_WORKER_PARAM_FIELD_USER_DATA;
+        p.event_fd = ep;
+        p.user_data = 0xfeed as *mut c_void;
+        assert_eq!(ucp_worker_create(ctx, &p, &mut w1), UCS_OK);
+        let w0 = worker(ctx);
+        let e0 = connect(w0, &address(w1));
+        let t = Instant::now();
+        while crate::wait::ucp_worker_arm(w1) == UCS_ERR_BUSY {
+            assert!(t.elapsed() < Duration::from_secs(30), "never armed");
+            ucp_worker_progress(w0);
+            ucp_worker_progress(w1);
+        }
+        assert_eq!(epoll_event(ep, 50), None, "armed, nothing happened");
+        let msg = 7u64.to_le_bytes();
+        let s = crate::tag::ucp_tag_send_nb(
+            e0,
+            msg.as_ptr().cast(),
+            8,
+            1 << UCP_DATATYPE_SHIFT,
+            3,
+            None,
+        );
+        let mut got = None;
+        let t = Instant::now();
+        while got.is_none() {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "the arrival was never reported"
+            );
+            ucp_worker_progress(w0);
+            got = epoll_event(ep, 10);
+        }
+        assert_eq!(got, Some(0xfeed), "reported with the worker's user data");
+        let mut buf = [0u8; 8];
+        let r = crate::tag::ucp_tag_recv_nb(
+            w1,
+            buf.as_mut_ptr().cast(),
+            8,
+            1 << UCP_DATATYPE_SHIFT,
+            3,
+            u64::MAX,
+            None,
+        );
+        drive([w0, w1], || {
+            r.is_null() || ucp_request_check_status(r) != UCS_INPROGRESS
+        });
+        if ptr_is_ptr(r) {
+            ucp_request_free(r);
+        }
+        assert_eq!(buf, msg);
+        if ptr_is_ptr(s) {
+            drive([w0, w1], || ucp_request_check_status(s) != UCS_INPROGRESS);
+            ucp_request_free(s);
+        }
+        ucp_ep_destroy(e0);
+        ucp_worker_destroy(w0);
+        ucp_worker_destroy(w1);
+
+        // Not an epoll set: refused, no worker made.
+        let efd = libc::eventfd(0, libc::EFD_CLOEXEC);
+        for bad in [efd, -1] {
+            let mut p: WorkerParams = std::mem::zeroed();
+            p.field_mask = UCP_WORKER_PARAM_FIELD_EVENT_FD;
+            p.event_fd = bad;
+            let mut w = std::ptr::null_mut();
+            assert_eq!(
+                ucp_worker_create(ctx, &p, &mut w),
+                UCS_ERR_INVALID_PARAM,
+                "fd {bad}"
+            );
+            assert!(w.is_null());
+        }
+        libc::close(efd);
+        libc::close(ep);
+        ucp_cleanup(ctx);
+    }
+}

@@ -439,11 +439,16 @@ pub unsafe extern "C" fn ucp_worker_create(
         return UCS_ERR_INVALID_PARAM;
     }
     // `events` is a hint (which completions wake the worker): every event does here. A
-    // descriptor of the caller's to add the worker's events to is refused (the worker's own,
-    // `ucp_worker_get_efd`, serves that).
-    if p.field_mask & UCP_WORKER_PARAM_FIELD_EVENT_FD != 0 {
-        return UCS_ERR_UNSUPPORTED;
-    }
+    // descriptor of the caller's (an epoll set) is made to watch the worker's own
+    // (`crate::wait`).
+    let external = (p.field_mask & UCP_WORKER_PARAM_FIELD_EVENT_FD != 0).then(|| {
+        let data = if p.field_mask & UCP_WORKER_PARAM_FIELD_USER_DATA != 0 {
+            p.user_data as u64
+        } else {
+            0
+        };
+        (p.event_fd, data)
+    });
     match Worker::new(&c.ctx) {
         Ok(worker) => {
             let extra = crate::extra::Extra::default();
@@ -462,6 +467,12 @@ pub unsafe extern "C" fn ucp_worker_create(
                 watching: Arc::new(AtomicBool::new(true)),
                 extra,
             };
+            if let Some((fd, data)) = external {
+                let s = w.extra.wake.attach_to(&w, fd, data);
+                if s != UCS_OK {
+                    return s;
+                }
+            }
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
             UCS_OK
