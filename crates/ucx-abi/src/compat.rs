@@ -121,6 +121,19 @@ unsafe fn worker_of<'a>(ep: *const AbiEp) -> Option<&'a AbiWorker> {
     unsafe { ep.as_ref() }.map(|e| unsafe { &*e.worker })
 }
 
+/// Post on `ep` with `post` (a non-blocking call on it) and wait for its end.
+///
+/// # Safety
+/// `ep` NULL or live; `post` makes one call of this library on `ep`.
+unsafe fn on_ep(ep: *const AbiEp, post: impl FnOnce() -> *mut c_void) -> Status {
+    // SAFETY: the caller's promise.
+    match unsafe { worker_of(ep) } {
+        // SAFETY: the request is the one `post` just returned.
+        Some(w) => unsafe { wait(w, post()) },
+        None => UCS_ERR_INVALID_PARAM,
+    }
+}
+
 /// `ucs_status_t ucp_put(ucp_ep_h ep, const void *buffer, size_t length, uint64_t
 /// remote_addr, ucp_rkey_h rkey)`: blocking, returns once the buffer may be reused.
 ///
@@ -179,12 +192,12 @@ pub unsafe extern "C" fn ucp_get(
 /// `ep` NULL or live.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ucp_ep_flush(ep: *const AbiEp) -> Status {
-    // SAFETY: the caller's promise.
-    let Some(w) = (unsafe { worker_of(ep) }) else {
-        return UCS_ERR_INVALID_PARAM;
-    };
-    // SAFETY: forwarded; the request is the one just returned.
-    unsafe { wait(w, crate::endpoint::ucp_ep_flush_nbx(ep, std::ptr::null())) }
+    // SAFETY: forwarded.
+    unsafe {
+        on_ep(ep, || {
+            crate::endpoint::ucp_ep_flush_nbx(ep, std::ptr::null())
+        })
+    }
 }
 
 /// `ucs_status_t ucp_worker_flush(ucp_worker_h worker)`: blocking
@@ -221,19 +234,14 @@ unsafe fn fetch_wait(
     remote_addr: u64,
     rkey: *const AbiRkey,
 ) -> Status {
-    // SAFETY: the caller's promises.
-    let Some(w) = (unsafe { worker_of(ep) }) else {
-        return UCS_ERR_INVALID_PARAM;
-    };
     if result.is_null() {
         return UCS_ERR_INVALID_PARAM;
     }
-    // SAFETY: forwarded; the request is the one just returned.
+    // SAFETY: forwarded.
     unsafe {
-        wait(
-            w,
-            crate::rma::ucp_atomic_fetch_nb(ep, op, value, result, size, remote_addr, rkey, None),
-        )
+        on_ep(ep, || {
+            crate::rma::ucp_atomic_fetch_nb(ep, op, value, result, size, remote_addr, rkey, None)
+        })
     }
 }
 
