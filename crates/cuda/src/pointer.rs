@@ -236,12 +236,12 @@ unsafe fn get_attrs(
     debug_assert_eq!(attrs.len(), data.len());
     // SAFETY: the caller guarantees every data slot fits its attribute; counts match.
     let r = unsafe {
-        sys::cuPointerGetAttributes(
+        crate::cu!(cuPointerGetAttributes(
             attrs.len() as u32,
             attrs.as_mut_ptr(),
             data.as_mut_ptr(),
             ptr,
-        )
+        ))
     };
     if r == E::CUDA_SUCCESS { Ok(()) } else { Err(r) }
 }

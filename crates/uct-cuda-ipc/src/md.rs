@@ -304,7 +304,7 @@ impl MemoryDomain for CudaIpcMd {
         let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: the context is current, `h` is a valid out-pointer, and `info.base` is the
         // start of a live device allocation (the caller's contract for `region`).
-        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, info.base as u64) };
+        let r = unsafe { rucx_cuda::cu!(cuIpcGetMemHandle(&mut h, info.base as u64)) };
         if r != sys::CUresult::CUDA_SUCCESS {
             let mut detail = format!(
                 "cuIpcGetMemHandle(allocation {:#x}+{} on GPU {device}) failed with {}",
