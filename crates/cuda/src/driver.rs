@@ -209,7 +209,9 @@ impl PrimaryContext {
     pub fn bind(&self) -> Result<()> {
         // SAFETY: `raw` is a retained primary context that is never released.
         let r = unsafe { crate::cu!(cuCtxSetCurrent(self.raw)) };
-        check(r, "cuCtxSetCurrent", Some(self.ordinal))
+        let res = check(r, "cuCtxSetCurrent", Some(self.ordinal));
+        BOUND.set(if res.is_ok() { self.raw as usize } else { 0 });
+        res
     }
 
     /// Wait for every copy and kernel queued in this context, on any stream, to finish (e.g.
@@ -239,6 +241,14 @@ impl PrimaryContext {
             Some(self.ordinal),
         )
     }
+}
+
+thread_local! {
+    /// The context [`PrimaryContext::bind`] last made current on this thread (0: none). Only
+    /// [`memcpy_async`] trusts it, to skip binding per copy: every other call that needs a
+    /// current context binds, since the application may change the thread's context between
+    /// rucx calls (see there why a copy is safe either way).
+    static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The loaded and initialized CUDA driver.
@@ -804,9 +814,33 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> R
     if len == 0 {
         return Ok(());
     }
-    stream.context().bind()?;
+    // The copy runs in the stream's context. A current context is needed, but a copy queued on
+    // a stream of another context than the current one succeeds (CUDA programming guide,
+    // multi-device streams: "a memory copy will succeed even if it is issued to a stream that
+    // is not associated to the current device"), so once rucx bound the stream's context on
+    // this thread it does not bind again per copy (one `cuCtxSetCurrent` per GPU message
+    // less). Should the application have changed the thread's context meanwhile and the driver
+    // refuse the copy for it, the context is bound and the copy queued again (a refused call
+    // queued nothing).
+    let ctx = stream.context();
+    let trusted = BOUND.get() == ctx.raw as usize;
+    if !trusted {
+        ctx.bind()?;
+    }
     // SAFETY: forwarded to the caller's contract; the stream handle is live.
-    let r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
+    let mut r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
+    if trusted
+        && matches!(
+            r,
+            E::CUDA_ERROR_INVALID_CONTEXT
+                | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+                | E::CUDA_ERROR_INVALID_HANDLE
+        )
+    {
+        ctx.bind()?;
+        // SAFETY: as above.
+        r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
+    }
     // The message is made on failure only: this call is on every GPU message's path.
     if r == E::CUDA_SUCCESS {
         return Ok(());
