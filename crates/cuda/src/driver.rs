@@ -702,7 +702,14 @@ impl Event {
     /// Capture the work queued so far on `stream`.
     pub fn record(&self, stream: &Stream) -> Result<()> {
         // SAFETY: live event and stream handles.
-        let r = unsafe { crate::cu!(cuEventRecord(self.raw, stream.raw())) };
+        let mut r = unsafe { crate::cu!(cuEventRecord(self.raw, stream.raw())) };
+        if refused_for_context(r) {
+            // The thread's context was cleared or changed behind rucx's back after the copies
+            // were queued without binding (`memcpy_async`): bind the event's and record again.
+            self.ctx.bind()?;
+            // SAFETY: as above.
+            r = unsafe { crate::cu!(cuEventRecord(self.raw, stream.raw())) };
+        }
         check(r, "cuEventRecord", Some(self.ctx.ordinal))
     }
 
@@ -774,6 +781,18 @@ fn sync_default_stream(ctx: &PrimaryContext, call: &str) -> Result<()> {
     )
 }
 
+/// Whether the driver refused a call for the thread's current context (none, destroyed, or
+/// not the one of the handles passed): the call did nothing, and binding the right context and
+/// calling again is the remedy.
+fn refused_for_context(r: CUresult) -> bool {
+    matches!(
+        r,
+        E::CUDA_ERROR_INVALID_CONTEXT
+            | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | E::CUDA_ERROR_INVALID_HANDLE
+    )
+}
+
 /// Copy `len` bytes between any two addresses the driver knows (unified addressing decides the
 /// direction), with `ctx` current, and return once the copy is complete: the destination holds
 /// the data, for this thread, other streams and other processes alike.
@@ -829,14 +848,7 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> R
     }
     // SAFETY: forwarded to the caller's contract; the stream handle is live.
     let mut r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
-    if trusted
-        && matches!(
-            r,
-            E::CUDA_ERROR_INVALID_CONTEXT
-                | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
-                | E::CUDA_ERROR_INVALID_HANDLE
-        )
-    {
+    if trusted && refused_for_context(r) {
         ctx.bind()?;
         // SAFETY: as above.
         r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
