@@ -73,7 +73,7 @@ use std::time::Duration;
 use rucx_ucs::{Bounds, Config, Error, MemUnits, OptKind, OptionSpec, Result};
 use rucx_uct::{Availability, Component, MemoryDomain};
 
-pub use addr::{DeviceAddr, IfaceAddr, RkeyData};
+pub use addr::{DeviceAddr, IfaceAddr, RkeyData, ShmInfo};
 pub use iface::{PosixEndpoint, PosixIface};
 pub use md::{PosixMd, PosixMemh};
 pub use sys::SegmentBacking;
