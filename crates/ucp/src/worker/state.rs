@@ -490,6 +490,11 @@ pub(crate) enum RxDest {
     Aborted,
 }
 
+/// An empty [`State::last_src`]: no peer has this index, so no source, not even a forged 0,
+/// is taken for a peer without a look-up (before, `(0, 0)` gave a message claiming source 0,
+/// a uuid no worker has, to peer 0).
+pub(crate) const NO_LAST_SRC: (u64, usize) = (0, usize::MAX);
+
 pub(crate) struct State {
     /// The id of this worker's first endpoint (its serial in the process in the high half,
     /// index 0): ids are this or'ed with the index ([`EpId`]).
@@ -499,7 +504,8 @@ pub(crate) struct State {
     pub(crate) address: WorkerAddress,
     pub(crate) peers: Vec<Peer>,
     pub(crate) by_uuid: FxHashMap<u64, usize>,
-    /// The sender of the last message and its peer (a one-entry cache of `by_uuid`).
+    /// The sender of the last message and its peer (a one-entry cache of `by_uuid`);
+    /// [`NO_LAST_SRC`] when empty.
     pub(crate) last_src: std::cell::Cell<(u64, usize)>,
     /// Payload of the eager-short fast path (source and data), reused.
     pub(crate) short_buf: Vec<u8>,
