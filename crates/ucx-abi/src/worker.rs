@@ -773,4 +773,31 @@ mod tests {
         assert_eq!((ops.len(), ops.sends), (0, 0));
         assert!(ops.get_mut(9).is_none() && ops.remove(9).is_none());
     }
+
+    /// A flush waits for the sends posted before it, not for receives nor for sends posted
+    /// after it, also when their tokens were reused.
+    #[test]
+    fn sends_before_a_flush_are_the_ones_posted_before_it() {
+        let mut ops = Ops::default();
+        let (a, b) = (ops.vacant(), 1);
+        ops.fill(a, op(true));
+        ops.fill(b, op(false));
+        let flush = ops.next_seq();
+        assert!(ops.sends_before(flush), "send a is in flight");
+        assert!(
+            !ops.sends_before(0),
+            "nothing was posted before the first send"
+        );
+        // A send after the flush, in a reused token: not waited for.
+        assert!(ops.remove(a).is_some());
+        assert!(!ops.sends_before(flush), "receives are not waited for");
+        let c = ops.vacant();
+        assert_eq!(c, a, "the token is reused");
+        ops.fill(c, op(true));
+        assert!(!ops.sends_before(flush), "posted after the flush");
+        assert!(
+            ops.sends_before(ops.next_seq()),
+            "a later flush waits for it"
+        );
+    }
 }
