@@ -35,6 +35,7 @@ mod datatype;
 mod endpoint;
 mod engine;
 mod extra;
+mod flush;
 mod info;
 mod iov;
 mod listener;

@@ -173,6 +173,11 @@ pub(crate) struct Peer {
     /// The connection manager has not named the peer yet (`connecting.rs`): `remote` is a
     /// stand-in, and only the connection step connects the endpoint.
     pub(crate) cm_pending: bool,
+    /// The first error of a put, get or atomic to this peer that ended with one after it was
+    /// posted, not reported by a flush yet: the next flush of the peer ends with it
+    /// ([`State::take_rma_error`]), so that the loss of an implicit (nbi) operation, whose
+    /// own end nobody looks at, is seen.
+    pub(crate) rma_error: Option<Error>,
 }
 
 impl Peer {
@@ -197,6 +202,7 @@ impl Peer {
             closed: None,
             remote_ep: None,
             cm_pending: false,
+            rma_error: None,
         }
     }
 }
@@ -786,6 +792,7 @@ impl State {
             if failed {
                 // Nothing in flight: a staged request's pinned window goes back now.
                 self.reclaim_window(id);
+                self.note_rma_failure(id);
             }
             return failed;
         }
