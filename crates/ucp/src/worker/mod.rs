@@ -690,6 +690,16 @@ impl Worker {
     /// interfaces are free to borrow; otherwise the next progress does it).
     #[inline]
     pub(crate) fn ensure_plan(&self, st: &mut State, p: usize) {
+        // The usual answer, inline: the plan is current and wants no lane.
+        let peer = &st.peers[p];
+        if !peer.needs_lanes && peer.plan_at == (st.ctx.epoch(), st.plan_gen) {
+            return;
+        }
+        self.ensure_plan_slow(st, p);
+    }
+
+    #[inline(never)]
+    fn ensure_plan_slow(&self, st: &mut State, p: usize) {
         st.refresh_plan(p);
         if !st.peers[p].needs_lanes {
             return;

@@ -27,6 +27,25 @@ impl Worker {
             st.note_gpu_key(key);
         }
         self.ensure_plan(&mut st, p);
+        // Fast path: a small host message the plan sends eager-short (its cached size range:
+        // what `select` would answer, without the table look-ups) that finds the lane idle
+        // goes out at once, without a request in the table; otherwise the general path below
+        // decides, as before.
+        let cached_short = !sync
+            && mem == MemoryType::Host
+            && dev.is_none()
+            && st.peers[p]
+                .plan
+                .short_tag_host
+                .is_some_and(|(from, to)| (from..=to).contains(&len));
+        if cached_short && st.try_eager_short(p, addr, len, tag)? {
+            st.inline_short += 1;
+            return Ok(Posted::Done(Completion {
+                len,
+                tag,
+                sender: None,
+            }));
+        }
         let op = if sync { Op::TagSync } else { Op::Tag };
         let proto = match st.peers[p].plan.select(op, key, len) {
             Some(p) => p,
@@ -46,11 +65,12 @@ impl Worker {
         // Fast path: a small host message that fits one `am_short` and finds the lane idle is
         // sent at once, without a request in the table.
         if !sync
+            && !cached_short
             && proto == Proto::EagerShort
             && !mem.is_gpu()
             && st.try_eager_short(p, addr, len, tag)?
         {
-            st.count(proto.name());
+            st.inline_short += 1;
             return Ok(Posted::Done(Completion {
                 len,
                 tag,
@@ -279,6 +299,12 @@ impl Worker {
     pub(crate) fn req_result(&self, id: u64) -> Option<Result<Completion>> {
         let st = self.st.borrow();
         match st.reqs.get(&id) {
+            // The usual looks first: still pending, or ended well.
+            Some(Req { result: None, .. }) => None,
+            Some(Req {
+                result: Some(Ok(c)),
+                ..
+            }) => Some(Ok(*c)),
             // Ended early, with copies still on its buffer: not reported until they finish.
             Some(Req {
                 result: Some(Err(_)),
@@ -300,22 +326,54 @@ impl Worker {
     pub(crate) fn finish_scope(&self, mut ids: Vec<u64>) {
         {
             let mut st = self.st.borrow_mut();
-            for id in &ids {
-                if st.reqs.get(id).is_some_and(|r| r.result.is_none()) {
-                    if st
-                        .matcher
-                        .cancel_expected(|e| *e == Waiter::Req(*id))
-                        .is_some()
-                    {
-                        st.finish(*id, Err(Error::Canceled));
-                    } else {
-                        st.stream_cancel(*id);
+            // Requests that ended well (the usual case) are released in this pass, under the
+            // same borrow: nothing of ours can still run on their buffers (only a request that
+            // ended with an error can be draining).
+            let mut kept = 0;
+            for i in 0..ids.len() {
+                let id = ids[i];
+                match st.reqs.get(&id) {
+                    Some(Req {
+                        result: Some(Ok(_)),
+                        ..
+                    }) => {
+                        st.reqs.remove(&id);
+                        continue;
                     }
+                    Some(Req { result: None, .. }) => {
+                        if st
+                            .matcher
+                            .cancel_expected(|e| *e == Waiter::Req(id))
+                            .is_some()
+                        {
+                            st.finish(id, Err(Error::Canceled));
+                        } else {
+                            st.stream_cancel(id);
+                        }
+                    }
+                    _ => {}
                 }
+                ids[kept] = id;
+                kept += 1;
             }
+            ids.truncate(kept);
         }
+        if !ids.is_empty() {
+            self.finish_scope_wait(&ids);
+        }
+        ids.clear();
+        let mut lists = self.id_lists.borrow_mut();
+        if lists.len() < 8 {
+            lists.push(ids);
+        }
+    }
+
+    /// The rest of a scope's end: wait for the requests still pending (or draining) and
+    /// release each once it is done.
+    #[inline(never)]
+    fn finish_scope_wait(&self, ids: &[u64]) {
         let mut backoff = liveness::Backoff::new();
-        for id in &ids {
+        for id in ids {
             loop {
                 let mut st = self.st.borrow_mut();
                 match st.reqs.get(id) {
@@ -340,11 +398,6 @@ impl Worker {
                     backoff.busy();
                 }
             }
-        }
-        ids.clear();
-        let mut lists = self.id_lists.borrow_mut();
-        if lists.len() < 8 {
-            lists.push(ids);
         }
     }
 
