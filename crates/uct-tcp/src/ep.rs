@@ -148,6 +148,34 @@ impl Endpoint for TcpEndpoint {
         Ok(())
     }
 
+    /// One `sendmsg` of two pieces, as `am_short`: the frame header, `header` and `word`
+    /// joined on the stack, then `rest` from the caller (the default joins `word` and `rest`
+    /// in `scratch` first, a copy of the whole payload per message).
+    fn am_short_word(
+        &mut self,
+        id: AmId,
+        header: u64,
+        word: u64,
+        rest: &[u8],
+        _scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        check_am_id(id)?;
+        if 8 + rest.len() > wire::AM_MAX_SHORT {
+            return Err(Error::InvalidParam(format!(
+                "am_short payload of {} bytes exceeds tcp's limit of {} bytes",
+                8 + rest.len(),
+                wire::AM_MAX_SHORT
+            )));
+        }
+        let mut head = [0u8; wire::HDR_LEN + 16];
+        head[..wire::HDR_LEN].copy_from_slice(&wire::header(Kind::Am, id, 16 + rest.len()));
+        head[wire::HDR_LEN..wire::HDR_LEN + 8].copy_from_slice(&header.to_le_bytes());
+        head[wire::HDR_LEN + 8..].copy_from_slice(&word.to_le_bytes());
+        self.conn()
+            .post(&[Part::Bytes(&head), Part::Bytes(rest)], None)?;
+        Ok(())
+    }
+
     fn am_bcopy(&mut self, id: AmId, pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
         check_am_id(id)?;
         self.conn().can_queue(wire::HDR_LEN + wire::AM_MAX_BCOPY)?;

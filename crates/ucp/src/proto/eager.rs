@@ -6,8 +6,11 @@
 use crate::worker::prelude::*;
 
 impl State {
-    /// Send a small host message with one `am_short` if the AM lane is idle. `Ok(false)`: not
-    /// sent (queue busy, lane not connected, or the transport pushed back).
+    /// Send a host message the plan gave eager short (so it fits the lane's `am_short`) with
+    /// one `am_short` if the AM lane is idle, without a request: at every size the plan gives
+    /// the protocol (over tcp up to 8 KiB; a cap of 256 bytes here once sent 256 B and 4 KiB
+    /// through a request and a fresh heap copy of the payload). `Ok(false)`: not sent (queue
+    /// busy, lane not connected, or the transport pushed back).
     #[inline]
     pub(crate) fn try_eager_short(
         &mut self,
@@ -18,9 +21,6 @@ impl State {
     ) -> Result<bool> {
         let peer = &mut self.peers[p];
         if !peer.queue.is_empty() || !peer.connected {
-            return Ok(false);
-        }
-        if 8 + len > SHORT_MAX {
             return Ok(false);
         }
         // SAFETY: the caller's buffer is borrowed for the call (and the scope).
@@ -70,21 +70,16 @@ impl State {
                     && self.peers[p].connected
                 {
                     let am = self.peers[p].am;
-                    // Small payloads are laid out on the stack; no allocation on the fast path.
-                    let mut small = [0u8; 256];
-                    let mut big = Vec::new();
-                    let payload: &[u8] = if 8 + len <= small.len() {
-                        small[..8].copy_from_slice(&src.to_le_bytes());
-                        small[8..8 + len].copy_from_slice(data);
-                        &small[..8 + len]
-                    } else {
-                        big.reserve(8 + len);
-                        big.extend_from_slice(&src.to_le_bytes());
-                        big.extend_from_slice(data);
-                        &big
-                    };
+                    // The source word, then the data: joined by the transport, or in the
+                    // reused buffer (nothing allocated per message).
                     let ep = self.peers[p].eps.get_mut(&am).expect("am lane");
-                    match ep.am_short(wire::AM_EAGER_SHORT, tag, payload) {
+                    match ep.am_short_word(
+                        wire::AM_EAGER_SHORT,
+                        tag,
+                        src,
+                        data,
+                        &mut self.short_buf,
+                    ) {
                         Ok(()) => {
                             self.finish(
                                 id,

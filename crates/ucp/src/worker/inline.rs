@@ -63,4 +63,26 @@ mod tests {
         let c = w.tag_recv_wait(&mut buf, 5, u64::MAX).unwrap();
         assert_eq!((c.len, c.tag, &buf[..6]), (6, 5, &b"inline"[..]));
     }
+
+    /// Every size the plan gives eager short leaves in place, not only the first 248 bytes
+    /// (self's `am_short` takes 8 KiB: a 4 KiB message is eager short).
+    #[test]
+    fn a_4k_eager_short_message_leaves_in_place() {
+        let w = super::super::tests::self_worker();
+        let ep = w.connect(&w.address()).unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 13) as u8).collect();
+        let mut sent = false;
+        for _ in 0..100_000 {
+            if w.tag_send_inline(ep, &data, 7).unwrap() {
+                sent = true;
+                break;
+            }
+            w.progress();
+        }
+        assert!(sent, "a 4 KiB eager-short message was left to a request");
+        let mut buf = vec![0u8; 4096];
+        let c = w.tag_recv_wait(&mut buf, 7, u64::MAX).unwrap();
+        assert_eq!((c.len, c.tag), (4096, 7));
+        assert_eq!(buf, data);
+    }
 }

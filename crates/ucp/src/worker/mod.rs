@@ -70,7 +70,9 @@ pub use memmap::{MemMap, RkeyBundle};
 pub use owned::{Queued, QueuedReq};
 use state::{Slot, State, Unexp};
 
-/// Largest payload (source and data) of the eager-short fast path.
+/// First capacity of the eager-short payload buffer (source and data) of transports that
+/// join the two in it (`Endpoint::am_short_word`'s default); it grows to the largest message
+/// the plan gives eager short.
 pub(crate) const SHORT_MAX: usize = 256;
 
 /// Identifies a peer (a UCP endpoint) of a worker.

@@ -27,6 +27,4 @@ pub(crate) use crate::wire::{self, Msg, MsgKind, NamedKey};
 
 pub(crate) use super::direct::Waiter;
 pub(crate) use super::state::*;
-pub(crate) use super::{
-    AmMessage, Completion, EpId, Posted, RkeyBundle, SHORT_MAX, Worker, liveness,
-};
+pub(crate) use super::{AmMessage, Completion, EpId, Posted, RkeyBundle, Worker, liveness};

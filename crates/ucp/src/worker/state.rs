@@ -513,7 +513,8 @@ pub(crate) struct State {
     /// The sender of the last message and its peer (a one-entry cache of `by_uuid`);
     /// [`NO_LAST_SRC`] when empty.
     pub(crate) last_src: std::cell::Cell<(u64, usize)>,
-    /// Payload of the eager-short fast path (source and data), reused.
+    /// Payload of eager-short sends (source and data) for transports that join them in a
+    /// buffer, reused.
     pub(crate) short_buf: Vec<u8>,
     /// A control message's encoding when it goes to the transport at once (nothing queued
     /// before it), reused: no allocation per message (see `send_msg`).

@@ -763,3 +763,38 @@ fn an_idle_listener_accepts_a_new_connection_at_any_pace() {
         }
     }
 }
+
+/// `am_short_word` sends the word before the rest, without a scratch buffer, and counts the
+/// word against the short limit.
+#[test]
+fn am_short_word_delivers_the_word_then_the_rest() {
+    let (mut a, mut b) = (open(), open());
+    let mut ab = a.create_ep(&params(&b, 1)).unwrap();
+    let rest: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    let mut scratch = Vec::new();
+    ab.am_short_word(3, 0xfeed, 0x0102_0304_0506_0708, &rest, &mut scratch)
+        .unwrap();
+    ab.am_short_word(4, 9, 5, &[], &mut scratch).unwrap();
+    assert!(scratch.is_empty(), "the scratch buffer is not used");
+    let too_long = vec![0u8; wire::AM_MAX_SHORT - 7];
+    let e = ab
+        .am_short_word(3, 0, 0, &too_long, &mut scratch)
+        .unwrap_err();
+    assert!(e.to_string().contains("exceeds tcp's limit"), "{e}");
+    let mut got = Vec::new();
+    let start = Instant::now();
+    while got.len() < 2 {
+        a.progress(&mut |ev| panic!("unexpected {ev:?}"));
+        b.progress(&mut |ev| match ev {
+            Event::Am { id, data } => got.push((id, data.to_vec())),
+            other => panic!("unexpected {other:?}"),
+        });
+        assert!(start.elapsed() < Duration::from_secs(60), "hang guard");
+    }
+    let mut first = 0xfeedu64.to_le_bytes().to_vec();
+    first.extend_from_slice(&0x0102_0304_0506_0708u64.to_le_bytes());
+    first.extend_from_slice(&rest);
+    let mut second = 9u64.to_le_bytes().to_vec();
+    second.extend_from_slice(&5u64.to_le_bytes());
+    assert_eq!(got, vec![(3, first), (4, second)]);
+}
