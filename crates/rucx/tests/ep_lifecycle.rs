@@ -400,7 +400,7 @@ fn killed_idle_peer_job() {
     };
     idle(&|| false, Duration::from_millis(1500));
     let (detected, call) =
-        ranks::kill_and_detect(pid, peer, &calls, &idle, Duration::from_millis(1000));
+        ranks::kill_and_detect(pid, peer, &calls, idle, Duration::from_millis(1000));
     println!(
         "rank 0: KILLED IDLE PEER detected after {detected:.2?}{}: {}",
         if asleep {

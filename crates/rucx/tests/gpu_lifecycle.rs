@@ -256,7 +256,7 @@ fn killed_peer_job(busy: bool) {
         Duration::from_millis(if busy { 2 } else { 1500 }),
     );
     let (detected, call) =
-        ranks::kill_and_detect(pid, peer, &calls, &spin, Duration::from_millis(500));
+        ranks::kill_and_detect(pid, peer, &calls, spin, Duration::from_millis(500));
     println!(
         "rank 0: KILLED {} PEER detected after {detected:.2?}: {}",
         if busy { "BUSY" } else { "IDLE" },
