@@ -50,8 +50,10 @@ if has figures; then
                 "-m cuda -t ucp_put_bw -s 64M" "-m cuda -t ucp_get -s 64M" "-m cuda,host -t ucp_put_bw -s 64M" \
                 "-m cuda -t stream_bw -s 64M" "-m cuda,host -t am_bw -s 64M"; do
       echo "--- rucx-perftest --local -q --bounds $args"
+      # The last lines: the protocols used, the CUDA driver calls per iteration of each side
+      # (the server's may come before the client's table), the bounds.
       # shellcheck disable=SC2086
-      timeout 120 "$pt" --local -q --bounds $args 2>&1 | tail -n 6
+      timeout 120 "$pt" --local -q --bounds $args 2>&1 | tail -n 9
     done
     for f in 4M 64K; do
       echo "--- staged RUCX_RNDV_FRAG_SIZE=$f -m cuda -t tag_bw -s 64M"

@@ -83,7 +83,7 @@ fn result_description(r: CUresult) -> Option<String> {
     let mut p: *const c_char = std::ptr::null();
     // SAFETY: the driver is loaded (checked above, so the symbol exists); `p` is a valid
     // out-pointer and the driver stores a pointer to a static NUL-terminated string in it.
-    let rc = unsafe { sys::cuGetErrorString(r, &mut p) };
+    let rc = unsafe { crate::cu!(cuGetErrorString(r, &mut p)) };
     if rc != E::CUDA_SUCCESS || p.is_null() {
         return None;
     }
@@ -208,8 +208,10 @@ impl PrimaryContext {
     /// Make this context current on the calling thread (cheap; call before raw driver calls).
     pub fn bind(&self) -> Result<()> {
         // SAFETY: `raw` is a retained primary context that is never released.
-        let r = unsafe { sys::cuCtxSetCurrent(self.raw) };
-        check(r, "cuCtxSetCurrent", Some(self.ordinal))
+        let r = unsafe { crate::cu!(cuCtxSetCurrent(self.raw)) };
+        let res = check(r, "cuCtxSetCurrent", Some(self.ordinal));
+        BOUND.set(if res.is_ok() { self.raw as usize } else { 0 });
+        res
     }
 
     /// Wait for every copy and kernel queued in this context, on any stream, to finish (e.g.
@@ -217,7 +219,7 @@ impl PrimaryContext {
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: the context is current; cuCtxSynchronize takes no arguments.
-        let r = unsafe { sys::cuCtxSynchronize() };
+        let r = unsafe { crate::cu!(cuCtxSynchronize()) };
         check(r, "cuCtxSynchronize", Some(self.ordinal))
     }
 
@@ -229,7 +231,7 @@ impl PrimaryContext {
         }
         self.bind()?;
         // SAFETY: both contexts are retained primary contexts; flags must be 0.
-        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.raw, 0) };
+        let r = unsafe { crate::cu!(cuCtxEnablePeerAccess(peer.raw, 0)) };
         if r == E::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
             return Ok(());
         }
@@ -239,6 +241,14 @@ impl PrimaryContext {
             Some(self.ordinal),
         )
     }
+}
+
+thread_local! {
+    /// The context [`PrimaryContext::bind`] last made current on this thread (0: none). Only
+    /// [`memcpy_async`] trusts it, to skip binding per copy: every other call that needs a
+    /// current context binds, since the application may change the thread's context between
+    /// rucx calls (see there why a copy is safe either way).
+    static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The loaded and initialized CUDA driver.
@@ -278,6 +288,7 @@ fn version_string(v: i32) -> String {
 
 impl Driver {
     fn load() -> std::result::Result<Driver, String> {
+        crate::calls::timing_from_env();
         // SAFETY: only tries `dlopen` on the candidate names of libcuda; no driver call.
         if !unsafe { sys::is_culib_present() } {
             return Err(
@@ -299,7 +310,7 @@ impl Driver {
             if !missing.contains(&"cuDriverGetVersion") {
                 let mut v: c_int = 0;
                 // SAFETY: the symbol exists (checked above); `v` is a valid out-pointer.
-                if unsafe { sys::cuDriverGetVersion(&mut v) } == E::CUDA_SUCCESS {
+                if unsafe { crate::cu!(cuDriverGetVersion(&mut v)) } == E::CUDA_SUCCESS {
                     version = format!(" (driver API {})", version_string(v));
                 }
             }
@@ -315,7 +326,7 @@ impl Driver {
 
         let mut version: c_int = 0;
         // SAFETY: symbol present; `version` is a valid out-pointer.
-        let r = unsafe { sys::cuDriverGetVersion(&mut version) };
+        let r = unsafe { crate::cu!(cuDriverGetVersion(&mut version)) };
         if r != E::CUDA_SUCCESS {
             return Err(format!("cuDriverGetVersion failed: {}", result_name(r)));
         }
@@ -327,7 +338,7 @@ impl Driver {
             ));
         }
         // SAFETY: symbol present; cuInit takes flags 0 and is safe to call more than once.
-        let r = unsafe { sys::cuInit(0) };
+        let r = unsafe { crate::cu!(cuInit(0)) };
         match r {
             E::CUDA_SUCCESS => {}
             E::CUDA_ERROR_NO_DEVICE => {
@@ -363,7 +374,7 @@ impl Driver {
         }
         let mut count: c_int = 0;
         // SAFETY: initialized; `count` is a valid out-pointer.
-        let r = unsafe { sys::cuDeviceGetCount(&mut count) };
+        let r = unsafe { crate::cu!(cuDeviceGetCount(&mut count)) };
         if r != E::CUDA_SUCCESS {
             return Err(format!("cuDeviceGetCount failed: {}", result_name(r)));
         }
@@ -434,7 +445,7 @@ impl Driver {
         match slot.get_or_init(|| {
             let mut raw: sys::CUcontext = std::ptr::null_mut();
             // SAFETY: initialized driver, valid device handle, valid out-pointer.
-            let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut raw, info.handle) };
+            let r = unsafe { crate::cu!(cuDevicePrimaryCtxRetain(&mut raw, info.handle)) };
             check(r, "cuDevicePrimaryCtxRetain", Some(ordinal))
                 .map(|()| PrimaryContext {
                     ordinal,
@@ -475,7 +486,7 @@ impl Driver {
         }
         let mut can: c_int = 0;
         // SAFETY: initialized driver, valid device handles, valid out-pointer.
-        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) };
+        let r = unsafe { crate::cu!(cuDeviceCanAccessPeer(&mut can, da, db)) };
         check(r, &format!("cuDeviceCanAccessPeer(to GPU {b})"), Some(a))?;
         Ok(can != 0)
     }
@@ -484,7 +495,7 @@ impl Driver {
 fn device_attr(dev: sys::CUdevice, ordinal: u32, attr: sys::CUdevice_attribute) -> Result<i32> {
     let mut v: c_int = 0;
     // SAFETY: initialized driver, valid device handle, valid out-pointer.
-    let r = unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) };
+    let r = unsafe { crate::cu!(cuDeviceGetAttribute(&mut v, attr, dev)) };
     check(r, &format!("cuDeviceGetAttribute({attr:?})"), Some(ordinal))?;
     Ok(v)
 }
@@ -494,12 +505,12 @@ fn query_device(ordinal: c_int) -> Result<DeviceInfo> {
     let ord = ordinal as u32;
     let mut dev: sys::CUdevice = 0;
     // SAFETY: initialized driver, ordinal below the device count, valid out-pointer.
-    let r = unsafe { sys::cuDeviceGet(&mut dev, ordinal) };
+    let r = unsafe { crate::cu!(cuDeviceGet(&mut dev, ordinal)) };
     check(r, "cuDeviceGet", Some(ord))?;
 
     let mut buf = [0 as c_char; 256];
     // SAFETY: `buf` holds `len` bytes; the driver writes a NUL-terminated name into it.
-    let r = unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, dev) };
+    let r = unsafe { crate::cu!(cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, dev)) };
     check(r, "cuDeviceGetName", Some(ord))?;
     // SAFETY: the driver NUL-terminated `buf` on success (and it is zero-filled anyway).
     let name = unsafe { CStr::from_ptr(buf.as_ptr()) }
@@ -508,7 +519,13 @@ fn query_device(ordinal: c_int) -> Result<DeviceInfo> {
 
     let mut buf = [0 as c_char; 64];
     // SAFETY: as above, for the PCI bus id string.
-    let r = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev) };
+    let r = unsafe {
+        crate::cu!(cuDeviceGetPCIBusId(
+            buf.as_mut_ptr(),
+            buf.len() as c_int,
+            dev
+        ))
+    };
     check(r, "cuDeviceGetPCIBusId", Some(ord))?;
     // SAFETY: NUL-terminated by the driver, zero-filled before.
     let bus = unsafe { CStr::from_ptr(buf.as_ptr()) }
@@ -522,14 +539,14 @@ fn query_device(ordinal: c_int) -> Result<DeviceInfo> {
         .then(|| {
             let mut u = sys::CUuuid_st { bytes: [0; 16] };
             // SAFETY: the symbol exists (checked above), valid device handle and out-pointer.
-            let r = unsafe { sys::cuDeviceGetUuid_v2(&mut u, dev) };
+            let r = unsafe { crate::cu!(cuDeviceGetUuid_v2(&mut u, dev)) };
             (r == E::CUDA_SUCCESS).then(|| u.bytes.map(|b| b as u8))
         })
         .flatten();
 
     let mut total: usize = 0;
     // SAFETY: valid device handle and out-pointer.
-    let r = unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) };
+    let r = unsafe { crate::cu!(cuDeviceTotalMem_v2(&mut total, dev)) };
     check(r, "cuDeviceTotalMem", Some(ord))?;
 
     // Attributes newer than the device's driver may be rejected: read those as "no".
@@ -570,7 +587,7 @@ impl Drop for StreamInner {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
         // SAFETY: the stream was created by `Stream::new` and this is its only destruction.
-        let r = unsafe { sys::cuStreamDestroy_v2(self.raw) };
+        let r = unsafe { crate::cu!(cuStreamDestroy_v2(self.raw)) };
         if r != E::CUDA_SUCCESS {
             tracing::warn!(
                 "{}",
@@ -594,7 +611,10 @@ impl Stream {
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: context current, valid out-pointer, valid flag.
         let r = unsafe {
-            sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+            crate::cu!(cuStreamCreate(
+                &mut raw,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
+            ))
         };
         check(r, "cuStreamCreate", Some(ctx.ordinal))?;
         Ok(Stream {
@@ -615,7 +635,7 @@ impl Stream {
     /// Wait until all work queued on the stream has finished.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: live stream handle.
-        let r = unsafe { sys::cuStreamSynchronize(self.inner.raw) };
+        let r = unsafe { crate::cu!(cuStreamSynchronize(self.inner.raw)) };
         check(r, "cuStreamSynchronize", Some(self.inner.ctx.ordinal))
     }
 
@@ -631,7 +651,11 @@ impl Stream {
         // SAFETY: live stream handle; the callback is a plain function that only writes to the
         // descriptor passed (as an integer) in `userData`, which the caller keeps open.
         let r = unsafe {
-            sys::cuLaunchHostFunc(self.inner.raw, Some(signal_fd_host_fn), fd as *mut c_void)
+            crate::cu!(cuLaunchHostFunc(
+                self.inner.raw,
+                Some(signal_fd_host_fn),
+                fd as *mut c_void
+            ))
         };
         check(r, "cuLaunchHostFunc", Some(self.inner.ctx.ordinal))
     }
@@ -661,7 +685,10 @@ impl Event {
         let mut raw: sys::CUevent = std::ptr::null_mut();
         // SAFETY: context current, valid out-pointer, valid flag.
         let r = unsafe {
-            sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            crate::cu!(cuEventCreate(
+                &mut raw,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            ))
         };
         check(r, "cuEventCreate", Some(ctx.ordinal))?;
         Ok(Event { raw, ctx })
@@ -675,14 +702,21 @@ impl Event {
     /// Capture the work queued so far on `stream`.
     pub fn record(&self, stream: &Stream) -> Result<()> {
         // SAFETY: live event and stream handles.
-        let r = unsafe { sys::cuEventRecord(self.raw, stream.raw()) };
+        let mut r = unsafe { crate::cu!(cuEventRecord(self.raw, stream.raw())) };
+        if refused_for_context(r) {
+            // The thread's context was cleared or changed behind rucx's back after the copies
+            // were queued without binding (`memcpy_async`): bind the event's and record again.
+            self.ctx.bind()?;
+            // SAFETY: as above.
+            r = unsafe { crate::cu!(cuEventRecord(self.raw, stream.raw())) };
+        }
         check(r, "cuEventRecord", Some(self.ctx.ordinal))
     }
 
     /// `true` once the recorded work has completed, `false` while it is pending.
     pub fn query(&self) -> Result<bool> {
         // SAFETY: live event handle.
-        let r = unsafe { sys::cuEventQuery(self.raw) };
+        let r = unsafe { crate::cu!(cuEventQuery(self.raw)) };
         match r {
             E::CUDA_SUCCESS => Ok(true),
             E::CUDA_ERROR_NOT_READY => Ok(false),
@@ -693,7 +727,7 @@ impl Event {
     /// Block until the recorded work has completed.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: live event handle.
-        let r = unsafe { sys::cuEventSynchronize(self.raw) };
+        let r = unsafe { crate::cu!(cuEventSynchronize(self.raw)) };
         check(r, "cuEventSynchronize", Some(self.ctx.ordinal))
     }
 }
@@ -701,7 +735,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: created in `Event::new`, destroyed only here.
-        let r = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        let r = unsafe { crate::cu!(cuEventDestroy_v2(self.raw)) };
         if r != E::CUDA_SUCCESS {
             tracing::warn!(
                 "{}",
@@ -774,11 +808,23 @@ fn range_check(what: &str, ptr: u64, cap: usize, offset: usize, len: usize) -> R
 fn sync_default_stream(ctx: &PrimaryContext, call: &str) -> Result<()> {
     // SAFETY: a null handle names the current context's legacy default stream (rucx calls the
     // driver's plain, not per-thread, entry points); the caller made `ctx` current.
-    let r = unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) };
+    let r = unsafe { crate::cu!(cuStreamSynchronize(std::ptr::null_mut())) };
     check(
         r,
         &format!("cuStreamSynchronize after {call}"),
         Some(ctx.ordinal),
+    )
+}
+
+/// Whether the driver refused a call for the thread's current context (none, destroyed, or
+/// not the one of the handles passed): the call did nothing, and binding the right context and
+/// calling again is the remedy.
+fn refused_for_context(r: CUresult) -> bool {
+    matches!(
+        r,
+        E::CUDA_ERROR_INVALID_CONTEXT
+            | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | E::CUDA_ERROR_INVALID_HANDLE
     )
 }
 
@@ -800,7 +846,7 @@ pub unsafe fn memcpy(ctx: &PrimaryContext, dst: u64, src: u64, len: usize) -> Re
     }
     ctx.bind()?;
     // SAFETY: forwarded to the caller's contract.
-    let r = unsafe { sys::cuMemcpy(dst, src, len) };
+    let r = unsafe { crate::cu!(cuMemcpy(dst, src, len)) };
     let call = format!("cuMemcpy({len} bytes, {src:#x} -> {dst:#x})");
     check(r, &call, Some(ctx.ordinal))?;
     sync_default_stream(ctx, &call)
@@ -822,9 +868,26 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> R
     if len == 0 {
         return Ok(());
     }
-    stream.context().bind()?;
+    // The copy runs in the stream's context. A current context is needed, but a copy queued on
+    // a stream of another context than the current one succeeds (CUDA programming guide,
+    // multi-device streams: "a memory copy will succeed even if it is issued to a stream that
+    // is not associated to the current device"), so once rucx bound the stream's context on
+    // this thread it does not bind again per copy (one `cuCtxSetCurrent` per GPU message
+    // less). Should the application have changed the thread's context meanwhile and the driver
+    // refuse the copy for it, the context is bound and the copy queued again (a refused call
+    // queued nothing).
+    let ctx = stream.context();
+    let trusted = BOUND.get() == ctx.raw as usize;
+    if !trusted {
+        ctx.bind()?;
+    }
     // SAFETY: forwarded to the caller's contract; the stream handle is live.
-    let r = unsafe { sys::cuMemcpyAsync(dst, src, len, stream.raw()) };
+    let mut r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
+    if trusted && refused_for_context(r) {
+        ctx.bind()?;
+        // SAFETY: as above.
+        r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
+    }
     // The message is made on failure only: this call is on every GPU message's path.
     if r == E::CUDA_SUCCESS {
         return Ok(());
@@ -898,7 +961,7 @@ macro_rules! device_copy_methods {
         pub fn fill(&mut self, value: u8) -> Result<()> {
             self.ctx.bind()?;
             // SAFETY: the range is exactly this live allocation.
-            let r = unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.len) };
+            let r = unsafe { crate::cu!(cuMemsetD8_v2(self.ptr, value, self.len)) };
             check(r, "cuMemsetD8", Some(self.ctx.ordinal))?;
             sync_default_stream(self.ctx, "cuMemsetD8")
         }
@@ -963,7 +1026,7 @@ impl DeviceBuffer {
     pub fn new(ctx: &'static PrimaryContext, len: usize) -> Result<DeviceBuffer> {
         let ptr = alloc_device(ctx, len, "device memory", "cuMemAlloc", |ptr| {
             // SAFETY: context current (`alloc_device`), valid out-pointer.
-            unsafe { sys::cuMemAlloc_v2(ptr, len) }
+            unsafe { crate::cu!(cuMemAlloc_v2(ptr, len)) }
         })?;
         Ok(DeviceBuffer { ptr, len, ctx })
     }
@@ -975,7 +1038,7 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         release(self.ptr as usize, self.len, self.ctx, "cuMemFree", || {
             // SAFETY: allocated by cuMemAlloc in `new`, freed only here.
-            unsafe { sys::cuMemFree_v2(self.ptr) }
+            unsafe { crate::cu!(cuMemFree_v2(self.ptr)) }
         });
     }
 }
@@ -1011,7 +1074,7 @@ impl PoolBuffer {
         ctx.bind()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: context current, live stream, valid out-pointer.
-        let r = unsafe { sys::cuMemAllocAsync(&mut ptr, len, stream.raw()) };
+        let r = unsafe { crate::cu!(cuMemAllocAsync(&mut ptr, len, stream.raw())) };
         check(
             r,
             &format!("cuMemAllocAsync({len} bytes)"),
@@ -1045,7 +1108,7 @@ impl Drop for PoolBuffer {
             || {
                 // SAFETY: allocated by cuMemAllocAsync on this stream, freed only here; the stream
                 // is kept alive by the clone we hold.
-                unsafe { sys::cuMemFreeAsync(self.ptr, self.stream.raw()) }
+                unsafe { crate::cu!(cuMemFreeAsync(self.ptr, self.stream.raw())) }
             },
         );
         if let Err(e) = self.stream.synchronize() {
@@ -1070,11 +1133,11 @@ impl ManagedBuffer {
         let ptr = alloc_device(ctx, len, "managed memory", "cuMemAllocManaged", |ptr| {
             // SAFETY: context current (`alloc_device`), valid out-pointer, valid attach flag.
             unsafe {
-                sys::cuMemAllocManaged(
+                crate::cu!(cuMemAllocManaged(
                     ptr,
                     len,
                     sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
-                )
+                ))
             }
         })?;
         Ok(ManagedBuffer { ptr, len, ctx })
@@ -1087,7 +1150,7 @@ impl Drop for ManagedBuffer {
     fn drop(&mut self) {
         release(self.ptr as usize, self.len, self.ctx, "cuMemFree", || {
             // SAFETY: allocated by cuMemAllocManaged, freed only here.
-            unsafe { sys::cuMemFree_v2(self.ptr) }
+            unsafe { crate::cu!(cuMemFree_v2(self.ptr)) }
         });
     }
 }
@@ -1116,7 +1179,7 @@ impl PinnedHostBuffer {
         let mut p: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: context current, valid out-pointer, valid flags.
-        let r = unsafe { sys::cuMemHostAlloc(&mut p, len, flags) };
+        let r = unsafe { crate::cu!(cuMemHostAlloc(&mut p, len, flags)) };
         check(
             r,
             &format!("cuMemHostAlloc({len} bytes)"),
@@ -1169,7 +1232,7 @@ impl Drop for PinnedHostBuffer {
             "cuMemFreeHost",
             || {
                 // SAFETY: allocated by cuMemHostAlloc, freed only here.
-                unsafe { sys::cuMemFreeHost(self.ptr as *mut c_void) }
+                unsafe { crate::cu!(cuMemFreeHost(self.ptr as *mut c_void)) }
             },
         );
     }
@@ -1279,7 +1342,7 @@ impl HostRegistration {
         ctx.bind()?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller guarantees the range is mapped for the registration's lifetime.
-        let r = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) };
+        let r = unsafe { crate::cu!(cuMemHostRegister_v2(ptr as *mut c_void, len, flags)) };
         check(
             r,
             &format!("cuMemHostRegister({len} bytes at {:#x})", ptr as usize),
@@ -1313,7 +1376,7 @@ impl Drop for HostRegistration {
             "cuMemHostUnregister",
             || {
                 // SAFETY: registered in `new`, unregistered only here.
-                unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) }
+                unsafe { crate::cu!(cuMemHostUnregister(self.ptr as *mut c_void)) }
             },
         );
     }

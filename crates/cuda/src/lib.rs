@@ -6,6 +6,8 @@
 //!   ([`PrimaryContext`]), [`Stream`]s and [`Event`]s, device / stream-ordered-pool / managed /
 //!   pinned-host allocations, host registration, copies. [`sys`] re-exports the raw bindings
 //!   for everything else, and [`check`] turns a `CUresult` into a typed error.
+//! - [`calls`](mod@calls): how often rucx called each driver entry point (every call goes through
+//!   [`cu!`]), and how long it spent inside them when asked.
 //! - [`pointer`](mod@pointer): what kind of memory a buffer is, which device owns it, its allocation, whether
 //!   it can be exported (legacy IPC, dma-buf), with a cache.
 //! - [`report`](mod@report): the per-GPU GPU-direct report (BAR1, GPUDirect RDMA, dma-buf, peer memory,
@@ -13,6 +15,7 @@
 //!
 //! Building and starting need no CUDA installation.
 
+pub mod calls;
 pub mod driver;
 pub mod nvml;
 pub mod pointer;
@@ -36,11 +39,20 @@ pub use report::{
 use rucx_ucs::{OptKind, OptionSpec};
 
 /// Options of this crate (names without the `RUCX_` prefix).
-pub static CONFIG: &[OptionSpec] = &[OptionSpec {
-    name: "CUDA_POINTER_CACHE",
-    kind: OptKind::Bool,
-    default: "y",
-    help: "Cache CUDA pointer classifications by allocation range. rucx invalidates entries when \
-           it frees its own allocations; set to n if the application frees and reallocates CUDA \
-           memory itself and buffers are misclassified.",
-}];
+pub static CONFIG: &[OptionSpec] = &[
+    OptionSpec {
+        name: "CUDA_POINTER_CACHE",
+        kind: OptKind::Bool,
+        default: "y",
+        help: "Cache CUDA pointer classifications by allocation range. rucx invalidates entries \
+               when it frees its own allocations; set to n if the application frees and \
+               reallocates CUDA memory itself and buffers are misclassified.",
+    },
+    OptionSpec {
+        name: "CUDA_CALL_TIMING",
+        kind: OptKind::Bool,
+        default: "n",
+        help: "Measure the wall time of every CUDA driver call next to counting it (rucx_cuda::\
+               calls; rucx-perftest prints both per iteration). Costs two clock reads per call.",
+    },
+];

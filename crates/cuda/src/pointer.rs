@@ -236,12 +236,12 @@ unsafe fn get_attrs(
     debug_assert_eq!(attrs.len(), data.len());
     // SAFETY: the caller guarantees every data slot fits its attribute; counts match.
     let r = unsafe {
-        sys::cuPointerGetAttributes(
+        crate::cu!(cuPointerGetAttributes(
             attrs.len() as u32,
             attrs.as_mut_ptr(),
             data.as_mut_ptr(),
             ptr,
-        )
+        ))
     };
     if r == E::CUDA_SUCCESS { Ok(()) } else { Err(r) }
 }
@@ -324,6 +324,35 @@ pub fn query(addr: usize) -> Result<RawAttrs> {
     raw.gpu_direct_rdma_capable = gdr != 0;
     raw.buffer_id = buffer_id;
     Ok(raw)
+}
+
+/// The driver's id of the allocation holding `addr` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`, unique
+/// within the process for its whole life: an allocation freed and another made at the same
+/// address get different ids), or `None` where the driver knows no allocation there or there is
+/// no driver. One driver call asking one attribute, uncached: the answer is about the memory
+/// there now, which is what a registration cache needs to tell whether an entry is stale.
+pub fn buffer_id(addr: usize) -> Result<Option<u64>> {
+    let Ok(drv) = driver() else {
+        return Ok(None);
+    };
+    let mut id: u64 = 0;
+    let mut attrs = [PA::CU_POINTER_ATTRIBUTE_BUFFER_ID];
+    let mut data = [&mut id as *mut u64 as *mut c_void];
+    // SAFETY: BUFFER_ID is an unsigned long long; its slot is a zeroed u64.
+    let mut res = unsafe { get_attrs(&mut attrs, &mut data, addr as u64) };
+    if res == Err(E::CUDA_ERROR_INVALID_CONTEXT) {
+        drv.any_context()?.bind()?;
+        // SAFETY: as above.
+        res = unsafe { get_attrs(&mut attrs, &mut data, addr as u64) };
+    }
+    if let Err(r) = res {
+        check(
+            r,
+            &format!("cuPointerGetAttributes(buffer id of {addr:#x})"),
+            None,
+        )?;
+    }
+    Ok((id != 0).then_some(id))
 }
 
 /// Classify `addr..addr+len` with the driver, without a cache. Pageable host memory when no

@@ -405,3 +405,69 @@ fn host_writes_are_complete_on_return() {
         );
     }
 }
+
+/// Every driver call is counted under its name; `memcpy_async` binds the stream's context once
+/// per thread (not per copy), and still queues its copy when the application changed or cleared
+/// the thread's context behind rucx's back.
+#[test]
+fn driver_calls_are_counted_and_copies_bind_once_per_thread() {
+    use rucx_cuda::calls::{self, Call};
+    let Some(ctx) = gpu(0) else { return };
+    // A thread of its own: the counters are process-wide, so this thread's calls are the
+    // test's only while the other tests of this binary run one at a time (--test-threads=1).
+    std::thread::spawn(move || {
+        let stream = Stream::new(ctx).unwrap();
+        let ev = Event::new(ctx).unwrap();
+        let mut host = PinnedHostBuffer::new(ctx, 8).unwrap();
+        let dev = DeviceBuffer::new(ctx, 8).unwrap();
+        let copy = |i: u8, host: &mut PinnedHostBuffer| {
+            host.as_mut_slice().copy_from_slice(&[i; 8]);
+            // SAFETY: both buffers outlive the copy, which is waited for below.
+            unsafe { memcpy_async(dev.ptr(), host.ptr(), 8, &stream) }.unwrap();
+            ev.record(&stream).unwrap();
+            ev.synchronize().unwrap();
+        };
+        copy(0, &mut host);
+        let before = calls::snapshot();
+        for i in 1..=100u8 {
+            copy(i, &mut host);
+        }
+        let d = calls::snapshot().since(&before);
+        println!("100 copies: {}", d.per_unit_line(100));
+        assert_eq!(d.calls(Call::cuMemcpyAsync), 100);
+        assert_eq!(d.calls(Call::cuEventRecord), 100);
+        assert_eq!(d.calls(Call::cuEventSynchronize), 100);
+        assert_eq!(d.calls(Call::cuCtxSetCurrent), 0, "{}", d.per_unit_line(1));
+        assert_eq!(
+            d.calls(Call::cuStreamCreate) + d.calls(Call::cuEventCreate),
+            0
+        );
+
+        // The application clears the thread's context: the copy is refused for it, rucx binds
+        // and queues it again.
+        // SAFETY: a null context is allowed (no context current on this thread).
+        let r = unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        let before = calls::snapshot();
+        copy(0xab, &mut host);
+        let d = calls::snapshot().since(&before);
+        println!("after the context was cleared: {}", d.per_unit_line(1));
+        assert!(d.calls(Call::cuMemcpyAsync) <= 2, "{}", d.per_unit_line(1));
+        let mut out = [0u8; 8];
+        dev.copy_to_host(0, &mut out).unwrap();
+        assert_eq!(out, [0xab; 8]);
+        // Bound again: the next copies bind no more.
+        let before = calls::snapshot();
+        copy(0xcd, &mut host);
+        assert_eq!(
+            calls::snapshot()
+                .since(&before)
+                .calls(Call::cuCtxSetCurrent),
+            0
+        );
+        dev.copy_to_host(0, &mut out).unwrap();
+        assert_eq!(out, [0xcd; 8]);
+    })
+    .join()
+    .unwrap();
+}

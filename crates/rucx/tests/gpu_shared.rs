@@ -172,3 +172,92 @@ fn gpu_shared_gpu_with_cuda_ipc_refused_is_staged() {
         &[("RUCX_FAULT_INJECT", "md=cuda_ipc,mem=cuda,after=0")],
     );
 }
+
+/// Steady state of small messages on a shared GPU, the CUDA driver calls of each rank counted
+/// (`rucx::cuda::calls`) over messages 101-300 of a ping-pong of one pair of buffers (as
+/// `rucx-perftest -t tag_lat` runs it): no export, mapping, stream, event or context switch per
+/// message, at most one pointer query per registration (one per message sent or received), and
+/// the copies all in the copier's process (two per iteration there, none in the other).
+fn steady_state_job() {
+    use rucx::cuda::calls::{self, Call};
+    let job = Job::from_env().unwrap();
+    let w = job.worker();
+    let ctx = rucx::cuda::driver().unwrap().context(0).unwrap();
+    let rank = job.rank();
+    let peer = job.ep(1 - rank);
+    for n in [8usize, 4096] {
+        let s = dev_with(ctx, &ranks::pattern(n, rank + 1));
+        let mut r = dev_with(ctx, &vec![0; n]);
+        let (warm, iters) = (100, 200);
+        let mut before = None;
+        let copies_before = w.counters().get(SEND_WRITE).copied().unwrap_or(0);
+        for i in 0..warm + iters {
+            if i == warm {
+                before = Some(calls::snapshot());
+            }
+            w.scope(|sc| {
+                if rank == 0 {
+                    sc.tag_send(peer, &s, 7).wait()?;
+                    sc.tag_recv(&mut r, 7, TAG_MASK_FULL).wait().map(|_| ())
+                } else {
+                    sc.tag_recv(&mut r, 7, TAG_MASK_FULL).wait()?;
+                    sc.tag_send(peer, &s, 7).wait().map(|_| ())
+                }
+            })
+            .unwrap_or_else(|e| panic!("rank {rank}: {n} B, iteration {i}: {e}"));
+        }
+        let d = calls::snapshot().since(&before.unwrap());
+        let copier = w.counters().get(SEND_WRITE).copied().unwrap_or(0) > copies_before;
+        println!(
+            "rank {rank} (copier {copier}), {n} B: CUDA driver calls per iteration: {}",
+            d.per_unit_line(iters as u64)
+        );
+        assert!(
+            dev_read(&r, n) == ranks::pattern(n, 2 - rank),
+            "rank {rank}: {n} B"
+        );
+        let line = d.per_unit_line(iters as u64);
+        for c in [
+            Call::cuIpcGetMemHandle,
+            Call::cuIpcOpenMemHandle_v2,
+            Call::cuIpcCloseMemHandle,
+            Call::cuStreamCreate,
+            Call::cuEventCreate,
+            Call::cuEventDestroy_v2,
+            Call::cuCtxSetCurrent,
+        ] {
+            assert_eq!(d.calls(c), 0, "rank {rank}, {n} B, {}: {line}", c.name());
+        }
+        assert!(
+            d.calls(Call::cuPointerGetAttributes) <= 2 * iters as u64,
+            "rank {rank}, {n} B: {line}"
+        );
+        let copies = if copier { 2 * iters as u64 } else { 0 };
+        assert_eq!(
+            d.calls(Call::cuMemcpyAsync),
+            copies,
+            "rank {rank}, {n} B: {line}"
+        );
+        assert_eq!(
+            d.calls(Call::cuEventRecord),
+            copies,
+            "rank {rank}, {n} B: {line}"
+        );
+        job.barrier().unwrap();
+    }
+}
+
+#[test]
+fn gpu_shared_gpu_small_messages_steady_state_driver_calls() {
+    if ranks::in_child() {
+        return steady_state_job();
+    }
+    if let Some(why) = ranks::gpu_skip_reason() {
+        return println!("skipped: {why}");
+    }
+    // No staging made ahead: its helper thread's driver calls would land in the counts.
+    run(
+        "gpu_shared_gpu_small_messages_steady_state_driver_calls",
+        &[("RUCX_RNDV_STAGING_AHEAD", "n")],
+    );
+}

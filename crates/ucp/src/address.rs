@@ -156,7 +156,54 @@ mod tests {
         assert_eq!(WorkerAddress::unpack(&a.pack()).unwrap(), a);
     }
 
+    /// Bytes an address holds on the heap.
+    fn held(a: &WorkerAddress) -> usize {
+        a.host.len()
+            + a.ifaces
+                .iter()
+                .map(|e| {
+                    e.tl_name.len()
+                        + e.dev_name.len()
+                        + e.md_name.len()
+                        + e.dev_addr.len()
+                        + e.iface_addr.len()
+                })
+                .sum::<usize>()
+    }
+
     proptest! {
+        /// The envelope's checksum is no secret: a hostile peer wraps whatever it likes in a
+        /// valid one. Payloads of a real address with bits flipped, cut, a length or count set
+        /// to the largest value, or bytes added, each in a valid envelope: an error, or an
+        /// address that holds no more than the bytes it came from.
+        #[test]
+        fn lies_inside_a_valid_envelope_are_errors_or_bounded(
+            edits in proptest::collection::vec((0u8..4, any::<usize>(), any::<u8>()), 1..4),
+        ) {
+            let mut two = sample();
+            two.ifaces.push(two.ifaces[0].clone());
+            let mut p = rkey::unpack(ENVELOPE, "t", &two.pack()).unwrap().to_vec();
+            for (kind, pos, v) in edits {
+                match kind {
+                    0 => { let i = pos % p.len(); p[i] ^= 1 << (v % 8); }
+                    1 => p.truncate(pos % (p.len() + 1)),
+                    2 if p.len() >= 2 => {
+                        let i = pos % (p.len() - 1);
+                        p[i..i + 2].copy_from_slice(&u16::MAX.to_le_bytes());
+                    }
+                    _ => p.push(v),
+                }
+                if p.is_empty() {
+                    p.push(v);
+                }
+            }
+            let blob = rkey::pack(ENVELOPE, &p);
+            match WorkerAddress::unpack(&blob) {
+                Ok(a) => prop_assert!(held(&a) <= p.len()),
+                Err(e) => prop_assert!(matches!(e, Error::InvalidAddress(_)), "{e:?}"),
+            }
+        }
+
         #[test]
         fn garbage_and_truncation_are_errors(g in proptest::collection::vec(any::<u8>(), 0..200), cut in 1usize..40) {
             let _ = WorkerAddress::unpack(&g);

@@ -26,6 +26,10 @@ use crate::worker::{EpId, Worker};
 pub(crate) const MAGIC: &[u8; 8] = b"RUCXCM02";
 const HEADER: usize = 20;
 const MAX_ADDR: u32 = 1 << 20;
+/// Most bytes a handshake's buffer grows by ahead of what arrived: what a peer announces is not
+/// allocated before it is sent, so a flood of peers announcing [`MAX_ADDR`]-byte addresses and
+/// sending a header each costs the listener their headers, not a MiB each.
+const READ_AHEAD: usize = 16 * 1024;
 /// How long a connected peer has to send its whole address (see
 /// [`Listener::set_handshake_timeout`]).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -116,7 +120,7 @@ pub(crate) fn read_step(got: &mut Vec<u8>, from: SocketAddr, r: &mut impl Read) 
             return Ok(Step::Done { addr, client_id });
         }
         let have = got.len();
-        got.resize(want, 0);
+        got.resize(want.min(have + READ_AHEAD), 0);
         let n = match r.read(&mut got[have..]) {
             Ok(n) => n,
             Err(e) => {
@@ -783,6 +787,36 @@ mod tests {
                 Err(e) => return (unread(&r), Err(e)),
             }
         }
+    }
+
+    /// A peer that announces the largest address and sends only its header holds a buffer of
+    /// what it sent (plus the read-ahead), not of what it announced (before: 1 MiB a peer, a
+    /// GiB for a full house of handshakes); a large address in many pieces still comes whole.
+    #[test]
+    fn an_announced_length_is_not_allocated_before_it_arrives() {
+        let from: SocketAddr = "192.0.2.1:7".parse().unwrap();
+        let mut head = MAGIC.to_vec();
+        head.extend_from_slice(&MAX_ADDR.to_le_bytes());
+        head.extend_from_slice(&0u64.to_le_bytes());
+        head.extend_from_slice(&[5; 100]);
+        let mut r = Chunks {
+            chunks: VecDeque::from([head]),
+            blocked: false,
+            eof: false,
+        };
+        let mut got = Vec::new();
+        assert!(matches!(read_step(&mut got, from, &mut r), Ok(Step::More)));
+        assert_eq!(got.len(), HEADER + 100);
+        assert!(
+            got.capacity() <= 2 * (HEADER + 100 + READ_AHEAD),
+            "{} bytes held for a peer that sent {}",
+            got.capacity(),
+            got.len()
+        );
+        let addr: Vec<u8> = (0..MAX_ADDR).map(|i| i as u8).collect();
+        let cuts: Vec<usize> = (1..40).map(|i| i * 27_001).collect();
+        let (unread, back) = feed(&addr_message(&addr, 9), &cuts, false);
+        assert_eq!((unread, back.unwrap()), (0, addr));
     }
 
     proptest! {

@@ -45,7 +45,7 @@ impl Drop for HostPin {
         let _ = self.ctx.bind();
         // SAFETY: `ptr` was registered by `cuMemHostRegister` in `pin_host` and is unregistered
         // only here.
-        let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+        let r = unsafe { rucx_cuda::cu!(cuMemHostUnregister(self.ptr as *mut c_void)) };
         if r != sys::CUresult::CUDA_SUCCESS {
             tracing::warn!(
                 "{}",
@@ -453,7 +453,13 @@ impl CudaCopyMd {
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller of `mem_reg` promised the range stays mapped while registered;
         // the registration is undone in `HostPin::drop`, which the handle owns.
-        let r = unsafe { sys::cuMemHostRegister_v2(region.addr as *mut c_void, region.len, flags) };
+        let r = unsafe {
+            rucx_cuda::cu!(cuMemHostRegister_v2(
+                region.addr as *mut c_void,
+                region.len,
+                flags
+            ))
+        };
         match r {
             sys::CUresult::CUDA_SUCCESS => Ok(Some(HostPin {
                 ptr: region.addr,

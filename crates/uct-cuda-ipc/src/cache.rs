@@ -74,7 +74,7 @@ impl Mapping {
         let flags = sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
         // SAFETY: the context is current, `ptr` is a valid out-pointer and the handle is passed
         // by value; a bad handle is reported as an error by the driver.
-        let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) };
+        let r = unsafe { rucx_cuda::cu!(cuIpcOpenMemHandle_v2(&mut ptr, handle, flags)) };
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(cuda_error(
                 r,
@@ -138,7 +138,7 @@ impl Drop for Mapping {
                 let _ = ctx.bind();
                 // SAFETY: `ptr` came from cuIpcOpenMemHandle in `open` and is closed only here,
                 // after the last copy using it has completed (copies hold an Arc).
-                let r = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+                let r = unsafe { rucx_cuda::cu!(cuIpcCloseMemHandle(self.ptr)) };
                 if r != sys::CUresult::CUDA_SUCCESS {
                     tracing::warn!(
                         "{}",

@@ -296,7 +296,7 @@ impl MemoryDomain for CudaIpcMd {
         let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: the context is current, `h` is a valid out-pointer, and `info.base` is the
         // start of a live device allocation (the caller's contract for `region`).
-        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, info.base as u64) };
+        let r = unsafe { rucx_cuda::cu!(cuIpcGetMemHandle(&mut h, info.base as u64)) };
         if r != sys::CUresult::CUDA_SUCCESS {
             let mut detail = format!(
                 "cuIpcGetMemHandle(allocation {:#x}+{} on GPU {device}) failed with {}",
@@ -357,17 +357,19 @@ impl MemoryDomain for CudaIpcMd {
     }
 
     fn mem_still_valid(&self, memh: &MemHandle) -> bool {
-        // The same allocation (CUDA's buffer id, uncached) still holds the registered range.
+        // The same allocation still holds the registered range: the driver's id of the
+        // allocation at the range's start now (uncached, one call asking one attribute) is the
+        // one registered. Ids are unique for the life of the process, so an allocation freed
+        // and replaced at the same address (or a range now unmapped, id none) never matches;
+        // the same allocation has the same base and size, so the range still fits in it.
         let Some(reg) = memh.inner::<IpcReg>() else {
             return false;
         };
-        let r = memh.region();
-        match rucx_cuda::pointer::classify_uncached(r.addr, r.len) {
-            Ok(info) => {
-                info.buffer_id == reg.key.buffer_id && info.base as u64 == reg.key.alloc_base
-            }
-            Err(_) => false,
-        }
+        reg.key.buffer_id != 0
+            && matches!(
+                rucx_cuda::pointer::buffer_id(memh.region().addr),
+                Ok(Some(id)) if id == reg.key.buffer_id
+            )
     }
 
     fn allocation_of(&self, region: &MemRegion) -> Option<AllocId> {

@@ -619,3 +619,44 @@ fn component_is_available_with_a_gpu() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The check that makes a kept GPU registration reusable (`mem_still_valid`) asks the driver
+/// one attribute in one call, and says no once the allocation was freed, whatever now lies at
+/// the same address (a new allocation there has another buffer id).
+#[test]
+fn still_valid_is_one_driver_call_and_sees_a_reallocation() {
+    use rucx_cuda::calls::{self, Call};
+    let Some(_) = gpus() else { return };
+    let ctx = driver().unwrap().context(0).unwrap();
+    let side = Side::open();
+    let d = DeviceBuffer::new(ctx, 1 << 20).unwrap();
+    let region = MemRegion {
+        addr: d.ptr() as usize + 64,
+        len: 8,
+        mem_type: MemoryType::Cuda,
+        device: Some(0),
+    };
+    // SAFETY: `d` outlives the handle's use (it is only checked after `d` is freed).
+    let h = unsafe { side.md.mem_reg(region) }.unwrap();
+    let before = calls::snapshot();
+    for _ in 0..100 {
+        assert!(side.md.mem_still_valid(&h));
+    }
+    let c = calls::snapshot().since(&before);
+    println!("100 validity checks: {}", c.per_unit_line(100));
+    assert_eq!(c.calls(Call::cuPointerGetAttributes), 100);
+    assert_eq!(c.total_calls(), 100, "{}", c.per_unit_line(1));
+    let addr = d.ptr();
+    drop(d);
+    assert!(!side.md.mem_still_valid(&h), "freed allocation still valid");
+    // The driver often hands the same address out again: a new allocation there is another.
+    let again: Vec<DeviceBuffer> = (0..4)
+        .map(|_| DeviceBuffer::new(ctx, 1 << 20).unwrap())
+        .collect();
+    let reused = again.iter().any(|b| b.ptr() == addr);
+    assert!(
+        !side.md.mem_still_valid(&h),
+        "reallocated (address reused: {reused})"
+    );
+    println!("stale registration refused (address reused: {reused})");
+}

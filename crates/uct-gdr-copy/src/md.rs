@@ -272,11 +272,11 @@ fn set_sync_memops(addr: u64, device: u32) {
     // SAFETY: the symbol exists (checked); the value pointer is a live u32 as the attribute
     // requires; `addr` is a device pointer (a bad one is an error result, ignored).
     let r = unsafe {
-        sys::cuPointerSetAttribute(
+        rucx_cuda::cu!(cuPointerSetAttribute(
             &flag as *const u32 as *const c_void,
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
             addr,
-        )
+        ))
     };
     if r != sys::CUresult::CUDA_SUCCESS {
         tracing::debug!("cuPointerSetAttribute(SYNC_MEMOPS, {addr:#x}): {r:?}");

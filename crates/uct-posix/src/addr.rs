@@ -373,6 +373,33 @@ mod tests {
             prop_assert!(RkeyData::unpack_shared(&b[..c]).is_err());
         }
 
+        /// The envelope's check is no secret: any payload wrapped in a valid envelope (of the
+        /// right length or not) is refused or gives fields that hold their invariants.
+        #[test]
+        fn lies_in_a_valid_envelope_are_refused_or_valid(
+            p in proptest::collection::vec(any::<u8>(), 0..80),
+            exact in 0u8..4,
+        ) {
+            let mut p = p;
+            let want = [32usize, 28, 64, 24][exact as usize];
+            if p.len() > want {
+                p.truncate(want);
+            }
+            if let Ok(a) = IfaceAddr::unpack(&rkey::pack(NAME, &p)) {
+                prop_assert!(a.pid > 0 && a.pid <= i32::MAX as u32 && a.fd <= i32::MAX as u32);
+                prop_assert!(a.geo.validate("t").is_ok());
+            }
+            if let Ok(k) = RkeyData::unpack(&rkey::pack(NAME, &p)) {
+                prop_assert!(k.pid > 0 && k.base.checked_add(k.len).is_some());
+            }
+            if let Ok(k) = RkeyData::unpack_shared(&rkey::pack(SHM_KEY, &p)) {
+                let s = k.shm.unwrap();
+                prop_assert!(k.base >= s.seg_base);
+                prop_assert!(k.base + k.len <= s.seg_base + s.seg_len);
+            }
+            let _ = DeviceAddr::unpack(&rkey::pack(NAME, &p));
+        }
+
         #[test]
         fn corrupted_iface_address_rejected(pos in any::<usize>(), bit in 0u8..8) {
             let mut b = iface().pack();

@@ -16,7 +16,7 @@ use rucx_uct::{
 };
 
 use crate::addr::{DeviceAddr, IfaceAddr, RkeyData, ShmInfo};
-use crate::mapped::{self, PeerSegment};
+use crate::mapped::{self, MaybeSegment};
 use crate::ring::{Cursor, Geometry, Ring, SegIdentity, StallWatch};
 use crate::sys::{self, CmaDir, ProcWatch, SegmentBacking, WakePipe};
 use crate::{DEVICE, NAME, Settings};
@@ -334,6 +334,16 @@ impl Iface for PosixIface {
                 a.geo.segment_size()
             )));
         }
+        if a.pid != sys::my_pid() && !sys::size_sealed(&file) {
+            // Mapped, a segment that can shrink would make our sends fault (SIGBUS) once its
+            // owner truncated it; rucx seals every memfd segment, a shm one cannot be sealed.
+            return Err(Error::Unsupported {
+                what: format!("a posix endpoint to pid {}", a.pid),
+                why: "its receive segment's size is not sealed (POSIX_SEGMENT=shm there, or not \
+                      a rucx segment): it could shrink under our mapping"
+                    .into(),
+            });
+        }
         let map = MmapRaw::map_raw(&file)
             .map_err(|e| Error::io(format!("posix: mapping the segment of pid {}", a.pid), e))?;
         let ring = Ring::attach(
@@ -494,10 +504,10 @@ pub struct PosixEndpoint {
     peer_check: Duration,
     /// The peer's segments mapped put/get used, by (descriptor, tag): found without the
     /// process-wide map's lock.
-    segs: HashMap<(u32, u64), Arc<PeerSegment>>,
+    segs: HashMap<(u32, u64), MaybeSegment>,
     /// The segment of the last put/get, found without hashing (a transfer in pieces, or a
     /// peer's buffer used again, names the same one).
-    last_seg: Option<((u32, u64), Arc<PeerSegment>)>,
+    last_seg: Option<((u32, u64), MaybeSegment)>,
 }
 
 impl PosixEndpoint {
@@ -596,8 +606,10 @@ impl PosixEndpoint {
         if total == 0 {
             return Ok(());
         }
-        if let Some(shm) = k.shm {
-            return self.mapped_copy(dir, pieces, remote_addr, total, k, &shm);
+        if let Some(shm) = k.shm
+            && self.mapped_copy(dir, pieces, remote_addr, total, k, &shm)?
+        {
+            return Ok(());
         }
         let pid = k.pid;
         // SAFETY: every local piece is either a borrowed slice (put_short) or lies inside a
@@ -632,7 +644,8 @@ impl PosixEndpoint {
     }
 
     /// Put/get on a region of a peer's shared segment: a plain copy through our mapping of it
-    /// (mapped on first use, then kept; see [`crate::mapped`]).
+    /// (mapped on first use, then kept; see [`crate::mapped`]). `Ok(false)`: the segment is
+    /// not mapped (its size is not sealed), nothing was copied; use cross-memory attach.
     fn mapped_copy(
         &mut self,
         dir: CmaDir,
@@ -641,7 +654,7 @@ impl PosixEndpoint {
         total: usize,
         k: &RkeyData,
         shm: &ShmInfo,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         // The copy itself cannot notice a dead owner (our mapping keeps its pages): look at the
         // peer as often as the sends do, so a dead peer's operations fail as they do with
         // cross-memory attach.
@@ -661,6 +674,9 @@ impl PosixEndpoint {
         let Some((_, seg)) = &self.last_seg else {
             return Err(Error::Internal("posix: segment lookup".into()));
         };
+        let Some(seg) = seg else {
+            return Ok(false);
+        };
         let Some(mut remote) = seg.local(remote_addr, total) else {
             return Err(Error::InvalidRkey {
                 domain: crate::NAME.into(),
@@ -676,9 +692,10 @@ impl PosixEndpoint {
             // memory handle of host memory (`iov_pieces`), valid for reads and writes for this
             // synchronous call; `remote..remote + len` lies inside our mapping of the peer's
             // segment (`local` above checked the whole transfer against it), which stays mapped
-            // while `seg` lives, and the segment's size is sealed, so no access faults. The two
-            // ranges may only overlap if the caller passed overlapping buffers of one segment to
-            // itself, which `copy` (memmove) tolerates. A peer writing the region meanwhile
+            // while `seg` lives, and the segment's size is sealed (`mapped::segment` maps no
+            // other segment of another process; ours cannot shrink but by us), so no access
+            // faults. The two ranges may only overlap if the caller passed overlapping buffers
+            // of one segment to itself, which `copy` (memmove) tolerates. A peer writing the region meanwhile
             // races only on plain bytes, as any shared-memory transport does.
             unsafe {
                 match dir {
@@ -688,7 +705,7 @@ impl PosixEndpoint {
             }
             remote += len;
         }
-        Ok(())
+        Ok(true)
     }
 
     fn iov_pieces(&self, iov: &[Iov<'_>]) -> Result<Pieces> {

@@ -7,7 +7,8 @@
 //!
 //! Every interface owns a *receive segment*: an anonymous shared file (`memfd_create`, sealed
 //! against resizing, or `shm_open` unlinked at once when memfd is not available or
-//! `RUCX_POSIX_SEGMENT=shm`), mode 0600, mapped with memmap2. It holds a lock-free multi-producer single-consumer ring of
+//! `RUCX_POSIX_SEGMENT=shm`; its size cannot be sealed, so other processes refuse to map it),
+//! mode 0600, mapped with memmap2. It holds a lock-free multi-producer single-consumer ring of
 //! fixed-size cells (default 256 cells of 8 KiB, 16 bytes of each are the cell header; see
 //! [`ring`] for the layout and the ordering protocol). Senders map the peer's segment by opening
 //! `/proc/<pid>/fd/<fd>` (both numbers come from the interface address) and copy each message
@@ -73,7 +74,7 @@ use std::time::Duration;
 use rucx_ucs::{Bounds, Config, Error, MemUnits, OptKind, OptionSpec, Result};
 use rucx_uct::{Availability, Component, MemoryDomain};
 
-pub use addr::{DeviceAddr, IfaceAddr, RkeyData};
+pub use addr::{DeviceAddr, IfaceAddr, RkeyData, ShmInfo};
 pub use iface::{PosixEndpoint, PosixIface};
 pub use md::{PosixMd, PosixMemh};
 pub use sys::SegmentBacking;
@@ -107,8 +108,10 @@ pub static CONFIG: &[OptionSpec] = &[
         name: "POSIX_SEGMENT",
         kind: OptKind::Enum(&["auto", "memfd", "shm"]),
         default: "auto",
-        help: "How receive segments are created: memfd (never named), shm (shm_open, unlinked at \
-               once), or auto (memfd, else shm).",
+        help: "How receive segments are created: memfd (never named, size sealed), shm \
+               (shm_open, unlinked at once; its size cannot be sealed, so other processes refuse \
+               to map it and reach this interface by another transport), or auto (memfd, else \
+               shm).",
     },
     OptionSpec {
         name: "POSIX_PEER_CHECK",

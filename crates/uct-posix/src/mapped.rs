@@ -12,6 +12,10 @@
 //! the old mapping. A mapping keeps the segment's pages alive: a copy through it never faults,
 //! even when the owner exits or frees the allocation while the copy runs (the copy then reads
 //! what the owner last wrote, and the owner's death is reported by the endpoint's checks).
+//! Only a segment whose size is sealed (a memfd segment, [`sys::create_shared_file`]) is
+//! mapped: the owner of one that can shrink (a shm segment, or a file a hostile peer made)
+//! could truncate it under the mapping and make a copy fault (`SIGBUS`); such keys are served
+//! by cross-memory attach, which reports a vanished page as an error.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
@@ -45,11 +49,15 @@ impl PeerSegment {
 
 type SegKey = (u32, u64, u32, u64);
 
-static SEGMENTS: LazyLock<Mutex<HashMap<SegKey, Arc<PeerSegment>>>> =
+/// A mapped segment, or `None` for one that is not mapped (its size is not sealed).
+pub(crate) type MaybeSegment = Option<Arc<PeerSegment>>;
+
+static SEGMENTS: LazyLock<Mutex<HashMap<SegKey, MaybeSegment>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
 
-/// The segment of key `k` (with shared-segment part `shm`), mapped on first use.
-pub(crate) fn segment(k: &RkeyData, shm: &ShmInfo) -> Result<Arc<PeerSegment>> {
+/// The segment of key `k` (with shared-segment part `shm`), mapped on first use; `None` when
+/// its size is not sealed and the owner is another process (then use cross-memory attach).
+pub(crate) fn segment(k: &RkeyData, shm: &ShmInfo) -> Result<MaybeSegment> {
     let key = (k.pid, k.token, shm.fd, shm.tag);
     let mut segs = SEGMENTS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(s) = segs.get(&key) {
@@ -82,6 +90,16 @@ pub(crate) fn segment(k: &RkeyData, shm: &ShmInfo) -> Result<Arc<PeerSegment>> {
             ),
         });
     }
+    if k.pid != sys::my_pid() && !sys::size_sealed(&file) {
+        tracing::debug!(
+            "posix: the shared segment of process {} (descriptor {}) can shrink; its keys use \
+             cross-memory attach",
+            k.pid,
+            shm.fd
+        );
+        segs.insert(key, None);
+        return Ok(None);
+    }
     // Populated at once: the first copies through a fresh mapping would otherwise take a page
     // fault per 4 KiB page (a 4 MiB receive buffer: ~1000 faults inside the first transfer).
     let map = memmap2::MmapOptions::new()
@@ -98,8 +116,8 @@ pub(crate) fn segment(k: &RkeyData, shm: &ShmInfo) -> Result<Arc<PeerSegment>> {
         map,
         seg_base: shm.seg_base,
     });
-    segs.insert(key, s.clone());
-    Ok(s)
+    segs.insert(key, Some(s.clone()));
+    Ok(Some(s))
 }
 
 /// FNV-1a 64 of what `/proc/<pid>/fd/<fd>` points to (the segment's unique name).

@@ -375,7 +375,9 @@ impl MemoryDomain for PosixMd {
         if k.pid == self.pid && k.token == sys::process_token() {
             return Ok(Some(k.base as usize));
         }
-        let seg = mapped::segment(k, &shm)?;
+        let Some(seg) = mapped::segment(k, &shm)? else {
+            return Ok(None);
+        };
         seg.local(k.base, k.len as usize)
             .map(Some)
             .ok_or_else(|| Error::InvalidRkey {

@@ -119,6 +119,16 @@ pub fn create_shared_file(backing: SegmentBacking, size: u64) -> Result<File> {
     Ok(file)
 }
 
+/// Whether `file`'s size is sealed against shrinking (`F_SEAL_SHRINK`, as
+/// [`create_shared_file`] seals a memfd segment). A mapping of a file that can shrink faults
+/// (`SIGBUS`) on an access past its new end, so a peer's segment is mapped only when this holds
+/// (or the peer is this process, whose segments are trusted).
+pub fn size_sealed(file: &File) -> bool {
+    // SAFETY: F_GET_SEALS takes no argument; the descriptor is valid for the call.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
+}
+
 /// Open a descriptor of another process (or ours) through `/proc/<pid>/fd/<fd>`, read-write.
 pub fn open_peer_fd(pid: u32, fd: u32) -> io::Result<File> {
     std::fs::OpenOptions::new()
@@ -464,6 +474,7 @@ mod tests {
             assert_eq!(m.len(), 4096);
             let again = open_peer_fd(my_pid(), raw_fd(&f) as u32).unwrap();
             assert_eq!(again.metadata().unwrap().len(), 4096);
+            assert_eq!(size_sealed(&again), b == SegmentBacking::Memfd);
             if b == SegmentBacking::Memfd {
                 assert!(
                     again.set_len(100).is_err(),

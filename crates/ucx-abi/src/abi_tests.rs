@@ -1291,11 +1291,12 @@ fn a_failed_peer_calls_each_error_handler_once_from_progress() {
         assert!(ucp_ep_close_nb(b, UCP_EP_CLOSE_MODE_FORCE).is_null());
         assert!(ucp_ep_close_nb(back, UCP_EP_CLOSE_MODE_FORCE).is_null());
         ucp_worker_destroy(w[1]);
-        // A flush progresses inside until the send ended (with the error): no handler there.
-        assert!(ucp_worker_flush_nb(w[0], 0, None).is_null());
+        // A fence progresses inside until the send ended (with the error): no handler there.
+        // (Its status is that of the flushes of the endpoints not known to be failed yet.)
+        let _ = crate::worker::ucp_worker_fence(w[0]);
         {
             let f = FAILS.lock().unwrap();
-            assert_eq!(f.len(), 1, "only the send ended inside the flush: {f:?}");
+            assert_eq!(f.len(), 1, "only the send ended inside the fence: {f:?}");
             assert_eq!(f[0].0, "send");
             assert_eq!(f[0].1, pending as usize);
             assert!(f[0].3 < 0, "the send failed: {}", f[0].3);

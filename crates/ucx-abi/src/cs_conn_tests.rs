@@ -174,7 +174,12 @@ fn one_thread_connects_a_client_and_server_and_what_was_posted_meanwhile_goes_in
         let s2 = ucp_tag_send_nbx(ep, b"two!".as_ptr().cast(), 4, 2, &p);
         let s3 = ucp_stream_send_nbx(ep, b"stream".as_ptr().cast(), 6, &p);
         let f = ucp_ep_flush_nbx(ep, &p);
-        for r in [s1, s2, s3, f] {
+        // The flushes of every form return a request, which the same thread's progress of
+        // both workers completes (they used to wait in place for the connection's timeout).
+        let wf = crate::worker::ucp_worker_flush_nbx(cw, &p);
+        let ef = crate::endpoint::ucp_ep_flush_nb(ep, 0, None);
+        let wf2 = crate::worker::ucp_worker_flush_nb(cw, 0, None);
+        for r in [s1, s2, s3, f, wf, ef, wf2] {
             assert!(ptr_is_ptr(r), "not done in place while connecting");
         }
         drive(&ws, || !REQUESTS.lock().unwrap().is_empty());
@@ -197,7 +202,7 @@ fn one_thread_connects_a_client_and_server_and_what_was_posted_meanwhile_goes_in
         wait_all.flags = UCP_STREAM_RECV_FLAG_WAITALL;
         let mut len = 0;
         let r3 = ucp_stream_recv_nbx(sep, s.as_mut_ptr().cast(), 6, &mut len, &wait_all);
-        for r in [s1, s2, s3, f, r1, r2, r3] {
+        for r in [s1, s2, s3, f, wf, ef, wf2, r1, r2, r3] {
             assert_eq!(status(&ws, r), UCS_OK);
         }
         assert_eq!(

@@ -48,7 +48,7 @@ const ADDR_MAX: usize = 1 << 20;
 /// # Safety
 /// `p` points at an address from `ucp_worker_query`/`ucp_worker_get_address` (its 8-byte
 /// prefix is read first, then as many bytes as the prefix says, once it checked out).
-unsafe fn unpack_address<'a>(p: *const c_void) -> Option<&'a [u8]> {
+pub(crate) unsafe fn unpack_address<'a>(p: *const c_void) -> Option<&'a [u8]> {
     if p.is_null() {
         return None;
     }
@@ -142,6 +142,12 @@ pub unsafe extern "C" fn ucp_ep_create(
                     .or_default()
                     .push(EpErrHandler { ep, cb, arg });
             }
+            let user_data = if p.field_mask & UCP_EP_PARAM_FIELD_USER_DATA != 0 {
+                p.user_data
+            } else {
+                std::ptr::null_mut()
+            };
+            w.extra.streams.note_ep(id, ep, user_data);
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *ep_p = ep };
             UCS_OK
@@ -193,6 +199,7 @@ unsafe fn close(ep: *mut AbiEp, force: bool) -> *mut c_void {
     }
     // SAFETY: made by `Box::into_raw` in `ucp_ep_create`, closed once.
     let abi_ep = unsafe { Box::from_raw(ep) };
+    abi_ep.worker().extra.streams.forget_ep(ep);
     {
         let mut hs = abi_ep.worker().err_handlers.borrow_mut();
         if let Some(list) = hs.get_mut(&abi_ep.id) {
@@ -265,8 +272,12 @@ pub unsafe extern "C" fn ucp_ep_destroy(ep: *mut AbiEp) {
 }
 
 /// `ucs_status_ptr_t ucp_ep_flush_nb(ucp_ep_h ep, unsigned flags, ucp_send_callback_t cb)`:
-/// completes in place once the worker's operations ended and the endpoint's lanes were
-/// flushed.
+/// a flush of the endpoint ([`crate::flush`]): NULL when nothing was outstanding, else a
+/// request that progress completes (`cb` called then) once the worker's operations posted
+/// before it ended and the endpoint's lanes were flushed; on an endpoint still connecting (a
+/// client by socket address), once it is connected and what was posted on it before is out.
+/// It ends with the endpoint's error when it failed, and with the error of a put, get or
+/// atomic on it that failed after it was posted (an implicit one's too).
 ///
 /// # Safety
 /// `ep` NULL or live.
@@ -274,24 +285,21 @@ pub unsafe extern "C" fn ucp_ep_destroy(ep: *mut AbiEp) {
 pub unsafe extern "C" fn ucp_ep_flush_nb(
     ep: *const AbiEp,
     _flags: c_uint,
-    _cb: SendCb,
+    cb: SendCb,
 ) -> *mut c_void {
     // SAFETY: the caller's promise.
     match unsafe { ep.as_ref() } {
-        Some(ep) => {
-            flush(ep.worker());
-            crate::rma::flush_remote(ep.worker(), Some(ep.id));
-            std::ptr::null_mut()
-        }
+        Some(ep) => crate::flush::post(
+            ep.worker(),
+            Some(ep.id),
+            &crate::rma::plain(crate::worker::Callback::Send(cb)),
+        ),
         None => status_ptr(UCS_ERR_INVALID_PARAM),
     }
 }
 
-/// `ucs_status_ptr_t ucp_ep_flush_nbx(ucp_ep_h ep, const ucp_request_param_t *param)`: in
-/// place, as [`ucp_ep_flush_nb`]; on an endpoint still connecting (a client by socket address)
-/// a request instead, which ends once the endpoint is connected and what was posted on it
-/// before is out, or with the connection's error (a flush in place would wait for a server
-/// that the same thread may be progressing).
+/// `ucs_status_ptr_t ucp_ep_flush_nbx(ucp_ep_h ep, const ucp_request_param_t *param)`: as
+/// [`ucp_ep_flush_nb`], with the request parameters.
 ///
 /// # Safety
 /// `ep` NULL or live; `param` NULL or valid.
@@ -300,27 +308,11 @@ pub unsafe extern "C" fn ucp_ep_flush_nbx(
     ep: *const AbiEp,
     param: *const RequestParam,
 ) -> *mut c_void {
-    // SAFETY: the caller's promise.
-    if let Some(e) = unsafe { ep.as_ref() }
-        && e.worker().worker.is_connecting(e.id)
-    {
-        // SAFETY: the caller's promises.
-        let (e, opts) =
-            match unsafe { crate::nbx::target_and_opts(ep, param, crate::nbx::CbKind::Send) } {
-                Ok(t) => t,
-                Err(s) => return status_ptr(s),
-            };
-        let id = e.id;
-        return crate::nbx::post(
-            e.worker(),
-            &opts,
-            true,
-            |w, token| w.flush_queued(id, token),
-            |_| {},
-        );
+    // SAFETY: the caller's promises.
+    match unsafe { crate::nbx::target_and_opts(ep, param, crate::nbx::CbKind::Send) } {
+        Ok((e, opts)) => crate::flush::post(e.worker(), Some(e.id), &opts),
+        Err(s) => status_ptr(s),
     }
-    // SAFETY: forwarded.
-    unsafe { ucp_ep_flush_nb(ep, 0, None) }
 }
 
 #[cfg(test)]

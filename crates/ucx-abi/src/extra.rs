@@ -14,6 +14,7 @@ pub struct Extra {
     pub listeners: Listeners,
     pub am: AmState,
     pub wake: Wake,
+    pub streams: crate::stream::StreamState,
 }
 
 impl Extra {

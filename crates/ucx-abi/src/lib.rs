@@ -17,6 +17,8 @@
 //! - [`rma`]: memory mapping, remote keys, puts, gets and atomics (what Open MPI's osc/ucx,
 //!   spml/ucx, atomic/ucx and sshmem/ucx call);
 //! - `ucm`: the memory-event hooks Open MPI's common/ucx calls.
+//! - `compat`: the rest of UCX's public ucp calls (the blocking and callback forms old programs
+//!   use, queries, printing), so that every symbol a program linked against UCX names is here.
 //!
 //! Every function taking pointers from C checks them for NULL and unknown `field_mask` bits and
 //! returns `UCS_ERR_INVALID_PARAM` instead of guessing. Objects are single-threaded like the
@@ -24,12 +26,16 @@
 //! `MPI_THREAD_MULTIPLE` itself.
 
 mod am;
+mod compat;
+#[cfg(test)]
+mod compat_tests;
 mod config;
 mod context;
 mod datatype;
 mod endpoint;
 mod engine;
 mod extra;
+mod flush;
 mod info;
 mod iov;
 mod listener;

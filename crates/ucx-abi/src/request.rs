@@ -270,6 +270,7 @@ fn cb_words(cb: Callback) -> (u32, [usize; 2]) {
         Callback::Recv(g) => (3, [f(g.map(|g| g as usize)), 0]),
         Callback::RecvNbx(g, d) => (4, [f(g.map(|g| g as usize)), d as usize]),
         Callback::Length(g, d) => (5, [f(g.map(|g| g as usize)), d as usize]),
+        Callback::StreamRecv(g) => (6, [f(g.map(|g| g as usize)), 0]),
     }
 }
 
@@ -287,6 +288,7 @@ fn cb_of(h: &Header) -> Callback {
             3 => Callback::Recv(std::mem::transmute::<usize, RecvCb>(f)),
             4 => Callback::RecvNbx(std::mem::transmute::<usize, RecvNbxCb>(f), d),
             5 => Callback::Length(std::mem::transmute::<usize, LengthCb>(f), d),
+            6 => Callback::StreamRecv(std::mem::transmute::<usize, StreamRecvCb>(f)),
             _ => Callback::None,
         }
     }

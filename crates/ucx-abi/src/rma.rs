@@ -20,8 +20,11 @@
 //!   atomics: `crates/ucp/src/worker/atomic.rs`), on words of regions the target mapped; other
 //!   words are refused and the operation ends with `UCS_ERR_INVALID_PARAM`.
 //! - `ucp_worker_fence` is strong: it returns once everything posted before it completed.
-//!   The flushes (`ucp_worker_flush_nb(x)`, `ucp_ep_flush_nb(x)`) complete in place once the
-//!   worker's operations ended and every endpoint's lanes were flushed.
+//!   The flushes (`ucp_worker_flush_nb(x)`, `ucp_ep_flush_nb(x)`, `crate::flush`) return a
+//!   request that progress completes once the worker's operations posted before them ended
+//!   and the lanes were flushed; a put, get or atomic that failed after it was posted (an
+//!   implicit one's too) makes the next flush of its endpoint, or of the worker, end with its
+//!   error (the fence's too, which then reports it instead).
 //! - `ucp_rkey_ptr` says `UCS_ERR_UNREACHABLE` (no peer memory is mapped into this process).
 
 use std::ffi::{c_int, c_uint, c_void};
@@ -35,7 +38,7 @@ use crate::endpoint::AbiEp;
 use crate::nbx::{CbKind, Opts, post, raw};
 use crate::status::{ptr_is_ptr, status_of, status_ptr};
 use crate::types::*;
-use crate::worker::{AbiWorker, Callback};
+use crate::worker::Callback;
 
 // ucp_mem_map_params_t::field_mask
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
@@ -514,7 +517,7 @@ pub unsafe extern "C" fn ucp_rkey_ptr(
 }
 
 /// Options of the calls without a `ucp_request_param_t`: the callback only.
-fn plain(cb: Callback) -> Opts {
+pub(crate) fn plain(cb: Callback) -> Opts {
     Opts {
         cb,
         dt: 1 << UCP_DATATYPE_SHIFT,
@@ -967,14 +970,6 @@ pub unsafe extern "C" fn ucp_atomic_op_nbx(
             rkey,
             &opts,
         )
-    }
-}
-
-/// The remote part of a flush of `ep` (every endpoint: `None`), after the worker's operations
-/// ended: every lane flushed, every atomic answered.
-pub fn flush_remote(w: &AbiWorker, ep: Option<rucx_ucp::EpId>) {
-    if let Err(e) = w.worker.flush_wait(ep) {
-        tracing::debug!("flush: {e}");
     }
 }
 

@@ -6,14 +6,15 @@
 use std::ffi::c_void;
 
 use crate::context::{AbiContext, ucp_cleanup, ucp_init_version};
-use crate::endpoint::{AbiEp, ucp_ep_destroy};
+use crate::endpoint::{AbiEp, ucp_ep_close_nb, ucp_ep_destroy, ucp_ep_flush_nb, ucp_ep_flush_nbx};
 use crate::rma::*;
 use crate::status::{ptr_is_err, ptr_is_ptr};
 use crate::tag::{ucp_request_check_status, ucp_request_free};
 use crate::types::*;
 use crate::worker::*;
 
-fn context() -> *mut AbiContext {
+/// A context on the transports `tls` names (`None`: as the environment says).
+fn context_on(tls: Option<&std::ffi::CStr>) -> *mut AbiContext {
     let params = UcpParams {
         field_mask: UCP_PARAM_FIELD_FEATURES,
         features: UCP_FEATURE_RMA | UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64,
@@ -27,12 +28,21 @@ fn context() -> *mut AbiContext {
         name: std::ptr::null(),
     };
     let mut ctx = std::ptr::null_mut();
-    // SAFETY: valid params and out pointer; NULL config reads the environment.
+    let mut cfg: *mut crate::config::AbiConfig = std::ptr::null_mut();
+    // SAFETY: valid params and out pointers; a NULL config reads the environment.
     unsafe {
-        assert_eq!(
-            ucp_init_version(1, 16, &params, std::ptr::null(), &mut ctx),
-            UCS_OK
-        );
+        if let Some(t) = tls {
+            use crate::config::{ucp_config_modify, ucp_config_read};
+            assert_eq!(
+                ucp_config_read(std::ptr::null(), std::ptr::null(), &mut cfg),
+                UCS_OK
+            );
+            assert_eq!(ucp_config_modify(cfg, c"TLS".as_ptr(), t.as_ptr()), UCS_OK);
+        }
+        assert_eq!(ucp_init_version(1, 16, &params, cfg, &mut ctx), UCS_OK);
+        if !cfg.is_null() {
+            crate::config::ucp_config_release(cfg);
+        }
     }
     ctx
 }
@@ -46,7 +56,11 @@ struct Two {
 
 impl Two {
     fn new() -> Two {
-        let ctx = [context(), context()];
+        Two::on(None)
+    }
+
+    fn on(tls: Option<&std::ffi::CStr>) -> Two {
+        let ctx = [context_on(tls), context_on(tls)];
         let mut w = [std::ptr::null_mut(); 2];
         // SAFETY: every pointer handed in is valid for what the call does with it.
         let ep = unsafe {
@@ -98,7 +112,7 @@ impl Two {
         }
         // SAFETY: live worker.
         let r = unsafe { ucp_worker_flush_nb(self.w[0], 0, None) };
-        assert!(r.is_null(), "flush completes in place");
+        assert_eq!(self.wait(r), UCS_OK, "the flush");
     }
 }
 
@@ -528,6 +542,11 @@ fn bad_atomics_and_maps_are_refused() {
         assert_eq!(t.wait(req), UCS_ERR_INVALID_PARAM);
         assert_eq!(res, 5);
         assert_eq!(given, &[0, 0, 0, 0]);
+        // Its request said so; the next flush says it too, once.
+        assert_eq!(
+            t.wait(ucp_ep_flush_nb(t.ep[0], 0, None)),
+            UCS_ERR_INVALID_PARAM
+        );
         ucp_rkey_destroy(rk2);
         // Maps: FIXED places the pages exactly where asked, and never over a mapping; exported
         // handles are not served; no length or unknown bits are invalid.
@@ -608,6 +627,118 @@ fn bad_atomics_and_maps_are_refused() {
         assert_eq!(ucp_worker_fence(t.w[0]), UCS_OK);
         ucp_rkey_destroy(rk);
         assert_eq!(ucp_mem_unmap(t.ctx[1], mh), UCS_OK);
+    }
+}
+
+/// The status a flush's callback was called with (its user data), or 1 before.
+unsafe extern "C" fn flush_cb(_req: *mut c_void, status: Status, data: *mut c_void) {
+    // SAFETY: the test's `Status`, alive until the flush ended.
+    unsafe { *data.cast::<Status>() = status };
+}
+
+/// Implicit atomics the target refuses after they were posted (a region it unmapped since its
+/// key was packed; `ucp_atomic_post` said `UCS_OK`): the flush that follows, in every form,
+/// ends with the refusal, a request when the answer is still to come, and reports it once;
+/// the fence reports it too. Nothing is written.
+#[test]
+fn a_flush_ends_with_the_error_of_an_implicit_operation_after_its_post() {
+    let t = Two::new();
+    let given = Box::leak(vec![0u64; 4].into_boxed_slice());
+    let mh = map(t.ctx[1], given.as_mut_ptr().cast(), 32, false);
+    let rk = rkey(t.ctx[1], mh, t.ep[0]);
+    let at = given.as_ptr() as u64;
+    // SAFETY: live objects; the status a callback writes outlives its flush.
+    unsafe {
+        assert_eq!(ucp_mem_unmap(t.ctx[1], mh), UCS_OK);
+        let post = || {
+            assert_eq!(
+                ucp_atomic_post(t.ep[0], UCP_ATOMIC_POST_OP_ADD, 1, 8, at, rk),
+                UCS_OK,
+                "posted"
+            );
+        };
+        post();
+        let f = ucp_ep_flush_nb(t.ep[0], 0, None);
+        assert!(ptr_is_ptr(f), "the answer is to come: a request");
+        assert_eq!(t.wait(f), UCS_ERR_INVALID_PARAM);
+        assert_eq!(t.wait(ucp_ep_flush_nb(t.ep[0], 0, None)), UCS_OK, "once");
+        // The worker's flush, with a callback.
+        post();
+        let mut seen: Status = 1;
+        let mut p: RequestParam = std::mem::zeroed();
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        p.cb.send = Some(flush_cb);
+        p.user_data = (&raw mut seen).cast();
+        let f = ucp_worker_flush_nbx(t.w[0], &p);
+        assert!(ptr_is_ptr(f));
+        assert_eq!(t.wait(f), UCS_ERR_INVALID_PARAM);
+        assert_eq!(seen, UCS_ERR_INVALID_PARAM, "the callback was told");
+        assert_eq!(
+            t.wait(ucp_worker_flush_nbx(t.w[0], std::ptr::null())),
+            UCS_OK
+        );
+        // Refused before the flush is posted (the answer in, nobody looked): in place.
+        post();
+        for _ in 0..200 {
+            t.progress();
+        }
+        let f = ucp_ep_flush_nbx(t.ep[0], std::ptr::null());
+        assert_eq!(t.wait(f), UCS_ERR_INVALID_PARAM);
+        assert_eq!(t.wait(ucp_ep_flush_nbx(t.ep[0], std::ptr::null())), UCS_OK);
+        // The fence is a flush: it reports it (and the next flush does not).
+        post();
+        for _ in 0..200 {
+            t.progress();
+        }
+        assert_eq!(ucp_worker_fence(t.w[0]), UCS_ERR_INVALID_PARAM);
+        assert_eq!(ucp_worker_fence(t.w[0]), UCS_OK);
+        assert_eq!(t.wait(ucp_worker_flush_nb(t.w[0], 0, None)), UCS_OK);
+        ucp_rkey_destroy(rk);
+    }
+    assert_eq!(given, &[0, 0, 0, 0], "nothing written");
+}
+
+/// Implicit operations to a peer that fails before carrying them out (its worker destroyed
+/// while they are in flight; tcp: its connections close): the worker's flush ends with the
+/// error (once), the failed endpoint's flush with the endpoint's error; never a silent
+/// `UCS_OK`.
+#[test]
+fn a_flush_ends_with_the_error_of_implicit_operations_a_failed_peer_lost() {
+    let mut t = Two::on(Some(c"tcp"));
+    let mh = map(t.ctx[1], std::ptr::null_mut(), 4096, true);
+    let (base, _, _) = query(mh);
+    let rk = rkey(t.ctx[1], mh, t.ep[0]);
+    let r = base as u64;
+    let mut back = vec![0u8; 1024];
+    // SAFETY: live objects until destroyed here (and cleared so that `Drop` skips them); the
+    // get's buffer outlives the worker's flush.
+    unsafe {
+        // Working: one atomic answered.
+        assert_eq!(
+            ucp_atomic_post(t.ep[0], UCP_ATOMIC_POST_OP_ADD, 5, 8, r, rk),
+            UCS_OK
+        );
+        t.flush0();
+        assert_eq!(base.cast::<u64>().read(), 5);
+        // Posted; the target never progresses again, and goes.
+        assert_eq!(
+            ucp_atomic_post(t.ep[0], UCP_ATOMIC_POST_OP_ADD, 1, 8, r, rk),
+            UCS_OK
+        );
+        let g = ucp_get_nbi(t.ep[0], back.as_mut_ptr().cast(), back.len(), r + 8, rk);
+        assert!(g == UCS_OK || g == UCS_INPROGRESS, "{g}");
+        assert!(ucp_ep_close_nb(t.ep[1], UCP_EP_CLOSE_MODE_FORCE).is_null());
+        t.ep[1] = std::ptr::null_mut();
+        assert_eq!(ucp_mem_unmap(t.ctx[1], mh), UCS_OK);
+        ucp_worker_destroy(t.w[1]);
+        t.w[1] = std::ptr::null_mut();
+        let f = ucp_worker_flush_nb(t.w[0], 0, None);
+        let s = t.wait(f);
+        assert!(s < 0, "the worker's flush reports the loss: {s}");
+        assert_eq!(t.wait(ucp_worker_flush_nb(t.w[0], 0, None)), UCS_OK, "once");
+        let s = t.wait(ucp_ep_flush_nbx(t.ep[0], std::ptr::null()));
+        assert!(s < 0, "the failed endpoint's flush: {s}");
+        ucp_rkey_destroy(rk);
     }
 }
 

@@ -56,6 +56,10 @@ pub const UCP_AM_RECV_ATTR_FLAG_DATA: u64 = 1 << 16;
 pub const UCP_AM_RECV_ATTR_FLAG_RNDV: u64 = 1 << 17;
 
 /// `ucp_stream_recv_nbx_callback_t` and `ucp_am_recv_data_nbx_callback_t` (the same type).
+/// `ucp_stream_recv_callback_t`: `(request, status, length)`.
+pub type StreamRecvCb =
+    Option<unsafe extern "C" fn(request: *mut c_void, status: Status, length: usize)>;
+
 pub type LengthCb = Option<
     unsafe extern "C" fn(
         request: *mut c_void,

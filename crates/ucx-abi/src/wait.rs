@@ -9,7 +9,9 @@
 //! pending work; after `UCS_OK` the descriptor becomes readable at the next event, as UCX's
 //! contract says, so a caller may sleep in `poll`/`epoll_wait` on it without a timeout.
 //! `ucp_worker_wait` arms and sleeps on it, at most the rucx worker's wait tick (its timers
-//! need progress calls).
+//! need progress calls). A worker created with a descriptor of the caller's
+//! (`UCP_WORKER_PARAM_FIELD_EVENT_FD`, an epoll set) has that set watch the worker's
+//! descriptor, reported with the worker's `user_data`: UCX's external event descriptor.
 
 use std::cell::OnceCell;
 use std::ffi::c_int;
@@ -64,6 +66,37 @@ impl Wake {
             })
             .as_ref()
             .map_err(|s| *s)
+    }
+
+    /// The caller's epoll set `epfd` (`UCP_WORKER_PARAM_FIELD_EVENT_FD`) watches the worker's
+    /// descriptor from now on, reported with `data` (`UCP_WORKER_PARAM_FIELD_USER_DATA`, as
+    /// UCX reports it): the caller arms the worker and sleeps in `epoll_wait` on its own set.
+    /// A descriptor that is not an epoll set: `UCS_ERR_INVALID_PARAM`.
+    pub fn attach_to(&self, w: &AbiWorker, epfd: c_int, data: u64) -> Status {
+        let set = match self.set(w) {
+            Ok(s) => s,
+            Err(s) => return s,
+        };
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: data,
+        };
+        // SAFETY: `ev` is a valid event the kernel copies; `set.fd()` is open while the
+        // worker lives (closing it when the worker goes removes it from the caller's set), and
+        // a bad `epfd` is an error the kernel reports.
+        let rc = unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, set.fd(), &mut ev) };
+        if rc == 0 {
+            return UCS_OK;
+        }
+        let e = std::io::Error::last_os_error();
+        eprintln!(
+            "rucx libucp: ucp_worker_create: cannot add the worker's descriptor to the \
+             caller's event descriptor {epfd} (UCP_WORKER_PARAM_FIELD_EVENT_FD): {e}"
+        );
+        match e.raw_os_error() {
+            Some(libc::EBADF | libc::EINVAL | libc::EPERM | libc::ELOOP) => UCS_ERR_INVALID_PARAM,
+            _ => UCS_ERR_IO_ERROR,
+        }
     }
 
     /// A listener opened: its descriptor joins the set, if one was handed out.

@@ -67,6 +67,8 @@ pub struct AbiWorker {
     /// What the client/server, stream, active-message and wake-up calls keep per worker
     /// ([`crate::extra`]).
     pub extra: crate::extra::Extra,
+    /// The flushes in flight ([`crate::flush`]).
+    pub flushes: RefCell<Vec<crate::flush::FlushOp>>,
 }
 
 /// An endpoint's error handler (`ucp_err_handler_t`, with `ucp_ep_params_t::user_data` as its
@@ -88,6 +90,8 @@ pub enum Callback {
     RecvNbx(RecvNbxCb, *mut c_void),
     /// A stream receive's or an active message's data receive: the length received.
     Length(LengthCb, *mut c_void),
+    /// `ucp_stream_recv_nb`'s callback: the length received.
+    StreamRecv(StreamRecvCb),
 }
 
 /// An operation in flight: the request it completes, its callback, what to make of its
@@ -117,6 +121,12 @@ pub struct Ops {
     free: Vec<u64>,
     /// Sends among them (for flush).
     sends: usize,
+    /// The number of each entry's send, by token (valid while the entry is a send), in the
+    /// order they were posted: a flush waits for the sends numbered below its own
+    /// ([`sends_before`](Self::sends_before)).
+    seqs: Vec<u64>,
+    /// The number the next send gets.
+    next_seq: u64,
 }
 
 impl Ops {
@@ -133,8 +143,13 @@ impl Ops {
         } else {
             debug_assert_eq!(token, self.slots.len() as u64, "the vacant token");
             self.slots.push(None);
+            self.seqs.push(0);
         }
-        self.sends += usize::from(p.send);
+        if p.send {
+            self.sends += 1;
+            self.seqs[token as usize] = self.next_seq;
+            self.next_seq += 1;
+        }
         self.slots[token as usize] = Some(p);
     }
 
@@ -149,6 +164,21 @@ impl Ops {
         self.sends -= usize::from(p.send);
         self.free.push(token);
         Some(p)
+    }
+
+    /// The number the next send gets (a flush posted now waits for the sends below it).
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// True while a send numbered below `seq` is in flight.
+    pub fn sends_before(&self, seq: u64) -> bool {
+        self.sends > 0
+            && self
+                .slots
+                .iter()
+                .zip(&self.seqs)
+                .any(|(s, &q)| q < seq && s.as_ref().is_some_and(|p| p.send))
     }
 
     /// Entries in the table.
@@ -186,11 +216,23 @@ impl AbiWorker {
         n + self.deliver_ended::<REPORT>()
     }
 
+    /// Deliver what ended ([`deliver_ends`](Self::deliver_ends)), then move the flushes in
+    /// flight along (what ended may be what they wait for); how many.
+    #[inline(always)]
+    fn deliver_ended<const REPORT: bool>(&self) -> usize {
+        let n = self.deliver_ends::<REPORT>();
+        if self.flushes.borrow().is_empty() {
+            n
+        } else {
+            n + self.advance_flushes()
+        }
+    }
+
     /// Deliver what ended (outside progress, or queued by the rucx worker); how many. Endpoint
     /// failures are reported after the ends of the requests (UCX's order: a failed endpoint's
     /// requests are purged, with the error, before its error handler is called), when `REPORT`.
     #[inline(never)]
-    fn deliver_ended<const REPORT: bool>(&self) -> usize {
+    fn deliver_ends<const REPORT: bool>(&self) -> usize {
         let mut n = 0;
         if !self.ready.borrow().is_empty() {
             let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
@@ -256,6 +298,10 @@ impl AbiWorker {
             }
             let mut ops = self.ops.borrow_mut();
             let Some(p) = ops.get_mut(token) else {
+                if token & crate::flush::FLUSH_TOKEN != 0 {
+                    drop(ops);
+                    self.flush_part_ended(token & !crate::flush::FLUSH_TOKEN, res);
+                }
                 continue;
             };
             if p.user.is_null() {
@@ -380,7 +426,7 @@ fn deliver_header(token: u64, res: &Result<Completion>) {
 
 /// Deliver the end `res` of operation `p`.
 #[inline(always)]
-fn finish(p: Pending, res: &Result<Completion>) {
+pub(crate) fn finish(p: Pending, res: &Result<Completion>) {
     let (status, info) = p.fin.run(res, p.data);
     deliver(p.user, p.cb, status, info);
 }
@@ -411,6 +457,8 @@ fn run_callback(user: *mut c_void, cb: Callback, status: Status, mut info: TagRe
         Callback::RecvNbx(Some(f), data) => unsafe { f(user, status, &info, data) },
         // SAFETY: the caller's callback, for its live request `user`.
         Callback::Length(Some(f), data) => unsafe { f(user, status, info.length, data) },
+        // SAFETY: the caller's callback, for its live request `user`.
+        Callback::StreamRecv(Some(f)) => unsafe { f(user, status, info.length) },
         _ => {}
     }
 }
@@ -435,11 +483,16 @@ pub unsafe extern "C" fn ucp_worker_create(
         return UCS_ERR_INVALID_PARAM;
     }
     // `events` is a hint (which completions wake the worker): every event does here. A
-    // descriptor of the caller's to add the worker's events to is refused (the worker's own,
-    // `ucp_worker_get_efd`, serves that).
-    if p.field_mask & UCP_WORKER_PARAM_FIELD_EVENT_FD != 0 {
-        return UCS_ERR_UNSUPPORTED;
-    }
+    // descriptor of the caller's (an epoll set) is made to watch the worker's own
+    // (`crate::wait`).
+    let external = (p.field_mask & UCP_WORKER_PARAM_FIELD_EVENT_FD != 0).then(|| {
+        let data = if p.field_mask & UCP_WORKER_PARAM_FIELD_USER_DATA != 0 {
+            p.user_data as u64
+        } else {
+            0
+        };
+        (p.event_fd, data)
+    });
     match Worker::new(&c.ctx) {
         Ok(worker) => {
             let extra = crate::extra::Extra::default();
@@ -457,7 +510,14 @@ pub unsafe extern "C" fn ucp_worker_create(
                 failed: RefCell::new(Vec::new()),
                 watching: Arc::new(AtomicBool::new(true)),
                 extra,
+                flushes: RefCell::new(Vec::new()),
             };
+            if let Some((fd, data)) = external {
+                let s = w.extra.wake.attach_to(&w, fd, data);
+                if s != UCS_OK {
+                    return s;
+                }
+            }
             // SAFETY: checked non-NULL, writable by the caller's promise.
             unsafe { *worker_p = Box::into_raw(Box::new(w)) };
             UCS_OK
@@ -616,7 +676,10 @@ pub unsafe extern "C" fn ucp_worker_release_address(
 /// `ucs_status_t ucp_worker_fence(ucp_worker_h worker)`: a strong fence. Each endpoint keeps
 /// its tag, stream and active-message operations in order already; puts and gets (on the RMA
 /// lanes) and atomics (carried out by the target's worker) are not ordered among themselves,
-/// so the fence returns once every one posted before it completed ([`rucx_ucp::Worker::fence`]).
+/// so the fence returns once every one posted before it completed ([`rucx_ucp::Worker::fence`]),
+/// progressing this worker (see docs/c-abi.md, "Known gaps"). It is a flush: it ends with the
+/// error a flush would report (a put, get or atomic that failed after it was posted), which
+/// is then reported by the fence and not by the next flush.
 ///
 /// # Safety
 /// `worker` NULL or live.
@@ -627,8 +690,13 @@ pub unsafe extern "C" fn ucp_worker_fence(worker: *const AbiWorker) -> Status {
         None => UCS_ERR_INVALID_PARAM,
         Some(w) => {
             flush(w);
-            crate::rma::flush_remote(w, None);
-            UCS_OK
+            match w.worker.fence(None) {
+                Ok(()) => UCS_OK,
+                Err(e) => {
+                    tracing::debug!("ucp_worker_fence: {e}");
+                    status_of(&e)
+                }
+            }
         }
     }
 }
@@ -641,8 +709,10 @@ pub(crate) fn flush(w: &AbiWorker) {
 }
 
 /// `ucs_status_ptr_t ucp_worker_flush_nb(ucp_worker_h worker, unsigned flags,
-/// ucp_send_callback_t cb)`: completes in place (returns NULL) once the worker's operations
-/// ended (sends, puts, gets, atomics) and every endpoint's lanes were flushed.
+/// ucp_send_callback_t cb)`: a flush of every endpoint ([`crate::flush`]): NULL when nothing
+/// was outstanding, else a request that progress completes (`cb` called then) once the
+/// worker's operations posted before it ended (sends, puts, gets, atomics) and every
+/// endpoint's lanes were flushed; with an error when one of them failed.
 ///
 /// # Safety
 /// `worker` NULL or live.
@@ -650,31 +720,31 @@ pub(crate) fn flush(w: &AbiWorker) {
 pub unsafe extern "C" fn ucp_worker_flush_nb(
     worker: *const AbiWorker,
     _flags: c_uint,
-    _cb: SendCb,
+    cb: SendCb,
 ) -> *mut c_void {
     // SAFETY: the caller's promise.
     match unsafe { worker.as_ref() } {
-        Some(w) => {
-            flush(w);
-            crate::rma::flush_remote(w, None);
-            std::ptr::null_mut()
-        }
+        Some(w) => crate::flush::post(w, None, &crate::rma::plain(Callback::Send(cb))),
         None => status_ptr(UCS_ERR_INVALID_PARAM),
     }
 }
 
 /// `ucs_status_ptr_t ucp_worker_flush_nbx(ucp_worker_h worker, const ucp_request_param_t
-/// *param)`: as [`ucp_worker_flush_nb`].
+/// *param)`: as [`ucp_worker_flush_nb`], with the request parameters (callback, user data,
+/// the caller's request memory, `UCP_OP_ATTR_FLAG_NO_IMM_CMPL`).
 ///
 /// # Safety
-/// `worker` NULL or live.
+/// `worker` NULL or live; `param` NULL or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ucp_worker_flush_nbx(
     worker: *const AbiWorker,
-    _param: *const RequestParam,
+    param: *const RequestParam,
 ) -> *mut c_void {
-    // SAFETY: forwarded.
-    unsafe { ucp_worker_flush_nb(worker, 0, None) }
+    // SAFETY: the caller's promises.
+    match unsafe { crate::nbx::target_and_opts(worker, param, crate::nbx::CbKind::Send) } {
+        Ok((w, opts)) => crate::flush::post(w, None, &opts),
+        Err(s) => status_ptr(s),
+    }
 }
 
 #[cfg(test)]
@@ -717,5 +787,32 @@ mod tests {
         }
         assert_eq!((ops.len(), ops.sends), (0, 0));
         assert!(ops.get_mut(9).is_none() && ops.remove(9).is_none());
+    }
+
+    /// A flush waits for the sends posted before it, not for receives nor for sends posted
+    /// after it, also when their tokens were reused.
+    #[test]
+    fn sends_before_a_flush_are_the_ones_posted_before_it() {
+        let mut ops = Ops::default();
+        let (a, b) = (ops.vacant(), 1);
+        ops.fill(a, op(true));
+        ops.fill(b, op(false));
+        let flush = ops.next_seq();
+        assert!(ops.sends_before(flush), "send a is in flight");
+        assert!(
+            !ops.sends_before(0),
+            "nothing was posted before the first send"
+        );
+        // A send after the flush, in a reused token: not waited for.
+        assert!(ops.remove(a).is_some());
+        assert!(!ops.sends_before(flush), "receives are not waited for");
+        let c = ops.vacant();
+        assert_eq!(c, a, "the token is reused");
+        ops.fill(c, op(true));
+        assert!(!ops.sends_before(flush), "posted after the flush");
+        assert!(
+            ops.sends_before(ops.next_seq()),
+            "a later flush waits for it"
+        );
     }
 }

@@ -592,3 +592,42 @@ fn one_thread_client_and_server_on_the_system_ucx_and_on_rucx() {
     assert!(out.contains("cs_one_thread OK"), "{out}");
     assert_rucx(s, "cs_one_thread", &out);
 }
+
+/// `tests/c/nbi_error.c` (ours, the public ucp API only; rucx's contract, run on rucx only: see
+/// the program): an implicit atomic the target refuses after its post makes the next
+/// `ucp_ep_flush_nbx` / `ucp_worker_flush_nbx` end with an error, once.
+#[test]
+fn an_nbi_error_after_its_post_ends_the_next_flush() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(s) = setup() else { return };
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/nbi_error.c");
+    let exe = s.dir.join("nbi_error");
+    run_ok(
+        Command::new("cc")
+            .args(["-O1", "-Wall", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .args(["-I/usr/include", "-lucp", "-lucs"]),
+        "cc nbi_error.c",
+    );
+    let p = Proc::spawn(s, "nbi_error", &[]);
+    let (status, out) = p.finish();
+    assert!(
+        status.is_some_and(|st| st.success()),
+        "nbi_error on rucx: {status:?}\n{out}"
+    );
+    assert!(out.contains("nbi_error OK"), "{out}");
+    // Its two contexts, both on this build's libucp.
+    let lib = format!("from {}", s.lib.display());
+    let inits: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("rucx libucp: ucp_init in pid"))
+        .collect();
+    assert_eq!(
+        inits.len(),
+        2,
+        "two contexts on rucx's libucp:
+{out}"
+    );
+    assert!(inits.iter().all(|l| l.ends_with(&lib)), "{out}");
+}

@@ -480,13 +480,23 @@ fn client_body(job: &Job, opts: &Options) -> R<()> {
         println!("{}", report::CSV_HEADER);
     }
     let mut all = Vec::new();
+    let mut driver_calls = Vec::new();
     for &size in &opts.sizes {
         let spec = run::spec_for(opts, test, size);
-        let f = run::client_run(job, &spec, opts.progress)?;
+        let (f, calls) = run::client_run_counted(job, &spec, opts.progress)?;
         match opts.format {
             Format::Table => println!("{}", report::table_row(&f)),
             Format::Csv => println!("{}", report::csv_row(&f)),
             Format::Json => {}
+        }
+        // Only where the driver was used (GPU memory): host runs print what they always did.
+        if calls.counts.total_calls() > 0 {
+            driver_calls.push(format!(
+                "CUDA driver calls per iteration, client, {} {} B: {}",
+                test,
+                size,
+                calls.per_iteration()
+            ));
         }
         all.push(f);
     }
@@ -497,6 +507,11 @@ fn client_body(job: &Job, opts: &Options) -> R<()> {
             println!("{l}");
         }
     }
+    match opts.format {
+        Format::Table => driver_calls.iter().for_each(|l| println!("{l}")),
+        Format::Csv => driver_calls.iter().for_each(|l| eprintln!("{l}")),
+        Format::Json => {}
+    }
     let bounds = if opts.bounds {
         bounds_report(opts, &all)?
     } else {
@@ -506,6 +521,9 @@ fn client_body(job: &Job, opts: &Options) -> R<()> {
         let mut m: Vec<(&str, String)> = vec![("test", test.name().into())];
         m.extend(info.iter().skip(1).cloned());
         m.extend(bounds);
+        if !driver_calls.is_empty() {
+            m.push(("driver_calls_client", driver_calls.join("; ")));
+        }
         println!("{}", report::json_document(&m, &all));
     }
     Ok(())

@@ -19,6 +19,7 @@ use rucx::{
 use crate::args::{Options, TestKind, WaitMode};
 use crate::mem::{self, Buf, Gpu, Ring};
 use crate::stats::{Figures, MB, percentile};
+use rucx_cuda::calls::{self, Counts};
 
 const TAG_CTRL: Tag = 0x7275_6378_0000_0001;
 const TAG_DATA: Tag = 0x1000;
@@ -289,6 +290,27 @@ struct Timer {
     stopped: Option<Duration>,
     prev: u64,
     progress: Progress,
+    /// The CUDA driver's counters when the first measured iteration began.
+    calls_start: Option<Counts>,
+    /// What the driver was called for during the measured run, once it ended.
+    calls: Option<Counts>,
+}
+
+/// The CUDA driver calls this process made during a run's measured iterations (warm-up left
+/// out, so one-time costs such as opening an IPC mapping or creating a stream do not show).
+#[derive(Clone, Debug)]
+pub struct DriverCalls {
+    /// Calls (and time, with `RUCX_CUDA_CALL_TIMING=y`) per entry point.
+    pub counts: Counts,
+    /// Measured iterations.
+    pub iterations: usize,
+}
+
+impl DriverCalls {
+    /// Calls per iteration by entry point, most called first (`none` when there were none).
+    pub fn per_iteration(&self) -> String {
+        self.counts.per_unit_line(self.iterations as u64)
+    }
 }
 
 /// Where iterations begin and end (the [`Timer`]; a recorder in tests).
@@ -370,6 +392,8 @@ impl Timer {
             stopped: None,
             prev,
             progress: Progress::new(progress, spec),
+            calls_start: (spec.warmup == 0).then(calls::snapshot),
+            calls: None,
         }
     }
 
@@ -377,6 +401,7 @@ impl Timer {
     #[inline]
     fn begin(&mut self, i: usize) {
         if i == self.warm {
+            self.calls_start = Some(calls::snapshot());
             self.start = Instant::now();
             self.prev = self.clock.raw();
             self.progress.last = self.start;
@@ -398,17 +423,32 @@ impl Timer {
     /// timed).
     fn stop(&mut self) {
         self.stopped.get_or_insert_with(|| self.start.elapsed());
+        self.stop_calls();
     }
 
-    /// The samples and the measured run's time, ending when stopped, else now.
-    fn finish(self) -> (Vec<Duration>, Duration) {
+    fn stop_calls(&mut self) {
+        if self.calls.is_none()
+            && let Some(start) = &self.calls_start
+        {
+            self.calls = Some(calls::snapshot().since(start));
+        }
+    }
+
+    /// The samples, the measured run's time (ending when stopped, else now) and the driver
+    /// calls made meanwhile.
+    fn finish(mut self) -> (Vec<Duration>, Duration, DriverCalls) {
+        self.stop_calls();
         let total = self.stopped.unwrap_or_else(|| self.start.elapsed());
+        let calls = DriverCalls {
+            counts: self.calls.take().unwrap_or_else(Counts::zero),
+            iterations: self.samples.len(),
+        };
         let samples = self
             .samples
             .iter()
             .map(|&t| self.clock.delta(0, t))
             .collect();
-        (samples, total)
+        (samples, total, calls)
     }
 }
 
@@ -791,6 +831,11 @@ fn am_bw_client(w: &Worker, ep: EpId, spec: &Spec, sbuf: &Buf, t: &mut Timer) ->
 
 /// Run one spec on the client (the server must be told first); returns the figures.
 pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
+    client_run_counted(job, spec, progress).map(|(f, _)| f)
+}
+
+/// [`client_run`], with the CUDA driver calls this process made in the measured iterations.
+pub fn client_run_counted(job: &Job, spec: &Spec, progress: bool) -> R<(Figures, DriverCalls)> {
     let w = job.worker();
     set_wait_mode(spec.wait);
     mem::set_heap_host(spec.heap_host);
@@ -844,18 +889,19 @@ pub fn client_run(job: &Job, spec: &Spec, progress: bool) -> R<Figures> {
             am_bw_client(w, ep, spec, sbuf, &mut t)?
         }
     }
-    let (samples, total) = t.finish();
+    let (samples, total, calls) = t.finish();
     if let Some(rbuf) = check {
         // The last message the server sent, checked after the clock stopped.
         rbuf.verify(&format!("{} {} B, client", spec.test, spec.size))?;
     }
-    Ok(Figures::compute(
+    let f = Figures::compute(
         spec.test.name(),
         spec.size,
         &samples,
         total,
         spec.test.is_pingpong(),
-    ))
+    );
+    Ok((f, calls))
 }
 
 /// Tell the server that the client is done.
@@ -889,12 +935,31 @@ fn ready<T>(w: &Worker, ep: EpId, setup: R<T>) -> R<T> {
 fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
     let setup = mem::gpu_for(spec.mem, 0).and_then(|g| pingpong_bufs(spec, g.as_ref()));
     let (sbuf, mut rbuf) = ready(w, ep, setup)?;
-    for _ in 0..spec.warmup + spec.iters {
+    let mut start = None;
+    for i in 0..spec.warmup + spec.iters {
+        if i == spec.warmup {
+            start = Some(calls::snapshot());
+        }
         w.scope(|s| {
             let r = post_recv(s, ep, rbuf.recv_buf(), spec.test);
             wait(w, ep, r)?;
             wait(w, ep, post_send(s, ep, sbuf.send_buf(), spec.test))
         })?;
+    }
+    if let Some(start) = start {
+        let c = DriverCalls {
+            counts: calls::snapshot().since(&start),
+            iterations: spec.iters,
+        };
+        // Only where the driver was used (GPU memory): host runs print what they always did.
+        if c.counts.total_calls() > 0 {
+            println!(
+                "CUDA driver calls per iteration, server, {} {} B: {}",
+                spec.test,
+                spec.size,
+                c.per_iteration()
+            );
+        }
     }
     rbuf.verify("server")
 }

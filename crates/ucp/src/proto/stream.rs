@@ -171,6 +171,29 @@ impl StreamRx {
         self.off = 0;
     }
 
+    /// Take every byte buffered and not yet taken, in order (UCX's `ucp_stream_recv_data_nb`:
+    /// no receive is posted for them). `None` when nothing is buffered. Bytes are buffered
+    /// only while no receive waits, so none is passed over.
+    pub(crate) fn take_buffered(&mut self) -> Option<Vec<u8>> {
+        let first = self.buffered.pop_front()?;
+        let off = std::mem::take(&mut self.off);
+        if self.buffered.is_empty() && off == 0 {
+            return Some(first);
+        }
+        let rest: usize = self.buffered.iter().map(Vec::len).sum();
+        let mut all = Vec::with_capacity(first.len() - off + rest);
+        all.extend_from_slice(&first[off..]);
+        for chunk in self.buffered.drain(..) {
+            all.extend_from_slice(&chunk);
+        }
+        Some(all)
+    }
+
+    /// Whether bytes are buffered (a receive posted now would get some at once).
+    pub(crate) fn has_buffered(&self) -> bool {
+        !self.buffered.is_empty()
+    }
+
     /// Bytes buffered and not yet taken.
     #[cfg(test)]
     fn buffered_len(&self) -> usize {
@@ -317,6 +340,37 @@ mod tests {
             self.ended.push((id, *got));
             Vec::new()
         }
+    }
+
+    /// Taking the buffered bytes without a receive: all of them, in order, from where a
+    /// receive stopped in the front chunk; after that nothing is buffered.
+    #[test]
+    fn taking_the_buffered_bytes_gets_all_of_them_in_order_once() {
+        let mut rx = StreamRx::default();
+        let mut io = Bufs::default();
+        assert!(rx.take_buffered().is_none() && !rx.has_buffered());
+        rx.arrive(&mut io, b"abc");
+        assert_eq!(
+            rx.take_buffered().as_deref(),
+            Some(&b"abc"[..]),
+            "one chunk"
+        );
+        assert!(rx.take_buffered().is_none());
+        rx.arrive(&mut io, b"0123");
+        rx.arrive(&mut io, b"45");
+        rx.arrive(&mut io, b"6789");
+        // A receive takes the first three bytes, leaving an offset into the front chunk.
+        io.bufs.insert(1, (vec![0; 3], 0));
+        rx.post(&mut io, 1);
+        assert_eq!((&io.done[..], &io.bufs[&1].0[..]), (&[1][..], &b"012"[..]));
+        assert!(rx.has_buffered());
+        assert_eq!(rx.take_buffered().as_deref(), Some(&b"3456789"[..]));
+        assert!(!rx.has_buffered() && rx.take_buffered().is_none());
+        // What arrives next goes to a receive posted after the take, from its first byte.
+        rx.arrive(&mut io, b"xy");
+        io.bufs.insert(2, (vec![0; 2], 0));
+        rx.post(&mut io, 2);
+        assert_eq!(&io.bufs[&2].0[..], b"xy");
     }
 
     /// The endpoint ends while a receive is part-filled: it ends reporting the bytes it holds,

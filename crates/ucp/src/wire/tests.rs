@@ -346,3 +346,122 @@ proptest! {
         let _ = parse(id, &g);
     }
 }
+
+/// A mutation of a message's bytes, as a peer that lies or a stream that broke makes them.
+#[derive(Clone, Debug)]
+enum Mutation {
+    /// Flip one bit.
+    Flip(usize, u8),
+    /// Cut the message.
+    Cut(usize),
+    /// Overwrite eight bytes (a size, an offset, a request id, a count) with this value.
+    Word(usize, u64),
+    /// Overwrite two bytes (a length prefix, a count) with the largest value.
+    Huge16(usize),
+    /// Append bytes.
+    Extend(Vec<u8>),
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        (any::<usize>(), 0u8..8).prop_map(|(p, b)| Mutation::Flip(p, b)),
+        any::<usize>().prop_map(Mutation::Cut),
+        (
+            any::<usize>(),
+            prop_oneof![
+                Just(u64::MAX),
+                Just(1 << 63),
+                Just(u64::from(u32::MAX)),
+                any::<u64>()
+            ]
+        )
+            .prop_map(|(p, v)| Mutation::Word(p, v)),
+        any::<usize>().prop_map(Mutation::Huge16),
+        proptest::collection::vec(any::<u8>(), 1..16).prop_map(Mutation::Extend),
+    ]
+}
+
+fn mutate(b: &mut Vec<u8>, m: &Mutation) {
+    match m {
+        Mutation::Flip(p, bit) if !b.is_empty() => {
+            let i = p % b.len();
+            b[i] ^= 1 << bit;
+        }
+        Mutation::Cut(p) => b.truncate(p % (b.len() + 1)),
+        Mutation::Word(p, v) if b.len() >= 8 => {
+            let i = p % (b.len() - 7);
+            b[i..i + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        Mutation::Huge16(p) if b.len() >= 2 => {
+            let i = p % (b.len() - 1);
+            b[i..i + 2].copy_from_slice(&u16::MAX.to_le_bytes());
+        }
+        Mutation::Extend(x) => b.extend_from_slice(x),
+        _ => {}
+    }
+}
+
+/// The bytes a parsed message borrows, and how many it copied to the heap (key names, keys).
+fn parts<'a>(m: &Msg<'a>) -> (Vec<&'a [u8]>, usize) {
+    let keys = |ks: &[NamedKey]| ks.iter().map(|k| k.md.len() + k.key.len()).sum::<usize>();
+    match m {
+        Msg::Wireup { addr, .. } => (vec![addr], 0),
+        Msg::EagerOne { data, .. }
+        | Msg::StreamData { data, .. }
+        | Msg::EagerSync { data, .. }
+        | Msg::EagerFirst { data, .. }
+        | Msg::EagerMiddle { data, .. }
+        | Msg::RndvData { data, .. } => (vec![data], 0),
+        Msg::Rts { keys: k, .. } | Msg::Rtr { keys: k, .. } => (vec![], keys(k)),
+        Msg::Frag { key, .. } | Msg::StagingOffer { key, .. } => {
+            (vec![], keys(std::slice::from_ref(key)))
+        }
+        Msg::Abort { reason, .. } | Msg::EagerAbort { reason, .. } => (vec![reason.as_bytes()], 0),
+        Msg::User { header, data, .. } => (vec![header, data], 0),
+        Msg::AmRts {
+            header, keys: k, ..
+        } => (vec![header], keys(k)),
+        Msg::Pull { .. }
+        | Msg::FragAck { .. }
+        | Msg::Ats { .. }
+        | Msg::Fin { .. }
+        | Msg::Keepalive { .. }
+        | Msg::Cancel { .. }
+        | Msg::Disconnect { .. } => (vec![], 0),
+    }
+}
+
+proptest! {
+    /// Valid encodings mutated (bits flipped, cut, size and length fields set to huge values,
+    /// bytes appended), read under their own id or another: refused with a typed error, or read
+    /// into a message whose borrowed parts lie inside the input and whose copies (keys) are no
+    /// larger than it: no panic, no read past the input, no allocation a length field asked for.
+    #[test]
+    fn mutated_encodings_are_refused_or_read_within_bounds(
+        m in arb_msg(),
+        muts in proptest::collection::vec(mutation(), 1..4),
+        other_id in 0u8..32,
+    ) {
+        let (id, mut b) = m.encode();
+        for mu in &muts {
+            mutate(&mut b, mu);
+        }
+        let range = b.as_ptr_range();
+        for id in [id, other_id] {
+            match parse(id, &b) {
+                Ok(back) => {
+                    let (borrowed, copied) = parts(&back);
+                    for s in borrowed {
+                        let r = s.as_ptr_range();
+                        prop_assert!(s.is_empty() || (r.start >= range.start && r.end <= range.end));
+                    }
+                    prop_assert!(copied <= b.len(), "{copied} bytes copied from {}", b.len());
+                }
+                Err(e) => prop_assert!(
+                    matches!(e, Error::InvalidAddress(ref s) if s.starts_with("malformed protocol message")),
+                    "{e:?}"
+                ),
+            }
+        }
+    }
+}

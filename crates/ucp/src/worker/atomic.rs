@@ -583,18 +583,41 @@ impl Worker {
     /// Complete everything posted to `ep` (every usable endpoint: `None`) so far, remotely
     /// too: puts landed, gets read, atomics applied and answered. Progresses the worker until
     /// then; the first error of a flush is returned (the others still ran to their end).
+    ///
+    /// A flush also reports what was lost before it: it ends with the error of a put, get or
+    /// atomic to its endpoint that failed after it was posted (refused by the target, a
+    /// transport error, the peer failed) and that no flush reported yet, even when that
+    /// request's own end was seen. With `None`, endpoints that failed are not flushed, but
+    /// such an error of theirs is reported (once), so that a worker flush after the loss of
+    /// implicit operations never says all is well.
     pub fn flush_wait(&self, ep: Option<EpId>) -> Result<()> {
+        let mut first = None;
         let ids: Vec<Result<u64>> = {
             let mut st = self.st.borrow_mut();
             let peers: Vec<usize> = match ep {
-                Some(e) => vec![st.check_ep(e)?],
-                None => (0..st.peers.len())
-                    .filter(|&p| st.check_peer(p).is_ok())
-                    .collect(),
+                Some(e) => match st.check_ep(e) {
+                    Ok(p) => vec![p],
+                    Err(err) => {
+                        if let Ok(p) = st.ep_index(e) {
+                            st.take_rma_error(p);
+                        }
+                        return Err(err);
+                    }
+                },
+                None => {
+                    let mut usable = Vec::new();
+                    for p in 0..st.peers.len() {
+                        if st.check_peer(p).is_ok() {
+                            usable.push(p);
+                        } else if let Some(e) = st.take_rma_error(p) {
+                            first.get_or_insert(e);
+                        }
+                    }
+                    usable
+                }
             };
             peers.into_iter().map(|p| st.post_flush(p)).collect()
         };
-        let mut first = None;
         for id in ids {
             let r = match id {
                 Ok(id) => {
@@ -609,6 +632,41 @@ impl Worker {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Flush every endpoint of the worker without waiting, as [`flush_wait`](Self::flush_wait)
+    /// with `None` does, each flush's end queued with `token` (the form the C ABI posts): the
+    /// usable endpoints, and those still connecting (their flush waits for the connection,
+    /// behind what was posted on them meanwhile). Returns how many ends will be queued, and
+    /// the first error known now: a flush refused at once, or the unreported error of a put,
+    /// get or atomic of an endpoint that failed (taken: reported once).
+    pub fn flush_all_queued(&self, token: u64) -> (usize, Option<Error>) {
+        let mut first = None;
+        let eps: Vec<EpId> = {
+            let mut st = self.st.borrow_mut();
+            let mut eps = Vec::new();
+            for p in 0..st.peers.len() {
+                let peer = &st.peers[p];
+                let connecting = peer.cm_pending && peer.failed.is_none() && peer.closed.is_none();
+                if connecting || st.check_peer(p).is_ok() {
+                    eps.push(st.ep_id(p));
+                } else if let Some(e) = st.take_rma_error(p) {
+                    first.get_or_insert(e);
+                }
+            }
+            eps
+        };
+        let mut pending = 0;
+        for ep in eps {
+            match self.flush_queued(ep, token) {
+                Queued::Pending(_) => pending += 1,
+                Queued::Ended(Err(e)) => {
+                    first.get_or_insert(e);
+                }
+                Queued::Ended(Ok(_)) => {}
+            }
+        }
+        (pending, first)
     }
 
     /// A fence on `ep` (every usable endpoint: `None`): whatever is posted to it after the

@@ -274,3 +274,99 @@ fn bad_words_are_refused_and_write_nothing() {
     assert_eq!(region, [0u8; 24]);
     assert!(b.counters().get("atomic refused").copied().unwrap_or(0) >= 1);
 }
+
+/// Progress `ws` until the queued end of `token` comes out of `a`: that end.
+fn queued_end(a: &Worker, ws: &[&Worker], token: u64) -> rucx_ucs::Result<crate::Completion> {
+    let t = Instant::now();
+    let mut ends = Vec::new();
+    loop {
+        assert!(t.elapsed() < Duration::from_secs(30), "no end queued");
+        a.progress();
+        for w in ws {
+            w.progress();
+        }
+        a.take_completed(&mut ends);
+        if let Some(i) = ends.iter().position(|(t, _)| *t == token) {
+            return ends.swap_remove(i).1;
+        }
+    }
+}
+
+/// An atomic the target refuses after it was posted (its region unmapped since the key was
+/// packed), posted in the queued form whose end nobody may look at (the C ABI's implicit
+/// operations): the next flush of its endpoint ends with its error, and only that one (it is
+/// reported once); the worker-wide flush reports it too.
+#[test]
+fn a_flush_reports_an_atomic_refused_after_its_post_once() {
+    let (a, b) = (worker("posix"), worker("posix"));
+    let ab = connect(&a, &b);
+    let mut region = vec![0u8; 16];
+    let map = b.mem_map(aligned(&mut region, 8)).unwrap();
+    let key = a.rkey_unpack(ab, &map.pack_rkey()).unwrap();
+    let base = map.address();
+    drop(map);
+    let post = |token| {
+        let q = a.atomic_queued(ab, AtomicOp::Add, 8, 1, 0, None, base, &key, token);
+        assert!(matches!(q, crate::Queued::Pending(_)), "posted");
+    };
+    post(1);
+    a.scope(|s| {
+        let e = finish(&[&a, &b], s.flush(ab)).unwrap_err();
+        assert!(
+            e.to_string().contains("not inside a region it mapped"),
+            "{e}"
+        );
+        assert!(matches!(e, rucx_ucs::Error::InvalidParam(_)), "{e:?}");
+        finish(&[&a, &b], s.flush(ab)).expect("reported once");
+    });
+    assert!(queued_end(&a, &[&b], 1).is_err(), "its own end says so too");
+    // The worker's flush (every endpoint), once the refusal is in.
+    post(2);
+    assert!(queued_end(&a, &[&b], 2).is_err());
+    let e = a.flush_wait(None).unwrap_err();
+    assert!(matches!(e, rucx_ucs::Error::InvalidParam(_)), "{e:?}");
+    a.flush_wait(None).expect("reported once");
+    a.flush_wait(Some(ab)).expect("reported once");
+    assert_eq!(region, [0u8; 16]);
+}
+
+/// An atomic posted to a peer that fails before answering it (its worker dropped, over tcp:
+/// its connections close): a worker-wide flush, which skips the failed endpoint, still ends
+/// with the error, once; a flush of that endpoint ends with the endpoint's error.
+#[test]
+fn a_worker_flush_reports_what_a_failed_peer_lost() {
+    let (a, b) = (worker("tcp"), worker("tcp"));
+    let ab = connect(&a, &b);
+    let mut region = vec![0u8; 16];
+    let map = b.mem_map(aligned(&mut region, 8)).unwrap();
+    let key = a.rkey_unpack(ab, &map.pack_rkey()).unwrap();
+    let addr = map.address();
+    // Wired up and working: one atomic applied.
+    assert_eq!(
+        fetch(&a, &b, ab, &key, AtomicOp::Add, 2u64, 0, addr),
+        0,
+        "the old value"
+    );
+    // Posted; the target never progresses again, and goes.
+    let q = a.atomic_queued(ab, AtomicOp::Add, 8, 1, 0, None, addr, &key, 7);
+    assert!(matches!(q, crate::Queued::Pending(_)), "posted");
+    drop(map);
+    drop(b);
+    assert!(
+        queued_end(&a, &[], 7).is_err(),
+        "the atomic failed with its peer"
+    );
+    assert!(
+        a.flush_wait(None).is_err(),
+        "the worker's flush sees the loss"
+    );
+    a.flush_wait(None)
+        .expect("reported once; the failed endpoint is not flushed");
+    assert!(a.flush_wait(Some(ab)).is_err(), "the failed endpoint");
+    let off = (8 - region.as_ptr() as usize % 8) % 8;
+    assert_eq!(
+        &region[off..off + 8],
+        &2u64.to_ne_bytes()[..],
+        "only the first add landed"
+    );
+}

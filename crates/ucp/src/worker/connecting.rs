@@ -217,7 +217,7 @@ impl State {
         self.refuse_while_closing(remote.uuid)?;
         // Messages from that worker reach this endpoint from now on (as a reconnect's).
         self.by_uuid.insert(remote.uuid, p);
-        self.last_src.set((0, 0));
+        self.last_src.set(NO_LAST_SRC);
         self.peers[p].remote = remote;
         self.peers[p].cm_pending = false;
         self.connect_peer(p, ifaces)?;

@@ -284,6 +284,49 @@ mod tests {
     use crate::TAG_MASK_FULL;
     use crate::worker::prelude::*;
 
+    /// A message claiming source 0 (a uuid no worker has) from a stranger that sent no
+    /// wire-up is refused as from an unknown worker, whichever peers exist: before, the empty
+    /// one-entry cache of the last source, `(0, 0)`, gave it to peer 0, so anybody could close
+    /// endpoint 0 (or feed it messages) knowing no uuid at all.
+    #[test]
+    fn a_message_from_source_zero_is_from_nobody() {
+        let w = crate::worker::tests::self_worker();
+        let ep = w.connect(&w.address()).unwrap();
+        for m in [
+            Msg::Disconnect { src: 0 },
+            Msg::Keepalive {
+                src: 0,
+                reply: true,
+            },
+            Msg::EagerOne {
+                src: 0,
+                tag: 5,
+                data: b"forged",
+            },
+        ] {
+            let (id, bytes) = m.encode();
+            let e = w.st.borrow_mut().on_am(id, &bytes);
+            assert!(
+                matches!(&e, Err(Error::InvalidAddress(s)) if s.contains("unknown worker")),
+                "{e:?}"
+            );
+        }
+        let st = w.st.borrow();
+        assert!(st.peers[0].closed.is_none() && st.peers[0].failed.is_none());
+        assert_eq!(st.matcher.unexpected_len(), 0);
+        drop(st);
+        // The endpoint still carries messages.
+        let mut buf = [0u8; 4];
+        w.scope(|s| {
+            let r = s.tag_recv(&mut buf[..], 9, TAG_MASK_FULL);
+            let sreq = s.tag_send(ep, &b"real"[..], 9);
+            while r.test().is_none() || sreq.test().is_none() {
+                w.progress();
+            }
+        });
+        assert_eq!(&buf, b"real");
+    }
+
     /// A peer that names a receive it was not matched with (one posted and waiting, whose id it
     /// guessed) in rendezvous data or a rendezvous finish is refused: the receive neither takes
     /// the bytes nor completes (before, the finish completed it with the buffer's old bytes).

@@ -373,7 +373,7 @@ impl Worker {
                 address,
                 peers: Vec::new(),
                 by_uuid: FxHashMap::default(),
-                last_src: std::cell::Cell::new((0, 0)),
+                last_src: std::cell::Cell::new(state::NO_LAST_SRC),
                 short_buf: Vec::with_capacity(SHORT_MAX),
                 ctrl_buf: Vec::with_capacity(256),
                 matcher: TagMatcher::new(),

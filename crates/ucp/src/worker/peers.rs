@@ -17,7 +17,7 @@ impl State {
         // messages from that worker reach from now on.
         let p = self.peers.len();
         self.by_uuid.insert(remote.uuid, p);
-        self.last_src.set((0, 0));
+        self.last_src.set(NO_LAST_SRC);
         self.peers.push(Peer::new(remote));
         Ok(p)
     }

@@ -260,10 +260,20 @@ impl Worker {
         st.post_rma(p, put, addr, len, local, remote, rkey)
     }
 
+    /// A flush of `ep`; refused when the endpoint is not usable (failed, closed), with the
+    /// error that says why, which also stands for the unreported error of its puts, gets and
+    /// atomics ([`State::take_rma_error`]: dropped, reported once).
     pub(crate) fn post_flush(&self, ep: EpId) -> Result<u64> {
         let mut st = self.st.borrow_mut();
-        let p = st.check_ep(ep)?;
-        st.post_flush(p)
+        match st.check_ep(ep) {
+            Ok(p) => st.post_flush(p),
+            Err(e) => {
+                if let Ok(p) = st.ep_index(ep) {
+                    st.take_rma_error(p);
+                }
+                Err(e)
+            }
+        }
     }
 
     pub(crate) fn req_result(&self, id: u64) -> Option<Result<Completion>> {

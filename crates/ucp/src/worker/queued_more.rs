@@ -33,6 +33,25 @@ impl Worker {
         self.adopt_queued(posted, token)
     }
 
+    /// Take the bytes of the stream from `ep` that arrived and no receive took, in order,
+    /// without posting a receive (UCX's `ucp_stream_recv_data_nb`); `None` when there are none.
+    /// Bytes that arrived before the endpoint ended stay receivable this way too.
+    pub fn stream_take(&self, ep: EpId) -> rucx_ucs::Result<Option<Vec<u8>>> {
+        let mut st = self.st.borrow_mut();
+        let p = st.ep_index(ep)?;
+        Ok(st.peers[p].stream_rx.take_buffered())
+    }
+
+    /// The endpoints whose streams hold bytes no receive took yet (UCX's
+    /// `ucp_stream_worker_poll`), in endpoint order.
+    pub fn streams_ready(&self) -> Vec<EpId> {
+        let st = self.st.borrow();
+        (0..st.peers.len())
+            .filter(|&p| st.peers[p].stream_rx.has_buffered())
+            .map(|p| st.ep_id(p))
+            .collect()
+    }
+
     /// Send active message `id` with `header` and the memory of `buf` to `ep` (see
     /// [`Scope::am_send`](crate::Scope::am_send)), its end queued with `token`.
     pub fn am_send_queued(

@@ -173,6 +173,11 @@ pub(crate) struct Peer {
     /// The connection manager has not named the peer yet (`connecting.rs`): `remote` is a
     /// stand-in, and only the connection step connects the endpoint.
     pub(crate) cm_pending: bool,
+    /// The first error of a put, get or atomic to this peer that ended with one after it was
+    /// posted, not reported by a flush yet: the next flush of the peer ends with it
+    /// ([`State::take_rma_error`]), so that the loss of an implicit (nbi) operation, whose
+    /// own end nobody looks at, is seen.
+    pub(crate) rma_error: Option<Error>,
 }
 
 impl Peer {
@@ -197,6 +202,7 @@ impl Peer {
             closed: None,
             remote_ep: None,
             cm_pending: false,
+            rma_error: None,
         }
     }
 }
@@ -490,6 +496,11 @@ pub(crate) enum RxDest {
     Aborted,
 }
 
+/// An empty [`State::last_src`]: no peer has this index, so no source, not even a forged 0,
+/// is taken for a peer without a look-up (before, `(0, 0)` gave a message claiming source 0,
+/// a uuid no worker has, to peer 0).
+pub(crate) const NO_LAST_SRC: (u64, usize) = (0, usize::MAX);
+
 pub(crate) struct State {
     /// The id of this worker's first endpoint (its serial in the process in the high half,
     /// index 0): ids are this or'ed with the index ([`EpId`]).
@@ -499,7 +510,8 @@ pub(crate) struct State {
     pub(crate) address: WorkerAddress,
     pub(crate) peers: Vec<Peer>,
     pub(crate) by_uuid: FxHashMap<u64, usize>,
-    /// The sender of the last message and its peer (a one-entry cache of `by_uuid`).
+    /// The sender of the last message and its peer (a one-entry cache of `by_uuid`);
+    /// [`NO_LAST_SRC`] when empty.
     pub(crate) last_src: std::cell::Cell<(u64, usize)>,
     /// Payload of the eager-short fast path (source and data), reused.
     pub(crate) short_buf: Vec<u8>,
@@ -780,6 +792,7 @@ impl State {
             if failed {
                 // Nothing in flight: a staged request's pinned window goes back now.
                 self.reclaim_window(id);
+                self.note_rma_failure(id);
             }
             return failed;
         }

@@ -5,10 +5,12 @@
  * rucx's library.
  *
  * 1. The client's worker has a client id; its endpoint (error mode PEER, an error handler)
- *    sends it. Two tag sends and a stream send are posted before the server even saw the
- *    connection. The server's connection handler gets the request, whose client id must be
- *    the client's; it creates its endpoint; two receives of any tag must get the two messages
- *    in the order they were sent, the stream receive the stream bytes.
+ *    sends it. Two tag sends, a stream send, a flush of the endpoint and one of the worker
+ *    are posted before the server even saw the connection. The server's connection handler
+ *    gets the request, whose client id must be the client's; it creates its endpoint; two
+ *    receives of any tag must get the two messages in the order they were sent, the stream
+ *    receive the stream bytes; both flushes must end well (a flush returns a request that
+ *    progress completes: it must not wait inside for a connection only this thread makes).
  * 2. A second client is rejected: its error handler must be called (UCS_ERR_REJECTED) and
  *    its pending send must end with an error.
  * 3. A third connects to a port nobody listens on: its error handler must be called
@@ -158,7 +160,7 @@ int main(void)
     uint16_t port, dead;
     char a[16], b[16], s[6];
     size_t len;
-    void *s1, *s2, *s3, *r1, *r2, *r3;
+    void *s1, *s2, *s3, *r1, *r2, *r3, *f1, *f2;
     int got_err;
 
     alarm(120);
@@ -192,8 +194,11 @@ int main(void)
     s1 = ucp_tag_send_nbx(ep, "one", 4, 1, &rp);
     s2 = ucp_tag_send_nbx(ep, "two!", 5, 2, &rp);
     s3 = ucp_stream_send_nbx(ep, "stream", 6, &rp);
+    f1 = ucp_ep_flush_nbx(ep, &rp);
+    f2 = ucp_worker_flush_nbx(cw, &rp);
     CHECK(!UCS_PTR_IS_ERR(s1) && !UCS_PTR_IS_ERR(s2) && !UCS_PTR_IS_ERR(s3),
           "a send posted while connecting failed");
+    CHECK(!UCS_PTR_IS_ERR(f1) && !UCS_PTR_IS_ERR(f2), "a flush posted while connecting failed");
     wait_flag((volatile int *)&conn_req, "connection request");
     ra.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID;
     OK(ucp_conn_request_query(conn_req, &ra));
@@ -217,6 +222,8 @@ int main(void)
     CHECK(wait_req(r1, "receive 1") == UCS_OK, "receive 1");
     CHECK(wait_req(r2, "receive 2") == UCS_OK, "receive 2");
     CHECK(wait_req(r3, "stream receive") == UCS_OK, "stream receive");
+    CHECK(wait_req(f1, "endpoint flush") == UCS_OK, "endpoint flush");
+    CHECK(wait_req(f2, "worker flush") == UCS_OK, "worker flush");
     CHECK(strcmp(a, "one") == 0 && strcmp(b, "two!") == 0, "order: '%s' then '%s'", a, b);
     CHECK(memcmp(s, "stream", 6) == 0, "stream bytes");
     CHECK(err_calls == 0, "an error handler call: %s", ucs_status_string(err_status));

@@ -15,6 +15,9 @@ pub(crate) struct FlushRma {
     after: Vec<u64>,
     /// Every lane's flush is posted.
     posted: bool,
+    /// A caller's flush, which ends with the error its peer's puts, gets and atomics left
+    /// (`Peer::rma_error`); a close's flush does not (the close goes on).
+    pub(crate) report: bool,
 }
 
 impl FlushRma {
@@ -23,6 +26,7 @@ impl FlushRma {
             lanes,
             after,
             posted: false,
+            report: false,
         }
     }
 

@@ -2,7 +2,7 @@
 //! context and windows), and the glue that finds a request, runs a step of its state machine
 //! ([`RmaState`]'s methods) and does what the step says. Nothing here decides a path.
 
-use super::{RmaIo, RmaNext, RmaPosted, RmaReq, RmaStart, RmaState, RmaWindow};
+use super::{RmaIo, RmaNext, RmaPath, RmaPosted, RmaReq, RmaStart, RmaState, RmaWindow};
 use crate::proto::gpu::stage_io::On;
 use crate::worker::prelude::*;
 
@@ -196,14 +196,21 @@ impl State {
         }
     }
 
+    /// A caller's flush of peer `p`: it ends with the error the peer's puts, gets and atomics
+    /// left since the last one ([`Self::take_rma_error`]).
     pub(crate) fn post_flush(&mut self, p: usize) -> Result<u64> {
         self.check_peer(p)?;
-        Ok(self.flush_req(p))
+        Ok(self.flush_req_of(p, true))
     }
 
     /// A flush of every lane of peer `p` (checked by the caller), ending after the peer's
-    /// staged puts and gets running now.
+    /// staged puts and gets running now; it reports no error of theirs (a close's).
     pub(crate) fn flush_req(&mut self, p: usize) -> u64 {
+        self.flush_req_of(p, false)
+    }
+
+    /// [`flush_req`](Self::flush_req), reporting the peer's errors when `report`.
+    fn flush_req_of(&mut self, p: usize, report: bool) -> u64 {
         let lanes: Vec<usize> = self.peers[p].eps.keys().copied().collect();
         let after: Vec<u64> = self
             .reqs
@@ -213,7 +220,11 @@ impl State {
                 _ => None,
             })
             .collect();
-        let id = self.new_req(ReqKind::Rma(RmaState::flush(p, lanes, after)));
+        let mut state = RmaState::flush(p, lanes, after);
+        if let RmaPath::Flush(f) = &mut state.path {
+            f.report = report;
+        }
+        let id = self.new_req(ReqKind::Rma(state));
         self.peers[p].queue.push_back(Pending::Stream(id));
         self.pump(p);
         id
@@ -286,11 +297,71 @@ impl State {
                 self.peers[p].queue.push_back(Pending::Stream(id));
                 self.pump(p);
             }
-            RmaNext::Complete => self.finish_ok(id, len),
+            RmaNext::Complete => self.complete_rma(id, len),
             RmaNext::FlushWait => {
                 if !self.rma_flushes.contains(&id) {
                     self.rma_flushes.push(id);
                 }
+            }
+        }
+    }
+
+    /// Put, get or flush `id` did all it had to: it ends well, but a caller's flush ends
+    /// with the error of a put, get or atomic of its peer that failed since the last such
+    /// flush (`Peer::rma_error`).
+    fn complete_rma(&mut self, id: u64, len: usize) {
+        let flush_of = match self.reqs.get(&id) {
+            Some(Req {
+                kind:
+                    ReqKind::Rma(RmaState {
+                        peer,
+                        path: RmaPath::Flush(f),
+                        ..
+                    }),
+                ..
+            }) if f.report => Some(*peer),
+            _ => None,
+        };
+        match flush_of.and_then(|p| self.take_rma_error(p)) {
+            Some(e) => self.fail(id, e),
+            None => self.finish_ok(id, len),
+        }
+    }
+
+    /// The error of a put, get or atomic of peer `p` that failed after it was posted and that
+    /// no flush reported yet, taken (a flush reports it once).
+    pub(crate) fn take_rma_error(&mut self, p: usize) -> Option<Error> {
+        self.peers.get_mut(p)?.rma_error.take()
+    }
+
+    /// Request `id` just ended with an error: a put, get or atomic keeps it for its peer's
+    /// next flush (the first one, until a flush reports it); a flush that failed (its peer
+    /// failed: it reported the peer's error) takes what it would have reported.
+    #[cold]
+    pub(crate) fn note_rma_failure(&mut self, id: u64) {
+        let Some(Req {
+            kind: ReqKind::Rma(rm),
+            result: Some(Err(e)),
+            ..
+        }) = self.reqs.get(&id)
+        else {
+            return;
+        };
+        let p = rm.peer;
+        let report = match &rm.path {
+            RmaPath::Flush(f) => Some(f.report),
+            _ => None,
+        };
+        let e = e.clone();
+        if let Some(peer) = self.peers.get_mut(p) {
+            match report {
+                // A put, get or atomic.
+                None => {
+                    peer.rma_error.get_or_insert(e);
+                }
+                Some(true) => peer.rma_error = None,
+                // A close's flush: it reports nothing of theirs.
+                Some(false) => {}
             }
         }
     }
@@ -305,7 +376,7 @@ impl State {
             }
             match self.with_rma(id, |rm, st| rm.flush_ready(st, id)).flatten() {
                 Some(RmaNext::Complete) => {
-                    self.finish_ok(id, 0);
+                    self.complete_rma(id, 0);
                     n += 1;
                 }
                 Some(next) => self.rma_next(id, next),
