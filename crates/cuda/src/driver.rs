@@ -759,6 +759,41 @@ fn nonzero(len: usize, what: &str) -> Result<()> {
     }
 }
 
+/// Allocate `len` bytes of `what` on `ctx`'s device through `alloc` (the driver call named
+/// `call` in errors), which fills in the device pointer; `alloc` runs with the context current.
+fn alloc_device(
+    ctx: &PrimaryContext,
+    len: usize,
+    what: &str,
+    call: &str,
+    alloc: impl FnOnce(&mut sys::CUdeviceptr) -> CUresult,
+) -> Result<u64> {
+    nonzero(len, what)?;
+    ctx.bind()?;
+    let mut ptr: sys::CUdeviceptr = 0;
+    let r = alloc(&mut ptr);
+    check(r, &format!("{call}({len} bytes)"), Some(ctx.ordinal))?;
+    Ok(ptr)
+}
+
+/// What every owned allocation or registration of `len` bytes at `addr` does when it drops:
+/// forget the cached classification of its range, make `ctx` current and undo it with `free`
+/// (the driver call named `call` in the warning logged when it fails).
+fn release(
+    addr: usize,
+    len: usize,
+    ctx: &PrimaryContext,
+    call: &str,
+    free: impl FnOnce() -> CUresult,
+) {
+    crate::pointer::invalidate_global(addr, len);
+    let _ = ctx.bind();
+    let r = free();
+    if r != E::CUDA_SUCCESS {
+        tracing::warn!("{}", cuda_error(r, call, Some(ctx.ordinal)));
+    }
+}
+
 fn range_check(what: &str, ptr: u64, cap: usize, offset: usize, len: usize) -> Result<()> {
     if offset.checked_add(len).is_none_or(|end| end > cap) {
         return Err(Error::InvalidParam(format!(
@@ -989,12 +1024,10 @@ impl DeviceBuffer {
 
     /// Allocate `len` bytes on `ctx`'s device.
     pub fn new(ctx: &'static PrimaryContext, len: usize) -> Result<DeviceBuffer> {
-        nonzero(len, "device memory")?;
-        ctx.bind()?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: context current, valid out-pointer.
-        let r = unsafe { crate::cu!(cuMemAlloc_v2(&mut ptr, len)) };
-        check(r, &format!("cuMemAlloc({len} bytes)"), Some(ctx.ordinal))?;
+        let ptr = alloc_device(ctx, len, "device memory", "cuMemAlloc", |ptr| {
+            // SAFETY: context current (`alloc_device`), valid out-pointer.
+            unsafe { crate::cu!(cuMemAlloc_v2(ptr, len)) }
+        })?;
         Ok(DeviceBuffer { ptr, len, ctx })
     }
 
@@ -1003,13 +1036,10 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        crate::pointer::invalidate_global(self.ptr as usize, self.len);
-        let _ = self.ctx.bind();
-        // SAFETY: allocated by cuMemAlloc in `new`, freed only here.
-        let r = unsafe { crate::cu!(cuMemFree_v2(self.ptr)) };
-        if r != E::CUDA_SUCCESS {
-            tracing::warn!("{}", cuda_error(r, "cuMemFree", Some(self.ctx.ordinal)));
-        }
+        release(self.ptr as usize, self.len, self.ctx, "cuMemFree", || {
+            // SAFETY: allocated by cuMemAlloc in `new`, freed only here.
+            unsafe { crate::cu!(cuMemFree_v2(self.ptr)) }
+        });
     }
 }
 
@@ -1070,17 +1100,17 @@ impl PoolBuffer {
 
 impl Drop for PoolBuffer {
     fn drop(&mut self) {
-        crate::pointer::invalidate_global(self.ptr as usize, self.len);
-        let _ = self.ctx.bind();
-        // SAFETY: allocated by cuMemAllocAsync on this stream, freed only here; the stream is
-        // kept alive by the clone we hold.
-        let r = unsafe { crate::cu!(cuMemFreeAsync(self.ptr, self.stream.raw())) };
-        if r != E::CUDA_SUCCESS {
-            tracing::warn!(
-                "{}",
-                cuda_error(r, "cuMemFreeAsync", Some(self.ctx.ordinal))
-            );
-        }
+        release(
+            self.ptr as usize,
+            self.len,
+            self.ctx,
+            "cuMemFreeAsync",
+            || {
+                // SAFETY: allocated by cuMemAllocAsync on this stream, freed only here; the stream
+                // is kept alive by the clone we hold.
+                unsafe { crate::cu!(cuMemFreeAsync(self.ptr, self.stream.raw())) }
+            },
+        );
         if let Err(e) = self.stream.synchronize() {
             tracing::warn!("{e}");
         }
@@ -1100,22 +1130,16 @@ impl ManagedBuffer {
 
     /// Allocate `len` bytes of managed memory associated with `ctx`'s device.
     pub fn new(ctx: &'static PrimaryContext, len: usize) -> Result<ManagedBuffer> {
-        nonzero(len, "managed memory")?;
-        ctx.bind()?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: context current, valid out-pointer, valid attach flag.
-        let r = unsafe {
-            crate::cu!(cuMemAllocManaged(
-                &mut ptr,
-                len,
-                sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
-            ))
-        };
-        check(
-            r,
-            &format!("cuMemAllocManaged({len} bytes)"),
-            Some(ctx.ordinal),
-        )?;
+        let ptr = alloc_device(ctx, len, "managed memory", "cuMemAllocManaged", |ptr| {
+            // SAFETY: context current (`alloc_device`), valid out-pointer, valid attach flag.
+            unsafe {
+                crate::cu!(cuMemAllocManaged(
+                    ptr,
+                    len,
+                    sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
+                ))
+            }
+        })?;
         Ok(ManagedBuffer { ptr, len, ctx })
     }
 
@@ -1124,13 +1148,10 @@ impl ManagedBuffer {
 
 impl Drop for ManagedBuffer {
     fn drop(&mut self) {
-        crate::pointer::invalidate_global(self.ptr as usize, self.len);
-        let _ = self.ctx.bind();
-        // SAFETY: allocated by cuMemAllocManaged, freed only here.
-        let r = unsafe { crate::cu!(cuMemFree_v2(self.ptr)) };
-        if r != E::CUDA_SUCCESS {
-            tracing::warn!("{}", cuda_error(r, "cuMemFree", Some(self.ctx.ordinal)));
-        }
+        release(self.ptr as usize, self.len, self.ctx, "cuMemFree", || {
+            // SAFETY: allocated by cuMemAllocManaged, freed only here.
+            unsafe { crate::cu!(cuMemFree_v2(self.ptr)) }
+        });
     }
 }
 
@@ -1204,13 +1225,16 @@ impl PinnedHostBuffer {
 
 impl Drop for PinnedHostBuffer {
     fn drop(&mut self) {
-        crate::pointer::invalidate_global(self.ptr as usize, self.len);
-        let _ = self.ctx.bind();
-        // SAFETY: allocated by cuMemHostAlloc, freed only here.
-        let r = unsafe { crate::cu!(cuMemFreeHost(self.ptr as *mut c_void)) };
-        if r != E::CUDA_SUCCESS {
-            tracing::warn!("{}", cuda_error(r, "cuMemFreeHost", Some(self.ctx.ordinal)));
-        }
+        release(
+            self.ptr as usize,
+            self.len,
+            self.ctx,
+            "cuMemFreeHost",
+            || {
+                // SAFETY: allocated by cuMemHostAlloc, freed only here.
+                unsafe { crate::cu!(cuMemFreeHost(self.ptr as *mut c_void)) }
+            },
+        );
     }
 }
 
@@ -1345,16 +1369,16 @@ impl HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        crate::pointer::invalidate_global(self.ptr as usize, self.len);
-        let _ = self.ctx.bind();
-        // SAFETY: registered in `new`, unregistered only here.
-        let r = unsafe { crate::cu!(cuMemHostUnregister(self.ptr as *mut c_void)) };
-        if r != E::CUDA_SUCCESS {
-            tracing::warn!(
-                "{}",
-                cuda_error(r, "cuMemHostUnregister", Some(self.ctx.ordinal))
-            );
-        }
+        release(
+            self.ptr as usize,
+            self.len,
+            self.ctx,
+            "cuMemHostUnregister",
+            || {
+                // SAFETY: registered in `new`, unregistered only here.
+                unsafe { crate::cu!(cuMemHostUnregister(self.ptr as *mut c_void)) }
+            },
+        );
     }
 }
 

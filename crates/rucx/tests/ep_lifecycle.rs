@@ -5,43 +5,18 @@
 
 mod ranks;
 
-use std::sync::{Arc, Mutex};
+use ranks::{Calls, drive, record_errors, worker_pair};
+
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rucx::{CloseMode, EpId, Error, Job, TAG_MASK_FULL, Worker};
+use rucx::{CloseMode, Error, Job, TAG_MASK_FULL};
 
 const SIZES: &[usize] = &[0, 10, 9000, 70_000, (1 << 20) + 5, 8 << 20];
 
-fn worker_pair() -> (Worker, Worker) {
-    let cfg =
-        rucx::ucs::Config::from_vars(&rucx::config_tables(), [("RUCX_TLS", "posix")]).unwrap();
-    let ctx = rucx::context(cfg).unwrap();
-    (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap())
-}
-
-fn drive(ws: &[&Worker], mut done: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !done() {
-        for w in ws {
-            w.progress();
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "hung");
-    }
-}
-
-type Calls = Arc<Mutex<Vec<(EpId, String)>>>;
-
-/// A worker error handler that records its calls.
-fn record_errors(w: &Worker) -> Calls {
-    let calls: Calls = Arc::default();
-    let c = calls.clone();
-    w.set_error_handler(move |_, ep, e| c.lock().unwrap().push((ep, e.to_string())));
-    calls
-}
-
 #[test]
 fn close_with_flush_delivers_everything_and_the_peer_sees_its_endpoint_closed() {
-    let (w0, w1) = worker_pair();
+    let (w0, w1) = worker_pair("posix");
     let ep01 = w0.connect(&w1.address()).unwrap();
     let calls = record_errors(&w1);
     let recvs: Vec<_> = SIZES
@@ -98,7 +73,7 @@ fn close_with_flush_delivers_everything_and_the_peer_sees_its_endpoint_closed() 
 
 #[test]
 fn close_with_force_cancels_outstanding_requests_and_hands_their_buffers_back() {
-    let (w0, w1) = worker_pair();
+    let (w0, w1) = worker_pair("posix");
     let ep01 = w0.connect(&w1.address()).unwrap();
     let calls = record_errors(&w1);
     // Wire the pair up, then announce two large messages w1 never receives.
@@ -130,7 +105,7 @@ fn close_with_force_cancels_outstanding_requests_and_hands_their_buffers_back() 
 
 #[test]
 fn connecting_again_after_a_close_gives_a_working_endpoint_on_both_sides() {
-    let (w0, w1) = worker_pair();
+    let (w0, w1) = worker_pair("posix");
     let ep01 = w0.connect(&w1.address()).unwrap();
     let calls = record_errors(&w1);
     let first = w1.tag_recv_owned(vec![0u8; 3], 1, TAG_MASK_FULL);
@@ -177,7 +152,7 @@ fn connecting_again_after_a_close_gives_a_working_endpoint_on_both_sides() {
 
 #[test]
 fn a_close_in_progress_when_the_worker_is_dropped_ends_canceled() {
-    let (w0, w1) = worker_pair();
+    let (w0, w1) = worker_pair("posix");
     let ep01 = w0.connect(&w1.address()).unwrap();
     // A rendezvous nobody receives keeps the flush close waiting.
     let big = w0.tag_send_owned(ep01, ranks::pattern(4 << 20, 1), 3);
@@ -197,7 +172,7 @@ fn a_close_in_progress_when_the_worker_is_dropped_ends_canceled() {
 
 #[test]
 fn an_endpoint_handler_takes_precedence_and_is_called_once() {
-    let (w0, w1) = worker_pair();
+    let (w0, w1) = worker_pair("posix");
     let ep01 = w0.connect(&w1.address()).unwrap();
     let worker_calls = record_errors(&w1);
     let first = w1.tag_recv_owned(vec![0u8; 1], 1, TAG_MASK_FULL);
@@ -390,8 +365,6 @@ fn close_with_force_across_processes_over_tcp() {
 /// flight), kills rank 1 with SIGKILL, and measures how long until its error handler is called
 /// (exactly once); requests to the dead peer then fail.
 fn killed_idle_peer_job() {
-    use nix::sys::signal::{Signal, kill};
-    use nix::unistd::Pid;
     let job = Job::from_env().unwrap();
     let w = job.worker();
     let peer = job.ep(1 - job.rank());
@@ -426,23 +399,8 @@ fn killed_idle_peer_job() {
         }
     };
     idle(&|| false, Duration::from_millis(1500));
-    assert!(
-        calls.lock().unwrap().is_empty(),
-        "{:?}",
-        calls.lock().unwrap()
-    );
-    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
-    let t = Instant::now();
-    idle(
-        &|| !calls.lock().unwrap().is_empty(),
-        Duration::from_secs(20),
-    );
-    let detected = t.elapsed();
-    // More progress: no second call.
-    idle(&|| false, Duration::from_millis(1000));
-    let calls = calls.lock().unwrap().clone();
-    assert_eq!(calls.len(), 1, "one call: {calls:?}");
-    assert_eq!(calls[0].0, peer);
+    let (detected, call) =
+        ranks::kill_and_detect(pid, peer, &calls, idle, Duration::from_millis(1000));
     println!(
         "rank 0: KILLED IDLE PEER detected after {detected:.2?}{}: {}",
         if asleep {
@@ -450,7 +408,7 @@ fn killed_idle_peer_job() {
         } else {
             String::new()
         },
-        calls[0].1
+        call.1
     );
     assert!(detected < Duration::from_secs(10), "{detected:?}");
     let (res, _) = w.tag_send_owned(peer, vec![0u8; 100_000], 2).wait(w);

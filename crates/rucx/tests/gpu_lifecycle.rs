@@ -13,24 +13,16 @@
 
 mod ranks;
 
-use std::sync::{Arc, Mutex};
+use ranks::record_errors;
+
 use std::time::{Duration, Instant};
 
 use rucx::cuda::{DeviceBuffer, PrimaryContext};
-use rucx::{CloseMode, EpId, Error, Job, TAG_MASK_FULL, Worker};
+use rucx::{CloseMode, Error, Job, TAG_MASK_FULL};
 
 /// Sizes through every GPU protocol: small (bounce or zero-copy read), a rendezvous, and
 /// large enough for several pipeline fragments when staged.
 const SIZES: [usize; 4] = [1, 4097, 1 << 20, (16 << 20) + 3];
-
-type Calls = Arc<Mutex<Vec<(EpId, String)>>>;
-
-fn record_errors(w: &Worker) -> Calls {
-    let calls: Calls = Arc::default();
-    let c = calls.clone();
-    w.set_error_handler(move |_, ep, e| c.lock().unwrap().push((ep, e.to_string())));
-    calls
-}
 
 fn gpu(job: &Job) -> &'static PrimaryContext {
     let cuda = rucx::cuda::driver().unwrap();
@@ -225,8 +217,6 @@ fn gpu_close_with_force_cancels_device_sends_over_cuda_ipc() {
 /// receive rank 0 feeds slowly; rank 0 kills it with SIGKILL and measures how long until its
 /// error handler is called (exactly once); its device send in flight ends with an error.
 fn killed_peer_job(busy: bool) {
-    use nix::sys::signal::{Signal, kill};
-    use nix::unistd::Pid;
     let job = Job::from_env().unwrap();
     let w = job.worker();
     let ctx = gpu(&job);
@@ -265,26 +255,12 @@ fn killed_peer_job(busy: bool) {
         &|| false,
         Duration::from_millis(if busy { 2 } else { 1500 }),
     );
-    assert!(
-        calls.lock().unwrap().is_empty(),
-        "{:?}",
-        calls.lock().unwrap()
-    );
-    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
-    let t = Instant::now();
-    spin(
-        &|| !calls.lock().unwrap().is_empty(),
-        Duration::from_secs(20),
-    );
-    let detected = t.elapsed();
-    spin(&|| false, Duration::from_millis(500));
-    let calls = calls.lock().unwrap().clone();
-    assert_eq!(calls.len(), 1, "one call: {calls:?}");
-    assert_eq!(calls[0].0, peer);
+    let (detected, call) =
+        ranks::kill_and_detect(pid, peer, &calls, spin, Duration::from_millis(500));
     println!(
         "rank 0: KILLED {} PEER detected after {detected:.2?}: {}",
         if busy { "BUSY" } else { "IDLE" },
-        calls[0].1
+        call.1
     );
     assert!(detected < Duration::from_secs(10), "{detected:?}");
     if let Some(s) = send {

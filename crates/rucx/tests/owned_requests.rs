@@ -5,29 +5,14 @@
 
 mod ranks;
 
-use std::time::{Duration, Instant};
+use ranks::{drive, worker_pair};
+
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use rucx::{Error, Job, OwnedRequest, TAG_MASK_FULL, Worker};
+use rucx::{Error, Job, OwnedRequest, TAG_MASK_FULL};
 
 const SIZES: &[usize] = &[0, 1, 200, 8193, 65536, (1 << 20) + 3, 8 << 20];
-
-fn worker_pair(tls: &str) -> (Worker, Worker) {
-    let cfg = rucx::ucs::Config::from_vars(&rucx::config_tables(), [("RUCX_TLS", tls)]).unwrap();
-    let ctx = rucx::context(cfg).unwrap();
-    (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap())
-}
-
-/// Progress both workers until `done`, at most 30 s.
-fn drive(ws: &[&Worker], mut done: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !done() {
-        for w in ws {
-            w.progress();
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "hung");
-    }
-}
 
 /// Take a finished request's result and buffer.
 fn take<B: Send + 'static>(r: OwnedRequest<B>) -> (rucx::Result<rucx::Completion>, B) {

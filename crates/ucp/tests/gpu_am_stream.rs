@@ -9,7 +9,7 @@ mod harness;
 
 use std::sync::{Arc, Mutex};
 
-use harness::{Buf, Mem, Pair, Watchdog, is_truncation, pattern};
+use harness::{Buf, Mem, Pair, Watchdog, is_truncation, pattern, with_fault};
 use rucx_ucp::plan::{MemKey, Op};
 use rucx_ucp::proto::Proto;
 use rucx_ucp::{AmMessage, Completion};
@@ -518,11 +518,7 @@ fn a_canceled_gpu_stream_receive_gives_its_bytes_back() {
 /// the domain's reason); the stream is untouched and a host receive then gets the bytes.
 #[test]
 fn a_gpu_stream_receive_the_copy_lane_refuses_fails_when_posted() {
-    let vb: Vec<(&str, &str)> = VARS
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_copy,mem=cuda,after=0")])
-        .collect();
+    let vb = with_fault(VARS, "md=sim_copy,mem=cuda,after=0");
     let pair = Pair::new(FabricSpec::gpu(), [VARS, &vb]);
     let data = Buf::filled(&pair.fabric, 100, Mem::Host, 3);
     let mut gpu = Buf::new(&pair.fabric, 100, Mem::Device(1));

@@ -5,7 +5,7 @@
 
 mod harness;
 
-use harness::{Buf, Mem, Pair, is_truncation, pattern};
+use harness::{Buf, Mem, Pair, is_truncation, pattern, with_fault};
 use rucx_uct_sim::{Delivery, FabricSpec, LaneKind};
 
 const VARS: &[(&str, &str)] = &[
@@ -69,11 +69,7 @@ fn host_sender_writes_into_the_gpu_receive_buffer() {
 #[test]
 fn a_receiver_whose_gpu_registration_fails_reads_through_staging() {
     // The receiver's GPU lane cannot register device memory at all: staged reads, intact.
-    let b: Vec<(&str, &str)> = VARS
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
-        .collect();
+    let b = with_fault(VARS, "md=sim_ipc,mem=cuda,after=0");
     let pair = Pair::new(FabricSpec::gpu(), [VARS, &b]);
     host_to_device(&pair, 2);
     assert_eq!(count(&pair, 1, BY_WRITE), 0);
@@ -104,11 +100,7 @@ fn a_receiver_whose_gpu_registration_fails_reads_through_staging() {
 fn a_sender_that_cannot_describe_its_buffer_streams_it() {
     // The sender's GPU lane refuses its host buffers (demoted for host memory): the receiver
     // gave it a key, but the data comes as streamed fragments instead, every byte intact.
-    let a: Vec<(&str, &str)> = VARS
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=host,after=0")])
-        .collect();
+    let a = with_fault(VARS, "md=sim_ipc,mem=host,after=0");
     let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
     host_to_device(&pair, 4);
     let d = pair.ctx[0].demotions();
@@ -181,11 +173,7 @@ fn a_host_only_receiver_reads_a_gpu_sender_through_its_mapping() {
 fn a_gpu_sender_whose_registration_fails_is_staged_to_a_host_only_receiver() {
     // The sender's GPU lane cannot export its device memory: no key in the request to send, so
     // the host-only receiver asks it to stage; every byte still arrives.
-    let a: Vec<(&str, &str)> = VARS
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
-        .collect();
+    let a = with_fault(VARS, "md=sim_ipc,mem=cuda,after=0");
     let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
     device_to_host(&pair, 6);
     let c = pair.w[1].counters();
@@ -325,11 +313,7 @@ fn on_a_shared_gpu_a_refused_registration_falls_back_to_read_or_staging() {
     // Either side's GPU lane refusing device memory: no shared write on that side, every byte
     // still lands (read by the copier or staged), one warning per demotion.
     for refusing in [0, 1] {
-        let f: Vec<(&str, &str)> = VARS
-            .iter()
-            .copied()
-            .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
-            .collect();
+        let f = with_fault(VARS, "md=sim_ipc,mem=cuda,after=0");
         let vars = if refusing == 0 {
             [&f[..], VARS]
         } else {

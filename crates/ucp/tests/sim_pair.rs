@@ -3,7 +3,7 @@
 
 mod harness;
 
-use harness::{Buf, Mem, Pair, is_truncation, pattern};
+use harness::{Buf, Mem, Pair, is_truncation, pattern, with_fault};
 use rucx_ucp::TAG_MASK_FULL;
 use rucx_ucp::proto::Proto;
 use rucx_ucs::{Error, RegErrorKind};
@@ -288,11 +288,7 @@ fn truncation_is_reported_and_nothing_is_written_past_the_buffer() {
 fn demotion_is_warned_once_and_transfers_go_on() {
     // The shm domain of side b fails every host registration after the first 3: zero-copy
     // receives fall back to streaming, exactly one warning, every byte intact.
-    let b_vars: Vec<(&str, &str)> = HOST_VARS
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,after=3")])
-        .collect();
+    let b_vars = with_fault(HOST_VARS, "md=sim_shm,mem=host,after=3");
     let pair = Pair::new(FabricSpec::host(), [HOST_VARS, &b_vars]);
     exchange_sizes(&pair, 0, [Mem::Host, Mem::Host], false);
     exchange_sizes(&pair, 1, [Mem::Host, Mem::Host], false);
@@ -303,12 +299,7 @@ fn demotion_is_warned_once_and_transfers_go_on() {
     pair.check_clean();
     // The fabric's own control does the same on side a, at the 2nd registration.
     let pair = Pair::new(FabricSpec::host(), [HOST_VARS, HOST_VARS]);
-    pair.fabric.fail_registration(
-        pair.nodes[0],
-        LaneKind::Shm,
-        pair.fabric.reg_attempts(pair.nodes[0], LaneKind::Shm) + 2,
-        rucx_ucs::RegErrorKind::BadAddress,
-    );
+    pair.fail_shm_registration(0, 2, RegErrorKind::BadAddress);
     exchange_sizes(&pair, 0, [Mem::Host, Mem::Host], false);
     assert_eq!(pair.ctx[0].demotions().len(), 1);
     pair.check_clean();
@@ -417,11 +408,7 @@ fn peer_failure_ends_every_pending_request() {
 #[test]
 fn staged_device_send_into_a_smaller_device_receive_completes() {
     for shared in [true, false] {
-        let a_vars: Vec<(&str, &str)> = HOST_VARS
-            .iter()
-            .copied()
-            .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
-            .collect();
+        let a_vars = with_fault(HOST_VARS, "md=sim_ipc,mem=cuda,after=0");
         let pair = Pair::new(
             FabricSpec::gpu().shared_staging(shared),
             [&a_vars, HOST_VARS],
@@ -544,11 +531,7 @@ fn pair_with_rma_lanes_apart() -> Pair {
         ("RUCX_RNDV_THRESH", "32K"),
         ("RUCX_RNDV_SCHEME", "put_zcopy"),
     ];
-    let bad: Vec<(&str, &str)> = vars
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,after=0")])
-        .collect();
+    let bad = with_fault(vars, "md=sim_shm,mem=host,after=0");
     let pair = Pair::new(FabricSpec::gpu().ipc(false).with_net(), [&bad, vars]);
     let send = Buf::filled(&pair.fabric, 243_373, Mem::Device(1), 9);
     let mut recv = Buf::new(&pair.fabric, 243_373, Mem::Host);
@@ -621,11 +604,7 @@ fn fragments_of_an_aborted_staged_send_free_the_sends_waiting_for_them() {
         ("RUCX_RNDV_FRAG_SIZE", "64K"),
         ("RUCX_RNDV_FRAG_COUNT", "2"),
     ];
-    let bad: Vec<(&str, &str)> = vars
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=64K")])
-        .collect();
+    let bad = with_fault(vars, "md=sim_shm,mem=host,budget=64K");
     let pair = Pair::new(
         FabricSpec::gpu().ipc(false).shared_staging(false),
         [vars, &bad],
@@ -645,13 +624,7 @@ fn fragments_of_an_aborted_staged_send_free_the_sends_waiting_for_them() {
             let r_big = sb.tag_recv(rbig.recv(), 1, TAG_MASK_FULL);
             let r_small = sb.tag_recv(rsmall.recv(), 2, TAG_MASK_FULL);
             let reqs = [&s_small, &s_big, &r_big, &r_small];
-            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
-                pair.break_fabric("hang");
-                panic!(
-                    "{e}: {:?}",
-                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
-                );
-            }
+            pair.drive_all(&reqs);
             assert!(
                 matches!(
                     (s_big.test(), r_big.test()),
@@ -692,11 +665,7 @@ fn fragments_of_a_failed_staged_send_free_the_sends_waiting_for_them() {
         ("RUCX_RNDV_FRAG_SIZE", "64K"),
         ("RUCX_RNDV_FRAG_COUNT", "2"),
     ];
-    let bad: Vec<(&str, &str)> = vars
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,after=0")])
-        .collect();
+    let bad = with_fault(vars, "md=sim_shm,mem=host,after=0");
     let pair = Pair::new(FabricSpec::gpu(), [&bad, vars]);
     let f = &pair.fabric;
     let first = Buf::filled(f, 248_064, Mem::Device(0), 1);
@@ -715,13 +684,7 @@ fn fragments_of_a_failed_staged_send_free_the_sends_waiting_for_them() {
             let s3 = sa.tag_send(pair.ep[0], second.send(), 3);
             let q3 = sb.tag_recv(r_second.recv(), 3, TAG_MASK_FULL);
             let reqs = [&s1, &q1, &s2, &q2, &s3, &q3];
-            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
-                pair.break_fabric("hang");
-                panic!(
-                    "{e}: {:?}",
-                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
-                );
-            }
+            pair.drive_all(&reqs);
             assert!(matches!(s2.test(), Some(Ok(_))) && matches!(q2.test(), Some(Ok(_))));
             for (s, q) in [(&s1, &q1), (&s3, &q3)] {
                 match (s.test(), q.test()) {
@@ -752,11 +715,7 @@ fn staged_reads_wait_for_their_lane_before_taking_a_staging_fragment() {
         ("RUCX_RNDV_FRAG_SIZE", "64K"),
         ("RUCX_RNDV_FRAG_COUNT", "2"),
     ];
-    let bad: Vec<(&str, &str)> = vars
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=64K")])
-        .collect();
+    let bad = with_fault(vars, "md=sim_shm,mem=host,budget=64K");
     let pair = Pair::new(
         FabricSpec::gpu().with_net().shared_staging(false),
         [vars, &bad],
@@ -791,13 +750,7 @@ fn staged_reads_wait_for_their_lane_before_taking_a_staging_fragment() {
                 });
                 reqs.push(sa.tag_recv(r.recv(), tag, TAG_MASK_FULL));
             }
-            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
-                pair.break_fabric("hang");
-                panic!(
-                    "{e}: {:?}",
-                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
-                );
-            }
+            pair.drive_all(&reqs.iter().collect::<Vec<_>>());
             for r in &reqs {
                 assert!(matches!(r.test(), Some(Ok(_))), "{:?}", r.test());
             }
@@ -825,11 +778,7 @@ fn the_tail_of_a_split_rendezvous_is_written_after_the_sender_s_lane_moved() {
         ("RUCX_RNDV_FRAG_SIZE", "64K"),
         ("RUCX_RNDV_FRAG_COUNT", "2"),
     ];
-    let bad: Vec<(&str, &str)> = vars
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_shm,mem=host,budget=3M")])
-        .collect();
+    let bad = with_fault(vars, "md=sim_shm,mem=host,budget=3M");
     let spec = FabricSpec::gpu()
         .ipc(false)
         .with_net()
@@ -864,13 +813,7 @@ fn the_tail_of_a_split_rendezvous_is_written_after_the_sender_s_lane_moved() {
             let reqs = [
                 &s_big, &q_big, &s_other, &q_other, &s_small, &q_small, &s_mid, &q_mid,
             ];
-            if let Err(e) = pair.drive(|| reqs.iter().all(|r| r.test().is_some())) {
-                pair.break_fabric("hang");
-                panic!(
-                    "{e}: {:?}",
-                    reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
-                );
-            }
+            pair.drive_all(&reqs);
             assert!(matches!(s_big.test(), Some(Ok(_))), "{:?}", s_big.test());
             assert!(matches!(q_big.test(), Some(Ok(_))), "{:?}", q_big.test());
         })
@@ -998,9 +941,7 @@ fn a_host_receive_whose_registration_fails_continues_through_staging() {
             [HOST_VARS, HOST_VARS],
         );
         let n = 1 << 20;
-        let nth = pair.fabric.reg_attempts(pair.nodes[1], LaneKind::Shm) + 1;
-        pair.fabric
-            .fail_registration(pair.nodes[1], LaneKind::Shm, nth, kind);
+        pair.fail_shm_registration(1, 1, kind);
         let send = Buf::filled(&pair.fabric, n, Mem::Device(0), 21);
         let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
         let out = pair.transfer(0, &send, &mut recv, 4, false);
@@ -1047,9 +988,7 @@ fn a_rendezvous_send_whose_registration_fails_is_reselected_from_the_new_plan() 
     ];
     let pair = Pair::new(FabricSpec::host().with_net(), [vars, vars]);
     let n = 1 << 20;
-    let nth = pair.fabric.reg_attempts(pair.nodes[0], LaneKind::Shm) + 1;
-    pair.fabric
-        .fail_registration(pair.nodes[0], LaneKind::Shm, nth, RegErrorKind::BadAddress);
+    pair.fail_shm_registration(0, 1, RegErrorKind::BadAddress);
     for i in 0..2u64 {
         let send = Buf::filled(&pair.fabric, n, Mem::Host, 40 + i);
         let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
@@ -1097,9 +1036,7 @@ fn a_synchronous_send_whose_registration_fails_still_waits_for_the_match() {
             .unwrap()
             .is_rndv()
     );
-    let nth = pair.fabric.reg_attempts(pair.nodes[0], LaneKind::Shm) + 1;
-    pair.fabric
-        .fail_registration(pair.nodes[0], LaneKind::Shm, nth, RegErrorKind::BadAddress);
+    pair.fail_shm_registration(0, 1, RegErrorKind::BadAddress);
     let send = Buf::filled(&pair.fabric, n, Mem::Host, 50);
     let mut recv = Buf::new(&pair.fabric, n, Mem::Host);
     pair.w[0].scope(|ss| {

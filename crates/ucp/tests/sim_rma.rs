@@ -6,7 +6,7 @@
 
 mod harness;
 
-use harness::{Buf, Mem, Pair, Watchdog, pattern};
+use harness::{Buf, Mem, Pair, Watchdog, pattern, with_fault};
 use rucx_ucp::plan::Op;
 use rucx_ucs::{Error, MemoryType, RegErrorKind};
 use rucx_uct_sim::{Delivery, FabricSpec, HeldWhat, LaneKind};
@@ -163,11 +163,7 @@ fn path_query_shows_the_put_and_get_paths() {
 /// warning; host memory still goes straight to the peer's GPU.
 #[test]
 fn injected_gpu_registration_fault_stages_instead() {
-    let a: Vec<(&str, &str)> = VARS
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_ipc,mem=cuda,after=0")])
-        .collect();
+    let a = with_fault(VARS, "md=sim_ipc,mem=cuda,after=0");
     let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
     for (i, &len) in SIZES.iter().enumerate() {
         put_get(&pair, Mem::Device(0), Mem::Device(1), len, 40 + i as u64)
@@ -224,11 +220,7 @@ fn no_path_left_is_a_clear_error() {
     );
     pair.check_clean();
     // Device memory to a host region needs staging; the copy domain refuses host memory.
-    let a: Vec<(&str, &str)> = VARS
-        .iter()
-        .copied()
-        .chain([("RUCX_FAULT_INJECT", "md=sim_copy,mem=host,after=0")])
-        .collect();
+    let a = with_fault(VARS, "md=sim_copy,mem=host,after=0");
     let pair = Pair::new(FabricSpec::gpu(), [&a, VARS]);
     let e = put_get(&pair, Mem::Device(0), Mem::Host, 100_000, 3).unwrap_err();
     let Error::Unsupported { what, why } = &e else {

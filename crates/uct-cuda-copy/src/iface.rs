@@ -14,9 +14,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rucx_cuda::classify;
 use rucx_ucs::{Error, MemoryType, Result};
-use rucx_uct::rkey::{self, Reader};
+use rucx_uct::iface::check_put_short;
+use rucx_uct::local::ProcessAddr;
 use rucx_uct::{
-    AmId, DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov,
+    DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov,
     MemRegion, OpStatus, PerfModel, RemoteKey,
 };
 
@@ -65,40 +66,23 @@ pub fn iface_attr() -> IfaceAttr {
             bandwidth: 50e9,
         },
         priority: 0,
-        device_addr_len: pack_dev_addr(&[0; 16], 0).len(),
-        iface_addr_len: rkey::pack(TL_NAME, &0u64.to_le_bytes()).len(),
+        device_addr_len: ADDR.pack_dev_addr(&[0; 16], 0).len(),
+        iface_addr_len: ADDR.pack_iface_addr(0).len(),
         ep_addr_len: 0,
         max_eps: None,
     }
 }
 
-fn pack_dev_addr(boot: &[u8; 16], pid: u32) -> Vec<u8> {
-    let mut p = boot.to_vec();
-    p.extend_from_slice(&pid.to_le_bytes());
-    rkey::pack(TL_NAME, &p)
-}
+/// The address format (this process only).
+const ADDR: ProcessAddr = ProcessAddr {
+    tl: TL_NAME,
+    dev_what: "cuda_copy device address",
+    iface_what: "cuda_copy interface address",
+};
 
 /// Unpack a `cuda_copy` device address into (boot id, pid).
 pub fn unpack_dev_addr(blob: &[u8]) -> Result<([u8; 16], u32)> {
-    let p = rkey::unpack(TL_NAME, "cuda_copy device address", blob)
-        .map_err(|e| Error::InvalidAddress(e.to_string()))?;
-    let mut r = Reader::new(p, "cuda_copy device address");
-    let boot: [u8; 16] = r
-        .bytes(16)?
-        .try_into()
-        .map_err(|_| Error::Internal("16 bytes".into()))?;
-    let pid = r.u32()?;
-    r.finish()?;
-    Ok((boot, pid))
-}
-
-fn unpack_iface_addr(blob: &[u8]) -> Result<u64> {
-    let p = rkey::unpack(TL_NAME, "cuda_copy interface address", blob)
-        .map_err(|e| Error::InvalidAddress(e.to_string()))?;
-    let mut r = Reader::new(p, "cuda_copy interface address");
-    let n = r.u64()?;
-    r.finish()?;
-    Ok(n)
+    ADDR.unpack_dev_addr(blob)
 }
 
 static NONCE: AtomicU64 = AtomicU64::new(1);
@@ -144,21 +128,20 @@ impl Iface for CudaCopyIface {
     }
 
     fn device_address(&self) -> Vec<u8> {
-        pack_dev_addr(&self.boot, std::process::id())
+        ADDR.pack_dev_addr(&self.boot, std::process::id())
     }
 
     fn iface_address(&self) -> Vec<u8> {
-        rkey::pack(TL_NAME, &self.nonce.to_le_bytes())
+        ADDR.pack_iface_addr(self.nonce)
     }
 
     fn is_reachable(&self, dev_addr: &[u8], iface_addr: &[u8]) -> bool {
-        matches!(unpack_dev_addr(dev_addr), Ok((b, p)) if b == self.boot && p == std::process::id())
-            && unpack_iface_addr(iface_addr).is_ok()
+        ADDR.is_reachable(&self.boot, dev_addr, iface_addr)
     }
 
     fn create_ep(&mut self, params: &EpParams) -> Result<Box<dyn Endpoint>> {
         let (boot, pid) = unpack_dev_addr(&params.dev_addr)?;
-        unpack_iface_addr(&params.iface_addr)?;
+        ADDR.unpack_iface_addr(&params.iface_addr)?;
         if boot != self.boot || pid != std::process::id() {
             return Err(Error::InvalidAddress(format!(
                 "cuda_copy reaches only its own process ({}); the address names process {pid}{}",
@@ -315,26 +298,10 @@ impl CudaCopyEp {
 }
 
 impl Endpoint for CudaCopyEp {
-    fn am_short(&mut self, _id: AmId, _header: u64, _payload: &[u8]) -> Result<()> {
-        Err(no_am())
-    }
-
-    fn am_bcopy(&mut self, _id: AmId, _pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
-        Err(no_am())
-    }
-
-    fn am_zcopy(&mut self, _id: AmId, _hdr: &[u8], _iov: &[Iov<'_>], _t: u64) -> Result<OpStatus> {
-        Err(no_am())
-    }
+    rucx_uct::no_active_messages!(no_am());
 
     fn put_short(&mut self, data: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()> {
-        if data.len() > self.limits.put_max_short {
-            return Err(Error::InvalidParam(format!(
-                "put_short of {} bytes exceeds cuda_copy's limit of {}",
-                data.len(),
-                self.limits.put_max_short
-            )));
-        }
+        check_put_short(data.len(), self.limits.put_max_short, TL_NAME)?;
         if data.is_empty() {
             return Ok(());
         }
@@ -472,9 +439,9 @@ mod tests {
         let mut a = iface();
         let b = iface();
         assert!(a.is_reachable(&b.device_address(), &b.iface_address()));
-        let other = pack_dev_addr(&boot_id(), std::process::id().wrapping_add(1));
+        let other = ADDR.pack_dev_addr(&boot_id(), std::process::id().wrapping_add(1));
         assert!(!a.is_reachable(&other, &b.iface_address()));
-        let far = pack_dev_addr(&[0xee; 16], std::process::id());
+        let far = ADDR.pack_dev_addr(&[0xee; 16], std::process::id());
         assert!(!a.is_reachable(&far, &b.iface_address()));
         assert!(!a.is_reachable(&[1, 2, 3], &b.iface_address()));
         assert!(!a.is_reachable(&b.device_address(), &[]));

@@ -166,22 +166,7 @@ impl Settings {
 }
 
 /// This host's identity for address checks: the kernel boot id (zeros when unreadable).
-pub fn boot_id() -> [u8; 16] {
-    let mut id = [0u8; 16];
-    if let Ok(s) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
-        let digits: Vec<u8> = s
-            .bytes()
-            .filter(u8::is_ascii_hexdigit)
-            .map(|c| (c as char).to_digit(16).unwrap_or(0) as u8)
-            .collect();
-        if digits.len() == 32 {
-            for (i, b) in id.iter_mut().enumerate() {
-                *b = (digits[2 * i] << 4) | digits[2 * i + 1];
-            }
-        }
-    }
-    id
-}
+pub use rucx_uct::local::boot_id;
 
 #[cfg(test)]
 mod tests {

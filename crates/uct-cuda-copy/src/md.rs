@@ -491,19 +491,11 @@ impl MemoryDomain for CudaCopyMd {
     }
 
     fn tl_resources(&self) -> Vec<TlResource> {
-        vec![TlResource {
-            tl_name: TL_NAME.into(),
-            dev_name: DEVICE.into(),
-        }]
+        vec![TlResource::new(TL_NAME, DEVICE)]
     }
 
     fn open_iface(&self, tl: &TlResource, _params: &IfaceParams) -> Result<Box<dyn Iface>> {
-        if tl.tl_name != TL_NAME || tl.dev_name != DEVICE {
-            return Err(Error::InvalidParam(format!(
-                "{MD_NAME} has no transport {}/{}",
-                tl.tl_name, tl.dev_name
-            )));
-        }
+        tl.expect(MD_NAME, TL_NAME, DEVICE)?;
         Ok(Box::new(CudaCopyIface::new(&self.settings)))
     }
 

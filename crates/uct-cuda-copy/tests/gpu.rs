@@ -485,6 +485,52 @@ fn component_is_available_with_a_gpu() {
     assert_eq!(md.name(), "cuda_cpy");
 }
 
+/// Post each of `copies` alone to `engine` on lane `key` (its token: its index), then a flush
+/// (token 99); wait (at most 20 s) for every one of them that was in progress, each to succeed,
+/// and check that the flush reported last.
+///
+/// # Safety
+/// Every copy's source and destination stay valid, and nothing else writes them, until this
+/// returns.
+unsafe fn post_each_then_flush(
+    engine: &rucx_uct_cuda_copy::engine::CopyEngine,
+    key: rucx_uct_cuda_copy::engine::LaneKey,
+    copies: &[rucx_uct_cuda_copy::engine::CopyOp],
+) {
+    let mut pending = Vec::new();
+    for (t, c) in copies.iter().enumerate() {
+        // SAFETY: the caller keeps both ranges valid until this returns, which waits for the
+        // copies below.
+        let st = unsafe { engine.post(key, std::slice::from_ref(c), t as u64, vec![]) }.unwrap();
+        if st == OpStatus::InProgress {
+            pending.push(t as u64);
+        }
+    }
+    let ft = 99;
+    if engine.flush(ft).unwrap() == OpStatus::InProgress {
+        pending.push(ft);
+    }
+    let mut order = Vec::new();
+    let t0 = Instant::now();
+    while order.len() < pending.len() {
+        engine.progress(&mut |ev| {
+            if let Event::Completion { token, result } = ev {
+                result.unwrap();
+                order.push(token);
+            }
+        });
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "copies hang: {order:?}"
+        );
+    }
+    assert_eq!(
+        order.last(),
+        Some(&ft),
+        "the flush after every copy: {order:?}"
+    );
+}
+
 /// Copies out of pageable host memory into the GPU through the engine's helper threads: a
 /// 9 MiB + 13 B copy in chunks across 3 threads, a second one behind it, and a flush that
 /// reports after both; every byte checked, also for a copy under the staging size (left to
@@ -508,43 +554,17 @@ fn pageable_host_to_device_through_helper_threads() {
             (dev.ptr() + len as u64, &b),
             (dev.ptr() + 2 * len as u64, &small),
         ];
-        let mut pending = Vec::new();
-        for (t, (dst, src)) in ops.iter().enumerate() {
-            let c = [CopyOp {
+        let copies: Vec<CopyOp> = ops
+            .iter()
+            .map(|(dst, src)| CopyOp {
                 dst: *dst,
                 src: src.as_ptr() as u64,
                 len: src.len(),
-            }];
-            // SAFETY: the source vectors and the device buffer outlive the copies (waited for
-            // below).
-            let st = unsafe { engine.post(key, &c, t as u64, vec![]) }.unwrap();
-            if st == OpStatus::InProgress {
-                pending.push(t as u64);
-            }
-        }
-        let ft = 99;
-        if engine.flush(ft).unwrap() == OpStatus::InProgress {
-            pending.push(ft);
-        }
-        let mut order = Vec::new();
-        let t0 = Instant::now();
-        while order.len() < pending.len() {
-            engine.progress(&mut |ev| {
-                if let Event::Completion { token, result } = ev {
-                    result.unwrap();
-                    order.push(token);
-                }
-            });
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "copies hang: {order:?}"
-            );
-        }
-        assert_eq!(
-            order.last(),
-            Some(&ft),
-            "the flush after every copy: {order:?}"
-        );
+            })
+            .collect();
+        // SAFETY: the source vectors and the device buffer outlive the copies (waited for
+        // inside).
+        unsafe { post_each_then_flush(&engine, key, &copies) };
         let mut back = vec![0u8; 2 * len + small.len()];
         let s = Stream::new(ctx).unwrap();
         // SAFETY: both buffers live, synchronized below.
@@ -593,43 +613,17 @@ fn device_to_pageable_host_through_helper_threads() {
         let at = host.as_mut_ptr() as u64 + guard as u64;
         let key = LaneKey { device: 0, lane: 0 };
         let ops = [(0usize, len), (len, len), (2 * len, small)];
-        let mut pending = Vec::new();
-        for (t, (off, n)) in ops.iter().enumerate() {
-            let c = [CopyOp {
+        let copies: Vec<CopyOp> = ops
+            .iter()
+            .map(|(off, n)| CopyOp {
                 dst: at + *off as u64,
                 src: dev.ptr() + *off as u64,
                 len: *n,
-            }];
-            // SAFETY: the host vector and the device buffer outlive the copies (waited for
-            // below); nothing touches the host bytes meanwhile.
-            let st = unsafe { engine.post(key, &c, t as u64, vec![]) }.unwrap();
-            if st == OpStatus::InProgress {
-                pending.push(t as u64);
-            }
-        }
-        let ft = 99;
-        if engine.flush(ft).unwrap() == OpStatus::InProgress {
-            pending.push(ft);
-        }
-        let mut order = Vec::new();
-        let t0 = Instant::now();
-        while order.len() < pending.len() {
-            engine.progress(&mut |ev| {
-                if let Event::Completion { token, result } = ev {
-                    result.unwrap();
-                    order.push(token);
-                }
-            });
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "copies hang: {order:?}"
-            );
-        }
-        assert_eq!(
-            order.last(),
-            Some(&ft),
-            "the flush after every copy: {order:?}"
-        );
+            })
+            .collect();
+        // SAFETY: the host vector and the device buffer outlive the copies (waited for inside);
+        // nothing touches the host bytes meanwhile.
+        unsafe { post_each_then_flush(&engine, key, &copies) };
         same(
             &format!("device -> pageable, {threads} threads"),
             &host[guard..guard + total],

@@ -17,8 +17,8 @@ use rucx_cuda::{classify, driver};
 use rucx_ucs::{Error, MemoryType, Result};
 use rucx_uct::rkey::{self, Reader, put_lv};
 use rucx_uct::{
-    AmId, DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov,
-    OpStatus, PerfModel, RemoteKey,
+    DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov, OpStatus,
+    PerfModel, RemoteKey,
 };
 use rucx_uct_cuda_copy::engine::{CopyEngine, CopyOp, KeepAlive, LaneKey};
 
@@ -343,17 +343,7 @@ impl CudaIpcEp {
 }
 
 impl Endpoint for CudaIpcEp {
-    fn am_short(&mut self, _id: AmId, _header: u64, _payload: &[u8]) -> Result<()> {
-        Err(no_am())
-    }
-
-    fn am_bcopy(&mut self, _id: AmId, _pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
-        Err(no_am())
-    }
-
-    fn am_zcopy(&mut self, _id: AmId, _hdr: &[u8], _iov: &[Iov<'_>], _t: u64) -> Result<OpStatus> {
-        Err(no_am())
-    }
+    rucx_uct::no_active_messages!(no_am());
 
     fn put_short(&mut self, _data: &[u8], _remote_addr: u64, _rkey: &RemoteKey) -> Result<()> {
         Err(Error::Unsupported {

@@ -129,7 +129,7 @@ impl HostId {
     /// Read it (empty or zero fields where the files are unreadable).
     pub fn local() -> HostId {
         HostId {
-            boot_id: rucx_uct_cuda_copy::boot_id(),
+            boot_id: rucx_uct::local::boot_id(),
             hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|s| s.trim().chars().take(255).collect())
                 .unwrap_or_default(),

@@ -242,19 +242,11 @@ impl MemoryDomain for CudaIpcMd {
     }
 
     fn tl_resources(&self) -> Vec<TlResource> {
-        vec![TlResource {
-            tl_name: NAME.into(),
-            dev_name: DEVICE.into(),
-        }]
+        vec![TlResource::new(NAME, DEVICE)]
     }
 
     fn open_iface(&self, tl: &TlResource, _params: &IfaceParams) -> Result<Box<dyn Iface>> {
-        if tl.tl_name != NAME || tl.dev_name != DEVICE {
-            return Err(Error::InvalidParam(format!(
-                "{NAME} has no transport {}/{}",
-                tl.tl_name, tl.dev_name
-            )));
-        }
+        tl.expect(NAME, NAME, DEVICE)?;
         Ok(Box::new(CudaIpcIface::new(
             &self.settings,
             self.host.clone(),

@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rucx_ucs::{Error, MemoryType, Result};
-use rucx_uct::rkey::{self, Reader};
+use rucx_uct::iface::check_put_short;
+use rucx_uct::local::ProcessAddr;
 use rucx_uct::{
-    AmId, DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov,
-    OpStatus, PerfModel, RemoteKey,
+    DeviceType, Endpoint, EpParams, Event, Iface, IfaceAttr, IfaceCaps, IfaceLimits, Iov, OpStatus,
+    PerfModel, RemoteKey,
 };
 
 use crate::md::{GdrRkey, Reg, lookup};
@@ -22,30 +23,12 @@ pub const MAX_SHORT: usize = 4096;
 const MAX_ZCOPY: usize = usize::MAX >> 1;
 const MAX_IOV: usize = 16;
 
-fn pack_dev_addr(boot: &[u8; 16], pid: u32) -> Vec<u8> {
-    let mut p = boot.to_vec();
-    p.extend_from_slice(&pid.to_le_bytes());
-    rkey::pack(NAME, &p)
-}
-
-fn unpack_dev_addr(blob: &[u8]) -> Result<([u8; 16], u32)> {
-    let p = rkey::unpack(NAME, "gdr_copy device address", blob)
-        .map_err(|e| Error::InvalidAddress(e.to_string()))?;
-    let mut r = Reader::new(p, "gdr_copy device address");
-    let boot: [u8; 16] = r.bytes(16)?.try_into().expect("16 bytes");
-    let pid = r.u32()?;
-    r.finish()?;
-    Ok((boot, pid))
-}
-
-fn unpack_iface_addr(blob: &[u8]) -> Result<u64> {
-    let p = rkey::unpack(NAME, "gdr_copy interface address", blob)
-        .map_err(|e| Error::InvalidAddress(e.to_string()))?;
-    let mut r = Reader::new(p, "gdr_copy interface address");
-    let n = r.u64()?;
-    r.finish()?;
-    Ok(n)
-}
+/// The address format (this process only).
+const ADDR: ProcessAddr = ProcessAddr {
+    tl: NAME,
+    dev_what: "gdr_copy device address",
+    iface_what: "gdr_copy interface address",
+};
 
 /// The interface attributes of `gdr_copy` (no library needed).
 pub fn iface_attr() -> IfaceAttr {
@@ -73,8 +56,8 @@ pub fn iface_attr() -> IfaceAttr {
             bandwidth: 6.9e9,
         },
         priority: 0,
-        device_addr_len: pack_dev_addr(&[0; 16], 0).len(),
-        iface_addr_len: rkey::pack(NAME, &0u64.to_le_bytes()).len(),
+        device_addr_len: ADDR.pack_dev_addr(&[0; 16], 0).len(),
+        iface_addr_len: ADDR.pack_iface_addr(0).len(),
         ep_addr_len: 0,
         max_eps: None,
     }
@@ -113,16 +96,15 @@ impl Iface for GdrCopyIface {
     }
 
     fn device_address(&self) -> Vec<u8> {
-        pack_dev_addr(&self.boot, std::process::id())
+        ADDR.pack_dev_addr(&self.boot, std::process::id())
     }
 
     fn iface_address(&self) -> Vec<u8> {
-        rkey::pack(NAME, &self.nonce.to_le_bytes())
+        ADDR.pack_iface_addr(self.nonce)
     }
 
     fn is_reachable(&self, dev_addr: &[u8], iface_addr: &[u8]) -> bool {
-        matches!(unpack_dev_addr(dev_addr), Ok((b, p)) if b == self.boot && p == std::process::id())
-            && unpack_iface_addr(iface_addr).is_ok()
+        ADDR.is_reachable(&self.boot, dev_addr, iface_addr)
     }
 
     fn create_ep(&mut self, params: &EpParams) -> Result<Box<dyn Endpoint>> {
@@ -207,26 +189,10 @@ fn copy_failed(what: &str, code: i32) -> Error {
 }
 
 impl Endpoint for GdrCopyEp {
-    fn am_short(&mut self, _id: AmId, _header: u64, _payload: &[u8]) -> Result<()> {
-        Err(no_am())
-    }
-
-    fn am_bcopy(&mut self, _id: AmId, _pack: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<usize> {
-        Err(no_am())
-    }
-
-    fn am_zcopy(&mut self, _id: AmId, _hdr: &[u8], _iov: &[Iov<'_>], _t: u64) -> Result<OpStatus> {
-        Err(no_am())
-    }
+    rucx_uct::no_active_messages!(no_am());
 
     fn put_short(&mut self, data: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()> {
-        if data.len() > self.limits.put_max_short {
-            return Err(Error::InvalidParam(format!(
-                "put_short of {} bytes exceeds gdr_copy's limit of {}",
-                data.len(),
-                self.limits.put_max_short
-            )));
-        }
+        check_put_short(data.len(), self.limits.put_max_short, NAME)?;
         if data.is_empty() {
             return Ok(());
         }
@@ -337,7 +303,7 @@ mod tests {
         let dev = i.device_address();
         let ifa = i.iface_address();
         assert!(i.is_reachable(&dev, &ifa));
-        let other = pack_dev_addr(&boot_id(), std::process::id() + 1);
+        let other = ADDR.pack_dev_addr(&boot_id(), std::process::id() + 1);
         assert!(!i.is_reachable(&other, &ifa));
         assert!(
             i.create_ep(&EpParams {

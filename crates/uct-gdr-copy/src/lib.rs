@@ -64,22 +64,7 @@ pub fn probe(lib: &str, device_file: &std::path::Path) -> std::result::Result<ap
 }
 
 /// This host's boot id (zeros when unreadable), for address checks.
-pub(crate) fn boot_id() -> [u8; 16] {
-    let mut id = [0u8; 16];
-    if let Ok(s) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
-        let d: Vec<u8> = s
-            .bytes()
-            .filter(u8::is_ascii_hexdigit)
-            .map(|c| (c as char).to_digit(16).unwrap_or(0) as u8)
-            .collect();
-        if d.len() == 32 {
-            for (i, b) in id.iter_mut().enumerate() {
-                *b = (d[2 * i] << 4) | d[2 * i + 1];
-            }
-        }
-    }
-    id
-}
+pub(crate) use rucx_uct::local::boot_id;
 
 #[cfg(test)]
 mod tests {

@@ -113,19 +113,11 @@ impl MemoryDomain for SelfMd {
     }
 
     fn tl_resources(&self) -> Vec<TlResource> {
-        vec![TlResource {
-            tl_name: NAME.into(),
-            dev_name: DEVICE.into(),
-        }]
+        vec![TlResource::new(NAME, DEVICE)]
     }
 
     fn open_iface(&self, tl: &TlResource, _params: &IfaceParams) -> Result<Box<dyn Iface>> {
-        if tl.tl_name != NAME || tl.dev_name != DEVICE {
-            return Err(Error::InvalidParam(format!(
-                "self has no transport {}/{}",
-                tl.tl_name, tl.dev_name
-            )));
-        }
+        tl.expect(NAME, NAME, DEVICE)?;
         Ok(Box::new(SelfIface::new(self.regs.clone())?))
     }
 
@@ -498,13 +490,7 @@ impl Endpoint for SelfEp {
     }
 
     fn put_short(&mut self, data: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()> {
-        if data.len() > self.limits.put_max_short {
-            return Err(Error::InvalidParam(format!(
-                "put_short of {} bytes exceeds self's limit of {}",
-                data.len(),
-                self.limits.put_max_short
-            )));
-        }
+        rucx_uct::iface::check_put_short(data.len(), self.limits.put_max_short, NAME)?;
         let _reg = self.target(rkey, remote_addr, data.len())?;
         // SAFETY: `target` checked the destination lies inside a live registration (held by
         // `_reg` during the copy); `data` is a valid slice.

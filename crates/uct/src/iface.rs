@@ -363,6 +363,53 @@ pub fn check_packed(written: usize, capacity: usize, tl: &str) -> Result<usize> 
     }
 }
 
+/// Check a `put_short` payload of `len` bytes against the interface's `limit`.
+pub fn check_put_short(len: usize, limit: usize, tl: &str) -> Result<()> {
+    if len > limit {
+        return Err(Error::InvalidParam(format!(
+            "put_short of {len} bytes exceeds {tl}'s limit of {limit}"
+        )));
+    }
+    Ok(())
+}
+
+/// The three active-message methods of an [`Endpoint`] impl for a transport that has none
+/// (put/get only): each returns `Err($err)`, `$err` evaluated per call.
+#[macro_export]
+macro_rules! no_active_messages {
+    ($err:expr) => {
+        fn am_short(
+            &mut self,
+            _id: $crate::AmId,
+            _header: u64,
+            _payload: &[u8],
+        ) -> $crate::iface::__Result<()> {
+            Err($err)
+        }
+
+        fn am_bcopy(
+            &mut self,
+            _id: $crate::AmId,
+            _pack: &mut dyn FnMut(&mut [u8]) -> usize,
+        ) -> $crate::iface::__Result<usize> {
+            Err($err)
+        }
+
+        fn am_zcopy(
+            &mut self,
+            _id: $crate::AmId,
+            _header: &[u8],
+            _iov: &[$crate::Iov<'_>],
+            _token: u64,
+        ) -> $crate::iface::__Result<$crate::OpStatus> {
+            Err($err)
+        }
+    };
+}
+
+#[doc(hidden)]
+pub use rucx_ucs::Result as __Result;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -417,5 +464,47 @@ mod tests {
         assert!(matches!(ep.ep_address(), Err(Error::Unsupported { .. })));
         let e = ep.connect_to_ep(&[1, 2], &[3]).unwrap_err();
         assert!(e.to_string().contains("connect_to_ep"), "{e}");
+    }
+
+    /// A put/get-only endpoint whose active-message methods come from the macro.
+    #[derive(Debug)]
+    struct PutOnly;
+
+    impl Endpoint for PutOnly {
+        crate::no_active_messages!(Error::Unsupported {
+            what: "am".into(),
+            why: "put only".into(),
+        });
+        fn put_short(&mut self, data: &[u8], _: u64, _: &RemoteKey) -> Result<()> {
+            check_put_short(data.len(), 4, "put_only")
+        }
+        fn put_zcopy(&mut self, _: &[Iov<'_>], _: u64, _: &RemoteKey, _: u64) -> Result<OpStatus> {
+            Ok(OpStatus::Done)
+        }
+        fn get_zcopy(&mut self, _: &[Iov<'_>], _: u64, _: &RemoteKey, _: u64) -> Result<OpStatus> {
+            Ok(OpStatus::Done)
+        }
+        fn flush(&mut self, _: u64) -> Result<OpStatus> {
+            Ok(OpStatus::Done)
+        }
+    }
+
+    #[test]
+    fn no_active_messages_and_put_short_limit() {
+        let mut ep = PutOnly;
+        let unsupported =
+            |r: Result<()>| matches!(r, Err(Error::Unsupported { why, .. }) if why == "put only");
+        assert!(unsupported(ep.am_short(1, 2, &[3])));
+        assert!(unsupported(ep.am_bcopy(1, &mut |_| 0).map(|_| ())));
+        assert!(unsupported(ep.am_zcopy(1, &[], &[], 0).map(|_| ())));
+        let rkey = RemoteKey::new("put_only", 0, 0, std::sync::Arc::new(()));
+        assert!(ep.put_short(&[0; 4], 0, &rkey).is_ok());
+        let e = ep.put_short(&[0; 5], 0, &rkey).unwrap_err();
+        assert!(matches!(e, Error::InvalidParam(_)), "{e}");
+        assert!(
+            e.to_string()
+                .contains("put_short of 5 bytes exceeds put_only's limit of 4"),
+            "{e}"
+        );
     }
 }

@@ -7,8 +7,9 @@
 //! attributes ([`MdAttr`], [`IfaceAttr`]).
 //!
 //! Also here: the [`Registry`] of compiled-in components, the common envelope for packed keys
-//! ([`rkey`]), a fault-injection wrapper for any domain ([`fault`]), and a conformance suite that
-//! every transport runs ([`conformance`]).
+//! ([`rkey`]), a fault-injection wrapper for any domain ([`fault`]), a conformance suite that
+//! every transport runs ([`conformance`]), and the addresses of transports that reach only their
+//! own process ([`local`]).
 //!
 //! Depends only on `rucx-ucs`.
 
@@ -17,6 +18,7 @@ pub mod component;
 pub mod conformance;
 pub mod fault;
 pub mod iface;
+pub mod local;
 pub mod md;
 pub mod rkey;
 

@@ -248,6 +248,28 @@ pub struct TlResource {
     pub dev_name: String,
 }
 
+impl TlResource {
+    /// Transport `tl_name` on device `dev_name`.
+    pub fn new(tl_name: &str, dev_name: &str) -> TlResource {
+        TlResource {
+            tl_name: tl_name.into(),
+            dev_name: dev_name.into(),
+        }
+    }
+
+    /// For [`MemoryDomain::open_iface`] of domain `md`, whose one resource is `tl_name` on
+    /// `dev_name`: an [`Error::InvalidParam`] unless this is that resource.
+    pub fn expect(&self, md: &str, tl_name: &str, dev_name: &str) -> Result<()> {
+        if self.tl_name != tl_name || self.dev_name != dev_name {
+            return Err(Error::InvalidParam(format!(
+                "{md} has no transport {}/{}",
+                self.tl_name, self.dev_name
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// A memory domain: registers memory and opens interfaces for its transports.
 pub trait MemoryDomain: Send + Sync + fmt::Debug {
     /// Domain name, unique within the process (`self`, `posix`, `tcp`, `cuda_cpy`, `mlx5_0`).
@@ -322,5 +344,29 @@ pub trait MemoryDomain: Send + Sync + fmt::Debug {
     /// mine".
     fn detect_mem_type(&self, _addr: usize, _len: usize) -> Result<Option<MemRegion>> {
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_resource_domain_opens_only_its_own() {
+        let r = TlResource::new("cuda_copy", "cuda");
+        assert_eq!(
+            (r.tl_name.as_str(), r.dev_name.as_str()),
+            ("cuda_copy", "cuda")
+        );
+        assert!(r.expect("cuda_cpy", "cuda_copy", "cuda").is_ok());
+        for (tl, dev) in [("cuda_ipc", "cuda"), ("cuda_copy", "memory0")] {
+            let e = r.expect("cuda_cpy", tl, dev).unwrap_err();
+            assert!(matches!(e, Error::InvalidParam(_)), "{e}");
+            assert!(
+                e.to_string()
+                    .contains("cuda_cpy has no transport cuda_copy/cuda"),
+                "{e}"
+            );
+        }
     }
 }

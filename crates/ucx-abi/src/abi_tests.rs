@@ -90,27 +90,14 @@ impl Pair {
     fn new() -> Pair {
         let ctx = context(&[(c"TLS", c"posix")]);
         let mut w = [std::ptr::null_mut(); 2];
-        let mut ep = [std::ptr::null_mut(); 2];
         // SAFETY: every pointer handed in is valid for what the call does with it.
-        unsafe {
+        let ep = unsafe {
             let wp: WorkerParams = std::mem::zeroed();
             for wi in &mut w {
                 assert_eq!(ucp_worker_create(ctx, &wp, wi), UCS_OK);
             }
-            for i in 0..2 {
-                let mut addr = std::ptr::null_mut();
-                let mut len = 0;
-                assert_eq!(
-                    ucp_worker_get_address(w[1 - i], &mut addr, &mut len),
-                    UCS_OK
-                );
-                let mut p: EpParams = std::mem::zeroed();
-                p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
-                p.address = addr;
-                assert_eq!(ucp_ep_create(w[i], &p, &mut ep[i]), UCS_OK);
-                ucp_worker_release_address(w[1 - i], addr);
-            }
-        }
+            crate::test_util::connect_both(w)
+        };
         CALLS.lock().unwrap().clear();
         Pair { ctx, w, ep }
     }

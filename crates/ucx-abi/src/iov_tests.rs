@@ -13,7 +13,7 @@ use proptest::test_runner::{Config, TestRunner};
 
 use crate::am::*;
 use crate::cs_tests::{context, worker};
-use crate::endpoint::{AbiEp, ucp_ep_close_nbx, ucp_ep_create};
+use crate::endpoint::{AbiEp, ucp_ep_close_nbx};
 use crate::iov::DtIov;
 use crate::status::{ptr_is_err, ptr_is_ptr};
 use crate::stream::*;
@@ -39,22 +39,8 @@ impl Pair {
     fn new() -> Pair {
         let ctx = context(c"posix");
         let w = [worker(ctx), worker(ctx)];
-        let mut ep = [std::ptr::null_mut(); 2];
-        // SAFETY: live workers; the address is released after use.
-        unsafe {
-            for i in 0..2 {
-                let (mut addr, mut len) = (std::ptr::null_mut(), 0);
-                assert_eq!(
-                    ucp_worker_get_address(w[1 - i], &mut addr, &mut len),
-                    UCS_OK
-                );
-                let mut p: EpParams = std::mem::zeroed();
-                p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
-                p.address = addr;
-                assert_eq!(ucp_ep_create(w[i], &p, &mut ep[i]), UCS_OK);
-                ucp_worker_release_address(w[1 - i], addr);
-            }
-        }
+        // SAFETY: live workers.
+        let ep = unsafe { crate::test_util::connect_both(w) };
         Pair { ctx, w, ep }
     }
 

@@ -61,6 +61,8 @@ mod cs_conn_tests;
 mod cs_tests;
 #[cfg(test)]
 mod iov_tests;
+#[cfg(test)]
+mod test_util;
 mod worker;
 
 pub use request::HEADER_SIZE;

@@ -6,9 +6,7 @@
 use std::ffi::c_void;
 
 use crate::context::{AbiContext, ucp_cleanup, ucp_init_version};
-use crate::endpoint::{
-    AbiEp, ucp_ep_close_nb, ucp_ep_create, ucp_ep_destroy, ucp_ep_flush_nb, ucp_ep_flush_nbx,
-};
+use crate::endpoint::{AbiEp, ucp_ep_close_nb, ucp_ep_destroy, ucp_ep_flush_nb, ucp_ep_flush_nbx};
 use crate::rma::*;
 use crate::status::{ptr_is_err, ptr_is_ptr};
 use crate::tag::{ucp_request_check_status, ucp_request_free};
@@ -64,27 +62,14 @@ impl Two {
     fn on(tls: Option<&std::ffi::CStr>) -> Two {
         let ctx = [context_on(tls), context_on(tls)];
         let mut w = [std::ptr::null_mut(); 2];
-        let mut ep = [std::ptr::null_mut(); 2];
         // SAFETY: every pointer handed in is valid for what the call does with it.
-        unsafe {
+        let ep = unsafe {
             let wp: WorkerParams = std::mem::zeroed();
             for i in 0..2 {
                 assert_eq!(ucp_worker_create(ctx[i], &wp, &mut w[i]), UCS_OK);
             }
-            for i in 0..2 {
-                let mut addr = std::ptr::null_mut();
-                let mut len = 0;
-                assert_eq!(
-                    ucp_worker_get_address(w[1 - i], &mut addr, &mut len),
-                    UCS_OK
-                );
-                let mut p: EpParams = std::mem::zeroed();
-                p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
-                p.address = addr;
-                assert_eq!(ucp_ep_create(w[i], &p, &mut ep[i]), UCS_OK);
-                ucp_worker_release_address(w[1 - i], addr);
-            }
-        }
+            crate::test_util::connect_both(w)
+        };
         Two { ctx, w, ep }
     }
 

@@ -1,11 +1,15 @@
 //! Two ranks of a test as child processes of the test binary (told apart by
 //! `RUCX_TEST_RANK_ROLE`), meeting through the launcher bootstrap like any rucx job; shared by
-//! the owned-request and endpoint-lifecycle tests.
+//! the owned-request and endpoint-lifecycle tests. Also the in-process pieces those tests share:
+//! two workers of one context, driving them, recording error-handler calls.
 
 #![allow(dead_code)]
 
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use rucx::{EpId, Worker};
 
 pub const ROLE: &str = "RUCX_TEST_RANK_ROLE";
 
@@ -110,4 +114,67 @@ pub fn pattern(n: usize, salt: usize) -> Vec<u8> {
     (0..n)
         .map(|i| (i.wrapping_mul(131) ^ salt.wrapping_mul(29)) as u8)
         .collect()
+}
+
+/// Two workers of one context over transports `tls`.
+pub fn worker_pair(tls: &str) -> (Worker, Worker) {
+    let cfg = rucx::ucs::Config::from_vars(&rucx::config_tables(), [("RUCX_TLS", tls)]).unwrap();
+    let ctx = rucx::context(cfg).unwrap();
+    (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap())
+}
+
+/// Progress the workers until `done`, at most 30 s.
+pub fn drive(ws: &[&Worker], mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        for w in ws {
+            w.progress();
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "hung");
+    }
+}
+
+/// The calls of a worker's error handler: (endpoint, error text), in order.
+pub type Calls = Arc<Mutex<Vec<(EpId, String)>>>;
+
+/// A worker error handler that records its calls.
+pub fn record_errors(w: &Worker) -> Calls {
+    let calls: Calls = Arc::default();
+    let c = calls.clone();
+    w.set_error_handler(move |_, ep, e| c.lock().unwrap().push((ep, e.to_string())));
+    calls
+}
+
+/// Kill the peer process `pid` (reached by endpoint `peer`) with SIGKILL once `calls`, the
+/// record of the survivor's error handler, shows nothing was reported yet; progress the survivor
+/// with `idle(until, limit)` until the handler is called (at most 20 s), then `after` more.
+/// Returns how long the detection took and the one call, after checking that there was exactly
+/// one and that it names `peer`.
+pub fn kill_and_detect(
+    pid: u32,
+    peer: EpId,
+    calls: &Calls,
+    idle: impl Fn(&dyn Fn() -> bool, Duration),
+    after: Duration,
+) -> (Duration, (EpId, String)) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    assert!(
+        calls.lock().unwrap().is_empty(),
+        "{:?}",
+        calls.lock().unwrap()
+    );
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    let t = Instant::now();
+    idle(
+        &|| !calls.lock().unwrap().is_empty(),
+        Duration::from_secs(20),
+    );
+    let detected = t.elapsed();
+    // More progress: no second call.
+    idle(&|| false, after);
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1, "one call: {calls:?}");
+    assert_eq!(calls[0].0, peer);
+    (detected, calls[0].clone())
 }

@@ -18,9 +18,9 @@ use std::fmt;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
-use rucx_ucp::{Completion, Context, EpId, RecvBuf, SendBuf, TAG_MASK_FULL, Tag, Worker};
-use rucx_ucs::{Config, Error, Result};
-use rucx_uct_sim::{Delivery, Fabric, FabricSpec, NodeId};
+use rucx_ucp::{Completion, Context, EpId, RecvBuf, Request, SendBuf, TAG_MASK_FULL, Tag, Worker};
+use rucx_ucs::{Config, Error, RegErrorKind, Result};
+use rucx_uct_sim::{Delivery, Fabric, FabricSpec, LaneKind, NodeId};
 use tracing_subscriber::layer::SubscriberExt;
 
 /// Bytes of guard around every buffer (the rest of its pages are guards too).
@@ -28,6 +28,14 @@ pub const GUARD: usize = 64;
 /// What guards and untouched receive bytes hold.
 pub const GUARD_BYTE: u8 = 0xa5;
 const PAGE: usize = 4096;
+
+/// `vars` and `RUCX_FAULT_INJECT=fault`: the variables of a side whose domain is made to fail.
+pub fn with_fault<'a>(vars: &[(&'a str, &'a str)], fault: &'a str) -> Vec<(&'a str, &'a str)> {
+    vars.iter()
+        .copied()
+        .chain([("RUCX_FAULT_INJECT", fault)])
+        .collect()
+}
 
 /// The configuration of one side: the option tables of the layers the harness uses, and the
 /// given `RUCX_*` variables on top of the defaults.
@@ -504,6 +512,26 @@ impl Pair {
             "still busy after {} steps (livelock?)",
             self.step_limit
         ))
+    }
+
+    /// Drive until every one of `reqs` ended; on a hang, break the fabric (so that the scopes
+    /// can finish) and panic with the description and each request's state.
+    pub fn drive_all(&self, reqs: &[&Request<'_>]) {
+        if let Err(e) = self.drive(|| reqs.iter().all(|r| r.test().is_some())) {
+            self.break_fabric("hang");
+            panic!(
+                "{e}: {:?}",
+                reqs.iter().map(|r| r.test()).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    /// Make the `nth` host registration from now on side `side`'s `sim_shm` domain fail with
+    /// `kind` (1: the next one).
+    pub fn fail_shm_registration(&self, side: usize, nth: u64, kind: RegErrorKind) {
+        let node = self.nodes[side];
+        let at = self.fabric.reg_attempts(node, LaneKind::Shm) + nth;
+        self.fabric.fail_registration(node, LaneKind::Shm, at, kind);
     }
 
     /// Fail both nodes so that every pending request ends and the scopes can finish: what the

@@ -46,6 +46,22 @@ fn am_lane(zcopy: bool) -> RtrChoice {
     }
 }
 
+/// Writes on `lane` (whose domain is the fake's `lane` too), the rest on the AM lane.
+fn write_lane(lane: usize, zcopy: bool) -> RtrChoice {
+    RtrChoice {
+        write: Some((lane, lane)),
+        am: (AM, AM, zcopy),
+    }
+}
+
+/// The receiver's key `key` of the fake's domain `md` (`fake{md}`).
+fn fake_key(md: usize, key: &[u8]) -> NamedKey {
+    NamedKey {
+        md: format!("fake{md}"),
+        key: key.to_vec(),
+    }
+}
+
 const FRAGS: AmFrags = AmFrags {
     lane: AM,
     md: AM,
@@ -294,14 +310,8 @@ fn a_zero_copy_stream_completes_with_its_last_fragment() {
 fn a_put_resumes_after_a_push_back_and_finishes() {
     let msg = message(1000);
     let (mut io, mut rv, mut h) = announced(&msg);
-    let keys = [NamedKey {
-        md: "fake4".into(),
-        key: vec![4],
-    }];
-    let c = RtrChoice {
-        write: Some((4, 4)),
-        am: (AM, AM, false),
-    };
+    let keys = [fake_key(4, &[4])];
+    let c = write_lane(4, false);
     let raddr = 0x9000;
     assert_eq!(
         rv.on_rtr(&mut io, SREQ, &mut h, RREQ, raddr, 1000, 0, &keys, &c),
@@ -368,14 +378,8 @@ fn a_put_resumes_after_a_push_back_and_finishes() {
 #[test]
 fn a_split_ends_after_both_halves() {
     let msg = message(8192);
-    let keys = [NamedKey {
-        md: "fake4".into(),
-        key: vec![4],
-    }];
-    let c = RtrChoice {
-        write: Some((4, 4)),
-        am: (AM, AM, true),
-    };
+    let keys = [fake_key(4, &[4])];
+    let c = write_lane(4, true);
     for ats_first in [false, true] {
         let (mut io, mut rv, mut h) = announced(&msg);
         rv.on_rtr(
@@ -403,10 +407,7 @@ fn a_split_ends_after_both_halves() {
     }
 
     let (mut io, mut rv, mut h) = announced(&msg);
-    let bad = [NamedKey {
-        md: "fake4".into(),
-        key: BAD_KEY.to_vec(),
-    }];
+    let bad = [fake_key(4, BAD_KEY)];
     rv.on_rtr(&mut io, SREQ, &mut h, RREQ, 0x10_0000, 8192, 4096, &bad, &c);
     assert!(rv.put.is_none());
     assert_eq!((rv.posted, rv.split_left), (4096, 2));
@@ -432,14 +433,8 @@ fn a_split_ends_after_both_halves() {
 fn a_write_registration_failure_streams_instead() {
     let msg = message(1000);
     let (mut io, mut rv, mut h) = announced(&msg);
-    let keys = [NamedKey {
-        md: "fake4".into(),
-        key: vec![4],
-    }];
-    let c = RtrChoice {
-        write: Some((4, 4)),
-        am: (AM, AM, false),
-    };
+    let keys = [fake_key(4, &[4])];
+    let c = write_lane(4, false);
     io.fail_reg_after = Some(0);
     let replans = io.replanned;
     assert_eq!(
@@ -512,14 +507,8 @@ fn a_gpu_send_writes_when_the_receiver_on_its_gpu_hands_its_key() {
     let mut rv = RndvSend::default();
     rv.send_rts(&mut io, SREQ, &mut h, None);
     io.ctrls.clear();
-    let c = RtrChoice {
-        write: Some((RMA, RMA)),
-        am: (AM, AM, false),
-    };
-    let keys = [NamedKey {
-        md: "fake2".into(),
-        key: vec![2],
-    }];
+    let c = write_lane(RMA, false);
+    let keys = [fake_key(2, &[2])];
     assert_eq!(
         rv.on_rtr(&mut io, SREQ, &mut h, RREQ, 0x9000, 1000, 0, &keys, &c),
         SendNext::Post
@@ -551,10 +540,7 @@ fn a_gpu_send_writes_when_the_receiver_on_its_gpu_hands_its_key() {
     let mut io = io_with_lane(Some(RMA));
     let mut rv = RndvSend::default();
     rv.send_rts(&mut io, SREQ, &mut h, None);
-    let bad = [NamedKey {
-        md: "fake2".into(),
-        key: BAD_KEY.to_vec(),
-    }];
+    let bad = [fake_key(2, BAD_KEY)];
     let next = rv.on_rtr(&mut io, SREQ, &mut h, RREQ, 0x9000, 1000, 0, &bad, &c);
     assert!(
         matches!(next, SendNext::Fail(Error::Unsupported { .. })),
