@@ -49,6 +49,111 @@ fn run_until_ipc_copy_in_flight(pair: &Pair) -> Vec<u64> {
     );
 }
 
+/// Held completions of side 0's copies on its copy lane (host staging <-> GPU).
+fn copies_held(pair: &Pair) -> usize {
+    pair.fabric
+        .held()
+        .into_iter()
+        .filter(|h| {
+            h.to == pair.nodes[0]
+                && h.lane == LaneKind::Copy
+                && matches!(h.what, HeldWhat::Completion { .. })
+        })
+        .count()
+}
+
+/// A device receive of a host sender's message, read into receive staging over the shared
+/// memory lane and copied on to the GPU by the copy lane (the staged pipeline): the sender
+/// fails while copies from staging to the GPU are in flight (random delivery holds their
+/// completions). Such copies always complete: the progress that handles the failure waits for
+/// them, and the receive is reported ended by that very progress. (It used to wait for a later
+/// progress to bring the last copy's completion: found by the peer-failure property.) Many
+/// delivery seeds, each run until at least two copies are in flight (one progress releases
+/// some of them, and before the fix seed 171 left one held).
+#[test]
+fn a_staged_device_receive_ends_in_the_progress_that_handles_its_peers_failure() {
+    let _dog = Watchdog::arm(120, "staged receive, peer fails mid-copy".into());
+    let vars: &[(&str, &str)] = &[
+        ("RUCX_RNDV_THRESH", "32K"),
+        ("RUCX_RNDV_SCHEME", "get_zcopy"),
+        ("RUCX_RNDV_FRAG_SIZE", "64K"),
+        ("RUCX_RNDV_FRAG_COUNT", "8"),
+    ];
+    let len = 130_823;
+    let mut caught = 0;
+    for seed in 0..256u64 {
+        let spec = FabricSpec::gpu()
+            .ipc(false)
+            .with_net()
+            .shared_staging(true)
+            .delivery(Delivery::Random {
+                seed,
+                noresource_per_mille: 0,
+            });
+        let pair = Pair::new(spec, [vars, vars]);
+        let src = Buf::filled(&pair.fabric, len, Mem::Host, 3);
+        let dst = Buf::new(&pair.fabric, len, Mem::Device(0));
+        // SAFETY: `src` and `dst` outlive the requests (their ends are taken below, before the
+        // buffers drop, or the fabric is failed and the workers dropped first), and nothing
+        // else touches them meanwhile.
+        let sbuf = unsafe { RawBuf::new(src.addr(), len, None) };
+        let send = pair.w[1].tag_send_queued(pair.ep[1], sbuf, 4, false, 8);
+        assert!(matches!(send, Queued::Pending(_)), "{send:?}");
+        // The request to send arrives unexpected: the receive reads the sender's buffer.
+        for _ in 0..50 {
+            pair.step();
+        }
+        // SAFETY: as above.
+        let rbuf = unsafe { RawBuf::new(dst.addr(), len, None) };
+        let recv = pair.w[0].tag_recv_queued(rbuf, 4, TAG_MASK_FULL, 7);
+        assert!(matches!(recv, Queued::Pending(_)), "{recv:?}");
+        let mut ends: Vec<(u64, Result<Completion>)> = Vec::new();
+        let mut in_flight = false;
+        for _ in 0..2_000 {
+            pair.step();
+            pair.w[0].take_completed(&mut ends);
+            if !ends.is_empty() {
+                break;
+            }
+            if copies_held(&pair) >= 2 {
+                in_flight = true;
+                break;
+            }
+        }
+        if !in_flight {
+            // The receive completed before any copy was held: nothing to check with this seed.
+            assert!(matches!(ends[..], [(7, Ok(_))]), "seed {seed}: {ends:?}");
+            continue;
+        }
+        caught += 1;
+        pair.fabric.fail_node(pair.nodes[1], "killed by the test");
+        pair.w[0].progress();
+        pair.w[0].take_completed(&mut ends);
+        assert_eq!(
+            ends.len(),
+            1,
+            "seed {seed}: the receive did not end in the progress that handled its peer's \
+             failure ({} copies still held)",
+            copies_held(&pair)
+        );
+        match &ends[0] {
+            (7, Err(Error::EndpointFailure { .. })) => {}
+            (7, Ok(c)) if c.len == len => assert!(dst.bytes() == pattern(3, len), "seed {seed}"),
+            other => panic!("seed {seed}: {other:?}"),
+        }
+        assert_eq!(copies_held(&pair), 0, "seed {seed}");
+        assert!(
+            pair.fabric.violations().is_empty(),
+            "seed {seed}: {:?}",
+            pair.fabric.violations()
+        );
+    }
+    assert!(
+        caught > 0,
+        "no seed had a copy in flight when the peer failed"
+    );
+}
+
 /// Progress side 0 alone (side 1 failed) `n` times.
 fn spin(pair: &Pair, n: usize) {
     for _ in 0..n {

@@ -402,6 +402,7 @@ impl Worker {
                 staging_ahead_wanted,
                 stage_count,
                 done_q: VecDeque::new(),
+                failed_copies: Vec::new(),
                 mapped: FxHashMap::default(),
                 mapping_ahead: Vec::new(),
                 offers_held: Vec::new(),
@@ -507,6 +508,10 @@ impl Worker {
             for (i, iface) in ifaces.iter_mut().enumerate() {
                 let st = &mut *st;
                 n += iface.progress(&mut |ev| st.on_event(i, ev));
+            }
+            // A peer failed with copies still running for requests it ended: they finish now.
+            if !st.failed_copies.is_empty() {
+                n += st.settle_failed_copies(&mut ifaces);
             }
             // Cheap checks inline: this loop runs on every poll of every request. A peer
             // connected, with its lanes and nothing queued (the usual state) costs one look.

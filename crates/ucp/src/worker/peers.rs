@@ -3,6 +3,10 @@
 
 use crate::worker::prelude::*;
 
+/// How long progress waits for the copies of requests a peer's failure ended
+/// ([`State::settle_failed_copies`]): copies of one staging fragment take microseconds.
+const FAILED_COPY_WAIT: Duration = Duration::from_millis(100);
+
 impl State {
     /// Find or create the peer for a remote worker (no uct endpoints yet; lanes are chosen
     /// when it is connected, where the interfaces can judge reachability).
@@ -310,6 +314,12 @@ impl State {
             .collect();
         for id in ids {
             self.finish(id, Err(err.clone()));
+            // Copies this process runs still touch its buffer: the next progress waits for
+            // them, so that the request is reported ended with the failure
+            // ([`Self::settle_failed_copies`]).
+            if self.copies_in_flight(id) {
+                self.failed_copies.push(id);
+            }
         }
         // The staging fragments it was reading will not be acknowledged.
         self.release_staged_to(p);
@@ -321,5 +331,49 @@ impl State {
             Unexp::Rts { src, .. } => *src == p,
         });
         self.rx.retain(|(s, _), _| *s != uuid);
+    }
+
+    /// Wait for the copies this process runs (the copy lane, copy-engine lanes) that still
+    /// touch the buffers of requests a peer's failure ended ([`Self::end_peer`]): such a copy
+    /// always completes, whatever the peer does, and until it has the request cannot be
+    /// reported (its buffer is still written or read). Waiting here, right after the events
+    /// that brought the failure, a request bound to the failed peer is reported ended by the
+    /// progress that handled the failure, not some later one. Only those lanes are progressed
+    /// (their other completions are handled as usual); past [`FAILED_COPY_WAIT`] the rest are
+    /// left to later progress (each is reported once its copies completed). Returns the events
+    /// handled.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn settle_failed_copies(&mut self, ifaces: &mut [Box<dyn Iface>]) -> usize {
+        let copy = self.copy.as_ref().map(|c| c.0);
+        let local: Vec<usize> = (0..ifaces.len())
+            .filter(|&i| Some(i) == copy || self.lane_local(i))
+            .collect();
+        let mut n = 0;
+        let mut deadline = None;
+        loop {
+            let mut ids = std::mem::take(&mut self.failed_copies);
+            ids.retain(|&id| self.copies_in_flight(id));
+            if ids.is_empty() {
+                break;
+            }
+            let now = Instant::now();
+            if now >= *deadline.get_or_insert(now + FAILED_COPY_WAIT) {
+                tracing::debug!(
+                    "{} requests ended by a peer's failure still wait for their copies",
+                    ids.len()
+                );
+                break;
+            }
+            // Requests ended while handling these events join the list.
+            self.failed_copies.extend(ids);
+            for &i in &local {
+                n += ifaces[i].progress(&mut |ev| self.on_event(i, ev));
+            }
+            if !self.done_q.is_empty() {
+                n += self.run_done_q();
+            }
+        }
+        n
     }
 }

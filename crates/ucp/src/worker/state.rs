@@ -561,6 +561,9 @@ pub(crate) struct State {
     pub(crate) stage_count: usize,
     /// Completions that happened at once, handled after the current step.
     pub(crate) done_q: VecDeque<(Tok, Result<()>)>,
+    /// Requests their peer's end (a failure, a forced close) ended while copies this process
+    /// runs still touch their buffers: the next progress waits for those copies ([`State::settle_failed_copies`]).
+    pub(crate) failed_copies: Vec<u64>,
     /// Peers' shared staging mapped here, registered with the copy lane, by local base.
     pub(crate) mapped: FxHashMap<usize, MemHandle>,
     /// Peers' offered staging being registered by helper threads (`proto/gpu/offer.rs`).
