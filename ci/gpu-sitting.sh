@@ -57,7 +57,7 @@ if has figures; then
     done
     for f in 4M 64K; do
       echo "--- staged RUCX_RNDV_FRAG_SIZE=$f -m cuda -t tag_bw -s 64M"
-      RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=$f timeout 120 "$pt" --local -q -m cuda -t tag_bw -s 64M 2>&1 | tail -n 3
+      RUCX_TLS=^cuda_ipc RUCX_RNDV_FRAG_SIZE=$f timeout 120 "$pt" --local -q -m cuda -t tag_bw -s 64M 2>&1 | tail -n 6
     done
     echo "--- first demoting 1 GiB transfer (cuda_ipc budget 256M)"
     port=$((20000 + RANDOM % 20000))
