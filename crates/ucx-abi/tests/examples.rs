@@ -553,6 +553,22 @@ fn client_server_over_ipv6() {
     client_server(&["-c", "am"], 1, 1, true);
 }
 
+/// Build our `tests/c/NAME.c` against the system's UCX headers and libraries (rucx's are put
+/// first on the library path when it runs): the program's path.
+fn build_c(s: &Setup, name: &str) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let exe = s.dir.join(name);
+    run_ok(
+        Command::new("cc")
+            .args(["-O1", "-Wall", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .args(["-I/usr/include", "-lucp", "-lucs"]),
+        &format!("cc {name}.c"),
+    );
+    exe
+}
+
 /// `tests/c/cs_one_thread.c` (ours, the public ucp API only): a client and its server in one
 /// thread, connected by `ucp_ep_create` by socket address that returns at once and progress of
 /// both workers; operations posted while connecting in order, the client id, a reject, a port
@@ -562,16 +578,7 @@ fn client_server_over_ipv6() {
 fn one_thread_client_and_server_on_the_system_ucx_and_on_rucx() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let Some(s) = setup() else { return };
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/cs_one_thread.c");
-    let exe = s.dir.join("cs_one_thread");
-    run_ok(
-        Command::new("cc")
-            .args(["-O1", "-Wall", "-o"])
-            .arg(&exe)
-            .arg(&src)
-            .args(["-I/usr/include", "-lucp", "-lucs"]),
-        "cc cs_one_thread.c",
-    );
+    let exe = build_c(s, "cs_one_thread");
     // The system's UCX: its own libraries (none of ours on the path).
     let out = run_ok(
         Command::new("timeout")
@@ -600,16 +607,7 @@ fn one_thread_client_and_server_on_the_system_ucx_and_on_rucx() {
 fn an_nbi_error_after_its_post_ends_the_next_flush() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let Some(s) = setup() else { return };
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/nbi_error.c");
-    let exe = s.dir.join("nbi_error");
-    run_ok(
-        Command::new("cc")
-            .args(["-O1", "-Wall", "-o"])
-            .arg(&exe)
-            .arg(&src)
-            .args(["-I/usr/include", "-lucp", "-lucs"]),
-        "cc nbi_error.c",
-    );
+    build_c(s, "nbi_error");
     let p = Proc::spawn(s, "nbi_error", &[]);
     let (status, out) = p.finish();
     assert!(
