@@ -27,21 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        if (!(cond)) {                                                    \
-            fprintf(stderr, "cs_one_thread: FAIL at line %d: ", __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                                 \
-            fprintf(stderr, "\n");                                        \
-            exit(1);                                                      \
-        }                                                                 \
-    } while (0)
-
-#define OK(call)                                                                   \
-    do {                                                                           \
-        ucs_status_t s_ = (call);                                                  \
-        CHECK(s_ == UCS_OK, "%s: %s", #call, ucs_status_string(s_));              \
-    } while (0)
+#define PROG "cs_one_thread"
+#include "check.h"
 
 static ucp_worker_h sw, cw;
 static ucp_conn_request_h conn_req;

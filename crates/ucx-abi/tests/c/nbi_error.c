@@ -15,20 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#define CHECK(cond, ...)                                              \
-    do {                                                              \
-        if (!(cond)) {                                                \
-            fprintf(stderr, "nbi_error: FAIL at line %d: ", __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                             \
-            fprintf(stderr, "\n");                                    \
-            exit(1);                                                  \
-        }                                                             \
-    } while (0)
-#define OK(call)                                                                    \
-    do {                                                                            \
-        ucs_status_t st_ = (call);                                                  \
-        CHECK(st_ == UCS_OK, "%s: %s", #call, ucs_status_string(st_));              \
-    } while (0)
+#define PROG "nbi_error"
+#include "check.h"
 
 static ucp_worker_h w[2];
 
