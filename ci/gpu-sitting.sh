@@ -39,6 +39,9 @@ if has figures; then
   if [ -x /usr/local/cuda/bin/nvcc ] && /usr/local/cuda/bin/nvcc -O2 -o /tmp/floor.$$ \
        "$(dirname "$0")/../tools/gpu-floor/floor.c" -lcuda; then
     for s in 8 4096; do /tmp/floor.$$ single $s 2000; /tmp/floor.$$ pingpong $s 2000; done
+    # The same copy as a kernel, and ends seen through a host word instead of an event.
+    /usr/local/cuda/bin/nvcc -O2 -o /tmp/kinds.$$ "$(dirname "$0")/../tools/gpu-floor/copy-kinds.c" -lcuda &&
+      for s in 8 4096; do /tmp/kinds.$$ $s 2000; done
   else
     echo "--- no nvcc: small-message floors not measured"
   fi

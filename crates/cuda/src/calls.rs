@@ -95,6 +95,11 @@ entry_points!(
     cuIpcGetMemHandle,
     cuIpcOpenMemHandle_v2,
     cuIpcCloseMemHandle,
+    cuModuleLoadData,
+    cuModuleGetFunction,
+    cuLaunchKernel,
+    cuStreamWriteValue64_v2,
+    cuMemHostGetDevicePointer_v2,
 );
 
 /// One entry point's counters, on a cache line of its own (threads calling different entry

@@ -251,6 +251,12 @@ thread_local! {
     static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
+/// The context [`PrimaryContext::bind`] last made current on this thread (0: none), for calls
+/// that trust it as [`memcpy_async`] does.
+pub(crate) fn bound_context() -> usize {
+    BOUND.get()
+}
+
 /// The loaded and initialized CUDA driver.
 #[derive(Debug)]
 pub struct Driver {
@@ -658,6 +664,33 @@ impl Stream {
             ))
         };
         check(r, "cuLaunchHostFunc", Some(self.inner.ctx.ordinal))
+    }
+}
+
+impl Stream {
+    /// Queue a store of `value` into the 64-bit word at device address `addr` (for example a
+    /// [`crate::kernel::CompletionWord`]) after everything queued on the stream so far has
+    /// finished, with a memory barrier before it: whoever sees the value sees what that work
+    /// wrote.
+    ///
+    /// # Safety
+    /// `addr` must be a device-accessible, 8-byte aligned address of memory that stays
+    /// allocated until the stream has run the store.
+    pub unsafe fn write_value64(&self, addr: u64, value: u64) -> Result<()> {
+        let ctx = self.inner.ctx;
+        let trusted = BOUND.get() == ctx.raw as usize;
+        if !trusted {
+            ctx.bind()?;
+        }
+        // SAFETY: live stream; the address is the caller's contract; flags 0 = default (with
+        // a memory barrier before the write).
+        let mut r = unsafe { crate::cu!(cuStreamWriteValue64_v2(self.inner.raw, addr, value, 0)) };
+        if trusted && refused_for_context(r) {
+            ctx.bind()?;
+            // SAFETY: as above.
+            r = unsafe { crate::cu!(cuStreamWriteValue64_v2(self.inner.raw, addr, value, 0)) };
+        }
+        check(r, "cuStreamWriteValue64", Some(ctx.ordinal))
     }
 }
 

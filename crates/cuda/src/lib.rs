@@ -17,6 +17,7 @@
 
 pub mod calls;
 pub mod driver;
+pub mod kernel;
 pub mod nvml;
 pub mod pointer;
 pub mod report;
@@ -31,12 +32,13 @@ pub use driver::{
     PoolBuffer, PrimaryContext, Stream, check, cuda_error, device_label, driver, is_available,
     memcpy, memcpy_async, reg_error_kind, result_name,
 };
+pub use kernel::{CompletionWord, CopyKernel, SmallCopies};
 pub use pointer::{PointerCache, PointerInfo, PtrKind, classify};
 pub use report::{
     GpuFacts, HostFacts, NicFacts, NvlinkPath, PathVerdict, PeerFacts, Report, Verdict, report,
 };
 
-use rucx_ucs::{OptKind, OptionSpec};
+use rucx_ucs::{Bounds, OptKind, OptionSpec};
 
 /// Options of this crate (names without the `RUCX_` prefix).
 pub static CONFIG: &[OptionSpec] = &[
@@ -54,5 +56,21 @@ pub static CONFIG: &[OptionSpec] = &[
         default: "n",
         help: "Measure the wall time of every CUDA driver call next to counting it (rucx_cuda::\
                calls; rucx-perftest prints both per iteration). Costs two clock reads per call.",
+    },
+    OptionSpec {
+        name: "CUDA_COPY_KERNEL_MAX",
+        kind: OptKind::MemIn(Bounds::new(0, 1 << 20)),
+        default: "64K",
+        help: "Device-to-device copies of at most this many bytes (both ends in memory of the \
+               stream's GPU) run as a one-block copy kernel instead of cuMemcpyAsync: about 2 us \
+               less per small GPU message on an H200. 0 turns it off.",
+    },
+    OptionSpec {
+        name: "CUDA_COMPLETION_WORDS",
+        kind: OptKind::Bool,
+        default: "y",
+        help: "See the end of CUDA copies through a word the GPU writes into pinned host memory \
+               (one load per poll) instead of recording and querying an event (a driver call \
+               per poll). n: events.",
     },
 ];

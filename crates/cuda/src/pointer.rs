@@ -494,6 +494,12 @@ pub fn global_cache() -> Result<&'static PointerCache> {
     Ok(GLOBAL.get_or_init(|| PointerCache::from_config(&cfg)))
 }
 
+/// The process-wide cache's entry covering `addr..addr+len`, without asking the driver (`None`
+/// when nothing cached covers it, or the cache is off or not made yet).
+pub fn lookup(addr: usize, len: usize) -> Option<PointerInfo> {
+    GLOBAL.get()?.lookup(addr, len)
+}
+
 /// Classify `addr..addr+len` through the process-wide cache.
 pub fn classify(addr: usize, len: usize) -> Result<PointerInfo> {
     global_cache()?.classify(addr, len)

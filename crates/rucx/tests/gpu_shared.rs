@@ -232,15 +232,23 @@ fn steady_state_job() {
             d.calls(Call::cuPointerGetAttributes) <= 2 * iters as u64,
             "rank {rank}, {n} B: {line}"
         );
+        // Each copy is a copy call, or the copy kernel once it is loaded (on a thread of its
+        // own, after the first GPU copy): either way one per message, all in the copier.
         let copies = if copier { 2 * iters as u64 } else { 0 };
         assert_eq!(
-            d.calls(Call::cuMemcpyAsync),
+            d.calls(Call::cuMemcpyAsync) + d.calls(Call::cuLaunchKernel),
             copies,
             "rank {rank}, {n} B: {line}"
         );
+        // Their end is seen through the lanes' completion words: no event is recorded or
+        // queried.
         assert_eq!(
-            d.calls(Call::cuEventRecord),
-            copies,
+            d.calls(Call::cuEventRecord) + d.calls(Call::cuEventQuery),
+            0,
+            "rank {rank}, {n} B: {line}"
+        );
+        assert!(
+            d.calls(Call::cuStreamWriteValue64_v2) <= d.calls(Call::cuMemcpyAsync),
             "rank {rank}, {n} B: {line}"
         );
         job.barrier().unwrap();

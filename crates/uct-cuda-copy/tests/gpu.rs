@@ -693,3 +693,159 @@ fn a_post_failing_part_way_returns_after_its_queued_copies() {
     assert!(seen.is_empty(), "{seen:?}");
     println!("a post failing part-way returns after its queued copies: ok");
 }
+
+/// Small device-to-device copies run as the copy kernel and end through the lane's completion
+/// word: every size around the kernel's units (1, 8 and 16 bytes) and its limit, at aligned and
+/// odd offsets, lands exactly (the bytes around the destination untouched), with one kernel
+/// launch and no copy call each, no event recorded or queried; one byte over the limit is a
+/// copy call; a copy with a host end is a copy call with a completion word; 200 kernel copies
+/// in flight at once end in order; with both off, copies and events as before.
+#[test]
+fn small_device_copies_run_as_a_kernel_and_end_through_completion_words() {
+    use rucx_cuda::calls::{self, Call};
+    use rucx_cuda::{CopyKernel, DeviceBuffer, PinnedHostBuffer, SmallCopies};
+    use rucx_uct_cuda_copy::engine::{CopyEngine, CopyOp, LaneKey};
+    let Some(_) = gpus() else { return };
+    let ctx = driver().unwrap().context(0).unwrap();
+    CopyKernel::load(ctx).expect("the copy kernel loads on this GPU");
+    let max = 64 << 10;
+    let cap = 256 << 10;
+    let src_bytes = pattern(cap, 71);
+    let src = DeviceBuffer::new(ctx, cap).unwrap();
+    let mut dst = DeviceBuffer::new(ctx, cap).unwrap();
+    // SAFETY: live buffers of `cap` bytes; synchronous copy.
+    unsafe { rucx_cuda::memcpy(ctx, src.ptr(), src_bytes.as_ptr() as u64, cap) }.unwrap();
+    // The engine takes a kernel only for ranges the pointer cache knows (as registration does).
+    classify(src.ptr() as usize, cap).unwrap();
+    classify(dst.ptr() as usize, cap).unwrap();
+    let device_bytes_of = |b: &DeviceBuffer, off: usize, len: usize| {
+        let mut out = vec![0u8; len];
+        b.copy_to_host(off, &mut out).unwrap();
+        out
+    };
+    let wait = |engine: &CopyEngine, want: &[u64]| {
+        let mut got = Vec::new();
+        let t0 = Instant::now();
+        while got.len() < want.len() {
+            engine.progress(&mut |ev| {
+                if let Event::Completion { token, result } = ev {
+                    result.unwrap();
+                    got.push(token);
+                }
+            });
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "copies hang: {got:?}"
+            );
+        }
+        assert_eq!(got, want, "completions in order");
+    };
+    let words = SmallCopies {
+        kernel_max: max,
+        completion_words: true,
+    };
+    for small in [words, SmallCopies::OFF] {
+        let engine = CopyEngine::new(256).with_small_copies(small);
+        let key = LaneKey { device: 0, lane: 3 };
+        for len in [
+            1usize,
+            7,
+            8,
+            9,
+            15,
+            16,
+            17,
+            4095,
+            4096,
+            max - 1,
+            max,
+            max + 1,
+        ] {
+            for (so, doff) in [(0usize, 0usize), (1, 3), (8, 16), (16, 8), (5, 5)] {
+                let guard = 64;
+                dst.fill(0xA5).unwrap();
+                let c = CopyOp {
+                    dst: dst.ptr() + (guard + doff) as u64,
+                    src: src.ptr() + so as u64,
+                    len,
+                };
+                let before = calls::snapshot();
+                // SAFETY: both ranges lie inside the live buffers; waited for below.
+                let st = unsafe { engine.post(key, &[c], 1, vec![]) }.unwrap();
+                assert_eq!(st, OpStatus::InProgress);
+                wait(&engine, &[1]);
+                let d = calls::snapshot().since(&before);
+                let kernel = small.kernel_max >= len;
+                let what = format!("{len} B at +{so} -> +{doff}, {small:?}");
+                assert_eq!(d.calls(Call::cuLaunchKernel), kernel as u64, "{what}");
+                assert_eq!(d.calls(Call::cuMemcpyAsync), !kernel as u64, "{what}");
+                if small.completion_words {
+                    assert_eq!(d.calls(Call::cuEventRecord), 0, "{what}");
+                    assert_eq!(d.calls(Call::cuEventQuery), 0, "{what}");
+                    assert_eq!(
+                        d.calls(Call::cuStreamWriteValue64_v2),
+                        !kernel as u64,
+                        "{what}"
+                    );
+                } else {
+                    assert_eq!(d.calls(Call::cuEventRecord), 1, "{what}");
+                    assert_eq!(d.calls(Call::cuStreamWriteValue64_v2), 0, "{what}");
+                }
+                let got = device_bytes_of(&dst, 0, guard + doff + len + guard);
+                same(
+                    &what,
+                    &got[guard + doff..guard + doff + len],
+                    &src_bytes[so..so + len],
+                );
+                assert!(
+                    got[..guard + doff]
+                        .iter()
+                        .chain(&got[guard + doff + len..])
+                        .all(|&b| b == 0xA5),
+                    "bytes around the destination written: {what}"
+                );
+            }
+        }
+        // A host end: a copy call, never the kernel.
+        let mut host = PinnedHostBuffer::new(ctx, 4096).unwrap();
+        host.as_mut_slice().fill(0);
+        let before = calls::snapshot();
+        let c = CopyOp {
+            dst: host.ptr(),
+            src: src.ptr(),
+            len: 4096,
+        };
+        // SAFETY: both live; waited for below.
+        unsafe { engine.post(key, &[c], 2, vec![]) }.unwrap();
+        wait(&engine, &[2]);
+        let d = calls::snapshot().since(&before);
+        assert_eq!(d.calls(Call::cuLaunchKernel), 0);
+        assert_eq!(d.calls(Call::cuMemcpyAsync), 1);
+        same("device -> pinned host", host.as_slice(), &src_bytes[..4096]);
+        // Many in flight at once, each its own 1 KiB slice.
+        let n = 200usize;
+        dst.fill(0).unwrap();
+        let tokens: Vec<u64> = (0..n as u64).map(|t| 100 + t).collect();
+        for (i, t) in tokens.iter().enumerate() {
+            let c = CopyOp {
+                dst: dst.ptr() + (i * 1024) as u64,
+                src: src.ptr() + ((n - 1 - i) * 1024) as u64,
+                len: 1024,
+            };
+            // SAFETY: distinct live slices; waited for below.
+            unsafe { engine.post(key, &[c], *t, vec![]) }.unwrap();
+        }
+        wait(&engine, &tokens);
+        let got = device_bytes_of(&dst, 0, n * 1024);
+        for i in 0..n {
+            let j = n - 1 - i;
+            same(
+                &format!("slice {i} of {n} in flight ({small:?})"),
+                &got[i * 1024..(i + 1) * 1024],
+                &src_bytes[j * 1024..(j + 1) * 1024],
+            );
+        }
+        drop(engine);
+    }
+    println!("small device copies as a kernel, completion words: ok");
+}

@@ -85,6 +85,14 @@ impl Mapping {
                 Some(ctx.ordinal()),
             ));
         }
+        // What the driver mapped (not what the peer said it is) goes into the pointer cache:
+        // the copy engine runs small copies as a kernel only inside ranges the cache knows as
+        // device memory of the copying GPU.
+        if let Ok(info) = rucx_cuda::pointer::classify_uncached(ptr as usize, 1)
+            && let Ok(cache) = rucx_cuda::pointer::global_cache()
+        {
+            cache.insert(info);
+        }
         Ok(Mapping {
             ptr,
             size: key.alloc_size,
