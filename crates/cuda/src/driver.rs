@@ -852,7 +852,7 @@ fn sync_default_stream(ctx: &PrimaryContext, call: &str) -> Result<()> {
 /// Whether the driver refused a call for the thread's current context (none, destroyed, or
 /// not the one of the handles passed): the call did nothing, and binding the right context and
 /// calling again is the remedy.
-fn refused_for_context(r: CUresult) -> bool {
+pub(crate) fn refused_for_context(r: CUresult) -> bool {
     matches!(
         r,
         E::CUDA_ERROR_INVALID_CONTEXT

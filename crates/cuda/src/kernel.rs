@@ -375,14 +375,7 @@ impl CopyKernel {
             self.ctx.bind()?;
         }
         let mut r = launch(&mut params);
-        if trusted
-            && matches!(
-                r,
-                E::CUDA_ERROR_INVALID_CONTEXT
-                    | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
-                    | E::CUDA_ERROR_INVALID_HANDLE
-            )
-        {
+        if trusted && crate::driver::refused_for_context(r) {
             self.ctx.bind()?;
             r = launch(&mut params);
         }
