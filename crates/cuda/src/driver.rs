@@ -251,10 +251,25 @@ thread_local! {
     static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// The context [`PrimaryContext::bind`] last made current on this thread (0: none), for calls
-/// that trust it as [`memcpy_async`] does.
-pub(crate) fn bound_context() -> usize {
-    BOUND.get()
+/// Make a driver call that needs `ctx` current on this thread, without binding per call: when
+/// rucx last bound `ctx` here it is trusted (no `cuCtxSetCurrent`), otherwise bound first; a
+/// call the driver refuses for the context (the application changed or cleared the thread's
+/// context since; a refused call did nothing) is made again after binding. Returns the
+/// driver's result of the last attempt.
+pub(crate) fn call_in_context(
+    ctx: &PrimaryContext,
+    mut call: impl FnMut() -> CUresult,
+) -> Result<CUresult> {
+    let trusted = BOUND.get() == ctx.raw as usize;
+    if !trusted {
+        ctx.bind()?;
+    }
+    let r = call();
+    if trusted && refused_for_context(r) {
+        ctx.bind()?;
+        return Ok(call());
+    }
+    Ok(r)
 }
 
 /// The loaded and initialized CUDA driver.
@@ -678,18 +693,11 @@ impl Stream {
     /// allocated until the stream has run the store.
     pub unsafe fn write_value64(&self, addr: u64, value: u64) -> Result<()> {
         let ctx = self.inner.ctx;
-        let trusted = BOUND.get() == ctx.raw as usize;
-        if !trusted {
-            ctx.bind()?;
-        }
-        // SAFETY: live stream; the address is the caller's contract; flags 0 = default (with
-        // a memory barrier before the write).
-        let mut r = unsafe { crate::cu!(cuStreamWriteValue64_v2(self.inner.raw, addr, value, 0)) };
-        if trusted && refused_for_context(r) {
-            ctx.bind()?;
-            // SAFETY: as above.
-            r = unsafe { crate::cu!(cuStreamWriteValue64_v2(self.inner.raw, addr, value, 0)) };
-        }
+        let r = call_in_context(ctx, || {
+            // SAFETY: live stream; the address is the caller's contract; flags 0 = default
+            // (with a memory barrier before the write).
+            unsafe { crate::cu!(cuStreamWriteValue64_v2(self.inner.raw, addr, value, 0)) }
+        })?;
         check(r, "cuStreamWriteValue64", Some(ctx.ordinal))
     }
 }
@@ -852,7 +860,7 @@ fn sync_default_stream(ctx: &PrimaryContext, call: &str) -> Result<()> {
 /// Whether the driver refused a call for the thread's current context (none, destroyed, or
 /// not the one of the handles passed): the call did nothing, and binding the right context and
 /// calling again is the remedy.
-pub(crate) fn refused_for_context(r: CUresult) -> bool {
+fn refused_for_context(r: CUresult) -> bool {
     matches!(
         r,
         E::CUDA_ERROR_INVALID_CONTEXT
@@ -909,18 +917,10 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> R
     // less). Should the application have changed the thread's context meanwhile and the driver
     // refuse the copy for it, the context is bound and the copy queued again (a refused call
     // queued nothing).
-    let ctx = stream.context();
-    let trusted = BOUND.get() == ctx.raw as usize;
-    if !trusted {
-        ctx.bind()?;
-    }
-    // SAFETY: forwarded to the caller's contract; the stream handle is live.
-    let mut r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
-    if trusted && refused_for_context(r) {
-        ctx.bind()?;
-        // SAFETY: as above.
-        r = unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) };
-    }
+    let r = call_in_context(stream.context(), || {
+        // SAFETY: forwarded to the caller's contract; the stream handle is live.
+        unsafe { crate::cu!(cuMemcpyAsync(dst, src, len, stream.raw())) }
+    })?;
     // The message is made on failure only: this call is on every GPU message's path.
     if r == E::CUDA_SUCCESS {
         return Ok(());

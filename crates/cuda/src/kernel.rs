@@ -347,7 +347,9 @@ impl CopyKernel {
             (&raw mut flag).cast(),
             (&raw mut seq).cast(),
         ];
-        let launch = |params: &mut [*mut c_void; 5]| {
+        // A launch needs the kernel's context current (unlike a copy): bound once per thread
+        // as `memcpy_async` does, and again when the driver refuses it for the context.
+        let r = crate::driver::call_in_context(self.ctx, || {
             // SAFETY: `func` is live in its context; the grid is one block of at most 1024
             // threads, no shared memory; `params` points at five u64 locals, as the kernel's
             // five .u64 parameters (copied by the driver during the call); memory safety of
@@ -367,18 +369,7 @@ impl CopyKernel {
                     std::ptr::null_mut()
                 ))
             }
-        };
-        // A launch needs the kernel's context current (unlike a copy): bound once per thread
-        // as `memcpy_async` does, and again when the driver refuses it for the context.
-        let trusted = crate::driver::bound_context() == self.ctx.raw() as usize;
-        if !trusted {
-            self.ctx.bind()?;
-        }
-        let mut r = launch(&mut params);
-        if trusted && crate::driver::refused_for_context(r) {
-            self.ctx.bind()?;
-            r = launch(&mut params);
-        }
+        })?;
         if r == E::CUDA_SUCCESS {
             return Ok(());
         }

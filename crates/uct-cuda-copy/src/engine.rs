@@ -153,6 +153,12 @@ struct State {
 
 impl State {
     fn lane(&mut self, key: LaneKey) -> Result<&mut LaneState> {
+        let idx = self.lane_index(key)?;
+        Ok(&mut self.lanes[idx])
+    }
+
+    /// The index of `key`'s lane in `lanes`, made on first use.
+    fn lane_index(&mut self, key: LaneKey) -> Result<usize> {
         let idx = match self.lanes.iter().position(|l| l.key == key) {
             Some(i) => i,
             None => {
@@ -184,7 +190,7 @@ impl State {
                 self.lanes.len() - 1
             }
         };
-        Ok(&mut self.lanes[idx])
+        Ok(idx)
     }
 
     fn take_event(&mut self, device: u32) -> Result<CuEvent> {
@@ -437,13 +443,13 @@ impl CopyEngine {
         let seq = st.next_seq;
         let fail_copy = st.fail_copy.take();
         let kernel_max = st.small.kernel_max;
-        let has_word = st.lane(key)?.word.is_some();
-        let event = if has_word {
+        let idx = st.lane_index(key)?;
+        let event = if st.lanes[idx].word.is_some() {
             None
         } else {
             Some(st.take_event(key.device)?)
         };
-        let lane = st.lane(key)?;
+        let lane = &mut st.lanes[idx];
         let mut queued = 0usize;
         let mut failure = None;
         // The lane sequence number the copy kernel stores into the word itself.
@@ -510,29 +516,21 @@ impl CopyEngine {
             }
             return Err(f);
         }
-        let waiter = match (stored_by_kernel, event) {
-            (Some(s), _) => Waiter::Word(s),
-            (None, Some(ev)) => match ev.record(&lane.stream) {
-                Ok(()) => Waiter::Event(ev),
-                Err(e) => {
-                    // Cannot track the copies: wait for them here.
-                    lane.stream.synchronize()?;
-                    drop(keep);
-                    tracing::debug!("event record failed ({e}); copy completed synchronously");
-                    return Ok(OpStatus::Done);
-                }
-            },
-            (None, None) => match lane.write_word() {
-                Ok(s) => Waiter::Word(s),
-                Err(e) => {
-                    lane.stream.synchronize()?;
-                    drop(keep);
-                    tracing::debug!(
-                        "completion word not queued ({e}); copy completed synchronously"
-                    );
-                    return Ok(OpStatus::Done);
-                }
-            },
+        let tracked = match (stored_by_kernel, event) {
+            (Some(s), _) => Ok(Waiter::Word(s)),
+            (None, Some(ev)) => ev.record(&lane.stream).map(|()| Waiter::Event(ev)),
+            (None, None) => lane.write_word().map(Waiter::Word),
+        };
+        let waiter = match tracked {
+            Ok(w) => w,
+            Err(e) => {
+                // Cannot track the copies (no event recorded, no word write queued): wait for
+                // them here.
+                lane.stream.synchronize()?;
+                drop(keep);
+                tracing::debug!("{e}; CUDA copy completed synchronously");
+                return Ok(OpStatus::Done);
+            }
         };
         let signals = match (&self.wake, self.signal.load(Ordering::Acquire)) {
             (Some(wake), true) => lane
