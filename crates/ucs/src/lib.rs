@@ -27,6 +27,7 @@ pub mod memory;
 pub mod memtype;
 pub mod memtype_cache;
 pub mod owned;
+pub mod profile;
 pub mod rcache;
 pub mod stats;
 pub mod tls;

@@ -411,6 +411,7 @@ impl CopyEngine {
         if copies.iter().all(|c| c.len == 0) {
             return Ok(OpStatus::Done);
         }
+        rucx_ucs::profile::mark("copy.post", copies.iter().map(|c| c.len as u64).sum());
         let mut st = self.lock();
         if st.inflight >= st.max_inflight {
             return Err(Error::NoResource(format!(
@@ -550,6 +551,7 @@ impl CopyEngine {
         st.next_seq += 1;
         st.inflight += 1;
         self.publish(&st);
+        rucx_ucs::profile::mark("copy.queued", seq);
         Ok(OpStatus::InProgress)
     }
 
@@ -644,6 +646,9 @@ impl CopyEngine {
             self.publish(st);
         }
         let n = out.len();
+        if n > 0 {
+            rucx_ucs::profile::mark("copy.done", n as u64);
+        }
         for (token, result) in out {
             sink(Event::Completion { token, result });
         }

@@ -255,6 +255,7 @@ impl CudaIpcEp {
         if total == 0 {
             return Ok(OpStatus::Done);
         }
+        rucx_ucs::profile::mark(if put { "ipc.put" } else { "ipc.get" }, total as u64);
         rkey.check(remote_addr, total as u64)?;
         let key = rkey.inner::<IpcKey>().ok_or_else(|| Error::InvalidRkey {
             domain: NAME.into(),

@@ -535,6 +535,7 @@ fn tag_lat_client(
 ) -> R<Buf> {
     for i in 0..spec.warmup + spec.iters {
         t.begin(i);
+        rucx::ucs::profile::mark("perftest.client.iter", i as u64);
         // Send first, then post the receive while the message is on its way (as
         // ucx_perftest's ping-pong does): posting is off the round trip's critical path, and the
         // answer cannot come back before the peer received the message.
@@ -940,6 +941,7 @@ fn tag_lat_server(w: &Worker, ep: EpId, spec: &Spec) -> R<()> {
         if i == spec.warmup {
             start = Some(calls::snapshot());
         }
+        rucx::ucs::profile::mark("perftest.server.iter", i as u64);
         w.scope(|s| {
             let r = post_recv(s, ep, rbuf.recv_buf(), spec.test);
             wait(w, ep, r)?;

@@ -61,6 +61,7 @@ impl State {
     }
 
     pub(crate) fn on_am(&mut self, id: AmId, data: &[u8]) -> Result<()> {
+        rucx_ucs::profile::mark("am.recv", u64::from(id));
         // The most frequent message, decoded in place (`wire::parse` reads the same layout).
         if id == wire::AM_EAGER_SHORT
             && let Some((tag, rest)) = data.split_first_chunk::<8>()

@@ -773,6 +773,7 @@ impl Drop for Worker {
     fn drop(&mut self) {
         self.shutdown_owned();
         self.cancel_closes();
+        rucx_ucs::profile::flush();
     }
 }
 

@@ -15,6 +15,7 @@ impl Worker {
         tag: Tag,
         sync: bool,
     ) -> Result<Posted> {
+        rucx_ucs::profile::mark("tag.send", buf.len as u64);
         let mut st = self.st.borrow_mut();
         let p = st.check_ep(ep)?;
         let (addr, len) = (buf.addr, buf.len);
@@ -86,6 +87,7 @@ impl Worker {
 
     #[inline]
     pub(crate) fn post_recv(&self, buf: RecvBuf<'_>, tag: Tag, mask: Tag) -> u64 {
+        rucx_ucs::profile::mark("tag.recv", buf.len as u64);
         let mut st = self.st.borrow_mut();
         let (addr, cap) = (buf.addr, buf.len);
         let (mem, dev) = match buf.mem {

@@ -13,6 +13,7 @@ impl State {
         let mut buf = std::mem::take(&mut self.ctrl_buf);
         buf.clear();
         let id = m.encode_into(&mut buf);
+        rucx_ucs::profile::mark("am.send", u64::from(id));
         let peer = &mut self.peers[p];
         if peer.queue.is_empty() && peer.connected && peer.failed.is_none() {
             let am = peer.am;

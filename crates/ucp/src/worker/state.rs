@@ -781,6 +781,7 @@ impl State {
             && r.result.is_none()
         {
             let failed = res.is_err();
+            rucx_ucs::profile::mark("req.end", id);
             r.result = Some(res);
             crate::spare::release_guards(&mut r.guards);
             if !failed {

@@ -125,6 +125,7 @@ impl State {
         if !offered || !self.may_register(md, region.mem_type, region.device) {
             return None;
         }
+        rucx_ucs::profile::mark("gpu_write_key.reg", 0);
         let packed = self.register_md(md, region).and_then(|g| {
             self.ctx
                 .domain(md)
@@ -133,6 +134,7 @@ impl State {
         });
         match packed {
             Ok((g, key)) => {
+                rucx_ucs::profile::mark("gpu_write_key.packed", 0);
                 let key = NamedKey { md: name, key };
                 self.reqs.get_mut(&rid).expect("req").guards.insert(0, g);
                 self.count(if shared {
