@@ -43,7 +43,7 @@ use super::Worker;
 use super::state::State;
 
 /// Interfaces by index: one bit each. A worker with more than [`Active::BITS`] interfaces
-/// polls all of them on every call (none is cold).
+/// polls all of them on every call (every pass is a full one).
 #[derive(Debug)]
 pub(crate) struct Active {
     /// The interfaces polled on every call.
@@ -52,15 +52,17 @@ pub(crate) struct Active {
     all: u64,
     /// The interfaces the last pass (or [`Worker::poll_cold`]) polled.
     last: u64,
-    /// Progress calls left until the next pass over all interfaces.
+    /// Progress calls left until the next pass over all interfaces, and the count between
+    /// such passes ([`COLD_EVERY`]; 1 with more interfaces than bits: every pass is full).
     left: u32,
+    every: u32,
     /// Events the cold interfaces reported outside a progress call (before arming): the next
     /// progress call counts them (it is a full pass).
     carried: usize,
 }
 
 impl Active {
-    /// Interfaces beyond this many make every interface hot.
+    /// Interfaces beyond this many make every pass a full one.
     pub(crate) const BITS: usize = u64::BITS as usize;
 
     /// `n` interfaces, all cold.
@@ -70,11 +72,13 @@ impl Active {
         } else {
             (1u64 << n) - 1
         };
+        let every = if n > Self::BITS { 1 } else { COLD_EVERY };
         Active {
-            hot: if n > Self::BITS { all } else { 0 },
+            hot: 0,
             all,
             last: 0,
-            left: COLD_EVERY,
+            left: every,
+            every,
             carried: 0,
         }
     }
@@ -96,16 +100,14 @@ impl Active {
         self.hot
     }
 
-    /// A progress call begins: whether it polls every interface (true) or only the hot ones.
+    /// A progress call begins: whether it polls every interface (true: every
+    /// [`COLD_EVERY`]th call, out of line) or only the hot ones. With every interface hot the
+    /// hot pass is the full one; the count runs on regardless (one branch fewer per call).
     #[inline(always)]
     pub(crate) fn begin(&mut self) -> bool {
-        if self.hot == self.all {
-            self.last = self.all;
-            return true;
-        }
         self.left -= 1;
         if self.left == 0 {
-            self.left = COLD_EVERY;
+            self.left = self.every;
             self.last = self.all;
             return true;
         }
@@ -204,8 +206,8 @@ mod tests {
         assert_eq!(a.unpolled(), 0b101);
         a.mark(0);
         a.mark(2);
-        assert!((0..10).all(|_| a.begin()));
-        assert_eq!(a.unpolled(), 0);
+        assert!(!a.begin());
+        assert_eq!(a.unpolled(), 0, "all hot: the hot pass polls everything");
     }
 
     /// An interface that became hot after the last pass was not polled by it.
@@ -239,12 +241,14 @@ mod tests {
     #[test]
     fn more_interfaces_than_bits_are_all_hot() {
         let mut a = Active::new(Active::BITS + 1);
-        assert!(a.begin() && a.begin());
+        assert!((0..5).all(|_| a.begin()), "every pass is full");
         assert_eq!(a.unpolled(), 0);
         let mut b = Active::new(Active::BITS);
         assert!(!b.begin(), "exactly 64 still have a mask");
+        assert_eq!(b.unpolled(), u64::MAX);
         (0..Active::BITS).for_each(|i| b.mark(i));
-        assert!(b.begin());
+        assert!(!b.begin());
+        assert_eq!(b.unpolled(), 0, "the hot pass polled them all");
     }
 }
 
