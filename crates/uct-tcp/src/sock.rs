@@ -237,12 +237,17 @@ impl Sock for RawSock {
         send_nosignal(self.0, bufs)
     }
 
+    /// One `recv(2)`, called directly: the polling receiver's read that finds nothing (the
+    /// usual one) is this call's whole cost, so no wrapper's errno conversion rides on it.
+    #[inline]
     fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        recv(self.0, buf, MsgFlags::empty()).map_err(io::Error::from)
+        // SAFETY: `buf` is writable for its length and the kernel writes at most that much.
+        unsafe { self.recv_raw(buf.as_mut_ptr(), buf.len()) }
     }
 }
 
 impl RawRecv for RawSock {
+    #[inline]
     unsafe fn recv_raw(&mut self, ptr: *mut u8, len: usize) -> io::Result<usize> {
         // SAFETY: the caller guarantees `ptr` is writable for `len` bytes; the kernel writes at
         // most `len` bytes there.

@@ -82,11 +82,14 @@ pub enum Fill {
 
 impl Fill {
     /// What one `recv` offered `asked` bytes of room returned, for a reader.
+    #[inline]
     pub fn of_recv(r: io::Result<usize>, asked: usize) -> io::Result<Fill> {
         match r {
             Ok(0) => Ok(Fill::Eof),
             Ok(n) if n < asked => Ok(Fill::Drained(n)),
             Ok(n) => Ok(Fill::Data(n)),
+            // The polling reader's usual answer, told by its number (no kind look-up).
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => Ok(Fill::WouldBlock),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Fill::Data(0)),
             Err(e) => Err(e),
@@ -156,6 +159,13 @@ impl RxBuf {
         let f = Fill::of_recv(sock.recv(&mut self.buf[self.tail..]), room)?;
         self.tail += f.bytes();
         Ok(f)
+    }
+
+    /// Whether no received byte waits (no frame, not even part of one): the receiver then
+    /// has nothing to look at before it reads.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.head == self.tail
     }
 
     fn peek_header(&self) -> Option<Result<Header, WireError>> {
@@ -488,6 +498,33 @@ mod tests {
         );
         assert!(Fill::of_recv(e(io::ErrorKind::ConnectionReset), 8).is_err());
         assert_eq!(Fill::Drained(3).bytes() + Fill::Eof.bytes(), 3);
+        // The number the polling read gets, told without the kind look-up.
+        let again = Err(io::Error::from_raw_os_error(libc::EAGAIN));
+        assert_eq!(Fill::of_recv(again, 8).unwrap(), Fill::WouldBlock);
+    }
+
+    /// Empty until bytes arrive, not empty while part of a frame or a whole one waits, empty
+    /// again once the last frame is consumed (what the receiver's skip of its frame look-up
+    /// relies on).
+    #[test]
+    fn empty_means_no_byte_waits() {
+        let (mut w, mut r) = pair();
+        let mut rx = RxBuf::new();
+        assert!(rx.is_empty());
+        let f = am_frame(3, b"hello");
+        w.send_vectored(&[IoSlice::new(&f[..4])]).unwrap();
+        assert!(matches!(rx.fill(&mut r).unwrap(), Fill::Drained(4)));
+        assert!(!rx.is_empty());
+        assert!(rx.frame().unwrap().is_none(), "a part of the header only");
+        w.send_vectored(&[IoSlice::new(&f[4..])]).unwrap();
+        rx.fill(&mut r).unwrap();
+        let (h, body) = rx.frame().unwrap().expect("whole now");
+        assert_eq!(body, b"hello");
+        assert!(!rx.is_empty());
+        rx.consume(&h);
+        assert!(rx.is_empty());
+        assert_eq!(rx.fill(&mut r).unwrap(), Fill::WouldBlock);
+        assert!(rx.is_empty());
     }
     use crate::memsock::{self, MemSock};
     use crate::wire::{RMA_MAX_ZCOPY, header, word};

@@ -234,8 +234,10 @@ impl State {
 }
 
 impl Worker {
-    /// Make progress on every interface; returns the number of events handled. Requests
-    /// awaited as futures that this call finished are woken.
+    /// Make progress on the interfaces in use (every interface on every 32nd call, see
+    /// `active.rs`; [`arm`](Self::arm) looks at the ones skipped before anything sleeps);
+    /// returns the number of events handled. Requests awaited as futures that this call
+    /// finished are woken.
     #[inline]
     pub fn progress(&self) -> usize {
         let (n, _) = self.progress_once();
@@ -330,6 +332,13 @@ impl Worker {
         // of a worker that sleeps most of the time would seldom read: they run here, before
         // a sleep; a peer found dead makes this arm busy (its error to hand out).
         self.check_peers(Instant::now());
+        // The interfaces the last progress call skipped (cold ones, `active.rs`) are looked
+        // at before anything sleeps.
+        if self.poll_cold() > 0 {
+            return Err(Error::Busy(
+                "worker: events arrived on interfaces the last progress did not poll".into(),
+            ));
+        }
         let mut ifaces = self.ifaces.borrow_mut();
         self.events.get(&ifaces)?;
         if let Some(why) = self.st.borrow().pending_work() {
@@ -363,7 +372,7 @@ impl Worker {
             // `arm` without the interface's part, which `arm_and_wait` does.
             let now = Instant::now();
             self.check_peers(now);
-            if self.st.borrow().pending_work().is_some() {
+            if self.poll_cold() > 0 || self.st.borrow().pending_work().is_some() {
                 return Ok(());
             }
             let tick = self.wait_tick();

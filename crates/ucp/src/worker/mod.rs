@@ -28,6 +28,7 @@ use crate::proto::Range;
 use crate::slab::Slab;
 use rustc_hash::FxHashMap;
 
+mod active;
 pub(crate) mod alloc;
 pub(crate) mod atomic;
 #[cfg(test)]
@@ -366,6 +367,16 @@ impl Worker {
             }
             _ => None,
         };
+        // The copy lane and local copy engines run copies of this process's protocols: polled
+        // on every call from the start; the rest once a lane or an event makes them so.
+        let mut active = active::Active::new(ifaces.len());
+        for (i, slot) in slots.iter().enumerate() {
+            if copy.as_ref().is_some_and(|(c, _)| *c == i)
+                || slot.attr.caps.contains(rucx_uct::IfaceCaps::LOCAL_COPY)
+            {
+                active.mark(i);
+            }
+        }
         Ok(Worker {
             ifaces: RefCell::new(ifaces),
             st: RefCell::new(State {
@@ -415,6 +426,7 @@ impl Worker {
                 am_rts: FxHashMap::default(),
                 am_releases: Default::default(),
                 stream_host: FxHashMap::default(),
+                active,
             }),
             handlers: RefCell::new(HashMap::new()),
             id_lists: RefCell::new(Vec::new()),
@@ -505,9 +517,17 @@ impl Worker {
         {
             let mut ifaces = self.ifaces.borrow_mut();
             let mut st = self.st.borrow_mut();
-            for (i, iface) in ifaces.iter_mut().enumerate() {
-                let st = &mut *st;
-                n += iface.progress(&mut |ev| st.on_event(i, ev));
+            if st.active.begin() {
+                n += st.progress_all(&mut ifaces);
+            } else {
+                // The hot interfaces (those in use, `active.rs`), in index order.
+                let mut hot = st.active.hot();
+                while hot != 0 {
+                    let i = hot.trailing_zeros() as usize;
+                    hot &= hot - 1;
+                    let st = &mut *st;
+                    n += ifaces[i].progress(&mut |ev| st.on_event(i, ev));
+                }
             }
             // A peer failed with copies still running for requests it ended: they finish now.
             if !st.failed_copies.is_empty() {

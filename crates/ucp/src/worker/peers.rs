@@ -117,6 +117,8 @@ impl State {
             user_id: p as u64,
         })?;
         self.peers[p].eps.insert(i, ep);
+        // Polled on every progress call from now on (`active.rs`).
+        self.active.mark(i);
         self.plan_gen += 1;
         Ok(())
     }

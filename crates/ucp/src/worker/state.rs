@@ -590,6 +590,9 @@ pub(crate) struct State {
     pub(crate) am_releases: std::sync::Arc<crate::proto::am::AmReleases>,
     /// Host copies of GPU buffers sent on a stream, by send request (`proto/memcopy.rs`).
     pub(crate) stream_host: FxHashMap<u64, Vec<u8>>,
+    /// The interfaces progress polls on every call, and when it polls the others
+    /// (`active.rs`).
+    pub(crate) active: super::active::Active,
 }
 
 /// Stream receives of peer `peer` as the stream protocol fills them.

@@ -252,7 +252,7 @@ impl<S: OwnedSock> Receiver<S> {
             again: after.read
                 && (self.wait.is_some()
                     || self.ahead.is_some()
-                    || matches!(self.rx.frame(), Ok(Some(_)))),
+                    || !self.rx.is_empty() && matches!(self.rx.frame(), Ok(Some(_)))),
         }
     }
 
@@ -370,8 +370,24 @@ impl<S: OwnedSock> Receiver<S> {
     }
 
     /// Handle every complete buffered frame. Returns the active messages delivered and
-    /// whether to keep reading.
+    /// whether to keep reading. Nothing to look at when no byte is buffered and no frame is
+    /// held back: the usual case after the read that took a whole message and its handling,
+    /// once per message.
+    #[inline]
     pub(crate) fn handle_frames(
+        &mut self,
+        conn: &Mutex<Conn<S>>,
+        table: &RegTable,
+        sink: &mut dyn FnMut(Event<'_>),
+    ) -> (usize, bool) {
+        if self.rx.is_empty() && self.joined.is_none() && self.wait.is_none() {
+            return (0, true);
+        }
+        self.handle_buffered(conn, table, sink)
+    }
+
+    /// [`handle_frames`](Self::handle_frames) with bytes buffered or frames held back.
+    fn handle_buffered(
         &mut self,
         conn: &Mutex<Conn<S>>,
         table: &RegTable,
@@ -392,7 +408,12 @@ impl<S: OwnedSock> Receiver<S> {
             }
             let (h, body) = match self.rx.frame() {
                 Ok(None) => {
-                    if self.hello && self.direct.is_none() && self.direct_get.is_none() {
+                    // A direct body starts from a partly buffered frame: none when nothing is.
+                    if self.hello
+                        && self.direct.is_none()
+                        && self.direct_get.is_none()
+                        && !self.rx.is_empty()
+                    {
                         self.start_direct(table);
                         if let Err(v) = self.start_direct_get(conn) {
                             lock(conn).violation(&v);
